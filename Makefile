@@ -1,0 +1,36 @@
+# Two entry points for newcomers (see README.md):
+#   make demo   trains a tiny model on CPU with the embedded default configuration
+#   make test   builds everything and runs the whole ctest suite
+# Both install missing Debian packages and build what is missing first.
+
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+CMAKE_ARGS ?=
+JOBS ?= $(shell nproc)
+
+.PHONY: all deps configure build demo test format clean
+
+all: build
+
+deps:
+	@bash scripts/install-deps
+
+$(BUILD_DIR)/build.ninja:
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+
+configure: deps $(BUILD_DIR)/build.ninja
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+demo: build
+	$(BUILD_DIR)/bin/loom-train train --preset tiny-cpu --steps 300
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 900
+
+format:
+	git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,152 @@
+// Attention plugins: the spec a factory receives and the C++ module it returns.
+//
+// The model never names an attention type. For every layer it fills a LoomAttentionSpecV1 and
+// asks the plugin named by the layer schedule for a loom::AttentionLayer. Plugins share the
+// process's LibTorch, so the object is a C++ module; the build stamp check in the loader
+// guarantees both sides agree on LibTorch and the C++ library ABI.
+//
+// Conventions every attention plugin follows (docs/plugins.md):
+//   * input and output hidden states are [B, N, D]; rows are tokens;
+//   * positions are token indices, int64 [N] (shared by the batch) or [B, N];
+//   * causal (decoder): token n sees tokens n' <= n; bidirectional (encoder): all tokens;
+//   * window W > 0 additionally restricts token n to |n - n'| < W (decoder: 0 <= n - n' < W);
+//   * rope_theta > 0 applies rotary embeddings (rotate-half pairing) to queries and keys;
+//   * weights: q_proj, k_proj, v_proj, o_proj laid out like torch::nn::Linear ([out, in]).
+#ifndef LOOM_API_ATTENTION_PLUGIN_H_
+#define LOOM_API_ATTENTION_PLUGIN_H_
+
+#include "loom/plugin_abi.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct LoomAttentionSpecV1 {
+  int64_t d_model;      // D
+  int64_t n_heads;      // H
+  int64_t head_dim;     // d; D need not equal H * d
+  int32_t causal;       // 1: decoder, 0: encoder (bidirectional)
+  int32_t bias;         // 1: projections carry a bias
+  int64_t window;       // sliding window in tokens; 0 = global
+  double rope_theta;    // > 0: RoPE base; 0: no rotary embedding
+  int64_t layer_index;  // 0-based index of this layer in the stack
+  int64_t n_layers;     // depth of the stack
+  const LoomOption* options;
+  size_t num_options;
+} LoomAttentionSpecV1;
+
+#ifdef __cplusplus
+}  // extern "C"
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <string>
+
+#include "loom/torch_compat.h"
+
+namespace loom {
+
+struct AttentionInputs {
+  // int64 token positions, [N] or [B, N]. Required when the layer uses RoPE.
+  torch::Tensor positions;
+};
+
+class AttentionLayer : public torch::nn::Module {
+ public:
+  ~AttentionLayer() override = default;
+
+  // x: [B, N, D] -> [B, N, D].
+  virtual torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) = 0;
+
+  // Forward FLOPs per token (a multiply-add counts 2) for a sequence of `context` tokens,
+  // averaged over the positions of that sequence: projections plus the score and value
+  // products over the keys each query really attends to (causal and window masks counted).
+  virtual double ForwardFlopsPerToken(int64_t context) const = 0;
+
+  int64_t NumParameters() const {
+    int64_t total = 0;
+    for (const auto& p : parameters()) total += p.numel();
+    return total;
+  }
+};
+
+using AttentionLayerPtr = std::shared_ptr<AttentionLayer>;
+
+// What an attention plugin's create() stores in *out: an owned holder of the module.
+struct AttentionLayerHolder {
+  AttentionLayerPtr layer;
+};
+
+// Thrown by plugin factories for a bad spec or option; becomes LOOM_INVALID_ARGUMENT at the
+// boundary. The message must name the field.
+class InvalidAttentionSpec : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace plugin_internal {
+
+inline void CopyMessage(const char* message, char* error, size_t error_size) {
+  if (error != nullptr && error_size > 0) std::snprintf(error, error_size, "%s", message);
+}
+
+// Runs a C++ factory and converts every outcome into the C contract: nothing escapes.
+template <typename Factory>
+int32_t CreateAttention(Factory factory, const void* spec, void** out, char* error,
+                        size_t error_size) noexcept {
+  try {
+    if (spec == nullptr || out == nullptr) {
+      CopyMessage("create: null spec or out pointer", error, error_size);
+      return LOOM_INVALID_ARGUMENT;
+    }
+    AttentionLayerPtr layer = factory(*static_cast<const LoomAttentionSpecV1*>(spec));
+    if (!layer) {
+      CopyMessage("create: factory returned no layer", error, error_size);
+      return LOOM_INTERNAL;
+    }
+    *out = new AttentionLayerHolder{std::move(layer)};
+    return LOOM_OK;
+  } catch (const InvalidAttentionSpec& e) {
+    CopyMessage(e.what(), error, error_size);
+    return LOOM_INVALID_ARGUMENT;
+  } catch (const std::exception& e) {
+    CopyMessage(e.what(), error, error_size);
+    return LOOM_INTERNAL;
+  } catch (...) {
+    CopyMessage("create: unknown exception", error, error_size);
+    return LOOM_INTERNAL;
+  }
+}
+
+inline void DestroyAttention(void* object) noexcept {
+  delete static_cast<AttentionLayerHolder*>(object);
+}
+
+}  // namespace plugin_internal
+}  // namespace loom
+
+// Defines the plugin entry point for an attention plugin. FACTORY is a callable
+// `loom::AttentionLayerPtr(const LoomAttentionSpecV1&)` that may throw.
+#define LOOM_ATTENTION_PLUGIN(NAME, DESCRIPTION, FACTORY)                                  \
+  namespace {                                                                              \
+  int32_t LoomCreateAttention(const void* spec, void** out, char* error, size_t size) {    \
+    return ::loom::plugin_internal::CreateAttention(FACTORY, spec, out, error, size);      \
+  }                                                                                        \
+  const LoomPluginV1 kLoomPlugin = {LOOM_PLUGIN_ABI_VERSION,                               \
+                                    LOOM_BUILD_STAMP,                                      \
+                                    NAME,                                                  \
+                                    LOOM_PLUGIN_KIND_ATTENTION,                            \
+                                    DESCRIPTION,                                           \
+                                    &LoomCreateAttention,                                  \
+                                    &::loom::plugin_internal::DestroyAttention};           \
+  }                                                                                        \
+  extern "C" __attribute__((visibility("default"))) const LoomPluginV1* loom_plugin_v1() { \
+    return &kLoomPlugin;                                                                   \
+  }
+
+#endif  // __cplusplus
+
+#endif  // LOOM_API_ATTENTION_PLUGIN_H_

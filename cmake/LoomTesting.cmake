@@ -1,0 +1,33 @@
+# Tests: GoogleTest from Debian (libgtest-dev), or sources given by LOOM_GTEST_SOURCE_DIR on
+# machines without it. loom_test(NAME SOURCES ... LIBS ... LABELS ...) adds one ctest entry
+# with the given labels (unit | integration | slow).
+enable_testing()
+find_package(GTest QUIET)
+if(NOT GTest_FOUND)
+  if(LOOM_GTEST_SOURCE_DIR)
+    add_subdirectory(${LOOM_GTEST_SOURCE_DIR} ${PROJECT_BINARY_DIR}/_gtest EXCLUDE_FROM_ALL)
+    add_library(GTest::gtest ALIAS gtest)
+    add_library(GTest::gtest_main ALIAS gtest_main)
+  else()
+    message(FATAL_ERROR "GoogleTest not found: install libgtest-dev or set LOOM_GTEST_SOURCE_DIR")
+  endif()
+endif()
+include(GoogleTest)
+
+function(loom_test name)
+  cmake_parse_arguments(T "TORCH" "TIMEOUT" "SOURCES;LIBS;LABELS;ENV" ${ARGN})
+  add_executable(${name} ${T_SOURCES})
+  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
+  if(T_TORCH)
+    loom_use_torch(${name})
+  endif()
+  if(NOT T_LABELS)
+    set(T_LABELS unit)
+  endif()
+  if(NOT T_TIMEOUT)
+    set(T_TIMEOUT 300)
+  endif()
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
+                       ENVIRONMENT "OMP_NUM_THREADS=1;LOOM_PLUGIN_PATH=${LOOM_PLUGIN_OUTPUT_DIR};LOOM_SOURCE_DIR=${PROJECT_SOURCE_DIR};${T_ENV}")
+endfunction()

@@ -1,0 +1,184 @@
+#include "attention_common.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+namespace loom::attention {
+
+Options::Options(const LoomAttentionSpecV1& spec, std::string plugin) : plugin_(std::move(plugin)) {
+  if (spec.num_options > 0 && spec.options == nullptr) {
+    throw InvalidAttentionSpec(plugin_ + ": options: null array with num_options > 0");
+  }
+  for (size_t i = 0; i < spec.num_options; ++i) {
+    const LoomOption& o = spec.options[i];
+    if (o.key == nullptr || o.value == nullptr) {
+      throw InvalidAttentionSpec(plugin_ + ": options[" + std::to_string(i) +
+                                 "]: null key or value");
+    }
+    if (!values_.emplace(o.key, o.value).second) {
+      throw InvalidAttentionSpec(plugin_ + ": options." + o.key + ": given twice");
+    }
+  }
+}
+
+const std::string* Options::Find(const std::string& key) {
+  used_.insert(key);
+  auto it = values_.find(key);
+  return it == values_.end() ? nullptr : &it->second;
+}
+
+void Options::Fail(const std::string& key, const std::string& why) const {
+  throw InvalidAttentionSpec(plugin_ + ": options." + key + ": " + why);
+}
+
+int64_t Options::GetInt(const std::string& key, int64_t fallback, int64_t min, int64_t max) {
+  const std::string* text = Find(key);
+  if (text == nullptr) return fallback;
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(text->c_str(), &end, 10);
+  if (text->empty() || *end != '\0' || errno == ERANGE)
+    Fail(key, "'" + *text + "' is not an integer");
+  if (v < min || v > max) {
+    Fail(key, std::to_string(v) + " is out of range [" + std::to_string(min) + ", " +
+                  std::to_string(max) + "]");
+  }
+  return v;
+}
+
+double Options::GetDouble(const std::string& key, double fallback, double min, double max) {
+  const std::string* text = Find(key);
+  if (text == nullptr) return fallback;
+  errno = 0;
+  char* end = nullptr;
+  double v = std::strtod(text->c_str(), &end);
+  if (text->empty() || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
+    Fail(key, "'" + *text + "' is not a finite number");
+  }
+  if (v < min || v > max) {
+    std::ostringstream os;
+    os << v << " is out of range [" << min << ", " << max << "]";
+    Fail(key, os.str());
+  }
+  return v;
+}
+
+bool Options::GetBool(const std::string& key, bool fallback) {
+  const std::string* text = Find(key);
+  if (text == nullptr) return fallback;
+  if (*text == "true" || *text == "1") return true;
+  if (*text == "false" || *text == "0") return false;
+  Fail(key, "'" + *text + "' is not a boolean (true or false)");
+}
+
+std::string Options::GetChoice(const std::string& key, const std::string& fallback,
+                               std::initializer_list<const char*> choices) {
+  const std::string* text = Find(key);
+  if (text == nullptr) return fallback;
+  std::string allowed;
+  for (const char* c : choices) {
+    if (*text == c) return *text;
+    allowed += allowed.empty() ? c : std::string(" | ") + c;
+  }
+  Fail(key, "'" + *text + "' is not one of " + allowed);
+}
+
+void Options::Finish() const {
+  for (const auto& [key, value] : values_) {
+    if (used_.count(key) == 0) {
+      throw InvalidAttentionSpec(plugin_ + ": options." + key + ": unknown option");
+    }
+  }
+}
+
+void ValidateSpec(const LoomAttentionSpecV1& spec, const std::string& plugin) {
+  auto fail = [&](const std::string& field, const std::string& why) {
+    throw InvalidAttentionSpec(plugin + ": " + field + ": " + why);
+  };
+  constexpr int64_t kMaxDim = int64_t{1} << 20;
+  if (spec.d_model <= 0 || spec.d_model > kMaxDim) fail("d_model", "must be in [1, 2^20]");
+  if (spec.n_heads <= 0 || spec.n_heads > 4096) fail("n_heads", "must be in [1, 4096]");
+  if (spec.head_dim <= 0 || spec.head_dim > 65536) fail("head_dim", "must be in [1, 65536]");
+  if (spec.causal != 0 && spec.causal != 1) fail("causal", "must be 0 or 1");
+  if (spec.bias != 0 && spec.bias != 1) fail("bias", "must be 0 or 1");
+  if (spec.window < 0) fail("window", "must be >= 0 (0 = global)");
+  if (!std::isfinite(spec.rope_theta) || spec.rope_theta < 0) {
+    fail("rope_theta", "must be a finite number >= 0 (0 = no RoPE)");
+  }
+  if (spec.rope_theta > 0 && spec.head_dim % 2 != 0) {
+    fail("head_dim", "must be even when RoPE is on (rope_theta > 0)");
+  }
+  if (spec.n_layers <= 0) fail("n_layers", "must be >= 1");
+  if (spec.layer_index < 0 || spec.layer_index >= spec.n_layers) {
+    fail("layer_index", "must be in [0, n_layers)");
+  }
+}
+
+torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
+  TORCH_CHECK(x.dim() == 4, "ApplyRope: x must be [B, H, L, d], got ", x.sizes());
+  const int64_t d = x.size(3);
+  TORCH_CHECK(d % 2 == 0, "ApplyRope: head width must be even, got ", d);
+  const int64_t half = d / 2;
+  auto f64 = torch::TensorOptions().dtype(torch::kFloat64).device(x.device());
+  torch::Tensor inv_freq =
+      torch::pow(theta, -torch::arange(0, half, f64) * 2.0 / static_cast<double>(d));
+  torch::Tensor pos = positions.to(f64);
+  if (pos.dim() == 1) pos = pos.unsqueeze(0);  // [1, L]
+  TORCH_CHECK(pos.dim() == 2 && pos.size(1) == x.size(2),
+              "ApplyRope: positions must be [L] or [B, L] with L = ", x.size(2), ", got ",
+              positions.sizes());
+  torch::Tensor angles = pos.unsqueeze(-1) * inv_freq;                // [B|1, L, half]
+  torch::Tensor cos = angles.cos().unsqueeze(1).to(x.scalar_type());  // [B|1, 1, L, half]
+  torch::Tensor sin = angles.sin().unsqueeze(1).to(x.scalar_type());
+  torch::Tensor x1 = x.narrow(3, 0, half);
+  torch::Tensor x2 = x.narrow(3, half, half);
+  return torch::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, 3);
+}
+
+torch::Tensor AllowedMask(int64_t length, bool causal, int64_t window,
+                          const torch::Device& device) {
+  auto idx = torch::arange(length, torch::TensorOptions().dtype(torch::kInt64).device(device));
+  torch::Tensor diff = idx.unsqueeze(1) - idx.unsqueeze(0);  // q - k
+  torch::Tensor allowed =
+      torch::ones({length, length}, torch::TensorOptions().dtype(torch::kBool).device(device));
+  if (causal) allowed = allowed & (diff >= 0);
+  if (window > 0) allowed = allowed & (diff.abs() < window);
+  return allowed;
+}
+
+torch::Tensor ReferenceAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const torch::Tensor& allowed,
+                                 double scale) {
+  torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) * scale;
+  if (allowed.defined()) {
+    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+  return torch::matmul(torch::softmax(scores, -1), v);
+}
+
+double AverageAttendedKeys(int64_t length, bool causal, int64_t window) {
+  if (length <= 0) return 0.0;
+  const int64_t w = window > 0 ? window : length;
+  double total = 0;
+  for (int64_t i = 0; i < length; ++i) {
+    const int64_t before = std::min(i, w - 1);
+    const int64_t after = causal ? 0 : std::min(length - 1 - i, w - 1);
+    total += static_cast<double>(before + after + 1);
+  }
+  return total / static_cast<double>(length);
+}
+
+torch::Tensor CheckedPositions(const torch::Tensor& positions, int64_t batch, int64_t length,
+                               const torch::Device& device) {
+  TORCH_CHECK(positions.defined(), "attention: positions are required when RoPE is on");
+  torch::Tensor p = positions.to(device, torch::kInt64);
+  if (p.dim() == 1) p = p.unsqueeze(0);
+  TORCH_CHECK(p.dim() == 2 && (p.size(0) == 1 || p.size(0) == batch) && p.size(1) == length,
+              "attention: positions must be [N] or [B, N] with B = ", batch, ", N = ", length,
+              ", got ", positions.sizes());
+  return p;
+}
+
+}  // namespace loom::attention

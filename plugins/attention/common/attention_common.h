@@ -1,0 +1,68 @@
+// Pieces every attention plugin shares: option parsing with field-naming errors, spec checks,
+// rotary embeddings, mask construction, the materialising scaled-dot-product reference and the
+// FLOP bookkeeping. Depends on LibTorch only, so plugins build on a bare GPU machine.
+#ifndef LOOM_PLUGINS_ATTENTION_COMMON_ATTENTION_COMMON_H_
+#define LOOM_PLUGINS_ATTENTION_COMMON_ATTENTION_COMMON_H_
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <set>
+#include <string>
+
+#include "loom/attention_plugin.h"
+
+namespace loom::attention {
+
+// Typed access to a plugin's text options. Every getter marks its key as used; Finish() rejects
+// keys nobody asked for, so a typo in a config is an error rather than a silent default.
+class Options {
+ public:
+  Options(const LoomAttentionSpecV1& spec, std::string plugin);
+
+  int64_t GetInt(const std::string& key, int64_t fallback, int64_t min, int64_t max);
+  double GetDouble(const std::string& key, double fallback, double min, double max);
+  bool GetBool(const std::string& key, bool fallback);
+  std::string GetChoice(const std::string& key, const std::string& fallback,
+                        std::initializer_list<const char*> choices);
+  void Finish() const;
+
+ private:
+  const std::string* Find(const std::string& key);
+  [[noreturn]] void Fail(const std::string& key, const std::string& why) const;
+
+  std::string plugin_;
+  std::map<std::string, std::string> values_;
+  std::set<std::string> used_;
+};
+
+// Checks the fields every plugin relies on; throws InvalidAttentionSpec naming the field.
+void ValidateSpec(const LoomAttentionSpecV1& spec, const std::string& plugin);
+
+// Rotary position embedding, rotate-half pairing (dimension i pairs with i + d/2), frequency
+// theta^(-2i/d). x: [B, H, L, d] with d even; positions: [L] or [B, L], any numeric dtype
+// (fractional positions are allowed). Angles are computed in float64.
+torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta);
+
+// Bool [Lq, Lk] mask of allowed (query, key) pairs by sequence index (not by position id):
+// causal keeps k <= q; window > 0 keeps |q - k| < window. Queries and keys share one index space.
+torch::Tensor AllowedMask(int64_t length, bool causal, int64_t window, const torch::Device& device);
+
+// softmax(q k^T * scale, masked) v, materialising the scores. q, k: [B, H, L, dk], v: [B, H, L,
+// dv]; allowed: bool [L, L] or undefined for no mask.
+torch::Tensor ReferenceAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const torch::Tensor& allowed,
+                                 double scale);
+
+// Mean number of keys a query attends to in a sequence of `length` tokens.
+double AverageAttendedKeys(int64_t length, bool causal, int64_t window);
+
+// Positions as int64 [B or 1, N] on `device`, checked against the input shape.
+torch::Tensor CheckedPositions(const torch::Tensor& positions, int64_t batch, int64_t length,
+                               const torch::Device& device);
+
+}  // namespace loom::attention
+
+#endif  // LOOM_PLUGINS_ATTENTION_COMMON_ATTENTION_COMMON_H_

@@ -1,0 +1,30 @@
+// Multi-head attention (Vaswani et al. 2017) with optional sliding window: the `mha` (global)
+// and `local` plugins, and the baseline every other attention plugin is measured against.
+#ifndef LOOM_PLUGINS_ATTENTION_MHA_MHA_ATTENTION_H_
+#define LOOM_PLUGINS_ATTENTION_MHA_MHA_ATTENTION_H_
+
+#include <torch/torch.h>
+
+#include "loom/attention_plugin.h"
+
+namespace loom::attention {
+
+class MultiHeadAttention : public AttentionLayer {
+ public:
+  // Validates `spec` (throws InvalidAttentionSpec naming the field). `plugin` names the plugin
+  // in errors; `local` requires window > 0, global requires window == 0.
+  MultiHeadAttention(const LoomAttentionSpecV1& spec, const std::string& plugin, bool local);
+
+  torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) override;
+  double ForwardFlopsPerToken(int64_t context) const override;
+
+ private:
+  int64_t d_model_, n_heads_, head_dim_, window_;
+  bool causal_;
+  double rope_theta_;
+  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
+};
+
+}  // namespace loom::attention
+
+#endif  // LOOM_PLUGINS_ATTENTION_MHA_MHA_ATTENTION_H_

@@ -1,0 +1,80 @@
+#include "attention_factory.h"
+
+#include <cmath>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "loom/status_macros.h"
+
+namespace loom::trainer {
+
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> OptionsAsText(
+    const google::protobuf::Struct& options) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [key, value] : options.fields()) {
+    std::string text;
+    switch (value.kind_case()) {
+      case google::protobuf::Value::kStringValue:
+        text = value.string_value();
+        break;
+      case google::protobuf::Value::kBoolValue:
+        text = value.bool_value() ? "true" : "false";
+        break;
+      case google::protobuf::Value::kNumberValue: {
+        const double v = value.number_value();
+        if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9.0e15) {
+          text = absl::StrCat(static_cast<int64_t>(v));
+        } else {
+          char buf[64];
+          std::snprintf(buf, sizeof(buf), "%.17g", v);
+          text = buf;
+        }
+        break;
+      }
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention.options.", key, ": must be a string, number or boolean"));
+    }
+    out.emplace_back(key, std::move(text));
+  }
+  return out;
+}
+
+absl::StatusOr<AttentionLayerPtr> CreateAttentionLayer(const PluginLoader& loader,
+                                                       const v1::AttentionConfig& config,
+                                                       const AttentionShape& shape) {
+  LOOM_ASSIGN_OR_RETURN(const LoadedPlugin* plugin,
+                        loader.Find(config.plugin(), LOOM_PLUGIN_KIND_ATTENTION));
+  LOOM_ASSIGN_OR_RETURN(auto options, OptionsAsText(config.options()));
+  std::vector<LoomOption> c_options;
+  for (const auto& [k, v] : options) c_options.push_back(LoomOption{k.c_str(), v.c_str()});
+
+  LoomAttentionSpecV1 spec{};
+  spec.d_model = shape.d_model;
+  spec.n_heads = shape.n_heads;
+  spec.head_dim = shape.head_dim;
+  spec.causal = shape.causal ? 1 : 0;
+  spec.bias = shape.bias ? 1 : 0;
+  spec.window = config.window();
+  spec.rope_theta = shape.rope_theta;
+  spec.layer_index = shape.layer_index;
+  spec.n_layers = shape.n_layers;
+  spec.options = c_options.data();
+  spec.num_options = c_options.size();
+
+  char error[1024] = {0};
+  void* object = nullptr;
+  const int32_t code = plugin->plugin->create(&spec, &object, error, sizeof(error));
+  const std::string where = absl::StrCat("layer ", shape.layer_index, " (", config.plugin(), ")");
+  if (code != LOOM_OK || object == nullptr) {
+    const std::string message = absl::StrCat(where, ": ", error[0] ? error : "create failed");
+    return code == LOOM_INVALID_ARGUMENT ? absl::InvalidArgumentError(message)
+                                         : absl::InternalError(message);
+  }
+  AttentionLayerPtr layer = static_cast<AttentionLayerHolder*>(object)->layer;
+  plugin->plugin->destroy(object);
+  if (!layer) return absl::InternalError(absl::StrCat(where, ": plugin returned an empty layer"));
+  return layer;
+}
+
+}  // namespace loom::trainer

@@ -1,0 +1,37 @@
+// Builds attention layers from plugins: turns a layer's place in the model and its
+// AttentionConfig into the plugin's C spec and takes ownership of the module it returns.
+#ifndef LOOM_WORKER_TRAINER_ATTENTION_FACTORY_H_
+#define LOOM_WORKER_TRAINER_ATTENTION_FACTORY_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "loom/attention_plugin.h"
+#include "loom/v1/model.pb.h"
+#include "plugin_loader.h"
+
+namespace loom::trainer {
+
+struct AttentionShape {
+  int64_t d_model = 0;
+  int64_t n_heads = 0;
+  int64_t head_dim = 0;
+  bool causal = true;
+  bool bias = false;
+  double rope_theta = 0;
+  int64_t layer_index = 0;
+  int64_t n_layers = 1;
+};
+
+// Options as the text map plugins receive: strings stay, integral numbers print without a
+// fraction, booleans as true/false. Nested values are an InvalidArgument naming the key.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> OptionsAsText(
+    const google::protobuf::Struct& options);
+
+absl::StatusOr<AttentionLayerPtr> CreateAttentionLayer(const PluginLoader& loader,
+                                                       const v1::AttentionConfig& config,
+                                                       const AttentionShape& shape);
+
+}  // namespace loom::trainer
+
+#endif  // LOOM_WORKER_TRAINER_ATTENTION_FACTORY_H_

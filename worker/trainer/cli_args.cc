@@ -1,0 +1,96 @@
+#include "cli_args.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+
+namespace loom::trainer {
+
+absl::StatusOr<CliArgs> CliArgs::Parse(int argc, char** argv, int first,
+                                       const std::set<std::string>& flags,
+                                       const std::set<std::string>& switches) {
+  CliArgs args;
+  for (int i = first; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.rfind("--", 0) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
+    }
+    std::string name = arg.substr(2), value;
+    bool has_value = false;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    if (switches.count(name)) {
+      if (has_value) return absl::InvalidArgumentError(absl::StrCat("--", name, " takes no value"));
+      args.values_[name] = "true";
+      continue;
+    }
+    if (!flags.count(name))
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
+    if (!has_value) {
+      if (i + 1 >= argc)
+        return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      value = argv[++i];
+    }
+    if (args.values_.count(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, " given twice"));
+    }
+    args.values_[name] = value;
+  }
+  return args;
+}
+
+std::string CliArgs::Get(const std::string& name, const std::string& fallback) const {
+  auto it = values_.find(name);
+  return it == values_.end() ? fallback : it->second;
+}
+
+absl::StatusOr<std::string> CliArgs::Require(const std::string& name) const {
+  auto it = values_.find(name);
+  if (it == values_.end() || it->second.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " is required"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<int64_t> CliArgs::GetInt(const std::string& name, int64_t fallback, int64_t min,
+                                        int64_t max) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return fallback;
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(it->second.c_str(), &end, 10);
+  if (it->second.empty() || *end != '\0' || errno == ERANGE) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, ": '", it->second, "' is not an integer"));
+  }
+  if (v < min || v > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, ": ", v, " is out of range [", min, ", ", max, "]"));
+  }
+  return v;
+}
+
+absl::StatusOr<double> CliArgs::GetDouble(const std::string& name, double fallback, double min,
+                                          double max) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return fallback;
+  errno = 0;
+  char* end = nullptr;
+  double v = std::strtod(it->second.c_str(), &end);
+  if (it->second.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, ": '", it->second, "' is not a number"));
+  }
+  if (v < min || v > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, ": ", v, " is out of range [", min, ", ", max, "]"));
+  }
+  return v;
+}
+
+}  // namespace loom::trainer

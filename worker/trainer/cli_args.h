@@ -1,0 +1,36 @@
+// Minimal flag parsing for the loom-train subcommands: --name value or --name=value, known
+// flags only, and errors that name the flag.
+#ifndef LOOM_WORKER_TRAINER_CLI_ARGS_H_
+#define LOOM_WORKER_TRAINER_CLI_ARGS_H_
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace loom::trainer {
+
+class CliArgs {
+ public:
+  // Parses argv[first..argc). `flags` take a value; `switches` take none.
+  static absl::StatusOr<CliArgs> Parse(int argc, char** argv, int first,
+                                       const std::set<std::string>& flags,
+                                       const std::set<std::string>& switches = {});
+
+  bool Has(const std::string& name) const { return values_.count(name) > 0; }
+  std::string Get(const std::string& name, const std::string& fallback = "") const;
+  absl::StatusOr<std::string> Require(const std::string& name) const;
+  absl::StatusOr<int64_t> GetInt(const std::string& name, int64_t fallback, int64_t min,
+                                 int64_t max) const;
+  absl::StatusOr<double> GetDouble(const std::string& name, double fallback, double min,
+                                   double max) const;
+
+ private:
+  std::map<std::string, std::string> values_;
+};
+
+}  // namespace loom::trainer
+
+#endif  // LOOM_WORKER_TRAINER_CLI_ARGS_H_

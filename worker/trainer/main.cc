@@ -1,0 +1,302 @@
+// loom-train: the trainer process. Subcommands:
+//   train      train a model on the generated corpus (standalone, CPU or GPU)
+//   attention  run one attention layer's forward from safetensors files (interop contract)
+//   plugins    list the plugins found on the search path, and those that failed to load
+//   devices    report CPU threads and CUDA devices
+#include <google/protobuf/util/json_util.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "attention_factory.h"
+#include "cli_args.h"
+#include "corpus.h"
+#include "devices.h"
+#include "loom/status_macros.h"
+#include "model.h"
+#include "plugin_loader.h"
+#include "standalone_train.h"
+#include "tensor_io.h"
+
+namespace loom::trainer {
+namespace {
+
+constexpr char kUsage[] = R"(usage: loom-train <command> [flags]
+
+commands:
+  train       train a decoder on the built-in generated corpus
+                --preset NAME (tiny-cpu | micro, default tiny-cpu) or --model model.json
+                --steps N --batch B --seq-len N --lr X --min-lr X --warmup N
+                --weight-decay X --clip X --seed S --log-every K --threads T
+                --save-weights out.safetensors
+  attention   one attention layer's forward from files
+                --plugin NAME --config layer.json --weights w.safetensors
+                --input x.safetensors --output y.safetensors
+  plugins     list loadable plugins and load errors
+  devices     report CPU threads and CUDA devices
+common flags: --plugin-dir DIR[:DIR...] (default: $LOOM_PLUGIN_PATH, then <exe>/../lib/loom/plugins)
+)";
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot open '", path, "'"));
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+template <typename Message>
+absl::Status ParseJson(const std::string& text, const std::string& what, Message* out) {
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  auto status = google::protobuf::util::JsonStringToMessage(text, out, options);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", status.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+// Loads plugins from --plugin-dir or the default search path; load failures are printed and
+// skipped so one broken library never takes the others down.
+absl::Status LoadPlugins(const CliArgs& args, PluginLoader& loader, bool verbose) {
+  std::vector<std::string> dirs;
+  if (args.Has("plugin-dir")) {
+    for (auto d : absl::StrSplit(args.Get("plugin-dir"), ':', absl::SkipEmpty()))
+      dirs.emplace_back(d);
+  } else {
+    dirs = PluginLoader::DefaultSearchPath();
+  }
+  LoadReport report = loader.LoadDirectories(dirs);
+  for (const absl::Status& s : report.failures) {
+    std::cerr << "warning: " << s.message() << "\n";
+  }
+  if (verbose) {
+    std::cout << "search path:";
+    for (const auto& d : dirs) std::cout << " " << d;
+    std::cout << "\n";
+  }
+  if (loader.plugins().empty()) {
+    std::string searched;
+    for (const auto& d : dirs) searched += (searched.empty() ? "" : ":") + d;
+    return absl::NotFoundError(
+        absl::StrCat("no plugins found in ", searched, " (set --plugin-dir or LOOM_PLUGIN_PATH)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyThreads(const CliArgs& args) {
+  LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 0, 0, 1024));
+  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
+  return absl::OkStatus();
+}
+
+absl::Status RunTrain(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args, CliArgs::Parse(argc, argv, 2,
+                                   {"preset", "model", "steps", "batch", "seq-len", "lr", "min-lr",
+                                    "warmup", "weight-decay", "clip", "seed", "log-every",
+                                    "threads", "plugin-dir", "save-weights", "corpus-bytes"}));
+  LOOM_RETURN_IF_ERROR(ApplyThreads(args));
+  if (args.Has("preset") && args.Has("model")) {
+    return absl::InvalidArgumentError("--preset and --model are exclusive");
+  }
+  v1::ModelConfig config;
+  if (args.Has("model")) {
+    LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(args.Get("model"), "--model"));
+    LOOM_RETURN_IF_ERROR(ParseJson(text, args.Get("model"), &config));
+  } else {
+    LOOM_ASSIGN_OR_RETURN(config, ModelPreset(args.Get("preset", "tiny-cpu")));
+  }
+  TrainOptions o;
+  LOOM_ASSIGN_OR_RETURN(o.steps, args.GetInt("steps", o.steps, 1, 100000000));
+  LOOM_ASSIGN_OR_RETURN(o.batch, args.GetInt("batch", o.batch, 1, 65536));
+  LOOM_ASSIGN_OR_RETURN(o.seq_len, args.GetInt("seq-len", o.seq_len, 1, 1 << 20));
+  LOOM_ASSIGN_OR_RETURN(o.lr, args.GetDouble("lr", o.lr, 1e-12, 10));
+  LOOM_ASSIGN_OR_RETURN(o.min_lr, args.GetDouble("min-lr", std::min(o.min_lr, o.lr), 0, o.lr));
+  LOOM_ASSIGN_OR_RETURN(o.warmup_steps, args.GetInt("warmup", o.warmup_steps, 0, 100000000));
+  LOOM_ASSIGN_OR_RETURN(o.weight_decay, args.GetDouble("weight-decay", o.weight_decay, 0, 10));
+  LOOM_ASSIGN_OR_RETURN(o.clip_norm, args.GetDouble("clip", o.clip_norm, 0, 1e6));
+  LOOM_ASSIGN_OR_RETURN(int64_t seed, args.GetInt("seed", 1, 0, INT64_MAX));
+  LOOM_ASSIGN_OR_RETURN(o.log_every, args.GetInt("log-every", o.log_every, 0, 100000000));
+  LOOM_ASSIGN_OR_RETURN(int64_t corpus_bytes,
+                        args.GetInt("corpus-bytes", 1 << 20, 1024, 1LL << 32));
+  o.data_seed = static_cast<uint64_t>(seed);
+  if (!args.Has("model")) config.set_init_seed(static_cast<uint64_t>(seed));
+
+  PluginLoader loader;
+  LOOM_RETURN_IF_ERROR(LoadPlugins(args, loader, false));
+  LOOM_ASSIGN_OR_RETURN(std::shared_ptr<Transformer> model, Transformer::Create(config, loader));
+  std::vector<int64_t> train = ByteTokens(GenerateCorpus(o.data_seed, corpus_bytes));
+  std::vector<int64_t> eval = ByteTokens(GenerateCorpus(o.data_seed + 1000003, 1 << 16));
+  std::cout << "loom-train: " << config.n_layers() << " layers, d_model " << config.d_model()
+            << ", " << config.n_heads() << " heads; " << o.steps << " steps of " << o.batch << " x "
+            << o.seq_len << " tokens on CPU (" << torch::get_num_threads() << " threads)\n";
+  LOOM_ASSIGN_OR_RETURN(TrainResult result, TrainLanguageModel(*model, train, eval, o, &std::cout));
+  if (!(result.eval_loss_after < result.eval_loss_before)) {
+    return absl::InternalError("training did not lower the held-out loss");
+  }
+  if (args.Has("save-weights")) {
+    LOOM_RETURN_IF_ERROR(SaveTensors(args.Get("save-weights"), ModuleTensors(*model)));
+    std::cout << "weights written to " << args.Get("save-weights") << "\n";
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunAttention(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2,
+                                                     {"plugin", "config", "weights", "input",
+                                                      "output", "plugin-dir", "threads"}));
+  LOOM_RETURN_IF_ERROR(ApplyThreads(args));
+  LOOM_ASSIGN_OR_RETURN(std::string plugin, args.Require("plugin"));
+  LOOM_ASSIGN_OR_RETURN(std::string config_path, args.Require("config"));
+  LOOM_ASSIGN_OR_RETURN(std::string weights_path, args.Require("weights"));
+  LOOM_ASSIGN_OR_RETURN(std::string input_path, args.Require("input"));
+  LOOM_ASSIGN_OR_RETURN(std::string output_path, args.Require("output"));
+
+  LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(config_path, "--config"));
+  v1::AttentionLayerConfig config;
+  LOOM_RETURN_IF_ERROR(ParseJson(text, config_path, &config));
+  if (!config.attention().plugin().empty() && config.attention().plugin() != plugin) {
+    return absl::InvalidArgumentError(absl::StrCat("attention.plugin: '",
+                                                   config.attention().plugin(),
+                                                   "' disagrees with --plugin '", plugin, "'"));
+  }
+  config.mutable_attention()->set_plugin(plugin);
+  if (config.d_model() <= 0) return absl::InvalidArgumentError("d_model: must be >= 1");
+  if (config.n_heads() <= 0) return absl::InvalidArgumentError("n_heads: must be >= 1");
+  if (config.head_dim() < 0) return absl::InvalidArgumentError("head_dim: must be >= 0");
+  if (config.head_dim() == 0 && config.d_model() % config.n_heads() != 0) {
+    return absl::InvalidArgumentError(
+        "n_heads: d_model is not divisible by n_heads (or set head_dim)");
+  }
+  if (config.layer_index() < 0) return absl::InvalidArgumentError("layer_index: must be >= 0");
+  torch::ScalarType dtype;
+  if (config.dtype().empty() || config.dtype() == "float32") {
+    dtype = torch::kFloat32;
+  } else if (config.dtype() == "float64") {
+    dtype = torch::kFloat64;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype: '", config.dtype(), "' is not float32 | float64"));
+  }
+
+  AttentionShape shape;
+  shape.d_model = config.d_model();
+  shape.n_heads = config.n_heads();
+  shape.head_dim = config.head_dim() > 0 ? config.head_dim() : config.d_model() / config.n_heads();
+  shape.causal = config.causal();
+  shape.bias = config.bias();
+  shape.rope_theta = config.rope_theta();
+  shape.layer_index = config.layer_index();
+  shape.n_layers = config.n_layers() > 0 ? config.n_layers() : config.layer_index() + 1;
+
+  PluginLoader loader;
+  LOOM_RETURN_IF_ERROR(LoadPlugins(args, loader, false));
+  LOOM_ASSIGN_OR_RETURN(AttentionLayerPtr layer,
+                        CreateAttentionLayer(loader, config.attention(), shape));
+  layer->to(dtype);
+  LOOM_ASSIGN_OR_RETURN(auto weights, LoadTensors(weights_path));
+  if (absl::Status s = LoadIntoModule(*layer, weights); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(weights_path, ": ", s.message()));
+  }
+  LOOM_ASSIGN_OR_RETURN(auto inputs, LoadTensors(input_path));
+  auto x_it = inputs.find("x");
+  if (x_it == inputs.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(input_path, ": needs a tensor named 'x'"));
+  }
+  const torch::Tensor& x = x_it->second;
+  if (x.dim() != 3 || x.size(2) != shape.d_model || !x.is_floating_point()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(input_path, ": x must be a floating [B, N, ", shape.d_model, "] tensor"));
+  }
+  AttentionInputs attention_inputs;
+  if (auto p = inputs.find("positions"); p != inputs.end()) {
+    attention_inputs.positions = p->second;
+  } else {
+    attention_inputs.positions = torch::arange(x.size(1), torch::kInt64);
+  }
+  torch::Tensor y;
+  {
+    torch::NoGradGuard no_grad;
+    try {
+      y = layer->forward(x.to(dtype), attention_inputs);
+    } catch (const std::exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat("forward failed: ", e.what()));
+    }
+  }
+  LOOM_RETURN_IF_ERROR(SaveTensors(output_path, {{"y", y}}));
+  std::cout << "attention " << plugin << ": x " << x.sizes() << " -> y " << y.sizes()
+            << " written to " << output_path << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunPlugins(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2, {"plugin-dir"}));
+  PluginLoader loader;
+  absl::Status s = LoadPlugins(args, loader, true);
+  for (const auto& [name, p] : loader.plugins()) {
+    std::cout << name << "\t"
+              << (p.plugin->kind == LOOM_PLUGIN_KIND_ATTENTION ? "attention" : "sft") << "\t"
+              << p.plugin->description << "\t" << p.path << "\n";
+  }
+  return s;
+}
+
+absl::Status RunDevices(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2, {}, {"self-test"}));
+  DeviceReport r = DetectDevices();
+  std::cout << "cpu: " << r.cpu_threads << " LibTorch threads\n";
+  std::cout << "cuda: " << (r.cuda_compiled ? "compiled in" : "not compiled") << ", "
+            << r.cuda_devices << " device(s)";
+  if (r.cuda_devices == 0) std::cout << " (" << r.cuda_status << "; training runs on the CPU)";
+  std::cout << "\n";
+  for (size_t i = 0; i < r.cuda_names.size(); ++i)
+    std::cout << "  [" << i << "] " << r.cuda_names[i] << "\n";
+  std::cout << "libtorch cuda: " << (r.torch_cuda ? "available" : "not available") << "\n";
+  if (args.Has("self-test")) {
+    for (int i = 0; i < r.cuda_devices; ++i) {
+      LOOM_RETURN_IF_ERROR(CudaSelfTest(i));
+      std::cout << "  [" << i << "] self-test passed\n";
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace loom::trainer
+
+int main(int argc, char** argv) {
+  using namespace loom::trainer;
+  if (argc < 2 || std::string(argv[1]) == "help" || std::string(argv[1]) == "--help") {
+    std::cout << kUsage;
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  absl::Status status;
+  try {
+    if (command == "train") {
+      status = RunTrain(argc, argv);
+    } else if (command == "attention") {
+      status = RunAttention(argc, argv);
+    } else if (command == "plugins") {
+      status = RunPlugins(argc, argv);
+    } else if (command == "devices") {
+      status = RunDevices(argc, argv);
+    } else {
+      std::cerr << "loom-train: unknown command '" << command << "'\n" << kUsage;
+      return 2;
+    }
+  } catch (const std::exception& e) {
+    status = absl::InternalError(e.what());
+  }
+  if (!status.ok()) {
+    std::cerr << "loom-train " << command << ": " << status.message() << "\n";
+    return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ? 2 : 1;
+  }
+  return 0;
+}
