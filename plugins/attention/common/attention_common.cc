@@ -7,7 +7,8 @@
 
 namespace loom::attention {
 
-Options::Options(const LoomAttentionSpecV1& spec, std::string plugin) : plugin_(std::move(plugin)) {
+PluginOptions::PluginOptions(const LoomAttentionSpecV1& spec, std::string plugin)
+    : plugin_(std::move(plugin)) {
   if (spec.num_options > 0 && spec.options == nullptr) {
     throw InvalidAttentionSpec(plugin_ + ": options: null array with num_options > 0");
   }
@@ -23,17 +24,17 @@ Options::Options(const LoomAttentionSpecV1& spec, std::string plugin) : plugin_(
   }
 }
 
-const std::string* Options::Find(const std::string& key) {
+const std::string* PluginOptions::Find(const std::string& key) {
   used_.insert(key);
   auto it = values_.find(key);
   return it == values_.end() ? nullptr : &it->second;
 }
 
-void Options::Fail(const std::string& key, const std::string& why) const {
+void PluginOptions::Fail(const std::string& key, const std::string& why) const {
   throw InvalidAttentionSpec(plugin_ + ": options." + key + ": " + why);
 }
 
-int64_t Options::GetInt(const std::string& key, int64_t fallback, int64_t min, int64_t max) {
+int64_t PluginOptions::GetInt(const std::string& key, int64_t fallback, int64_t min, int64_t max) {
   const std::string* text = Find(key);
   if (text == nullptr) return fallback;
   errno = 0;
@@ -48,7 +49,7 @@ int64_t Options::GetInt(const std::string& key, int64_t fallback, int64_t min, i
   return v;
 }
 
-double Options::GetDouble(const std::string& key, double fallback, double min, double max) {
+double PluginOptions::GetDouble(const std::string& key, double fallback, double min, double max) {
   const std::string* text = Find(key);
   if (text == nullptr) return fallback;
   errno = 0;
@@ -65,7 +66,7 @@ double Options::GetDouble(const std::string& key, double fallback, double min, d
   return v;
 }
 
-bool Options::GetBool(const std::string& key, bool fallback) {
+bool PluginOptions::GetBool(const std::string& key, bool fallback) {
   const std::string* text = Find(key);
   if (text == nullptr) return fallback;
   if (*text == "true" || *text == "1") return true;
@@ -73,8 +74,8 @@ bool Options::GetBool(const std::string& key, bool fallback) {
   Fail(key, "'" + *text + "' is not a boolean (true or false)");
 }
 
-std::string Options::GetChoice(const std::string& key, const std::string& fallback,
-                               std::initializer_list<const char*> choices) {
+std::string PluginOptions::GetChoice(const std::string& key, const std::string& fallback,
+                                     std::initializer_list<const char*> choices) {
   const std::string* text = Find(key);
   if (text == nullptr) return fallback;
   std::string allowed;
@@ -85,7 +86,7 @@ std::string Options::GetChoice(const std::string& key, const std::string& fallba
   Fail(key, "'" + *text + "' is not one of " + allowed);
 }
 
-void Options::Finish() const {
+void PluginOptions::Finish() const {
   for (const auto& [key, value] : values_) {
     if (used_.count(key) == 0) {
       throw InvalidAttentionSpec(plugin_ + ": options." + key + ": unknown option");

@@ -18,9 +18,9 @@ namespace loom::attention {
 
 // Typed access to a plugin's text options. Every getter marks its key as used; Finish() rejects
 // keys nobody asked for, so a typo in a config is an error rather than a silent default.
-class Options {
+class PluginOptions {
  public:
-  Options(const LoomAttentionSpecV1& spec, std::string plugin);
+  PluginOptions(const LoomAttentionSpecV1& spec, std::string plugin);
 
   int64_t GetInt(const std::string& key, int64_t fallback, int64_t min, int64_t max);
   double GetDouble(const std::string& key, double fallback, double min, double max);

@@ -13,7 +13,7 @@ MultiHeadAttention::MultiHeadAttention(const LoomAttentionSpecV1& spec, const st
   if (!local && spec.window != 0) {
     throw InvalidAttentionSpec(plugin + ": window: global attention takes no window (use 'local')");
   }
-  Options options(spec, plugin);  // mha and local take no plugin options
+  PluginOptions options(spec, plugin);  // mha and local take no plugin options
   options.Finish();
 
   d_model_ = spec.d_model;

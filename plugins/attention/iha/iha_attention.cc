@@ -1,0 +1,101 @@
+#include "iha_attention.h"
+
+#include "attention_common.h"
+
+namespace loom::attention::iha {
+
+IhaAttention::IhaAttention(const LoomAttentionSpecV1& spec) {
+  const std::string plugin = "iha";
+  ValidateSpec(spec, plugin);
+  PluginOptions opts(spec, plugin);
+  options_.p = opts.GetInt("p", spec.n_heads, 1, 256);
+  const bool causal = spec.causal != 0;
+  const std::string mask =
+      opts.GetChoice("mask", causal ? "interleaved" : "none", {"interleaved", "block", "none"});
+  if (causal && mask == "none") {
+    throw InvalidAttentionSpec("iha: options.mask: 'none' lets decoder tokens see the future");
+  }
+  if (!causal && mask != "none") {
+    throw InvalidAttentionSpec("iha: options.mask: '" + mask +
+                               "' is causal; encoders (causal = 0) take 'none'");
+  }
+  options_.mask = ParseMask(mask);
+  options_.window = spec.window;
+  options_.rope_theta = spec.rope_theta;
+  options_.rope_phase =
+      ParseRopePhase(opts.GetChoice("rope_phase", "interleaved", {"interleaved", "token"}));
+  options_.score = ParseScore(opts.GetChoice("score", "softmax", {"softmax", "linear"}));
+  options_.scale = opts.GetDouble("scale", 0.0, 0.0, 1e6);
+  const std::string init = opts.GetChoice("init", "near_mha", {"near_mha", "identity", "random"});
+  const double noise = opts.GetDouble("init_noise", 0.02, 0.0, 10.0);
+  opts.Finish();
+
+  d_model_ = spec.d_model;
+  n_heads_ = spec.n_heads;
+  head_dim_ = spec.head_dim;
+  const int64_t inner = n_heads_ * head_dim_, h = n_heads_, p = options_.p;
+  const bool bias = spec.bias != 0;
+  using torch::nn::LinearOptions;
+  q_proj_ = register_module("q_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
+  k_proj_ = register_module("k_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
+  v_proj_ = register_module("v_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
+  o_proj_ = register_module("o_proj", torch::nn::Linear(LinearOptions(inner, d_model_).bias(bias)));
+
+  // Initialisation (docs/iha.md):
+  //   identity: alpha[m, h, j] = 1(m = h); R[h, h'·P + j] = 1(h' = h, j = 0).
+  //   near_mha: identity + N(0, init_noise²) on every entry of alpha and R.
+  //   random:   alpha ~ N(0, 1/H), R ~ N(0, 1/(H·P)).
+  torch::NoGradGuard no_grad;
+  torch::Tensor eye_alpha = torch::eye(h).unsqueeze(-1).repeat({1, 1, p});  // [H, H, P]
+  torch::Tensor eye_r = torch::zeros({h, h, p});
+  eye_r.select(2, 0).copy_(torch::eye(h));
+  eye_r = eye_r.reshape({h, h * p});
+  auto make_alpha = [&]() -> torch::Tensor {
+    if (init == "random") return torch::randn({h, h, p}) / std::sqrt(static_cast<double>(h));
+    if (init == "identity") return eye_alpha.clone();
+    return eye_alpha + noise * torch::randn({h, h, p});
+  };
+  alpha_q = register_parameter("alpha_q", make_alpha());
+  alpha_k = register_parameter("alpha_k", make_alpha());
+  alpha_v = register_parameter("alpha_v", make_alpha());
+  torch::Tensor r;
+  if (init == "random") {
+    r = torch::randn({h, h * p}) / std::sqrt(static_cast<double>(h * p));
+  } else if (init == "identity") {
+    r = eye_r.clone();
+  } else {
+    r = eye_r + noise * torch::randn({h, h * p});
+  }
+  collapse = register_parameter("collapse", r);
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> IhaAttention::Project(
+    const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == d_model_, "iha: x must be [B, N, ", d_model_, "], got ",
+              x.sizes());
+  const int64_t b = x.size(0), n = x.size(1);
+  auto heads = [&](const torch::Tensor& t) { return t.view({b, n, n_heads_, head_dim_}); };
+  return {heads(q_proj_->forward(x)), heads(k_proj_->forward(x)), heads(v_proj_->forward(x))};
+}
+
+torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
+  auto [q, k, v] = Project(x);
+  torch::Tensor positions = inputs.positions;
+  if (!positions.defined() && options_.rope_theta > 0) {
+    TORCH_CHECK(false, "iha: positions are required when RoPE is on");
+  }
+  torch::Tensor heads = Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, options_);
+  return o_proj_->forward(heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
+}
+
+double IhaAttention::ForwardFlopsPerToken(int64_t context) const {
+  const double h = static_cast<double>(n_heads_), d = static_cast<double>(head_dim_),
+               p = static_cast<double>(options_.p), dm = static_cast<double>(d_model_);
+  const double projections = 2.0 * 4.0 * dm * h * d;
+  const double mixing = 3.0 * 2.0 * h * h * p * d;  // each pseudo q/k/v mixes H heads
+  const double collapse_flops = 2.0 * h * h * p * d;
+  const double keys = AverageAttendedKeys(context, options_.p, options_.mask, options_.window);
+  return projections + mixing + collapse_flops + h * p * 4.0 * d * keys;
+}
+
+}  // namespace loom::attention::iha

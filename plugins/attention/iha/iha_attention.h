@@ -1,0 +1,39 @@
+// The `iha` attention plugin's module: MHA projections around the IHA core (iha_core.h), with
+// the mixing tensors alpha_q, alpha_k, alpha_v [H, H, P] and the collapse R [H, H·P] as
+// parameters. Global IHA has window 0; local IHA is the same plugin with window > 0.
+//
+// Options (docs/iha.md): p (default H), mask (interleaved | block for decoders, default
+// interleaved; none for encoders), rope_phase (interleaved | token), init (near_mha | identity |
+// random), init_noise (default 0.02), score (softmax | linear), scale (default 1/sqrt(d)).
+#ifndef LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
+#define LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
+
+#include <torch/torch.h>
+
+#include "iha_core.h"
+#include "loom/attention_plugin.h"
+
+namespace loom::attention::iha {
+
+class IhaAttention : public AttentionLayer {
+ public:
+  explicit IhaAttention(const LoomAttentionSpecV1& spec);
+
+  torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) override;
+  double ForwardFlopsPerToken(int64_t context) const override;
+
+  const Options& options() const { return options_; }
+  // Per-head q, k, v [B, N, H, d] for x (what the core receives).
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Project(const torch::Tensor& x);
+
+  torch::Tensor alpha_q, alpha_k, alpha_v, collapse;
+
+ private:
+  int64_t d_model_, n_heads_, head_dim_;
+  Options options_;
+  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
+};
+
+}  // namespace loom::attention::iha
+
+#endif  // LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
