@@ -75,21 +75,13 @@ def rope(x, pos, theta):
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
-def reference_attention(w, x, heads, causal, window, theta):
-    x = x.to(torch.float64)
-    B, N, D = x.shape
-    d = w["q_proj.weight"].shape[0] // heads
+def split_heads(x, w, name, heads):
+    B, N, _ = x.shape
+    out = x @ w[name].double().T
+    return out.reshape(B, N, heads, out.shape[-1] // heads)
 
-    def split(t):
-        return t.reshape(B, N, heads, d).transpose(1, 2)
 
-    q = split(x @ w["q_proj.weight"].double().T)
-    k = split(x @ w["k_proj.weight"].double().T)
-    v = split(x @ w["v_proj.weight"].double().T)
-    if theta > 0:
-        pos = torch.arange(N)
-        q, k = rope(q, pos, theta), rope(k, pos, theta)
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+def allowed_mask(N, causal, window):
     i = torch.arange(N)[:, None]
     j = torch.arange(N)[None, :]
     allowed = torch.ones(N, N, dtype=torch.bool)
@@ -97,10 +89,90 @@ def reference_attention(w, x, heads, causal, window, theta):
         allowed &= j <= i
     if window > 0:
         allowed &= (i - j).abs() < window
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    return allowed
+
+
+def reference_attention(w, x, heads, causal, window, theta, options):
+    x = x.to(torch.float64)
+    B, N, D = x.shape
+    q, k, v = (split_heads(x, w, f"{n}_proj.weight", heads).transpose(1, 2) for n in "qkv")
+    d = q.shape[-1]
+    if theta > 0:
+        pos = torch.arange(N)
+        q, k = rope(q, pos, theta), rope(k, pos, theta)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(
+        ~allowed_mask(N, causal, window), float("-inf"))
     out = torch.softmax(scores, -1) @ v
-    out = out.transpose(1, 2).reshape(B, N, heads * d)
-    return out @ w["o_proj.weight"].double().T
+    return out.transpose(1, 2).reshape(B, N, heads * d) @ w["o_proj.weight"].double().T
+
+
+def reference_talking_heads(w, x, heads, causal, window, theta, options):
+    x = x.to(torch.float64)
+    B, N, D = x.shape
+    q, k, v = (split_heads(x, w, f"{n}_proj.weight", heads).transpose(1, 2) for n in "qkv")
+    d = q.shape[-1]
+    if theta > 0:
+        pos = torch.arange(N)
+        q, k = rope(q, pos, theta), rope(k, pos, theta)
+    logits = torch.einsum("bmqk,mh->bhqk", q @ k.transpose(-1, -2) / math.sqrt(d), w["logit_mix"].double())
+    probs = torch.softmax(logits.masked_fill(~allowed_mask(N, causal, window), float("-inf")), -1)
+    probs = torch.einsum("bmqk,mh->bhqk", probs, w["weight_mix"].double())
+    out = probs @ v
+    return out.transpose(1, 2).reshape(B, N, heads * d) @ w["o_proj.weight"].double().T
+
+
+def reference_diff(w, x, heads, causal, window, theta, options):
+    x = x.to(torch.float64)
+    B, N, D = x.shape
+    q, k = (split_heads(x, w, f"{n}_proj.weight", heads).transpose(1, 2) for n in "qk")
+    d = q.shape[-1]
+    v = split_heads(x, w, "v_proj.weight", heads // 2).transpose(1, 2)  # [B, H/2, N, 2d]
+    if theta > 0:
+        pos = torch.arange(N)
+        q, k = rope(q, pos, theta), rope(k, pos, theta)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(
+        ~allowed_mask(N, causal, window), float("-inf"))
+    maps = torch.softmax(scores, -1).reshape(B, heads // 2, 2, N, N)
+    lam_init = 0.8 - 0.6 * math.exp(-0.3 * options.get("layer_index", 0))
+    lam = (torch.exp((w["lambda_q1"] * w["lambda_k1"]).double().sum())
+           - torch.exp((w["lambda_q2"] * w["lambda_k2"]).double().sum()) + lam_init)
+    out = (maps[:, :, 0] - lam * maps[:, :, 1]) @ v
+    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-5) * w["subln.weight"].double()
+    out = out * (1 - lam_init)
+    return out.transpose(1, 2).reshape(B, N, heads * d) @ w["o_proj.weight"].double().T
+
+
+def reference_iha(w, x, heads, causal, window, theta, options):
+    """Interleaved Head Attention as the paper's Algorithm 1, written with einsum."""
+    x = x.to(torch.float64)
+    B, N, D = x.shape
+    P = int(options.get("p", heads))
+    mask = options.get("mask", "interleaved" if causal else "none")
+    phase = options.get("rope_phase", "interleaved")
+    q, k, v = (split_heads(x, w, f"{n}_proj.weight", heads) for n in "qkv")  # [B, N, H, d]
+    d = q.shape[-1]
+
+    def pseudo(t, alpha):  # [B, N, H(m), d] -> [B, H, N*P, d], row s = n*P + j
+        return torch.einsum("bnmd,mhj->bhnjd", t, alpha.double()).reshape(B, heads, N * P, -1)
+
+    qt, kt, vt = pseudo(q, w["alpha_q"]), pseudo(k, w["alpha_k"]), pseudo(v, w["alpha_v"])
+    if theta > 0:
+        n_idx = torch.arange(N).repeat_interleave(P)
+        pos = n_idx * P + torch.arange(P).repeat(N) if phase == "interleaved" else n_idx
+        qt, kt = rope(qt, pos, theta), rope(kt, pos, theta)
+    s = torch.arange(N * P)
+    si, sj = s[:, None], s[None, :]
+    allowed = torch.ones(N * P, N * P, dtype=torch.bool)
+    if mask == "interleaved":
+        allowed &= sj <= si
+    elif mask == "block":
+        allowed &= (sj // P) <= (si // P)
+    if window > 0:
+        allowed &= (si - sj).abs() < window * P
+    scores = (qt @ kt.transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
+    out = (torch.softmax(scores, -1) @ vt).reshape(B, heads, N, P, d)
+    heads_out = torch.einsum("bgnjd,hgj->bnhd", out, w["collapse"].double().reshape(heads, heads, P))
+    return heads_out.reshape(B, N, heads * d) @ w["o_proj.weight"].double().T
 
 
 def run(cmd, expect_ok=True):
@@ -110,16 +182,19 @@ def run(cmd, expect_ok=True):
     return p
 
 
-def check_attention(loom, tmp, plugin, dtype, causal, window, theta):
+def check_attention(loom, tmp, plugin, dtype, causal, window, theta, options=None, extra=None,
+                    reference=reference_attention, layer_index=0):
     torch.manual_seed(0)
     D, H = 16, 4
     w = {n: torch.randn(D, D, dtype=dtype) * 0.3 for n in
          ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")}
+    w.update({n: t.to(dtype) for n, t in (extra or {}).items()})
     x = torch.randn(2, 7, D, dtype=dtype)
     cfg = {"d_model": D, "n_heads": H, "causal": causal, "rope_theta": theta,
-           "attention": {"window": window},
+           "layer_index": layer_index, "attention": {"window": window, "options": options or {}},
            "dtype": "float64" if dtype == torch.float64 else "float32"}
-    paths = {k: os.path.join(tmp, f"{plugin}_{k}") for k in ("w", "x", "y", "cfg")}
+    tag = f"{plugin}_{window}_{int(causal)}"
+    paths = {k: os.path.join(tmp, f"{tag}_{k}") for k in ("w", "x", "y", "cfg")}
     write_safetensors(paths["w"], w)
     write_safetensors(paths["x"], {"x": x})
     with open(paths["cfg"], "w") as f:
@@ -131,10 +206,13 @@ def check_attention(loom, tmp, plugin, dtype, causal, window, theta):
     if pkg is not None:
         assert torch.equal(pkg["y"], y)
     assert y.dtype == dtype, y.dtype
-    ref = reference_attention(w, x, H, causal, window, theta)
+    opts = dict(options or {})
+    opts["layer_index"] = layer_index
+    ref = reference(w, x, H, causal, window, theta, opts)
     tol = 1e-10 if dtype == torch.float64 else 2e-5
     err = (y.double() - ref).abs().max().item()
-    assert err < tol, f"{plugin} {dtype} causal={causal} window={window}: max error {err}"
+    assert err < tol, f"{plugin} {dtype} causal={causal} window={window} {options}: max error {err}"
+    print(f"{plugin:14s} {str(dtype):14s} causal={causal!s:5s} window={window} {options or ''}: max error {err:.2e}")
     return paths
 
 
@@ -154,6 +232,26 @@ def main():
         check_attention(loom, tmp, "mha", torch.float32, False, 0, 0.0)
         paths = check_attention(loom, tmp, "local", torch.float64, True, 3, 500000.0)
         check_attention(loom, tmp, "local", torch.float64, False, 2, 10000.0)
+        # IHA with the interop names: alpha_q/k/v [H, H, P] indexed [source m, target h, pseudo j]
+        # and collapse [H, H*P] indexed [h, h'*P + j].
+        for P, mask, window, phase in ((2, "interleaved", 0, "interleaved"), (3, "block", 2, "token"),
+                                       (4, "interleaved", 2, "interleaved")):
+            iha_w = {"alpha_q": torch.randn(4, 4, P), "alpha_k": torch.randn(4, 4, P),
+                     "alpha_v": torch.randn(4, 4, P), "collapse": torch.randn(4, 4 * P) / P}
+            check_attention(loom, tmp, "iha", torch.float64, True, window, 10000.0,
+                            {"p": P, "mask": mask, "rope_phase": phase}, iha_w, reference_iha)
+        check_attention(loom, tmp, "iha", torch.float32, False, 0, 0.0, {"p": 2, "mask": "none"},
+                        {"alpha_q": torch.randn(4, 4, 2), "alpha_k": torch.randn(4, 4, 2),
+                         "alpha_v": torch.randn(4, 4, 2), "collapse": torch.randn(4, 8) / 2},
+                        reference_iha)
+        check_attention(loom, tmp, "talking_heads", torch.float64, True, 0, 10000.0, None,
+                        {"logit_mix": torch.randn(4, 4) / 2, "weight_mix": torch.randn(4, 4) / 2},
+                        reference_talking_heads)
+        check_attention(loom, tmp, "diff", torch.float64, True, 3, 10000.0, None,
+                        {"lambda_q1": torch.randn(4) * 0.1, "lambda_k1": torch.randn(4) * 0.1,
+                         "lambda_q2": torch.randn(4) * 0.1, "lambda_k2": torch.randn(4) * 0.1,
+                         "subln.weight": 1 + torch.randn(8) * 0.1},
+                        reference_diff, layer_index=3)
 
         base = ["attention", "--plugin", "local", "--config", paths["cfg"], "--weights", paths["w"],
                 "--input", paths["x"], "--output", os.path.join(tmp, "never.safetensors")]

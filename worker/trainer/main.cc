@@ -37,6 +37,8 @@ commands:
   attention   one attention layer's forward from files
                 --plugin NAME --config layer.json --weights w.safetensors
                 --input x.safetensors --output y.safetensors
+  describe    per-layer attention kind, parameters and forward FLOPs/token of a model
+                --preset NAME or --model model.json, --context N (default max_seq_len)
   plugins     list loadable plugins and load errors
   devices     report CPU threads and CUDA devices
 common flags: --plugin-dir DIR[:DIR...] (default: $LOOM_PLUGIN_PATH, then <exe>/../lib/loom/plugins)
@@ -95,13 +97,7 @@ absl::Status ApplyThreads(const CliArgs& args) {
   return absl::OkStatus();
 }
 
-absl::Status RunTrain(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(
-      CliArgs args, CliArgs::Parse(argc, argv, 2,
-                                   {"preset", "model", "steps", "batch", "seq-len", "lr", "min-lr",
-                                    "warmup", "weight-decay", "clip", "seed", "log-every",
-                                    "threads", "plugin-dir", "save-weights", "corpus-bytes"}));
-  LOOM_RETURN_IF_ERROR(ApplyThreads(args));
+absl::StatusOr<v1::ModelConfig> ModelFromArgs(const CliArgs& args) {
   if (args.Has("preset") && args.Has("model")) {
     return absl::InvalidArgumentError("--preset and --model are exclusive");
   }
@@ -109,9 +105,19 @@ absl::Status RunTrain(int argc, char** argv) {
   if (args.Has("model")) {
     LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(args.Get("model"), "--model"));
     LOOM_RETURN_IF_ERROR(ParseJson(text, args.Get("model"), &config));
-  } else {
-    LOOM_ASSIGN_OR_RETURN(config, ModelPreset(args.Get("preset", "tiny-cpu")));
+    return config;
   }
+  return ModelPreset(args.Get("preset", "tiny-cpu"));
+}
+
+absl::Status RunTrain(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args, CliArgs::Parse(argc, argv, 2,
+                                   {"preset", "model", "steps", "batch", "seq-len", "lr", "min-lr",
+                                    "warmup", "weight-decay", "clip", "seed", "log-every",
+                                    "threads", "plugin-dir", "save-weights", "corpus-bytes"}));
+  LOOM_RETURN_IF_ERROR(ApplyThreads(args));
+  LOOM_ASSIGN_OR_RETURN(v1::ModelConfig config, ModelFromArgs(args));
   TrainOptions o;
   LOOM_ASSIGN_OR_RETURN(o.steps, args.GetInt("steps", o.steps, 1, 100000000));
   LOOM_ASSIGN_OR_RETURN(o.batch, args.GetInt("batch", o.batch, 1, 65536));
@@ -235,6 +241,38 @@ absl::Status RunAttention(int argc, char** argv) {
   return absl::OkStatus();
 }
 
+absl::Status RunDescribe(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args, CliArgs::Parse(argc, argv, 2, {"preset", "model", "context", "plugin-dir"}));
+  LOOM_ASSIGN_OR_RETURN(v1::ModelConfig config, ModelFromArgs(args));
+  PluginLoader loader;
+  LOOM_RETURN_IF_ERROR(LoadPlugins(args, loader, false));
+  LOOM_ASSIGN_OR_RETURN(std::shared_ptr<Transformer> model, Transformer::Create(config, loader));
+  const v1::ModelConfig& c = model->config();
+  LOOM_ASSIGN_OR_RETURN(int64_t context,
+                        args.GetInt("context", c.max_seq_len(), 1, c.max_seq_len()));
+  const std::vector<v1::AttentionConfig> layers = ExpandSchedule(c);
+  const std::vector<double> flops = model->AttentionFlopsPerToken(context);
+  std::printf("%-6s %-14s %8s %12s %16s\n", "layer", "attention", "window", "params",
+              "FLOPs/token");
+  auto blocks = model->named_children()["layers"]->children();
+  double sum = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    int64_t params = 0;
+    for (const auto& p : blocks[i]->named_children()["attention"]->parameters())
+      params += p.numel();
+    std::printf("%-6zu %-14s %8lld %12lld %16.4g\n", i, layers[i].plugin().c_str(),
+                static_cast<long long>(layers[i].window()), static_cast<long long>(params),
+                flops[i]);
+    sum += flops[i];
+  }
+  std::printf("attention layers: mean %.4g FLOPs/token at context %lld\n", sum / layers.size(),
+              static_cast<long long>(context));
+  std::printf("model: %lld parameters, %.4g forward FLOPs/token (x3 for a training step)\n",
+              static_cast<long long>(model->NumParameters()), model->ForwardFlopsPerToken(context));
+  return absl::OkStatus();
+}
+
 absl::Status RunPlugins(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2, {"plugin-dir"}));
   PluginLoader loader;
@@ -283,6 +321,8 @@ int main(int argc, char** argv) {
       status = RunTrain(argc, argv);
     } else if (command == "attention") {
       status = RunAttention(argc, argv);
+    } else if (command == "describe") {
+      status = RunDescribe(argc, argv);
     } else if (command == "plugins") {
       status = RunPlugins(argc, argv);
     } else if (command == "devices") {

@@ -1,5 +1,6 @@
 #include "model.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -11,6 +12,39 @@ namespace {
 
 absl::Status FieldError(const std::string& field, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat("model.", field, ": ", why));
+}
+
+// Replaces c->hybrid() by the equivalent explicit schedule.
+absl::Status ExpandHybrid(v1::ModelConfig* c) {
+  v1::HybridSchedule h = c->hybrid();
+  if (h.local_per_global() < 0)
+    return FieldError("hybrid.local_per_global", "must be >= 0 (0 = 4)");
+  if (h.local_per_global() == 0) h.set_local_per_global(4);
+  if (h.local_kind().empty()) h.set_local_kind("iha");
+  if (h.global_kind().empty()) h.set_global_kind("mha");
+  if (h.window() < 0) return FieldError("hybrid.window", "must be >= 0 (0 = max_seq_len / (2·P²))");
+  int64_t p = c->n_heads();
+  if (auto it = h.iha_options().fields().find("p"); it != h.iha_options().fields().end()) {
+    if (it->second.kind_case() != google::protobuf::Value::kNumberValue ||
+        it->second.number_value() < 1 ||
+        it->second.number_value() != std::floor(it->second.number_value())) {
+      return FieldError("hybrid.iha_options.p", "must be a positive integer");
+    }
+    p = static_cast<int64_t>(it->second.number_value());
+  }
+  const int64_t window =
+      h.window() > 0 ? h.window() : std::max<int64_t>(1, c->max_seq_len() / (2 * p * p));
+  auto entry = [&](const std::string& kind, int32_t repeat, int64_t w) {
+    auto* e = c->add_schedule();
+    e->set_repeat(repeat);
+    e->mutable_attention()->set_plugin(kind);
+    e->mutable_attention()->set_window(w);
+    if (kind == "iha") *e->mutable_attention()->mutable_options() = h.iha_options();
+  };
+  entry(h.local_kind(), h.local_per_global(), window);
+  entry(h.global_kind(), 1, 0);
+  c->clear_hybrid();
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -67,6 +101,10 @@ absl::StatusOr<v1::ModelConfig> ResolveModelConfig(const v1::ModelConfig& in) {
   if (c.norm_eps() < 0 || !std::isfinite(c.norm_eps()))
     return FieldError("norm_eps", "must be >= 0");
   if (c.norm_eps() == 0) c.set_norm_eps(1e-5);
+  if (c.has_hybrid()) {
+    if (!c.schedule().empty()) return FieldError("hybrid", "is exclusive with schedule");
+    LOOM_RETURN_IF_ERROR(ExpandHybrid(&c));
+  }
   if (c.schedule().empty()) {
     auto* entry = c.add_schedule();
     entry->set_repeat(1);

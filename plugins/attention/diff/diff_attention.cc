@@ -1,0 +1,87 @@
+#include "diff_attention.h"
+
+#include <cmath>
+
+#include "attention_common.h"
+
+namespace loom::attention {
+
+double DiffLambdaInit(int64_t layer_index) {
+  return 0.8 - 0.6 * std::exp(-0.3 * static_cast<double>(layer_index));
+}
+
+DiffAttention::DiffAttention(const LoomAttentionSpecV1& spec) {
+  const std::string plugin = "diff";
+  ValidateSpec(spec, plugin);
+  if (spec.n_heads % 2 != 0) {
+    throw InvalidAttentionSpec(
+        "diff: n_heads: must be even (H/2 differential heads of 2 maps each)");
+  }
+  PluginOptions opts(spec, plugin);
+  lambda_init_ = opts.GetDouble("lambda_init", DiffLambdaInit(spec.layer_index), -10.0, 10.0);
+  const double lambda_std = opts.GetDouble("lambda_std", 0.1, 0.0, 10.0);
+  opts.Finish();
+  d_model_ = spec.d_model;
+  n_heads_ = spec.n_heads;
+  head_dim_ = spec.head_dim;
+  window_ = spec.window;
+  causal_ = spec.causal != 0;
+  rope_theta_ = spec.rope_theta;
+  const int64_t inner = n_heads_ * head_dim_;
+  const bool bias = spec.bias != 0;
+  using torch::nn::LinearOptions;
+  q_proj_ = register_module("q_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
+  k_proj_ = register_module("k_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
+  v_proj_ = register_module("v_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
+  o_proj_ = register_module("o_proj", torch::nn::Linear(LinearOptions(inner, d_model_).bias(bias)));
+  lambda_q1 = register_parameter("lambda_q1", torch::randn({head_dim_}) * lambda_std);
+  lambda_k1 = register_parameter("lambda_k1", torch::randn({head_dim_}) * lambda_std);
+  lambda_q2 = register_parameter("lambda_q2", torch::randn({head_dim_}) * lambda_std);
+  lambda_k2 = register_parameter("lambda_k2", torch::randn({head_dim_}) * lambda_std);
+  // A child module so the weight is named `subln.weight`, as in the reference code.
+  auto subln = register_module("subln", std::make_shared<torch::nn::Module>());
+  subln_weight = subln->register_parameter("weight", torch::ones({2 * head_dim_}));
+}
+
+torch::Tensor DiffAttention::Lambda() const {
+  return torch::exp((lambda_q1 * lambda_k1).sum()) - torch::exp((lambda_q2 * lambda_k2).sum()) +
+         lambda_init_;
+}
+
+torch::Tensor DiffAttention::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == d_model_, "diff: x must be [B, N, ", d_model_, "], got ",
+              x.sizes());
+  const int64_t b = x.size(0), n = x.size(1), pairs = n_heads_ / 2;
+  // [B, H, N, d] with heads (2i, 2i+1) the two maps of differential head i.
+  torch::Tensor q = q_proj_->forward(x).view({b, n, n_heads_, head_dim_}).transpose(1, 2);
+  torch::Tensor k = k_proj_->forward(x).view({b, n, n_heads_, head_dim_}).transpose(1, 2);
+  torch::Tensor v = v_proj_->forward(x).view({b, n, pairs, 2 * head_dim_}).transpose(1, 2);
+  if (rope_theta_ > 0) {
+    torch::Tensor pos = CheckedPositions(inputs.positions, b, n, x.device());
+    q = ApplyRope(q, pos, rope_theta_);
+    k = ApplyRope(k, pos, rope_theta_);
+  }
+  torch::Tensor allowed;
+  if (causal_ || window_ > 0) allowed = AllowedMask(n, causal_, window_, x.device());
+  torch::Tensor scores =
+      torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+  if (allowed.defined()) {
+    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+  torch::Tensor maps = torch::softmax(scores, -1).view({b, pairs, 2, n, n});
+  torch::Tensor attn = maps.select(2, 0) - Lambda().to(maps.dtype()) * maps.select(2, 1);
+  torch::Tensor heads = torch::matmul(attn, v);  // [B, H/2, N, 2d]
+  heads = heads * torch::rsqrt(heads.pow(2).mean(-1, true) + 1e-5) * subln_weight.to(heads.dtype());
+  heads = heads * (1.0 - lambda_init_);
+  return o_proj_->forward(heads.transpose(1, 2).reshape({b, n, n_heads_ * head_dim_}));
+}
+
+double DiffAttention::ForwardFlopsPerToken(int64_t context) const {
+  const double h = static_cast<double>(n_heads_), d = static_cast<double>(head_dim_);
+  const double keys = AverageAttendedKeys(context, causal_, window_);
+  // H score maps of width d, H/2 value products of width 2d, and the map difference.
+  return 2.0 * 4.0 * static_cast<double>(d_model_) * h * d + 2.0 * h * d * keys +
+         2.0 * (h / 2) * 2 * d * keys + 2.0 * (h / 2) * keys;
+}
+
+}  // namespace loom::attention

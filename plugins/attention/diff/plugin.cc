@@ -1,0 +1,8 @@
+// The `diff` plugin: differential attention (Ye et al. 2024, Differential Transformer).
+#include "diff_attention.h"
+#include "loom/attention_plugin.h"
+
+LOOM_ATTENTION_PLUGIN("diff", "Differential attention (Ye et al. 2024)",
+                      [](const LoomAttentionSpecV1& spec) -> loom::AttentionLayerPtr {
+                        return std::make_shared<loom::attention::DiffAttention>(spec);
+                      })
