@@ -294,18 +294,13 @@ absl::StatusOr<std::string> Serialize(const std::vector<TensorToWrite>& tensors,
   return out;
 }
 
-absl::Status Write(const std::string& path, const std::vector<TensorToWrite>& tensors,
-                   const std::map<std::string, std::string>& metadata) {
-  auto bytes = Serialize(tensors, metadata);
-  if (!bytes.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", bytes.status().message()));
-  }
+absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
   const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0)
     return absl::InternalError(absl::StrCat(tmp, ": cannot create: ", std::strerror(errno)));
-  const char* p = bytes->data();
-  size_t left = bytes->size();
+  const char* p = bytes.data();
+  size_t left = bytes.size();
   while (left > 0) {
     ssize_t n = ::write(fd, p, left);
     if (n < 0 && errno == EINTR) continue;
@@ -338,6 +333,15 @@ absl::Status Write(const std::string& path, const std::vector<TensorToWrite>& te
     ::close(dfd);
   }
   return absl::OkStatus();
+}
+
+absl::Status Write(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                   const std::map<std::string, std::string>& metadata) {
+  auto bytes = Serialize(tensors, metadata);
+  if (!bytes.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", bytes.status().message()));
+  }
+  return WriteFileAtomically(path, *bytes);
 }
 
 }  // namespace loom::storage

@@ -81,6 +81,10 @@ struct TensorToWrite {
 absl::StatusOr<std::string> Serialize(const std::vector<TensorToWrite>& tensors,
                                       const std::map<std::string, std::string>& metadata = {});
 
+// Writes `bytes` to a temporary file next to `path`, fsyncs it, renames it over `path` and
+// fsyncs the directory: readers see the old file or the new one, never a part.
+absl::Status WriteFileAtomically(const std::string& path, std::string_view bytes);
+
 // Serialize, then write atomically (temporary file in the same directory, fsync, rename).
 absl::Status Write(const std::string& path, const std::vector<TensorToWrite>& tensors,
                    const std::map<std::string, std::string>& metadata = {});

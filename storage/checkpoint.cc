@@ -1,0 +1,326 @@
+#include "checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "crc32c.h"
+
+namespace loom::storage {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr char kManifest[] = "manifest.json";
+constexpr char kStepPrefix[] = "step-";
+constexpr char kTempPrefix[] = ".tmp-step-";
+
+void FsyncDir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+std::string ShardName(int rank, int world) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "shard-%05d-of-%05d.safetensors", rank, world);
+  return buf;
+}
+
+// Parses "step-00000100" -> 100; nullopt for anything else.
+std::optional<int64_t> StepOf(const std::string& name) {
+  if (name.rfind(kStepPrefix, 0) != 0 || name.size() <= sizeof(kStepPrefix) - 1)
+    return std::nullopt;
+  int64_t step = 0;
+  for (size_t i = sizeof(kStepPrefix) - 1; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || step > (INT64_MAX - 9) / 10) return std::nullopt;
+    step = step * 10 + (name[i] - '0');
+  }
+  return step;
+}
+
+absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": missing"));
+  std::ostringstream s;
+  s << in.rdbuf();
+  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read failed"));
+  return std::move(s).str();
+}
+
+}  // namespace
+
+std::string CheckpointDirName(int64_t step) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%s%08lld", kStepPrefix, static_cast<long long>(step));
+  return buf;
+}
+
+std::string ManifestToJson(const Manifest& m) {
+  json shards = json::array();
+  for (const ShardInfo& s : m.shards) {
+    shards.push_back(
+        {{"rank", s.rank}, {"file", s.file}, {"bytes", s.bytes}, {"crc32c", s.crc32c}});
+  }
+  json j = {{"format_version", m.format_version},
+            {"step", m.step},
+            {"tokens_seen", m.tokens_seen},
+            {"world_size", m.world_size},
+            {"spec_hash", m.spec_hash},
+            {"parent", m.parent},
+            {"kind", m.kind},
+            {"created_unix_ms", m.created_unix_ms},
+            {"state", m.state},
+            {"shards", shards}};
+  return j.dump(2) + "\n";
+}
+
+absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::string& source) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  auto bad = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat(source, ": ", what));
+  };
+  if (j.is_discarded() || !j.is_object()) return bad("manifest is not a JSON object");
+  Manifest m;
+  try {
+    m.format_version = j.at("format_version").get<int>();
+    if (m.format_version != 1)
+      return bad(absl::StrCat("unsupported format_version ", m.format_version));
+    m.step = j.at("step").get<int64_t>();
+    m.tokens_seen = j.at("tokens_seen").get<int64_t>();
+    m.world_size = j.at("world_size").get<int>();
+    m.spec_hash = j.at("spec_hash").get<std::string>();
+    m.parent = j.at("parent").get<std::string>();
+    m.kind = j.at("kind").get<std::string>();
+    m.created_unix_ms = j.at("created_unix_ms").get<int64_t>();
+    m.state = j.at("state").get<std::map<std::string, std::string>>();
+    for (const json& s : j.at("shards")) {
+      ShardInfo info;
+      info.rank = s.at("rank").get<int>();
+      info.file = s.at("file").get<std::string>();
+      info.bytes = s.at("bytes").get<uint64_t>();
+      info.crc32c = s.at("crc32c").get<std::string>();
+      m.shards.push_back(std::move(info));
+    }
+  } catch (const json::exception& e) {
+    return bad(absl::StrCat("malformed manifest: ", e.what()));
+  }
+  if (m.world_size < 1 || static_cast<int>(m.shards.size()) != m.world_size) {
+    return bad(
+        absl::StrCat("manifest lists ", m.shards.size(), " shards for world size ", m.world_size));
+  }
+  std::sort(m.shards.begin(), m.shards.end(),
+            [](const ShardInfo& a, const ShardInfo& b) { return a.rank < b.rank; });
+  for (int r = 0; r < m.world_size; ++r) {
+    if (m.shards[r].rank != r) return bad(absl::StrCat("manifest has no shard for rank ", r));
+    if (m.shards[r].file.find('/') != std::string::npos ||
+        m.shards[r].file.find("..") != std::string::npos) {
+      return bad(absl::StrCat("shard file name '", m.shards[r].file, "' is not a plain name"));
+    }
+  }
+  return m;
+}
+
+absl::StatusOr<CheckpointWriter> CheckpointWriter::Begin(const std::string& root, int64_t step,
+                                                         int world_size) {
+  if (step < 0) return absl::InvalidArgumentError("checkpoint step must be >= 0");
+  if (world_size < 1) return absl::InvalidArgumentError("checkpoint world size must be >= 1");
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) return absl::InternalError(absl::StrCat(root, ": cannot create: ", ec.message()));
+  CheckpointWriter w;
+  w.root_ = root;
+  w.step_ = step;
+  w.world_size_ = world_size;
+  w.final_dir_ = (fs::path(root) / CheckpointDirName(step)).string();
+  w.temp_dir_ = (fs::path(root) / absl::StrCat(kTempPrefix, step, "-", getpid())).string();
+  fs::remove_all(w.temp_dir_, ec);
+  if (!fs::create_directory(w.temp_dir_, ec) || ec) {
+    return absl::InternalError(absl::StrCat(w.temp_dir_, ": cannot create: ", ec.message()));
+  }
+  return w;
+}
+
+absl::Status CheckpointWriter::WriteShard(int rank, const std::vector<TensorToWrite>& tensors,
+                                          const std::map<std::string, std::string>& metadata) {
+  if (rank < 0 || rank >= world_size_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " outside world size ", world_size_));
+  }
+  auto bytes = Serialize(tensors, metadata);
+  if (!bytes.ok()) return bytes.status();
+  ShardInfo info;
+  info.rank = rank;
+  info.file = ShardName(rank, world_size_);
+  info.bytes = bytes->size();
+  info.crc32c = Crc32cHex(Crc32c(bytes->data(), bytes->size()));
+  if (absl::Status s = WriteFileAtomically((fs::path(temp_dir_) / info.file).string(), *bytes);
+      !s.ok()) {
+    return s;
+  }
+  shards_[rank] = info;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> CheckpointWriter::Commit(Manifest manifest) {
+  if (static_cast<int>(shards_.size()) != world_size_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint step ", step_, ": ", shards_.size(), " of ", world_size_, " shards written"));
+  }
+  manifest.step = step_;
+  manifest.world_size = world_size_;
+  manifest.shards.clear();
+  for (const auto& [rank, info] : shards_) manifest.shards.push_back(info);
+  if (manifest.created_unix_ms == 0) {
+    manifest.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count();
+  }
+  if (absl::Status s =
+          WriteFileAtomically((fs::path(temp_dir_) / kManifest).string(), ManifestToJson(manifest));
+      !s.ok()) {
+    return s;
+  }
+  FsyncDir(temp_dir_);
+  std::error_code ec;
+  if (fs::exists(final_dir_, ec)) {
+    // A committed checkpoint of the same step (a rerun after a crash past this point): the new one
+    // replaces it only once it is complete, which is now.
+    const std::string old = final_dir_ + ".replaced";
+    fs::remove_all(old, ec);
+    fs::rename(final_dir_, old, ec);
+    if (ec)
+      return absl::InternalError(absl::StrCat(final_dir_, ": cannot move aside: ", ec.message()));
+    fs::rename(temp_dir_, final_dir_, ec);
+    fs::remove_all(old, ec);
+  } else {
+    fs::rename(temp_dir_, final_dir_, ec);
+  }
+  if (ec)
+    return absl::InternalError(absl::StrCat(final_dir_, ": commit rename failed: ", ec.message()));
+  FsyncDir(root_);
+  return final_dir_;
+}
+
+void CheckpointWriter::Abort() {
+  std::error_code ec;
+  fs::remove_all(temp_dir_, ec);
+}
+
+absl::StatusOr<std::vector<CheckpointRef>> ListCheckpoints(const std::string& root) {
+  std::vector<CheckpointRef> out;
+  std::error_code ec;
+  if (!fs::exists(root, ec)) return out;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    auto step = StepOf(name);
+    if (!step || !entry.is_directory()) continue;
+    if (!fs::exists(entry.path() / kManifest)) continue;  // never committed
+    out.push_back({*step, entry.path().string()});
+  }
+  if (ec) return absl::InternalError(absl::StrCat(root, ": cannot list: ", ec.message()));
+  std::sort(out.begin(), out.end(),
+            [](const CheckpointRef& a, const CheckpointRef& b) { return a.step < b.step; });
+  return out;
+}
+
+absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const std::string& dir) {
+  const std::string manifest_path = (fs::path(dir) / kManifest).string();
+  auto text = ReadWholeFile(manifest_path);
+  if (!text.ok()) {
+    return absl::NotFoundError(absl::StrCat(dir, ": no manifest (checkpoint never committed)"));
+  }
+  auto manifest = ManifestFromJson(*text, manifest_path);
+  if (!manifest.ok()) return manifest.status();
+  LoadedCheckpoint loaded;
+  loaded.dir = dir;
+  for (const ShardInfo& info : manifest->shards) {
+    const std::string path = (fs::path(dir) / info.file).string();
+    auto bytes = ReadWholeFile(path);
+    if (!bytes.ok()) return absl::DataLossError(absl::StrCat("shard ", path, ": missing"));
+    if (bytes->size() != info.bytes) {
+      return absl::DataLossError(absl::StrCat("shard ", path, ": size ", bytes->size(),
+                                              " differs from the manifest's ", info.bytes));
+    }
+    const std::string crc = Crc32cHex(Crc32c(bytes->data(), bytes->size()));
+    if (crc != info.crc32c) {
+      return absl::DataLossError(absl::StrCat("shard ", path, ": checksum ", crc,
+                                              " differs from the manifest's ", info.crc32c));
+    }
+    auto parsed = SafetensorsFile::Parse(std::move(*bytes), path);
+    if (!parsed.ok()) return absl::DataLossError(std::string(parsed.status().message()));
+    loaded.shards.push_back(std::move(*parsed));
+  }
+  loaded.manifest = std::move(*manifest);
+  return loaded;
+}
+
+absl::StatusOr<LoadedCheckpoint> LoadLatestCheckpoint(const std::string& root,
+                                                      std::vector<absl::Status>* skipped) {
+  auto list = ListCheckpoints(root);
+  if (!list.ok()) return list.status();
+  for (auto it = list->rbegin(); it != list->rend(); ++it) {
+    auto loaded = LoadCheckpoint(it->dir);
+    if (loaded.ok()) return loaded;
+    if (skipped) skipped->push_back(loaded.status());
+  }
+  return absl::NotFoundError(absl::StrCat("no complete checkpoint under ", root));
+}
+
+absl::StatusOr<int> CleanIncomplete(const std::string& root) {
+  int removed = 0;
+  std::error_code ec;
+  if (!fs::exists(root, ec)) return 0;
+  std::vector<fs::path> doomed;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_directory()) continue;
+    const bool temp =
+        name.rfind(kTempPrefix, 0) == 0 || (StepOf(name.substr(0, name.find(".replaced"))) &&
+                                            name.find(".replaced") != std::string::npos);
+    const bool uncommitted = StepOf(name) && !fs::exists(entry.path() / kManifest);
+    if (temp || uncommitted) doomed.push_back(entry.path());
+  }
+  for (const auto& p : doomed) {
+    fs::remove_all(p, ec);
+    if (ec) return absl::InternalError(absl::StrCat(p.string(), ": cannot remove: ", ec.message()));
+    ++removed;
+  }
+  return removed;
+}
+
+absl::Status ApplyRetention(const std::string& root, int keep_last, int64_t keep_every) {
+  auto list = ListCheckpoints(root);
+  if (!list.ok()) return list.status();
+  keep_last = std::max(keep_last, 1);
+  const size_t n = list->size();
+  for (size_t i = 0; i < n; ++i) {
+    const CheckpointRef& c = (*list)[i];
+    const bool recent = i + static_cast<size_t>(keep_last) >= n;
+    const bool milestone = keep_every > 0 && c.step % keep_every == 0;
+    if (recent || milestone) continue;
+    std::error_code ec;
+    // Remove the manifest first: a crash mid-delete leaves an uncommitted directory, not a
+    // committed checkpoint with missing shards.
+    fs::remove(fs::path(c.dir) / kManifest, ec);
+    FsyncDir(c.dir);
+    fs::remove_all(c.dir, ec);
+    if (ec) return absl::InternalError(absl::StrCat(c.dir, ": cannot remove: ", ec.message()));
+  }
+  FsyncDir(root);
+  return absl::OkStatus();
+}
+
+}  // namespace loom::storage

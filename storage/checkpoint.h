@@ -1,0 +1,116 @@
+// Sharded checkpoints on a POSIX file system (local disk, NFS, Lustre).
+//
+// Layout under a checkpoint root:
+//   step-00000100/
+//     shard-00000-of-00002.safetensors    one per rank: the tensors that rank owns
+//     shard-00001-of-00002.safetensors
+//     manifest.json                       written last
+// A checkpoint exists only once its directory has a manifest. Commit protocol: shards and the
+// manifest are written into `.tmp-step-00000100-<pid>/`, each file fsync'ed, the directory
+// fsync'ed, then renamed to `step-00000100/` and the root fsync'ed. A crash at any point leaves
+// either the previous state or a temporary directory that CleanIncomplete() removes; loaders
+// never look at directories without a manifest.
+//
+// The manifest records step, tokens seen, the job spec's hash, world size, the parent checkpoint,
+// free-form trainer state (data cursor, RNG states: opaque strings), and each shard's size and
+// CRC-32C. Load verifies every shard against it and names the one that does not match.
+#ifndef LOOM_STORAGE_CHECKPOINT_H_
+#define LOOM_STORAGE_CHECKPOINT_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "safetensors.h"
+
+namespace loom::storage {
+
+struct ShardInfo {
+  int rank = 0;
+  std::string file;  // relative to the checkpoint directory
+  uint64_t bytes = 0;
+  std::string crc32c;  // 8 hex digits
+};
+
+struct Manifest {
+  int format_version = 1;
+  int64_t step = 0;
+  int64_t tokens_seen = 0;
+  int world_size = 1;
+  std::string spec_hash;
+  std::string parent;  // directory of the checkpoint this run started from, or ""
+  std::string kind;    // job kind that wrote it ("pretrain", "sft", ...)
+  int64_t created_unix_ms = 0;
+  std::map<std::string, std::string> state;  // data cursor, RNG states, ...
+  std::vector<ShardInfo> shards;
+};
+
+std::string ManifestToJson(const Manifest& m);
+absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::string& source);
+
+// "step-00000100"
+std::string CheckpointDirName(int64_t step);
+
+class CheckpointWriter {
+ public:
+  // Creates the temporary directory for `step` under `root` (creating root if needed).
+  static absl::StatusOr<CheckpointWriter> Begin(const std::string& root, int64_t step,
+                                                int world_size);
+
+  // Writes rank's shard (safetensors, fsync'ed) and records its size and checksum.
+  absl::Status WriteShard(int rank, const std::vector<TensorToWrite>& tensors,
+                          const std::map<std::string, std::string>& metadata = {});
+
+  // Writes the manifest (shards filled in from WriteShard), fsyncs and renames into place.
+  // Every rank's shard must have been written. Returns the final directory.
+  absl::StatusOr<std::string> Commit(Manifest manifest);
+
+  // Removes the temporary directory (on error paths).
+  void Abort();
+
+  const std::string& temp_dir() const { return temp_dir_; }
+
+ private:
+  std::string root_, temp_dir_, final_dir_;
+  int64_t step_ = 0;
+  int world_size_ = 1;
+  std::map<int, ShardInfo> shards_;
+};
+
+struct CheckpointRef {
+  int64_t step;
+  std::string dir;
+};
+
+// Committed checkpoints (directories with a manifest) under root, oldest first.
+absl::StatusOr<std::vector<CheckpointRef>> ListCheckpoints(const std::string& root);
+
+struct LoadedCheckpoint {
+  std::string dir;
+  Manifest manifest;
+  std::vector<SafetensorsFile> shards;  // indexed by rank, checksums verified
+};
+
+// Loads and verifies one checkpoint directory: manifest present and well-formed, every shard
+// present with the recorded size and CRC-32C, parseable as safetensors. DataLoss names the shard.
+absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const std::string& dir);
+
+// The newest checkpoint under root that verifies. Each newer one that does not is skipped and
+// its error appended to `skipped` (when not null). NotFound when none verifies.
+absl::StatusOr<LoadedCheckpoint> LoadLatestCheckpoint(const std::string& root,
+                                                      std::vector<absl::Status>* skipped);
+
+// Removes temporary directories and step directories without a manifest. Returns how many.
+absl::StatusOr<int> CleanIncomplete(const std::string& root);
+
+// Keeps the newest `keep_last` committed checkpoints plus every one whose step is a multiple
+// of `keep_every` (0 = none); deletes the rest. keep_last < 1 is treated as 1.
+absl::Status ApplyRetention(const std::string& root, int keep_last, int64_t keep_every);
+
+}  // namespace loom::storage
+
+#endif  // LOOM_STORAGE_CHECKPOINT_H_
