@@ -14,17 +14,11 @@
 
 #include "absl/status/statusor.h"
 #include "loom/attention_plugin.h"
+#include "loom/spec.h"
 #include "loom/v1/model.pb.h"
 #include "plugin_loader.h"
 
 namespace loom::trainer {
-
-// Fills defaults (head_dim, ffn_hidden, norm_eps, mode, schedule) and rejects bad values with a
-// message naming the field ("model.n_heads: ...").
-absl::StatusOr<v1::ModelConfig> ResolveModelConfig(const v1::ModelConfig& config);
-
-// One AttentionConfig per layer: the schedule cycled to n_layers.
-std::vector<v1::AttentionConfig> ExpandSchedule(const v1::ModelConfig& resolved);
 
 class RMSNormImpl : public torch::nn::Module {
  public:

@@ -131,38 +131,4 @@ absl::StatusOr<TrainResult> TrainLanguageModel(Transformer& model,
   return result;
 }
 
-absl::StatusOr<v1::ModelConfig> ModelPreset(const std::string& name) {
-  v1::ModelConfig c;
-  if (name == "tiny-cpu") {
-    // The demo model: 4 layers alternating a 32-token sliding window with global attention.
-    c.set_d_model(128);
-    c.set_n_layers(4);
-    c.set_n_heads(4);
-    c.set_vocab_size(256);
-    c.set_max_seq_len(256);
-    c.set_rope_theta(10000);
-    c.set_tie_embeddings(true);
-    auto* local = c.add_schedule();
-    local->set_repeat(1);
-    local->mutable_attention()->set_plugin("local");
-    local->mutable_attention()->set_window(32);
-    auto* global = c.add_schedule();
-    global->set_repeat(1);
-    global->mutable_attention()->set_plugin("mha");
-  } else if (name == "micro") {
-    // Test-sized: seconds per hundred steps on one core.
-    c.set_d_model(64);
-    c.set_n_layers(2);
-    c.set_n_heads(4);
-    c.set_vocab_size(256);
-    c.set_max_seq_len(128);
-    c.set_rope_theta(10000);
-    c.set_tie_embeddings(true);
-  } else {
-    return absl::NotFoundError(
-        absl::StrCat("preset: unknown '", name, "' (known: tiny-cpu, micro)"));
-  }
-  return c;
-}
-
 }  // namespace loom::trainer

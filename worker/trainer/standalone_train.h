@@ -46,9 +46,6 @@ absl::StatusOr<TrainResult> TrainLanguageModel(Transformer& model,
                                                const std::vector<int64_t>& eval_tokens,
                                                const TrainOptions& options, std::ostream* log);
 
-// Built-in model presets by name ("tiny-cpu", "micro"); NotFound lists the names.
-absl::StatusOr<v1::ModelConfig> ModelPreset(const std::string& name);
-
 }  // namespace loom::trainer
 
 #endif  // LOOM_WORKER_TRAINER_STANDALONE_TRAIN_H_

@@ -1,0 +1,398 @@
+#include "loom/spec.h"
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "loom/status_macros.h"
+
+namespace loom {
+namespace {
+
+absl::Status FieldError(const std::string& field, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat("model.", field, ": ", why));
+}
+
+// Replaces c->hybrid() by the equivalent explicit schedule.
+absl::Status ExpandHybrid(v1::ModelConfig* c) {
+  v1::HybridSchedule h = c->hybrid();
+  if (h.local_per_global() < 0)
+    return FieldError("hybrid.local_per_global", "must be >= 0 (0 = 4)");
+  if (h.local_per_global() == 0) h.set_local_per_global(4);
+  if (h.local_kind().empty()) h.set_local_kind("iha");
+  if (h.global_kind().empty()) h.set_global_kind("mha");
+  if (h.window() < 0) return FieldError("hybrid.window", "must be >= 0 (0 = max_seq_len / (2·P²))");
+  int64_t p = c->n_heads();
+  if (auto it = h.iha_options().fields().find("p"); it != h.iha_options().fields().end()) {
+    if (it->second.kind_case() != google::protobuf::Value::kNumberValue ||
+        it->second.number_value() < 1 ||
+        it->second.number_value() != std::floor(it->second.number_value())) {
+      return FieldError("hybrid.iha_options.p", "must be a positive integer");
+    }
+    p = static_cast<int64_t>(it->second.number_value());
+  }
+  const int64_t window =
+      h.window() > 0 ? h.window() : std::max<int64_t>(1, c->max_seq_len() / (2 * p * p));
+  auto entry = [&](const std::string& kind, int32_t repeat, int64_t w) {
+    auto* e = c->add_schedule();
+    e->set_repeat(repeat);
+    e->mutable_attention()->set_plugin(kind);
+    e->mutable_attention()->set_window(w);
+    if (kind == "iha") *e->mutable_attention()->mutable_options() = h.iha_options();
+  };
+  entry(h.local_kind(), h.local_per_global(), window);
+  entry(h.global_kind(), 1, 0);
+  c->clear_hybrid();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ModelConfig> ResolveModelConfig(const v1::ModelConfig& in) {
+  v1::ModelConfig c = in;
+  if (c.d_model() <= 0 || c.d_model() > 65536)
+    return FieldError("d_model", "must be in [1, 65536]");
+  if (c.n_layers() <= 0 || c.n_layers() > 1024)
+    return FieldError("n_layers", "must be in [1, 1024]");
+  if (c.n_heads() <= 0 || c.n_heads() > 1024) return FieldError("n_heads", "must be in [1, 1024]");
+  if (c.head_dim() < 0) return FieldError("head_dim", "must be >= 0 (0 = d_model / n_heads)");
+  if (c.head_dim() == 0) {
+    if (c.d_model() % c.n_heads() != 0) {
+      return FieldError("n_heads",
+                        absl::StrCat("d_model ", c.d_model(), " is not divisible by n_heads ",
+                                     c.n_heads(), " (or set head_dim)"));
+    }
+    c.set_head_dim(c.d_model() / c.n_heads());
+  }
+  if (c.ffn_hidden() < 0) return FieldError("ffn_hidden", "must be >= 0 (0 = 4 * d_model)");
+  if (c.ffn_hidden() == 0) c.set_ffn_hidden(4 * c.d_model());
+  if (c.ffn_activation().empty()) c.set_ffn_activation("gelu");
+  if (c.ffn_activation() != "gelu" && c.ffn_activation() != "swiglu") {
+    return FieldError("ffn_activation",
+                      absl::StrCat("'", c.ffn_activation(), "' is not gelu | swiglu"));
+  }
+  if (c.vocab_size() <= 0) return FieldError("vocab_size", "must be >= 1");
+  if (c.max_seq_len() <= 0) return FieldError("max_seq_len", "must be >= 1");
+  if (!std::isfinite(c.rope_theta()) || c.rope_theta() < 0) {
+    return FieldError("rope_theta", "must be a finite number >= 0 (0 = off)");
+  }
+  if (c.rope_theta() > 0 && c.head_dim() % 2 != 0) {
+    return FieldError("head_dim", "must be even when RoPE is on");
+  }
+  if (c.mode().empty()) c.set_mode("decoder");
+  if (c.mode() != "decoder" && c.mode() != "encoder") {
+    return FieldError("mode", absl::StrCat("'", c.mode(), "' is not decoder | encoder"));
+  }
+  if (c.mode() == "encoder") {
+    if (c.num_classes() <= 0) return FieldError("num_classes", "must be >= 1 in encoder mode");
+    if (c.tie_embeddings()) return FieldError("tie_embeddings", "has no meaning in encoder mode");
+  } else {
+    if (c.num_classes() != 0) return FieldError("num_classes", "is for encoder mode only");
+    if (c.grid_max_rows() != 0 || c.grid_max_cols() != 0) {
+      return FieldError("grid_max_rows", "grid positions are for encoder mode only");
+    }
+  }
+  if (c.grid_max_rows() < 0 || c.grid_max_cols() < 0 ||
+      (c.grid_max_rows() > 0) != (c.grid_max_cols() > 0)) {
+    return FieldError("grid_max_rows",
+                      "grid_max_rows and grid_max_cols must both be > 0 or both 0");
+  }
+  if (c.norm_eps() < 0 || !std::isfinite(c.norm_eps()))
+    return FieldError("norm_eps", "must be >= 0");
+  if (c.norm_eps() == 0) c.set_norm_eps(1e-5);
+  if (c.has_hybrid()) {
+    if (!c.schedule().empty()) return FieldError("hybrid", "is exclusive with schedule");
+    LOOM_RETURN_IF_ERROR(ExpandHybrid(&c));
+  }
+  if (c.schedule().empty()) {
+    auto* entry = c.add_schedule();
+    entry->set_repeat(1);
+    entry->mutable_attention()->set_plugin("mha");
+  }
+  for (int i = 0; i < c.schedule_size(); ++i) {
+    const auto& e = c.schedule(i);
+    const std::string field = absl::StrCat("schedule[", i, "]");
+    if (e.repeat() <= 0) return FieldError(field + ".repeat", "must be >= 1");
+    if (e.attention().plugin().empty())
+      return FieldError(field + ".attention.plugin", "is required");
+    if (e.attention().window() < 0) return FieldError(field + ".attention.window", "must be >= 0");
+    if (e.attention().window() > c.max_seq_len()) {
+      return FieldError(
+          field + ".attention.window",
+          absl::StrCat(e.attention().window(), " exceeds max_seq_len ", c.max_seq_len()));
+    }
+  }
+  return c;
+}
+
+std::vector<v1::AttentionConfig> ExpandSchedule(const v1::ModelConfig& c) {
+  std::vector<v1::AttentionConfig> layers;
+  while (static_cast<int>(layers.size()) < c.n_layers()) {
+    for (const auto& entry : c.schedule()) {
+      for (int r = 0; r < entry.repeat() && static_cast<int>(layers.size()) < c.n_layers(); ++r) {
+        layers.push_back(entry.attention());
+      }
+    }
+  }
+  return layers;
+}
+
+absl::StatusOr<v1::ModelConfig> ModelPreset(const std::string& name) {
+  v1::ModelConfig c;
+  if (name == "tiny-cpu") {
+    // The demo model: 4 layers alternating a 32-token sliding window with global attention.
+    c.set_d_model(128);
+    c.set_n_layers(4);
+    c.set_n_heads(4);
+    c.set_vocab_size(256);
+    c.set_max_seq_len(256);
+    c.set_rope_theta(10000);
+    c.set_tie_embeddings(true);
+    auto* local = c.add_schedule();
+    local->set_repeat(1);
+    local->mutable_attention()->set_plugin("local");
+    local->mutable_attention()->set_window(32);
+    auto* global = c.add_schedule();
+    global->set_repeat(1);
+    global->mutable_attention()->set_plugin("mha");
+  } else if (name == "micro") {
+    // Test-sized: seconds per hundred steps on one core.
+    c.set_d_model(64);
+    c.set_n_layers(2);
+    c.set_n_heads(4);
+    c.set_vocab_size(256);
+    c.set_max_seq_len(128);
+    c.set_rope_theta(10000);
+    c.set_tie_embeddings(true);
+  } else if (name == "paper-2.4b") {
+    // spec/iha.md: 2.4B decoder, 26 layers, D 2560, H 20 (d 128), FFN 10240, vocabulary 128256
+    // (Llama-3 tokenizer), RoPE theta 500000, context 8192. Global attention in every layer; set
+    // `hybrid` or `schedule` for the IHA and Global+Local variants.
+    c.set_d_model(2560);
+    c.set_n_layers(26);
+    c.set_n_heads(20);
+    c.set_ffn_hidden(10240);
+    c.set_ffn_activation("swiglu");
+    c.set_vocab_size(128256);
+    c.set_max_seq_len(8192);
+    c.set_rope_theta(500000);
+  } else {
+    return absl::NotFoundError(
+        absl::StrCat("preset: unknown '", name, "' (known: tiny-cpu, micro, paper-2.4b)"));
+  }
+  return c;
+}
+
+absl::StatusOr<v1::JobSpec> JobPreset(const std::string& name) {
+  v1::JobSpec j;
+  LOOM_ASSIGN_OR_RETURN(*j.mutable_model(), ModelPreset(name));
+  j.set_kind("pretrain");
+  auto* o = j.mutable_optimizer();
+  o->set_beta1(0.9);
+  o->set_beta2(0.95);
+  o->set_weight_decay(0.1);
+  o->set_clip_norm(1.0);
+  if (name == "paper-2.4b") {
+    o->set_lr(8e-4);
+    o->set_min_lr(8e-6);
+    o->set_warmup_steps(1000);
+    j.set_seq_len(8192);
+    j.set_micro_batch(1);
+    j.set_steps(100000);
+    j.set_precision("bf16");
+    j.set_device("cuda");
+    return j;
+  }
+  o->set_lr(3e-3);
+  o->set_min_lr(3e-4);
+  o->set_warmup_steps(20);
+  j.set_seq_len(64);
+  j.set_micro_batch(name == "micro" ? 8 : 16);
+  j.set_steps(name == "micro" ? 150 : 300);
+  j.set_precision("fp32");
+  return j;
+}
+
+absl::Status ParseJsonMessage(const std::string& json, const std::string& source,
+                              google::protobuf::Message* out) {
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  auto status = google::protobuf::util::JsonStringToMessage(json, out, options);
+  if (!status.ok())
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", status.ToString()));
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status SpecError(const std::string& field, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
+}
+
+bool InRange(double v, double lo, double hi) { return std::isfinite(v) && v >= lo && v <= hi; }
+
+uint64_t Fnv1a(const std::string& data) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : data) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+std::string Hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string Deterministic(const google::protobuf::Message& m) {
+  std::string out;
+  {
+    google::protobuf::io::StringOutputStream stream(&out);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    m.SerializeToCodedStream(&coded);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
+  v1::JobSpec j;
+  if (!in.preset().empty()) {
+    auto preset = JobPreset(in.preset());
+    if (!preset.ok()) return SpecError("preset", std::string(preset.status().message()));
+    j = *preset;
+    // A spec's own schedule replaces the preset's instead of appending to it.
+    if (!in.model().schedule().empty() || in.model().has_hybrid())
+      j.mutable_model()->clear_schedule();
+  }
+  j.MergeFrom(in);
+  if (j.kind().empty()) j.set_kind("pretrain");
+  if (j.kind() != "pretrain")
+    return SpecError("kind", absl::StrCat("'", j.kind(), "' is not pretrain"));
+  if (!j.has_model()) return SpecError("model", "is required (or set preset)");
+  auto model = ResolveModelConfig(j.model());
+  if (!model.ok()) return model.status();
+  if (model->mode() != "decoder") return SpecError("model.mode", "pretraining needs a decoder");
+  *j.mutable_model() = *model;
+  const v1::ModelConfig& m = j.model();
+
+  if (j.micro_batch() <= 0 || j.micro_batch() > 65536)
+    return SpecError("micro_batch", "must be in [1, 65536]");
+  if (j.grad_accum() < 0 || j.grad_accum() > 65536)
+    return SpecError("grad_accum", "must be in [0, 65536] (0 = 1)");
+  if (j.grad_accum() == 0) j.set_grad_accum(1);
+  if (j.seq_len() <= 0) return SpecError("seq_len", "must be >= 1");
+  if (j.seq_len() > m.max_seq_len()) {
+    return SpecError("seq_len",
+                     absl::StrCat(j.seq_len(), " exceeds model.max_seq_len ", m.max_seq_len()));
+  }
+  if (j.steps() <= 0 || j.steps() > 1000000000) return SpecError("steps", "must be in [1, 1e9]");
+
+  v1::OptimizerConfig* o = j.mutable_optimizer();
+  if (!InRange(o->lr(), 1e-12, 10)) return SpecError("optimizer.lr", "must be in (0, 10]");
+  if (!InRange(o->min_lr(), 0, o->lr())) return SpecError("optimizer.min_lr", "must be in [0, lr]");
+  if (o->warmup_steps() < 0 || o->warmup_steps() > j.steps()) {
+    return SpecError("optimizer.warmup_steps",
+                     absl::StrCat("must be in [0, steps = ", j.steps(), "]"));
+  }
+  if (!InRange(o->beta1(), 0.0, 0.999999)) return SpecError("optimizer.beta1", "must be in [0, 1)");
+  if (!InRange(o->beta2(), 0.0, 0.999999)) return SpecError("optimizer.beta2", "must be in [0, 1)");
+  if (!InRange(o->eps(), 0, 1)) return SpecError("optimizer.eps", "must be in [0, 1] (0 = 1e-8)");
+  if (o->eps() == 0) o->set_eps(1e-8);
+  if (!InRange(o->weight_decay(), 0.0, 10.0))
+    return SpecError("optimizer.weight_decay", "must be in [0, 10]");
+  if (!InRange(o->clip_norm(), 0.0, 1e6))
+    return SpecError("optimizer.clip_norm", "must be in [0, 1e6] (0 = off)");
+
+  v1::DataConfig* d = j.mutable_data();
+  if (d->source().empty()) d->set_source("corpus");
+  if (d->source() != "corpus") {
+    return SpecError("data.source", absl::StrCat("'", d->source(),
+                                                 "' is not corpus (loom-data shards come later)"));
+  }
+  if (!d->path().empty()) return SpecError("data.path", "is only for source shards");
+  if (d->tokenizer().empty()) d->set_tokenizer("byte");
+  if (d->tokenizer() != "byte")
+    return SpecError("data.tokenizer", absl::StrCat("'", d->tokenizer(), "' is not byte"));
+  if (m.vocab_size() < 256) {
+    return SpecError("model.vocab_size",
+                     absl::StrCat(m.vocab_size(), " is smaller than the byte tokenizer's 256"));
+  }
+  if (d->corpus_bytes() < 0 || d->corpus_bytes() > (int64_t{1} << 34)) {
+    return SpecError("data.corpus_bytes", "must be in [0, 2^34] (0 = 1 MiB)");
+  }
+  if (d->corpus_bytes() == 0) d->set_corpus_bytes(1 << 20);
+  if (d->corpus_bytes() < 4 * (j.seq_len() + 1)) {
+    return SpecError("data.corpus_bytes", "must hold at least four training windows");
+  }
+  if (j.seed() == 0) j.set_seed(1);
+  if (d->seed() == 0) d->set_seed(j.seed());
+
+  if (j.precision().empty()) j.set_precision("fp32");
+  if (j.precision() != "fp32" && j.precision() != "fp64" && j.precision() != "bf16") {
+    return SpecError("precision", absl::StrCat("'", j.precision(), "' is not fp32 | fp64 | bf16"));
+  }
+  if (j.device().empty()) j.set_device("auto");
+  if (j.device() != "auto" && j.device() != "cpu" && j.device() != "cuda") {
+    return SpecError("device", absl::StrCat("'", j.device(), "' is not auto | cpu | cuda"));
+  }
+  if (j.precision() == "bf16" && j.device() == "cpu") {
+    return SpecError("precision", "bf16 autocast is for CUDA; use fp32 on the CPU");
+  }
+
+  v1::EvalConfig* e = j.mutable_eval();
+  if (e->interval() < 0) return SpecError("eval.interval", "must be >= 0 (0 = only at the end)");
+  if (e->batches() < 0 || e->batches() > 100000)
+    return SpecError("eval.batches", "must be in [0, 100000] (0 = 8)");
+  if (e->batches() == 0) e->set_batches(8);
+
+  v1::CheckpointConfig* c = j.mutable_checkpoint();
+  if (c->interval() < 0)
+    return SpecError("checkpoint.interval", "must be >= 0 (0 = only at the end)");
+  if (c->keep_last() < 0) return SpecError("checkpoint.keep_last", "must be >= 0 (0 = 3)");
+  if (c->keep_last() == 0) c->set_keep_last(3);
+  if (c->keep_every() < 0) return SpecError("checkpoint.keep_every", "must be >= 0");
+  if (c->dir().empty() && (c->interval() > 0 || c->keep_every() > 0)) {
+    return SpecError("checkpoint.dir", "is required when checkpoint.interval or keep_every is set");
+  }
+
+  v1::MetricsConfig* mc = j.mutable_metrics();
+  if (mc->port() < -1 || mc->port() > 65535)
+    return SpecError("metrics.port", "must be in [-1, 65535]");
+  if (mc->bind().empty()) mc->set_bind("127.0.0.1");
+  if (!InRange(mc->peak_flops(), 0, 1e20))
+    return SpecError("metrics.peak_flops", "must be in [0, 1e20]");
+  if (mc->log_every() < 0) return SpecError("metrics.log_every", "must be >= 0 (0 = 10)");
+  if (mc->log_every() == 0) mc->set_log_every(10);
+
+  if (j.max_nan_skips() < 0) return SpecError("max_nan_skips", "must be >= 0 (0 = 5)");
+  if (j.max_nan_skips() == 0) j.set_max_nan_skips(5);
+  if (j.threads() < 0 || j.threads() > 1024) return SpecError("threads", "must be in [0, 1024]");
+  return j;
+}
+
+std::string ModelHash(const v1::JobSpec& resolved) {
+  return Hex(Fnv1a(Deterministic(resolved.model())));
+}
+
+std::string SpecHash(const v1::JobSpec& resolved) {
+  // Fields that change where output goes or how long to run, not what is trained, are left out.
+  v1::JobSpec copy = resolved;
+  copy.clear_name();
+  copy.clear_steps();
+  copy.clear_checkpoint();
+  copy.clear_metrics();
+  copy.clear_threads();
+  return Hex(Fnv1a(Deterministic(copy)));
+}
+
+}  // namespace loom

@@ -1,0 +1,47 @@
+// Job and model specs: JSON parsing, presets, defaults and validation. No LibTorch, so the
+// coordinator validates exactly what the trainer will accept. Every error names the field
+// ("model.n_heads: ...", "optimizer.lr: ...").
+#ifndef LOOM_API_SPEC_H_
+#define LOOM_API_SPEC_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "loom/v1/job.pb.h"
+#include "loom/v1/model.pb.h"
+
+namespace loom {
+
+// Fills model defaults (head_dim, ffn_hidden, norm_eps, mode, schedule, hybrid expansion) and
+// rejects bad values.
+absl::StatusOr<v1::ModelConfig> ResolveModelConfig(const v1::ModelConfig& config);
+
+// One AttentionConfig per layer: the schedule cycled to n_layers.
+std::vector<v1::AttentionConfig> ExpandSchedule(const v1::ModelConfig& resolved);
+
+// Built-in models: "tiny-cpu", "micro", "paper-2.4b" (spec/iha.md: 26 layers, D 2560, H 20).
+absl::StatusOr<v1::ModelConfig> ModelPreset(const std::string& name);
+
+// Built-in jobs: "tiny-cpu" (the demo), "micro" (tests), "paper-2.4b" (the paper's model and
+// optimiser: AdamW (0.9, 0.95), wd 0.1, lr 8e-4, 1000 warm-up steps, cosine to 8e-6, clip 1.0,
+// bf16, context 8192).
+absl::StatusOr<v1::JobSpec> JobPreset(const std::string& name);
+
+// Parses JSON into a message; unknown fields and wrong types are InvalidArgument naming them.
+absl::Status ParseJsonMessage(const std::string& json, const std::string& source,
+                              google::protobuf::Message* out);
+
+// Applies the preset (fields the spec leaves unset come from it), fills defaults, resolves the
+// model and validates everything, including cross-field consistency (seq_len <= max_seq_len,
+// windows, vocabulary vs tokenizer, precision vs device).
+absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& spec);
+
+// Stable hash (CRC-32C, hex) of the resolved spec's model and training fields; checkpoints record
+// it, and resume refuses a spec whose model differs.
+std::string ModelHash(const v1::JobSpec& resolved);
+std::string SpecHash(const v1::JobSpec& resolved);
+
+}  // namespace loom
+
+#endif  // LOOM_API_SPEC_H_

@@ -1,0 +1,126 @@
+#include "loom/spec.h"
+
+#include <gtest/gtest.h>
+
+namespace loom {
+namespace {
+
+absl::StatusOr<v1::JobSpec> Resolve(const std::string& json) {
+  v1::JobSpec spec;
+  absl::Status s = ParseJsonMessage(json, "job.json", &spec);
+  if (!s.ok()) return s;
+  return ResolveJobSpec(spec);
+}
+
+TEST(JobSpec, PresetFillsUnsetFieldsAndSpecOverrides) {
+  auto j = Resolve(R"({"preset": "micro", "steps": 40, "optimizer": {"lr": 0.001}})");
+  ASSERT_TRUE(j.ok()) << j.status();
+  EXPECT_EQ(j->steps(), 40);
+  EXPECT_DOUBLE_EQ(j->optimizer().lr(), 0.001);
+  EXPECT_DOUBLE_EQ(j->optimizer().beta2(), 0.95);  // from the preset
+  EXPECT_EQ(j->model().d_model(), 64);
+  EXPECT_EQ(j->grad_accum(), 1);
+  EXPECT_EQ(j->data().source(), "corpus");
+  EXPECT_EQ(j->data().seed(), 1u);
+  EXPECT_EQ(j->checkpoint().keep_last(), 3);
+  // A spec's schedule replaces the preset's.
+  auto s = Resolve(
+      R"({"preset": "tiny-cpu", "model": {"schedule": [{"repeat": 1, "attention": {"plugin": "iha"}}]}})");
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_EQ(s->model().schedule_size(), 1);
+  EXPECT_EQ(s->model().schedule(0).attention().plugin(), "iha");
+}
+
+TEST(JobSpec, PaperPresetMatchesTheSpec) {
+  auto j = JobPreset("paper-2.4b");
+  ASSERT_TRUE(j.ok());
+  EXPECT_EQ(j->model().n_layers(), 26);
+  EXPECT_EQ(j->model().d_model(), 2560);
+  EXPECT_EQ(j->model().n_heads(), 20);
+  EXPECT_EQ(j->model().ffn_hidden(), 10240);
+  EXPECT_EQ(j->model().vocab_size(), 128256);
+  EXPECT_EQ(j->model().max_seq_len(), 8192);
+  EXPECT_DOUBLE_EQ(j->model().rope_theta(), 500000);
+  EXPECT_DOUBLE_EQ(j->optimizer().lr(), 8e-4);
+  EXPECT_DOUBLE_EQ(j->optimizer().min_lr(), 8e-6);
+  EXPECT_EQ(j->optimizer().warmup_steps(), 1000);
+  EXPECT_DOUBLE_EQ(j->optimizer().beta1(), 0.9);
+  EXPECT_DOUBLE_EQ(j->optimizer().beta2(), 0.95);
+  EXPECT_DOUBLE_EQ(j->optimizer().weight_decay(), 0.1);
+  EXPECT_DOUBLE_EQ(j->optimizer().clip_norm(), 1.0);
+  EXPECT_EQ(j->precision(), "bf16");
+  auto resolved = ResolveJobSpec(*j);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->model().head_dim(), 128);
+}
+
+TEST(JobSpec, BadSpecsNameTheField) {
+  struct Bad {
+    const char* json;
+    const char* needle;
+  };
+  const Bad cases[] = {
+      {R"({"preset": "micro", "stepz": 3})", "stepz"},                        // unknown field
+      {R"({"preset": "micro", "steps": "ten"})", "steps"},                    // wrong type
+      {R"({"preset": "micro", "optimizer": {"lr": "fast"}})", "lr"},          // wrong type
+      {R"({"preset": "nano"})", "preset"},                                    // unknown preset
+      {R"({"steps": 3})", "model"},                                           // no model
+      {R"({"preset": "micro", "model": {"d_model": 66}})", "model.n_heads"},  // D % H
+      {R"({"preset": "micro", "seq_len": 4096})", "seq_len"},                 // > max_seq_len
+      {R"({"preset": "micro", "model": {"schedule": [{"repeat": 1, "attention": {"plugin": "local", "window": 999}}]}})",
+       "model.schedule[0].attention.window"},  // window > context
+      {R"({"preset": "micro", "micro_batch": -1})", "micro_batch"},
+      {R"({"preset": "micro", "grad_accum": -2})", "grad_accum"},
+      {R"({"preset": "micro", "steps": -5})", "steps"},
+      {R"({"preset": "micro", "optimizer": {"lr": -1}})", "optimizer.lr"},
+      {R"({"preset": "micro", "optimizer": {"min_lr": 1}})", "optimizer.min_lr"},
+      {R"({"preset": "micro", "optimizer": {"beta1": 1.0}})", "optimizer.beta1"},
+      {R"({"preset": "micro", "optimizer": {"warmup_steps": 1000}})", "optimizer.warmup_steps"},
+      {R"({"preset": "micro", "optimizer": {"weight_decay": -0.1}})", "optimizer.weight_decay"},
+      {R"({"preset": "micro", "optimizer": {"clip_norm": -1}})", "optimizer.clip_norm"},
+      {R"({"preset": "micro", "precision": "fp8"})", "precision"},
+      {R"({"preset": "micro", "precision": "bf16", "device": "cpu"})", "precision"},
+      {R"({"preset": "micro", "device": "tpu"})", "device"},
+      {R"({"preset": "micro", "data": {"source": "web"}})", "data.source"},
+      {R"({"preset": "micro", "data": {"tokenizer": "gpt2"}})", "data.tokenizer"},
+      {R"({"preset": "micro", "model": {"vocab_size": 100}})", "model.vocab_size"},
+      {R"({"preset": "micro", "checkpoint": {"interval": 10}})", "checkpoint.dir"},
+      {R"({"preset": "micro", "checkpoint": {"dir": "/tmp/x", "keep_last": -1}})",
+       "checkpoint.keep_last"},
+      {R"({"preset": "micro", "eval": {"interval": -1}})", "eval.interval"},
+      {R"({"preset": "micro", "metrics": {"port": 70000}})", "metrics.port"},
+      {R"({"preset": "micro", "kind": "finetune"})", "kind"},
+      {R"({"preset": "micro", "max_nan_skips": -1})", "max_nan_skips"},
+      {R"({"preset": "micro", "model": {"mode": "encoder", "num_classes": 2, "tie_embeddings": false}})",
+       "model.mode"},
+      {R"({"preset": "micro", "model": {"ffn_activation": "relu"}})", "model.ffn_activation"},
+      {R"({"preset": "micro", "data": {"corpus_bytes": 10}})", "data.corpus_bytes"},
+  };
+  int rejected = 0;
+  for (const Bad& b : cases) {
+    auto r = Resolve(b.json);
+    ASSERT_FALSE(r.ok()) << "accepted: " << b.json;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.json;
+    EXPECT_NE(r.status().message().find(b.needle), std::string::npos)
+        << b.json << " -> " << r.status().message();
+    ++rejected;
+  }
+  EXPECT_GE(rejected, 15);
+}
+
+TEST(JobSpec, HashesIgnoreWhereOutputGoesButNotWhatIsTrained) {
+  auto a = Resolve(R"({"preset": "micro"})");
+  auto b =
+      Resolve(R"({"preset": "micro", "steps": 999, "name": "x", "checkpoint": {"dir": "/tmp/c"}})");
+  auto c = Resolve(R"({"preset": "micro", "optimizer": {"lr": 0.001}})");
+  auto d = Resolve(R"({"preset": "micro", "model": {"n_layers": 3}})");
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok() && d.ok());
+  EXPECT_EQ(SpecHash(*a), SpecHash(*b));
+  EXPECT_NE(SpecHash(*a), SpecHash(*c));
+  EXPECT_EQ(ModelHash(*a), ModelHash(*c));
+  EXPECT_NE(ModelHash(*a), ModelHash(*d));
+  EXPECT_EQ(SpecHash(*a).size(), 16u);
+}
+
+}  // namespace
+}  // namespace loom
