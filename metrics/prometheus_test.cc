@@ -1,0 +1,124 @@
+#include "prometheus.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "http_exporter.h"
+
+namespace loom::metrics {
+namespace {
+
+void Fill(Registry& r) {
+  r.DeclareGauge("loom_train_loss", "Training loss of the last step.");
+  r.DeclareCounter("loom_train_tokens_total", "Tokens processed.");
+  r.DeclareHistogram("loom_train_step_seconds", "Step wall time.", {0.01, 0.1, 1, 10});
+  r.Set("loom_train_loss", 2.5, {{"job", "demo"}, {"rank", "0"}});
+  r.Increment("loom_train_tokens_total", 1024, {{"job", "demo"}, {"rank", "0"}});
+  r.Observe("loom_train_step_seconds", 0.05, {{"job", "demo"}});
+  r.Observe("loom_train_step_seconds", 2.0, {{"job", "demo"}});
+  r.Set("loom_train_loss", NAN, {{"job", "we\"ird\\name\n"}});
+}
+
+TEST(Prometheus, RendersTheTextFormat) {
+  Registry r;
+  Fill(r);
+  const std::string text = r.Render();
+  EXPECT_NE(text.find("# TYPE loom_train_loss gauge\n"), std::string::npos);
+  EXPECT_NE(text.find("loom_train_loss{job=\"demo\",rank=\"0\"} 2.5\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("loom_train_tokens_total{job=\"demo\",rank=\"0\"} 1024\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("loom_train_step_seconds_bucket{job=\"demo\",le=\"0.1\"} 1\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("loom_train_step_seconds_bucket{job=\"demo\",le=\"10\"} 2\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("loom_train_step_seconds_bucket{job=\"demo\",le=\"+Inf\"} 2\n"),
+            std::string::npos);
+  EXPECT_NE(text.find("loom_train_step_seconds_count{job=\"demo\"} 2\n"), std::string::npos);
+  EXPECT_NE(text.find("job=\"we\\\"ird\\\\name\\n\"} NaN"), std::string::npos) << text;
+  EXPECT_EQ(FormatValue(0.1), "0.1");
+  EXPECT_EQ(FormatValue(-INFINITY), "-Inf");
+}
+
+TEST(Prometheus, MisuseThrows) {
+  Registry r;
+  EXPECT_THROW(r.DeclareGauge("bad-name", ""), std::invalid_argument);
+  r.DeclareCounter("c_total", "");
+  EXPECT_THROW(r.Increment("c_total", -1), std::invalid_argument);
+  EXPECT_THROW(r.Set("c_total", 1), std::invalid_argument);
+  EXPECT_THROW(r.Set("undeclared", 1), std::invalid_argument);
+  EXPECT_THROW(r.DeclareHistogram("h", "", {1, 1}), std::invalid_argument);
+}
+
+TEST(Prometheus, PromtoolAcceptsTheOutput) {
+  const char* promtool = std::getenv("LOOM_PROMTOOL");
+  ASSERT_TRUE(promtool != nullptr && *promtool)
+      << "promtool not found (install Debian's prometheus)";
+  const std::string path = "/tmp/loom_metrics_" + std::to_string(getpid()) + ".prom";
+  Registry r;
+  Fill(r);
+  std::ofstream(path) << r.Render();
+  const std::string cmd = std::string(promtool) + " check metrics < " + path + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string output;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), p)) output += buf;
+  const int rc = pclose(p);
+  unlink(path.c_str());
+  EXPECT_EQ(rc, 0) << output;
+}
+
+std::string Fetch(int port, const std::string& request) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "connect failed";
+  }
+  send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return out;
+}
+
+TEST(HttpExporter, ServesMetricsOverRealHttp) {
+  Registry r;
+  Fill(r);
+  auto e = HttpExporter::Start(&r, "127.0.0.1", 0);
+  ASSERT_TRUE(e.ok()) << e.status();
+  const int port = (*e)->port();
+  ASSERT_GT(port, 0);
+  std::string ok = Fetch(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_EQ(ok.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << ok;
+  EXPECT_NE(ok.find("text/plain; version=0.0.4"), std::string::npos);
+  EXPECT_NE(ok.find("loom_train_loss{job=\"demo\",rank=\"0\"} 2.5"), std::string::npos);
+  r.Set("loom_train_loss", 1.25, {{"job", "demo"}, {"rank", "0"}});  // live updates show
+  EXPECT_NE(Fetch(port, "GET /metrics HTTP/1.0\r\n\r\n").find("} 1.25"), std::string::npos);
+  EXPECT_EQ(Fetch(port, "GET /nope HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 404", 0), 0u);
+  EXPECT_EQ(Fetch(port, "POST /metrics HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 405", 0), 0u);
+  EXPECT_EQ(Fetch(port, "garbage\r\n\r\n").rfind("HTTP/1.1 400", 0), 0u);
+  EXPECT_EQ(Fetch(port, "GET /metrics HTTP/1.1\r\nX: " + std::string(10000, 'a'))
+                .rfind("HTTP/1.1 431", 0),
+            0u);
+  EXPECT_EQ(Fetch(port, "GET /healthz HTTP/1.1\r\n\r\n").find("ok\n") != std::string::npos, true);
+  // A bad bind address is an error naming the field.
+  auto bad = HttpExporter::Start(&r, "localhost", 0);
+  EXPECT_NE(bad.status().message().find("metrics.bind"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace loom::metrics
