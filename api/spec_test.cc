@@ -16,6 +16,7 @@ TEST(JobSpec, PresetFillsUnsetFieldsAndSpecOverrides) {
   auto j = Resolve(R"({"preset": "micro", "steps": 40, "optimizer": {"lr": 0.001}})");
   ASSERT_TRUE(j.ok()) << j.status();
   EXPECT_EQ(j->steps(), 40);
+  EXPECT_EQ(j->optimizer().warmup_steps(), 4);  // the preset's 20, capped at a tenth of the run
   EXPECT_DOUBLE_EQ(j->optimizer().lr(), 0.001);
   EXPECT_DOUBLE_EQ(j->optimizer().beta2(), 0.95);  // from the preset
   EXPECT_EQ(j->model().d_model(), 64);
@@ -109,13 +110,13 @@ TEST(JobSpec, BadSpecsNameTheField) {
 }
 
 TEST(JobSpec, HashesIgnoreWhereOutputGoesButNotWhatIsTrained) {
-  auto a = Resolve(R"({"preset": "micro"})");
+  auto a = Resolve(R"({"preset": "micro", "steps": 200})");
   auto b =
       Resolve(R"({"preset": "micro", "steps": 999, "name": "x", "checkpoint": {"dir": "/tmp/c"}})");
   auto c = Resolve(R"({"preset": "micro", "optimizer": {"lr": 0.001}})");
   auto d = Resolve(R"({"preset": "micro", "model": {"n_layers": 3}})");
   ASSERT_TRUE(a.ok() && b.ok() && c.ok() && d.ok());
-  EXPECT_EQ(SpecHash(*a), SpecHash(*b));
+  EXPECT_EQ(SpecHash(*a), SpecHash(*b)) << a->ShortDebugString() << "\n" << b->ShortDebugString();
   EXPECT_NE(SpecHash(*a), SpecHash(*c));
   EXPECT_EQ(ModelHash(*a), ModelHash(*c));
   EXPECT_NE(ModelHash(*a), ModelHash(*d));

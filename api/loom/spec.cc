@@ -188,6 +188,10 @@ absl::StatusOr<v1::ModelConfig> ModelPreset(const std::string& name) {
   return c;
 }
 
+int64_t PresetWarmup(int64_t preset_warmup, int64_t steps) {
+  return std::min<int64_t>(preset_warmup, std::max<int64_t>(0, steps / 10));
+}
+
 absl::StatusOr<v1::JobSpec> JobPreset(const std::string& name) {
   v1::JobSpec j;
   LOOM_ASSIGN_OR_RETURN(*j.mutable_model(), ModelPreset(name));
@@ -275,6 +279,10 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
       j.mutable_model()->clear_schedule();
   }
   j.MergeFrom(in);
+  if (!in.preset().empty() && in.optimizer().warmup_steps() == 0) {
+    // The preset's warm-up is sized for its own run length; a shorter run warms up for a tenth.
+    j.mutable_optimizer()->set_warmup_steps(PresetWarmup(j.optimizer().warmup_steps(), j.steps()));
+  }
   if (j.kind().empty()) j.set_kind("pretrain");
   if (j.kind() != "pretrain")
     return SpecError("kind", absl::StrCat("'", j.kind(), "' is not pretrain"));

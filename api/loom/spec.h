@@ -28,6 +28,10 @@ absl::StatusOr<v1::ModelConfig> ModelPreset(const std::string& name);
 // bf16, context 8192).
 absl::StatusOr<v1::JobSpec> JobPreset(const std::string& name);
 
+// A preset's warm-up is sized for its own run length: for a run of `steps` the preset's value
+// applies up to a tenth of the run.
+int64_t PresetWarmup(int64_t preset_warmup, int64_t steps);
+
 // Parses JSON into a message; unknown fields and wrong types are InvalidArgument naming them.
 absl::Status ParseJsonMessage(const std::string& json, const std::string& source,
                               google::protobuf::Message* out);

@@ -5,6 +5,7 @@
 //   devices    report CPU threads and CUDA devices
 #include <google/protobuf/util/json_util.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -12,6 +13,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "attention_factory.h"
 #include "cli_args.h"
@@ -20,8 +22,8 @@
 #include "loom/status_macros.h"
 #include "model.h"
 #include "plugin_loader.h"
-#include "standalone_train.h"
 #include "tensor_io.h"
+#include "trainer.h"
 
 namespace loom::trainer {
 namespace {
@@ -29,10 +31,14 @@ namespace {
 constexpr char kUsage[] = R"(usage: loom-train <command> [flags]
 
 commands:
-  train       train a decoder on the built-in generated corpus
-                --preset NAME (tiny-cpu | micro, default tiny-cpu) or --model model.json
-                --steps N --batch B --seq-len N --lr X --min-lr X --warmup N
-                --weight-decay X --clip X --seed S --log-every K --threads T
+  train       train a decoder (job spec: docs/jobs.md)
+                --spec job.json, or --preset NAME (tiny-cpu | micro | paper-2.4b; default
+                tiny-cpu) with optional --model model.json
+                overrides: --steps N --batch B --grad-accum K --seq-len N --lr X --min-lr X
+                --warmup N --seed S --log-every K --threads T --name NAME
+                --checkpoint-dir DIR --checkpoint-every N --metrics-port P --metrics-jsonl F
+                --resume DIR (continue exactly) | --init-from DIR (weights only)
+                --stop-after N (stop at step N with a checkpoint)  --print-spec
                 --save-weights out.safetensors
   attention   one attention layer's forward from files
                 --plugin NAME --config layer.json --weights w.safetensors
@@ -110,44 +116,120 @@ absl::StatusOr<v1::ModelConfig> ModelFromArgs(const CliArgs& args) {
   return ModelPreset(args.Get("preset", "tiny-cpu"));
 }
 
+// The job for `train`: --spec job.json, else --preset (default tiny-cpu) with --model replacing
+// its model; then individual flags override fields.
+absl::StatusOr<v1::JobSpec> JobFromArgs(const CliArgs& args) {
+  v1::JobSpec spec;
+  if (args.Has("spec")) {
+    if (args.Has("preset") || args.Has("model")) {
+      return absl::InvalidArgumentError("--spec is exclusive with --preset and --model");
+    }
+    LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(args.Get("spec"), "--spec"));
+    LOOM_RETURN_IF_ERROR(ParseJson(text, args.Get("spec"), &spec));
+  } else {
+    LOOM_ASSIGN_OR_RETURN(spec, JobPreset(args.Get("preset", "tiny-cpu")));
+    if (args.Has("model")) {
+      LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(args.Get("model"), "--model"));
+      v1::ModelConfig model;
+      LOOM_RETURN_IF_ERROR(ParseJson(text, args.Get("model"), &model));
+      *spec.mutable_model() = model;
+    }
+  }
+  if (args.Has("steps")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("steps", 0, 1, 1000000000));
+    spec.set_steps(v);
+    if (!args.Has("spec")) {
+      spec.mutable_optimizer()->set_warmup_steps(PresetWarmup(spec.optimizer().warmup_steps(), v));
+    }
+  }
+  if (args.Has("batch")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("batch", 0, 1, 65536));
+    spec.set_micro_batch(v);
+  }
+  if (args.Has("grad-accum")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("grad-accum", 0, 1, 65536));
+    spec.set_grad_accum(v);
+  }
+  if (args.Has("seq-len")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("seq-len", 0, 1, 1 << 20));
+    spec.set_seq_len(v);
+  }
+  if (args.Has("lr")) {
+    LOOM_ASSIGN_OR_RETURN(double v, args.GetDouble("lr", 0, 1e-12, 10));
+    spec.mutable_optimizer()->set_lr(v);
+  }
+  if (args.Has("min-lr")) {
+    LOOM_ASSIGN_OR_RETURN(double v, args.GetDouble("min-lr", 0, 0, 10));
+    spec.mutable_optimizer()->set_min_lr(v);
+  }
+  if (args.Has("warmup")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("warmup", 0, 0, 1000000000));
+    spec.mutable_optimizer()->set_warmup_steps(v);
+  }
+  if (args.Has("seed")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("seed", 1, 1, INT64_MAX));
+    spec.set_seed(static_cast<uint64_t>(v));
+    spec.mutable_model()->set_init_seed(static_cast<uint64_t>(v));
+  }
+  if (args.Has("log-every")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("log-every", 0, 1, 1000000000));
+    spec.mutable_metrics()->set_log_every(v);
+  }
+  if (args.Has("threads")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("threads", 0, 1, 1024));
+    spec.set_threads(static_cast<int32_t>(v));
+  }
+  if (args.Has("checkpoint-dir")) spec.mutable_checkpoint()->set_dir(args.Get("checkpoint-dir"));
+  if (args.Has("checkpoint-every")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("checkpoint-every", 0, 1, 1000000000));
+    spec.mutable_checkpoint()->set_interval(v);
+  }
+  if (args.Has("metrics-port")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("metrics-port", 0, -1, 65535));
+    spec.mutable_metrics()->set_port(static_cast<int32_t>(v));
+  }
+  if (args.Has("metrics-jsonl")) spec.mutable_metrics()->set_jsonl(args.Get("metrics-jsonl"));
+  if (args.Has("name")) spec.set_name(args.Get("name"));
+  return ResolveJobSpec(spec);
+}
+
 absl::Status RunTrain(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
-      CliArgs args, CliArgs::Parse(argc, argv, 2,
-                                   {"preset", "model", "steps", "batch", "seq-len", "lr", "min-lr",
-                                    "warmup", "weight-decay", "clip", "seed", "log-every",
-                                    "threads", "plugin-dir", "save-weights", "corpus-bytes"}));
-  LOOM_RETURN_IF_ERROR(ApplyThreads(args));
-  LOOM_ASSIGN_OR_RETURN(v1::ModelConfig config, ModelFromArgs(args));
-  TrainOptions o;
-  LOOM_ASSIGN_OR_RETURN(o.steps, args.GetInt("steps", o.steps, 1, 100000000));
-  LOOM_ASSIGN_OR_RETURN(o.batch, args.GetInt("batch", o.batch, 1, 65536));
-  LOOM_ASSIGN_OR_RETURN(o.seq_len, args.GetInt("seq-len", o.seq_len, 1, 1 << 20));
-  LOOM_ASSIGN_OR_RETURN(o.lr, args.GetDouble("lr", o.lr, 1e-12, 10));
-  LOOM_ASSIGN_OR_RETURN(o.min_lr, args.GetDouble("min-lr", std::min(o.min_lr, o.lr), 0, o.lr));
-  LOOM_ASSIGN_OR_RETURN(o.warmup_steps, args.GetInt("warmup", o.warmup_steps, 0, 100000000));
-  LOOM_ASSIGN_OR_RETURN(o.weight_decay, args.GetDouble("weight-decay", o.weight_decay, 0, 10));
-  LOOM_ASSIGN_OR_RETURN(o.clip_norm, args.GetDouble("clip", o.clip_norm, 0, 1e6));
-  LOOM_ASSIGN_OR_RETURN(int64_t seed, args.GetInt("seed", 1, 0, INT64_MAX));
-  LOOM_ASSIGN_OR_RETURN(o.log_every, args.GetInt("log-every", o.log_every, 0, 100000000));
-  LOOM_ASSIGN_OR_RETURN(int64_t corpus_bytes,
-                        args.GetInt("corpus-bytes", 1 << 20, 1024, 1LL << 32));
-  o.data_seed = static_cast<uint64_t>(seed);
-  if (!args.Has("model")) config.set_init_seed(static_cast<uint64_t>(seed));
-
+      CliArgs args,
+      CliArgs::Parse(
+          argc, argv, 2,
+          {"spec",           "preset",           "model",        "steps",         "batch",
+           "grad-accum",     "seq-len",          "lr",           "min-lr",        "warmup",
+           "seed",           "log-every",        "threads",      "plugin-dir",    "save-weights",
+           "checkpoint-dir", "checkpoint-every", "metrics-port", "metrics-jsonl", "name",
+           "resume",         "init-from",        "stop-after"},
+          {"print-spec"}));
+  LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, JobFromArgs(args));
+  if (args.Has("print-spec")) {
+    std::string json;
+    google::protobuf::util::JsonPrintOptions print;
+    print.add_whitespace = true;
+    print.preserve_proto_field_names = true;
+    (void)google::protobuf::util::MessageToJsonString(spec, &json, print);
+    std::cout << json;
+    return absl::OkStatus();
+  }
+  TrainerOptions options;
+  options.resume = args.Get("resume");
+  options.init_from = args.Get("init-from");
+  LOOM_ASSIGN_OR_RETURN(options.stop_after, args.GetInt("stop-after", 0, 1, 1000000000));
+  options.log = &std::cout;
+  options.progress_bar = ::isatty(STDOUT_FILENO) != 0;
   PluginLoader loader;
   LOOM_RETURN_IF_ERROR(LoadPlugins(args, loader, false));
-  LOOM_ASSIGN_OR_RETURN(std::shared_ptr<Transformer> model, Transformer::Create(config, loader));
-  std::vector<int64_t> train = ByteTokens(GenerateCorpus(o.data_seed, corpus_bytes));
-  std::vector<int64_t> eval = ByteTokens(GenerateCorpus(o.data_seed + 1000003, 1 << 16));
-  std::cout << "loom-train: " << config.n_layers() << " layers, d_model " << config.d_model()
-            << ", " << config.n_heads() << " heads; " << o.steps << " steps of " << o.batch << " x "
-            << o.seq_len << " tokens on CPU (" << torch::get_num_threads() << " threads)\n";
-  LOOM_ASSIGN_OR_RETURN(TrainResult result, TrainLanguageModel(*model, train, eval, o, &std::cout));
-  if (!(result.eval_loss_after < result.eval_loss_before)) {
-    return absl::InternalError("training did not lower the held-out loss");
+  LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(spec, loader, options));
+  LOOM_ASSIGN_OR_RETURN(TrainSummary summary, trainer->Run());
+  if (summary.first_eval_loss > 0) {
+    std::cout << absl::StrFormat("eval loss: %.4f -> %.4f over %d steps\n", summary.first_eval_loss,
+                                 summary.last_eval_loss, summary.steps.size());
   }
   if (args.Has("save-weights")) {
-    LOOM_RETURN_IF_ERROR(SaveTensors(args.Get("save-weights"), ModuleTensors(*model)));
+    LOOM_RETURN_IF_ERROR(SaveTensors(args.Get("save-weights"), ModuleTensors(trainer->model())));
     std::cout << "weights written to " << args.Get("save-weights") << "\n";
   }
   return absl::OkStatus();

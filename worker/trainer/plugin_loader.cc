@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 
@@ -125,7 +126,12 @@ absl::Status PluginLoader::LoadFile(const std::string& path) {
 
 LoadReport PluginLoader::LoadDirectories(const std::vector<std::string>& directories) {
   LoadReport report;
+  std::vector<std::string> seen;  // canonical directories: the same one reached twice loads once
   for (const std::string& dir : directories) {
+    char resolved[PATH_MAX];
+    if (::realpath(dir.c_str(), resolved) == nullptr) continue;  // missing directory
+    if (std::find(seen.begin(), seen.end(), resolved) != seen.end()) continue;
+    seen.emplace_back(resolved);
     DIR* d = ::opendir(dir.c_str());
     if (d == nullptr) continue;
     std::vector<std::string> files;

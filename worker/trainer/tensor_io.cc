@@ -60,37 +60,49 @@ absl::StatusOr<DType> ToDType(torch::ScalarType type) {
 
 }  // namespace
 
-absl::StatusOr<std::map<std::string, torch::Tensor>> LoadTensors(const std::string& path) {
-  auto file = storage::SafetensorsFile::Read(path);
-  if (!file.ok()) return file.status();
+absl::StatusOr<std::map<std::string, torch::Tensor>> TensorsFromFile(
+    const storage::SafetensorsFile& file) {
   std::map<std::string, torch::Tensor> out;
-  for (const storage::TensorInfo& info : file->tensors()) {
+  for (const storage::TensorInfo& info : file.tensors()) {
     auto type = ToScalarType(info.dtype);
     if (!type.ok()) return type.status();
     torch::Tensor t = torch::empty(info.shape, torch::TensorOptions().dtype(*type));
-    std::string_view data = file->Data(info);
+    std::string_view data = file.Data(info);
     if (!data.empty()) std::memcpy(t.data_ptr(), data.data(), data.size());
     out.emplace(info.name, std::move(t));
   }
   return out;
 }
 
-absl::Status SaveTensors(const std::string& path, const NamedTensors& tensors,
-                         const std::map<std::string, std::string>& metadata) {
-  std::vector<torch::Tensor> keep;  // CPU contiguous copies that outlive the write
-  std::vector<storage::TensorToWrite> items;
-  keep.reserve(tensors.size());
+absl::StatusOr<std::map<std::string, torch::Tensor>> LoadTensors(const std::string& path) {
+  auto file = storage::SafetensorsFile::Read(path);
+  if (!file.ok()) return file.status();
+  return TensorsFromFile(*file);
+}
+
+absl::StatusOr<WritableTensors> ToWritable(const NamedTensors& tensors) {
+  WritableTensors out;
+  out.keep.reserve(tensors.size());
   for (const auto& [name, tensor] : tensors) {
     auto dtype = ToDType(tensor.scalar_type());
-    if (!dtype.ok())
+    if (!dtype.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(path, ": tensor '", name, "': ", dtype.status().message()));
-    keep.push_back(tensor.detach().to(torch::kCPU).contiguous());
-    const torch::Tensor& t = keep.back();
-    items.push_back({name, *dtype, t.sizes().vec(), t.data_ptr(),
-                     static_cast<size_t>(t.numel()) * t.element_size()});
+          absl::StrCat("tensor '", name, "': ", dtype.status().message()));
+    }
+    out.keep.push_back(tensor.detach().to(torch::kCPU).contiguous());
+    const torch::Tensor& t = out.keep.back();
+    out.items.push_back({name, *dtype, t.sizes().vec(), t.data_ptr(),
+                         static_cast<size_t>(t.numel()) * t.element_size()});
   }
-  return storage::Write(path, items, metadata);
+  return out;
+}
+
+absl::Status SaveTensors(const std::string& path, const NamedTensors& tensors,
+                         const std::map<std::string, std::string>& metadata) {
+  auto writable = ToWritable(tensors);
+  if (!writable.ok())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", writable.status().message()));
+  return storage::Write(path, writable->items, metadata);
 }
 
 absl::Status LoadIntoModule(torch::nn::Module& module,

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "safetensors.h"
 
 namespace loom::trainer {
 
@@ -18,6 +19,17 @@ using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
 // Reads every tensor of a safetensors file into owned CPU tensors.
 absl::StatusOr<std::map<std::string, torch::Tensor>> LoadTensors(const std::string& path);
+// The same for a file already parsed (checkpoint shards).
+absl::StatusOr<std::map<std::string, torch::Tensor>> TensorsFromFile(
+    const storage::SafetensorsFile& file);
+
+// Tensors as the storage layer's write descriptors; `keep` holds the CPU contiguous copies the
+// descriptors point into and must outlive them.
+struct WritableTensors {
+  std::vector<torch::Tensor> keep;
+  std::vector<storage::TensorToWrite> items;
+};
+absl::StatusOr<WritableTensors> ToWritable(const NamedTensors& tensors);
 
 // Writes tensors (moved to CPU, made contiguous) atomically. Unsupported dtypes are an error.
 absl::Status SaveTensors(const std::string& path, const NamedTensors& tensors,

@@ -1,0 +1,503 @@
+#include "trainer.h"
+
+#include <google/protobuf/util/json_util.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "corpus.h"
+#include "loom/spec.h"
+#include "loom/status_macros.h"
+#include "tensor_io.h"
+
+namespace loom::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr char kModelPrefix[] = "model.";
+constexpr char kOptimPrefix[] = "optim.";
+constexpr char kTorchRng[] = "rng.torch_cpu";
+
+int64_t UnixMillis() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string JsonNumber(double v) { return std::isfinite(v) ? absl::StrFormat("%.17g", v) : "null"; }
+
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) {
+      out += absl::StrFormat("\\u%04x", c);
+      continue;
+    }
+    out += c;
+  }
+  return out + "\"";
+}
+
+std::string Duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = static_cast<int64_t>(seconds);
+  return s >= 3600 ? absl::StrFormat("%d:%02d:%02d", s / 3600, s / 60 % 60, s % 60)
+                   : absl::StrFormat("%d:%02d", s / 60, s % 60);
+}
+
+std::vector<int64_t> ParseStepList(const char* text) {
+  std::vector<int64_t> out;
+  if (text == nullptr) return out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int64_t v;
+    if (absl::SimpleAtoi(part, &v)) out.push_back(v);
+  }
+  return out;
+}
+
+}  // namespace
+
+double LearningRateAt(const v1::OptimizerConfig& o, int64_t total_steps, int64_t step) {
+  if (step < o.warmup_steps()) return o.lr() * static_cast<double>(step + 1) / o.warmup_steps();
+  const double span = std::max<int64_t>(1, total_steps - o.warmup_steps());
+  const double progress = std::min(1.0, static_cast<double>(step - o.warmup_steps()) / span);
+  return o.min_lr() + 0.5 * (o.lr() - o.min_lr()) * (1.0 + std::cos(M_PI * progress));
+}
+
+std::pair<torch::Tensor, torch::Tensor> WindowSampler::Next(int64_t batch, int64_t seq_len) {
+  return SampleWindows(tokens_, batch, seq_len, rng_);
+}
+
+std::string WindowSampler::State() const {
+  std::ostringstream s;
+  s << rng_;
+  return s.str();
+}
+
+absl::Status WindowSampler::Restore(const std::string& state) {
+  std::istringstream s(state);
+  std::mt19937_64 rng;
+  s >> rng;
+  if (s.fail()) return absl::DataLossError("data cursor: malformed sampler state");
+  rng_ = rng;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& resolved,
+                                                         const PluginLoader& loader,
+                                                         TrainerOptions options) {
+  std::unique_ptr<Trainer> t(new Trainer(resolved, std::move(options)));
+  try {
+    LOOM_RETURN_IF_ERROR(t->Setup(loader));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("trainer setup: ", e.what()));
+  }
+  return t;
+}
+
+Trainer::~Trainer() = default;
+
+absl::Status Trainer::Setup(const PluginLoader& loader) {
+  if (spec_.threads() > 0) torch::set_num_threads(spec_.threads());
+  const bool cuda = torch::cuda::is_available();
+  if (spec_.device() == "cuda" && !cuda) {
+    return absl::FailedPreconditionError(
+        "device: cuda requested, but this LibTorch has no CUDA or no GPU is visible");
+  }
+  device_ = (spec_.device() == "cuda" || (spec_.device() == "auto" && cuda))
+                ? torch::Device(torch::kCUDA)
+                : torch::Device(torch::kCPU);
+  if (spec_.precision() == "bf16" && !device_.is_cuda()) {
+    return absl::FailedPreconditionError(
+        "precision: bf16 autocast needs a CUDA device; use fp32 on the CPU");
+  }
+  if (spec_.precision() == "bf16") {
+    return absl::UnimplementedError("precision: bf16 autocast is not implemented yet; use fp32");
+  }
+  dtype_ = spec_.precision() == "fp64" ? torch::kFloat64 : torch::kFloat32;
+
+  LOOM_ASSIGN_OR_RETURN(model_, Transformer::Create(spec_.model(), loader));
+  model_->to(device_, dtype_);
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
+  const auto& o = spec_.optimizer();
+  optimizer_ =
+      std::make_unique<AdamW>(params, AdamWConfig{o.beta1(), o.beta2(), o.eps(), o.weight_decay()});
+
+  const auto& d = spec_.data();
+  train_data_ = std::make_unique<WindowSampler>(
+      ByteTokens(GenerateCorpus(d.seed(), d.corpus_bytes())), d.seed());
+  eval_tokens_ = ByteTokens(
+      GenerateCorpus(d.seed() + 1000003, std::max<int64_t>(1 << 16, 8 * (spec_.seq_len() + 1))));
+  model_hash_ = ModelHash(spec_);
+  spec_hash_ = SpecHash(spec_);
+  forward_flops_per_token_ = model_->ForwardFlopsPerToken(spec_.seq_len());
+  inject_nan_at_ = ParseStepList(std::getenv("LOOM_TEST_INJECT_NAN_AT_STEPS"));
+  if (const char* pause = std::getenv("LOOM_TEST_CHECKPOINT_PAUSE")) {  // "STEP:MILLISECONDS"
+    std::vector<std::string> parts = absl::StrSplit(pause, ':');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &checkpoint_pause_step_) ||
+        !absl::SimpleAtoi(parts[1], &checkpoint_pause_ms_)) {
+      return absl::InvalidArgumentError("LOOM_TEST_CHECKPOINT_PAUSE: want STEP:MILLISECONDS");
+    }
+  }
+
+  labels_ = {{"job", spec_.name().empty() ? "standalone" : spec_.name()}, {"rank", "0"}};
+  registry_.DeclareGauge("loom_train_loss", "Training loss of the last optimizer step.");
+  registry_.DeclareGauge("loom_train_eval_loss", "Held-out loss at the last evaluation.");
+  registry_.DeclareGauge("loom_train_learning_rate", "Learning rate of the last step.");
+  registry_.DeclareGauge("loom_train_grad_norm", "Global gradient norm before clipping.");
+  registry_.DeclareGauge("loom_train_tokens_per_second", "Training throughput of the last step.");
+  registry_.DeclareGauge("loom_train_mfu_ratio",
+                         "Model FLOP utilisation against metrics.peak_flops.");
+  registry_.DeclareGauge("loom_train_step", "Optimizer steps completed.");
+  registry_.DeclareGauge("loom_train_total_steps", "Optimizer steps the job will run.");
+  registry_.DeclareCounter("loom_train_tokens_total", "Training tokens processed.");
+  registry_.DeclareCounter("loom_train_nan_skipped_steps_total",
+                           "Steps skipped for a non-finite loss or gradient.");
+  registry_.DeclareCounter("loom_train_checkpoint_bytes_total", "Bytes written to checkpoints.");
+  registry_.DeclareHistogram("loom_train_step_seconds", "Wall time of one optimizer step.",
+                             {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60});
+  registry_.DeclareHistogram("loom_train_checkpoint_write_seconds",
+                             "Wall time to write and commit a checkpoint.",
+                             {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});
+  registry_.DeclareHistogram("loom_train_checkpoint_load_seconds",
+                             "Wall time to load and verify a checkpoint.",
+                             {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});
+  registry_.Set("loom_train_total_steps", static_cast<double>(spec_.steps()), labels_);
+  if (spec_.metrics().port() != 0) {
+    LOOM_ASSIGN_OR_RETURN(exporter_,
+                          metrics::HttpExporter::Start(&registry_, spec_.metrics().bind(),
+                                                       std::max(0, spec_.metrics().port())));
+    LogLine(absl::StrCat("metrics: http://", spec_.metrics().bind(), ":", exporter_->port(),
+                         "/metrics"));
+  }
+
+  const std::string& ckpt_dir = spec_.checkpoint().dir();
+  if (!ckpt_dir.empty()) {
+    LOOM_ASSIGN_OR_RETURN(int removed, storage::CleanIncomplete(ckpt_dir));
+    if (removed > 0)
+      LogLine(
+          absl::StrCat("checkpoint: removed ", removed, " incomplete checkpoint(s) in ", ckpt_dir));
+  }
+  if (!options_.resume.empty() && !options_.init_from.empty()) {
+    return absl::InvalidArgumentError("--resume and --init-from are exclusive");
+  }
+  if (!options_.resume.empty()) LOOM_RETURN_IF_ERROR(Restore(options_.resume, false));
+  if (!options_.init_from.empty()) LOOM_RETURN_IF_ERROR(Restore(options_.init_from, true));
+
+  if (!spec_.metrics().jsonl().empty()) {
+    jsonl_.open(spec_.metrics().jsonl(), options_.resume.empty() ? std::ios::trunc : std::ios::app);
+    if (!jsonl_)
+      return absl::InvalidArgumentError(
+          absl::StrCat("metrics.jsonl: cannot open '", spec_.metrics().jsonl(), "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Restore(const std::string& where, bool weights_only) {
+  const auto start = Clock::now();
+  absl::StatusOr<storage::LoadedCheckpoint> loaded;
+  if (fs::exists(fs::path(where) / "manifest.json")) {
+    loaded = storage::LoadCheckpoint(where);
+  } else {
+    std::vector<absl::Status> skipped;
+    loaded = storage::LoadLatestCheckpoint(where, &skipped);
+    for (const absl::Status& s : skipped) {
+      LogLine(absl::StrCat("checkpoint: skipping a damaged checkpoint: ", s.message()));
+    }
+  }
+  const char* what = weights_only ? "--init-from" : "--resume";
+  if (!loaded.ok())
+    return absl::Status(loaded.status().code(),
+                        absl::StrCat(what, ": ", loaded.status().message()));
+  const storage::Manifest& m = loaded->manifest;
+  if (m.world_size != 1) {
+    return absl::UnimplementedError(
+        absl::StrCat(what, ": ", loaded->dir, " was written by ", m.world_size,
+                     " ranks; resharding onto 1 rank is not implemented yet"));
+  }
+  LOOM_ASSIGN_OR_RETURN(auto tensors, TensorsFromFile(loaded->shards[0]));
+  std::map<std::string, torch::Tensor> model_tensors, optim_tensors;
+  for (auto& [name, t] : tensors) {
+    if (name.rfind(kModelPrefix, 0) == 0) model_tensors[name.substr(sizeof(kModelPrefix) - 1)] = t;
+    if (name.rfind(kOptimPrefix, 0) == 0) optim_tensors[name.substr(sizeof(kOptimPrefix) - 1)] = t;
+  }
+  if (!weights_only) {
+    auto it = m.state.find("model_hash");
+    if (it == m.state.end() || it->second != model_hash_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": ", loaded->dir, " holds a different model (hash ",
+                       it == m.state.end() ? "none" : it->second, ", this spec ", model_hash_,
+                       "); use --init-from to start a new run from its weights"));
+    }
+  }
+  if (absl::Status s = LoadIntoModule(*model_, model_tensors); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", loaded->dir, ": model: ", s.message()));
+  }
+  if (weights_only) {
+    parent_ = loaded->dir;
+    LogLine(absl::StrCat("init-from: weights of ", loaded->dir, " (step ", m.step,
+                         "); fresh optimizer"));
+  } else {
+    auto get = [&](const std::string& key) -> absl::StatusOr<std::string> {
+      auto it = m.state.find(key);
+      if (it == m.state.end())
+        return absl::DataLossError(absl::StrCat(what, ": manifest lacks state '", key, "'"));
+      return it->second;
+    };
+    LOOM_ASSIGN_OR_RETURN(std::string optim_step, get("optim.step"));
+    LOOM_ASSIGN_OR_RETURN(std::string data_rng, get("data.rng"));
+    LOOM_ASSIGN_OR_RETURN(std::string nan_run, get("nan.consecutive"));
+    int64_t optim_step_value = 0;
+    if (!absl::SimpleAtoi(optim_step, &optim_step_value) ||
+        !absl::SimpleAtoi(nan_run, &consecutive_nan_)) {
+      return absl::DataLossError(
+          absl::StrCat(what, ": malformed optimizer step or NaN counter in the manifest"));
+    }
+    for (auto& [name, t] : optim_tensors) t = t.to(device_);
+    LOOM_RETURN_IF_ERROR(optimizer_->LoadState(optim_tensors, optim_step_value));
+    LOOM_RETURN_IF_ERROR(train_data_->Restore(data_rng));
+    auto rng = tensors.find(kTorchRng);
+    if (rng == tensors.end())
+      return absl::DataLossError(absl::StrCat(what, ": shard lacks ", kTorchRng));
+    at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle to the global one
+    generator.set_state(rng->second);
+    step_ = m.step;
+    tokens_seen_ = m.tokens_seen;
+    parent_ = m.parent;
+    LogLine(
+        absl::StrCat("resume: ", loaded->dir, " at step ", step_, " (", tokens_seen_, " tokens)"));
+  }
+  registry_.Observe("loom_train_checkpoint_load_seconds",
+                    std::chrono::duration<double>(Clock::now() - start).count(), labels_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
+  const auto start = Clock::now();
+  NamedTensors tensors;
+  for (auto& [name, t] : ModuleTensors(*model_)) tensors.emplace_back(kModelPrefix + name, t);
+  for (auto& [name, t] : optimizer_->StateTensors()) tensors.emplace_back(kOptimPrefix + name, t);
+  tensors.emplace_back(kTorchRng, at::detail::getDefaultCPUGenerator().get_state());
+  LOOM_ASSIGN_OR_RETURN(WritableTensors writable, ToWritable(tensors));
+  LOOM_ASSIGN_OR_RETURN(storage::CheckpointWriter writer,
+                        storage::CheckpointWriter::Begin(spec_.checkpoint().dir(), step_, 1));
+  if (absl::Status s = writer.WriteShard(0, writable.items, {{"format", "pt"}}); !s.ok()) {
+    writer.Abort();
+    return s;
+  }
+  if (checkpoint_pause_ms_ > 0 &&
+      step_ == checkpoint_pause_step_) {  // test hook: a window to kill in
+    LogLine(absl::StrCat("checkpoint: step ", step_, " shards written, pausing before commit"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(checkpoint_pause_ms_));
+  }
+  storage::Manifest manifest;
+  manifest.tokens_seen = tokens_seen_;
+  manifest.spec_hash = spec_hash_;
+  manifest.parent = parent_;
+  manifest.kind = spec_.kind();
+  std::string spec_json;
+  google::protobuf::util::JsonPrintOptions print;
+  print.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(spec_, &spec_json, print);
+  manifest.state = {{"optim.step", std::to_string(optimizer_->step())},
+                    {"data.rng", train_data_->State()},
+                    {"nan.consecutive", std::to_string(consecutive_nan_)},
+                    {"model_hash", model_hash_},
+                    {"spec", spec_json}};
+  auto dir = writer.Commit(manifest);
+  if (!dir.ok()) {
+    writer.Abort();
+    return dir.status();
+  }
+  LOOM_RETURN_IF_ERROR(storage::ApplyRetention(
+      spec_.checkpoint().dir(), spec_.checkpoint().keep_last(), spec_.checkpoint().keep_every()));
+  uint64_t bytes = 0;
+  for (const auto& item : writable.items) bytes += item.size_bytes;
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  registry_.Observe("loom_train_checkpoint_write_seconds", seconds, labels_);
+  registry_.Increment("loom_train_checkpoint_bytes_total", static_cast<double>(bytes), labels_);
+  WriteJsonl(absl::StrCat("{\"event\":\"checkpoint\",\"step\":", step_,
+                          ",\"dir\":", JsonString(*dir), ",\"seconds\":", JsonNumber(seconds),
+                          ",\"bytes\":", bytes, "}"));
+  return *dir;
+}
+
+double Trainer::Evaluate() {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  std::mt19937_64 rng(spec_.data().seed() ^ 0x9e3779b97f4a7c15ULL);  // the same windows every time
+  double total = 0;
+  for (int64_t i = 0; i < spec_.eval().batches(); ++i) {
+    auto [inputs, targets] = SampleWindows(eval_tokens_, spec_.micro_batch(), spec_.seq_len(), rng);
+    torch::Tensor logits = model_->forward({inputs.to(device_)});
+    total += torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                  targets.to(device_).reshape({-1}))
+                 .item<double>();
+  }
+  model_->train();
+  const double loss = total / static_cast<double>(spec_.eval().batches());
+  registry_.Set("loom_train_eval_loss", loss, labels_);
+  WriteJsonl(absl::StrCat("{\"event\":\"eval\",\"step\":", step_,
+                          ",\"eval_loss\":", JsonNumber(loss), "}"));
+  return loss;
+}
+
+void Trainer::LogLine(const std::string& line) {
+  if (options_.log == nullptr) return;
+  if (options_.progress_bar) *options_.log << "\r\033[K";
+  *options_.log << line << "\n" << std::flush;
+}
+
+void Trainer::WriteJsonl(const std::string& json) {
+  if (jsonl_.is_open()) jsonl_ << json << "\n" << std::flush;
+}
+
+absl::StatusOr<TrainSummary> Trainer::Run() {
+  TrainSummary summary;
+  const int64_t total = spec_.steps();
+  const int64_t tokens_per_step = spec_.micro_batch() * spec_.grad_accum() * spec_.seq_len();
+  const double flops_per_step =
+      3.0 * forward_flops_per_token_ * static_cast<double>(tokens_per_step);
+  const bool checkpoints = !spec_.checkpoint().dir().empty();
+  int64_t last_saved = -1;
+  auto save = [&]() -> absl::Status {
+    LOOM_ASSIGN_OR_RETURN(summary.last_checkpoint, SaveCheckpoint());
+    last_saved = step_;
+    LogLine(absl::StrCat("checkpoint: step ", step_, " committed to ", summary.last_checkpoint));
+    return absl::OkStatus();
+  };
+  LogLine(absl::StrFormat(
+      "loom-train: %d layers, d_model %d, %d heads, %d parameters; %d steps x %d tokens "
+      "on %s, %s, %d threads; %.3g forward FLOPs/token",
+      spec_.model().n_layers(), spec_.model().d_model(), spec_.model().n_heads(),
+      model_->NumParameters(), total, tokens_per_step, device_.str(), spec_.precision(),
+      torch::get_num_threads(), forward_flops_per_token_));
+  if (step_ == 0) {
+    summary.first_eval_loss = Evaluate();
+    LogLine(absl::StrFormat("eval loss at step 0: %.4f", summary.first_eval_loss));
+  }
+  std::vector<torch::Tensor> params = model_->parameters();
+  const auto run_start = Clock::now();
+  const int64_t first_step = step_;
+  try {
+    while (step_ < total && !(options_.stop_after > 0 && step_ >= options_.stop_after)) {
+      const auto step_start = Clock::now();
+      const double lr = LearningRateAt(spec_.optimizer(), total, step_);
+      for (auto& p : params) p.mutable_grad() = torch::Tensor();
+      double loss_sum = 0;
+      for (int64_t micro = 0; micro < spec_.grad_accum(); ++micro) {
+        auto [inputs, targets] = train_data_->Next(spec_.micro_batch(), spec_.seq_len());
+        torch::Tensor logits = model_->forward({inputs.to(device_)});
+        torch::Tensor loss = torch::nn::functional::cross_entropy(
+            logits.reshape({-1, logits.size(-1)}), targets.to(device_).reshape({-1}));
+        (loss / static_cast<double>(spec_.grad_accum())).backward();
+        loss_sum += loss.item<double>();
+      }
+      StepRecord r;
+      r.step = step_ + 1;
+      r.lr = lr;
+      r.loss = loss_sum / static_cast<double>(spec_.grad_accum());
+      if (std::find(inject_nan_at_.begin(), inject_nan_at_.end(), r.step) != inject_nan_at_.end()) {
+        r.loss = std::nan("");  // test hook
+      }
+      const double clip = spec_.optimizer().clip_norm() > 0
+                              ? spec_.optimizer().clip_norm()
+                              : std::numeric_limits<double>::infinity();
+      r.grad_norm = torch::nn::utils::clip_grad_norm_(params, clip);
+      if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) {
+        optimizer_->Step(lr);
+        consecutive_nan_ = 0;
+      } else {
+        r.skipped = true;
+        ++consecutive_nan_;
+        ++summary.nan_skipped;
+        registry_.Increment("loom_train_nan_skipped_steps_total", 1, labels_);
+        LogLine(absl::StrFormat(
+            "step %d: non-finite loss %g or gradient norm %g; update skipped (%d in a row)", r.step,
+            r.loss, r.grad_norm, consecutive_nan_));
+      }
+      ++step_;
+      tokens_seen_ += tokens_per_step;
+      r.seconds = std::chrono::duration<double>(Clock::now() - step_start).count();
+      r.tokens_per_second = static_cast<double>(tokens_per_step) / r.seconds;
+      r.mfu = spec_.metrics().peak_flops() > 0
+                  ? flops_per_step / r.seconds / spec_.metrics().peak_flops()
+                  : 0;
+      summary.steps.push_back(r);
+
+      registry_.Set("loom_train_loss", r.loss, labels_);
+      registry_.Set("loom_train_learning_rate", r.lr, labels_);
+      registry_.Set("loom_train_grad_norm", r.grad_norm, labels_);
+      registry_.Set("loom_train_tokens_per_second", r.tokens_per_second, labels_);
+      registry_.Set("loom_train_mfu_ratio", r.mfu, labels_);
+      registry_.Set("loom_train_step", static_cast<double>(step_), labels_);
+      registry_.Increment("loom_train_tokens_total", static_cast<double>(tokens_per_step), labels_);
+      registry_.Observe("loom_train_step_seconds", r.seconds, labels_);
+      WriteJsonl(absl::StrCat(
+          "{\"event\":\"step\",\"step\":", r.step, ",\"loss\":", JsonNumber(r.loss),
+          ",\"lr\":", JsonNumber(r.lr), ",\"grad_norm\":", JsonNumber(r.grad_norm),
+          ",\"step_seconds\":", JsonNumber(r.seconds),
+          ",\"tokens_per_second\":", JsonNumber(r.tokens_per_second),
+          ",\"mfu\":", JsonNumber(r.mfu), ",\"tokens_seen\":", tokens_seen_,
+          ",\"skipped\":", r.skipped ? "true" : "false", ",\"time_unix_ms\":", UnixMillis(), "}"));
+
+      if (consecutive_nan_ >= spec_.max_nan_skips()) {
+        return absl::DataLossError(absl::StrCat("step ", step_, ": ", consecutive_nan_,
+                                                " consecutive non-finite steps (max_nan_skips = ",
+                                                spec_.max_nan_skips(), "); stopping"));
+      }
+      const int64_t every = spec_.metrics().log_every();
+      if (options_.log && (step_ % every == 0 || step_ == total || step_ == first_step + 1)) {
+        const double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
+        const double eta =
+            elapsed / static_cast<double>(step_ - first_step) * static_cast<double>(total - step_);
+        std::string line =
+            absl::StrFormat("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", step_,
+                            total, r.loss, r.lr, r.grad_norm, r.tokens_per_second);
+        if (r.mfu > 0) line += absl::StrFormat("  mfu %.1f%%", 100 * r.mfu);
+        line += "  ETA " + Duration(eta);
+        if (options_.progress_bar) {
+          const int width = 24, filled = static_cast<int>(width * step_ / total);
+          *options_.log << "\r\033[K[" << std::string(filled, '#')
+                        << std::string(width - filled, '.') << "] " << line << std::flush;
+        } else {
+          LogLine(line);
+        }
+      }
+      if (spec_.eval().interval() > 0 && step_ % spec_.eval().interval() == 0 && step_ < total) {
+        summary.last_eval_loss = Evaluate();
+        LogLine(absl::StrFormat("eval loss at step %d: %.4f", step_, summary.last_eval_loss));
+      }
+      if (checkpoints && spec_.checkpoint().interval() > 0 &&
+          step_ % spec_.checkpoint().interval() == 0) {
+        LOOM_RETURN_IF_ERROR(save());
+      }
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("step ", step_ + 1, ": ", e.what()));
+  }
+  if (options_.progress_bar && options_.log) *options_.log << "\n";
+  if (step_ >= total || (options_.stop_after > 0 && step_ >= options_.stop_after)) {
+    summary.last_eval_loss = Evaluate();
+    LogLine(absl::StrFormat("eval loss at step %d: %.4f", step_, summary.last_eval_loss));
+  }
+  if (checkpoints && last_saved != step_) LOOM_RETURN_IF_ERROR(save());
+  summary.final_step = step_;
+  return summary;
+}
+
+}  // namespace loom::trainer

@@ -1,0 +1,133 @@
+// The trainer in-process: the loss falls, gradient accumulation equals a larger batch, the NaN
+// guard skips and then fails, the schedule is right. Multi-process behaviour (exact resume,
+// kill -9 during a checkpoint, /metrics) is in tests/trainer_e2e_test.py.
+#include "trainer.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "corpus.h"
+#include "loom/spec.h"
+
+namespace loom::trainer {
+namespace {
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    torch::set_num_threads(1);
+    ASSERT_TRUE(loader_.LoadDirectories({std::getenv("LOOM_PLUGIN_PATH")}).failures.empty());
+  }
+  v1::JobSpec Spec(const std::string& json) {
+    v1::JobSpec spec;
+    EXPECT_TRUE(ParseJsonMessage(json, "test", &spec).ok());
+    auto resolved = ResolveJobSpec(spec);
+    EXPECT_TRUE(resolved.ok()) << resolved.status();
+    return *resolved;
+  }
+  PluginLoader loader_;
+};
+
+TEST_F(TrainerTest, LossFallsByMargin) {
+  auto t = Trainer::Create(Spec(R"({"preset": "micro", "data": {"corpus_bytes": 262144}})"),
+                           loader_, {});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto summary = (*t)->Run();
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  // Untrained, a byte model sits near ln(256) = 5.55 nats. 150 steps must take the held-out
+  // loss below 2.6 nats, at least 2.5 lower than where it started.
+  EXPECT_GT(summary->first_eval_loss, 5.0);
+  EXPECT_LT(summary->last_eval_loss, 2.6);
+  EXPECT_LT(summary->last_eval_loss, summary->first_eval_loss - 2.5);
+  EXPECT_EQ(summary->steps.size(), 150u);
+  EXPECT_EQ((*t)->step(), 150);
+}
+
+TEST_F(TrainerTest, GradientAccumulationEqualsTheLargerBatch) {
+  const char* base =
+      R"({"preset": "micro", "steps": 4, "precision": "fp64", "optimizer": {"warmup_steps": 1},
+                         "data": {"corpus_bytes": 65536}, "eval": {"batches": 1}, )";
+  auto a = Trainer::Create(Spec(std::string(base) + R"("micro_batch": 8, "grad_accum": 1})"),
+                           loader_, {});
+  auto b = Trainer::Create(Spec(std::string(base) + R"("micro_batch": 4, "grad_accum": 2})"),
+                           loader_, {});
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto ra = (*a)->Run(), rb = (*b)->Run();
+  ASSERT_TRUE(ra.ok() && rb.ok());
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(ra->steps[i].loss, rb->steps[i].loss, 1e-12) << i;
+  auto pa = (*a)->model().named_parameters(), pb = (*b)->model().named_parameters();
+  for (const auto& p : pa) {
+    EXPECT_LT((p.value() - pb[p.key()]).abs().max().item<double>(), 1e-10) << p.key();
+  }
+}
+
+TEST_F(TrainerTest, NanGuardSkipsThenFails) {
+  setenv("LOOM_TEST_INJECT_NAN_AT_STEPS", "3,4", 1);
+  auto t = Trainer::Create(
+      Spec(
+          R"({"preset": "micro", "steps": 6, "data": {"corpus_bytes": 65536}, "eval": {"batches": 1}})"),
+      loader_, {});
+  ASSERT_TRUE(t.ok());
+  auto summary = (*t)->Run();
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->nan_skipped, 2);
+  EXPECT_TRUE(summary->steps[2].skipped);
+  EXPECT_TRUE(summary->steps[3].skipped);
+  EXPECT_FALSE(summary->steps[4].skipped);
+  const std::string text = (*t)->registry().Render();
+  EXPECT_NE(text.find("loom_train_nan_skipped_steps_total{job=\"standalone\",rank=\"0\"} 2"),
+            std::string::npos);
+
+  setenv("LOOM_TEST_INJECT_NAN_AT_STEPS", "2,3,4", 1);
+  auto failing = Trainer::Create(
+      Spec(
+          R"({"preset": "micro", "steps": 6, "max_nan_skips": 3, "data": {"corpus_bytes": 65536}, "eval": {"batches": 1}})"),
+      loader_, {});
+  ASSERT_TRUE(failing.ok());
+  auto failed = (*failing)->Run();
+  unsetenv("LOOM_TEST_INJECT_NAN_AT_STEPS");
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().message().find("step 4: 3 consecutive non-finite steps"),
+            std::string::npos)
+      << failed.status();
+}
+
+TEST_F(TrainerTest, CudaRequestWithoutCudaIsAClearError) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a GPU is present";
+  auto t = Trainer::Create(Spec(R"({"preset": "micro", "device": "cuda"})"), loader_, {});
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("device: cuda requested"), std::string::npos) << t.status();
+}
+
+TEST(Schedule, WarmupThenCosine) {
+  v1::OptimizerConfig o;
+  o.set_lr(1e-3);
+  o.set_min_lr(1e-4);
+  o.set_warmup_steps(10);
+  EXPECT_DOUBLE_EQ(LearningRateAt(o, 100, 0), 1e-4);
+  EXPECT_DOUBLE_EQ(LearningRateAt(o, 100, 9), 1e-3);
+  EXPECT_NEAR(LearningRateAt(o, 100, 10), 1e-3, 1e-12);
+  EXPECT_NEAR(LearningRateAt(o, 100, 55), 0.5 * (1e-3 + 1e-4), 1e-12);
+  EXPECT_NEAR(LearningRateAt(o, 100, 100), 1e-4, 1e-12);
+}
+
+TEST(Corpus, DeterministicBySeed) {
+  EXPECT_EQ(GenerateCorpus(5, 4096), GenerateCorpus(5, 4096));
+  EXPECT_NE(GenerateCorpus(5, 4096), GenerateCorpus(6, 4096));
+}
+
+TEST(WindowSampler, StateRestoresTheCursor) {
+  WindowSampler a(ByteTokens(GenerateCorpus(1, 4096)), 7);
+  a.Next(2, 16);
+  const std::string state = a.State();
+  auto [x1, y1] = a.Next(2, 16);
+  WindowSampler b(ByteTokens(GenerateCorpus(1, 4096)), 99);
+  ASSERT_TRUE(b.Restore(state).ok());
+  auto [x2, y2] = b.Next(2, 16);
+  EXPECT_TRUE(torch::equal(x1, x2));
+  EXPECT_FALSE(b.Restore("garbage").ok());
+}
+
+}  // namespace
+}  // namespace loom::trainer
