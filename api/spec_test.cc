@@ -84,6 +84,8 @@ TEST(JobSpec, BadSpecsNameTheField) {
       {R"({"preset": "micro", "device": "tpu"})", "device"},
       {R"({"preset": "micro", "data": {"source": "web"}})", "data.source"},
       {R"({"preset": "micro", "data": {"tokenizer": "gpt2"}})", "data.tokenizer"},
+      {R"({"preset": "micro", "data": {"source": "shards"}})", "data.path"},
+      {R"({"preset": "micro", "data": {"path": "/tmp/ds"}})", "data.path"},
       {R"({"preset": "micro", "model": {"vocab_size": 100}})", "model.vocab_size"},
       {R"({"preset": "micro", "checkpoint": {"interval": 10}})", "checkpoint.dir"},
       {R"({"preset": "micro", "checkpoint": {"dir": "/tmp/x", "keep_last": -1}})",

@@ -142,6 +142,31 @@ def test_init_from_and_bad_inputs(loom, tmp):
     print("init-from lineage recorded; bad resume and spec refused by name")
 
 
+def test_train_on_packed_shards(loom, loom_data, tmp):
+    text = os.path.join(tmp, "corpus.jsonl")
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    with open(text, "w") as f:
+        for i in range(3000):
+            f.write(json.dumps({"text": " ".join(words[(i * 7 + k * 3) % 8] for k in range(12)) + "."}) + "\n")
+    ds = os.path.join(tmp, "ds")
+    p = subprocess.run([loom_data, "pack", "--output", ds, "--input", text, "--format", "jsonl",
+                        "--shard-tokens", "50000"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "packed 3000 documents" in p.stdout, p.stdout
+    path = spec(tmp, "shards", steps=60, data={"source": "shards", "path": ds},
+                checkpoint={"dir": ""}, eval={"batches": 2})
+    out = run(loom, ["--spec", path]).stdout
+    assert "held out" in out, out
+    m = re.search(r"eval loss: ([0-9.]+) -> ([0-9.]+)", out)
+    assert m and float(m.group(2)) < float(m.group(1)) - 1.0, out
+    # A model whose vocabulary is smaller than the dataset's is refused by name.
+    small = spec(tmp, "small", model={"vocab_size": 100}, data={"source": "shards", "path": ds},
+                 checkpoint={"dir": ""})
+    p = run(loom, ["--spec", small], expect_ok=False)
+    assert p.returncode != 0 and "model.vocab_size: 100 is smaller than the dataset's vocabulary 256" in p.stderr, p.stderr
+    print(f"packed shards: trained, eval loss {m.group(1)} -> {m.group(2)}")
+
+
 def test_live_metrics(loom, tmp, promtool):
     path = spec(tmp, "metrics", steps=100000, metrics={"port": -1, "log_every": 1000})
     p = subprocess.Popen([loom, "train", "--spec", path, "--name", "e2e"], stdout=subprocess.PIPE, text=True)
@@ -177,6 +202,7 @@ def test_live_metrics(loom, tmp, promtool):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loom-train", required=True)
+    ap.add_argument("--loom-data", required=True)
     ap.add_argument("--promtool", default=shutil.which("promtool") or "promtool")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="loom_e2e_")
@@ -185,6 +211,7 @@ def main():
         test_kill_during_checkpoint(args.loom_train, tmp)
         test_flipped_byte(args.loom_train, tmp)
         test_init_from_and_bad_inputs(args.loom_train, tmp)
+        test_train_on_packed_shards(args.loom_train, args.loom_data, tmp)
         test_live_metrics(args.loom_train, tmp, args.promtool)
     finally:
         for p in PROCS:

@@ -323,15 +323,22 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
 
   v1::DataConfig* d = j.mutable_data();
   if (d->source().empty()) d->set_source("corpus");
-  if (d->source() != "corpus") {
-    return SpecError("data.source", absl::StrCat("'", d->source(),
-                                                 "' is not corpus (loom-data shards come later)"));
+  if (d->source() != "corpus" && d->source() != "shards") {
+    return SpecError("data.source", absl::StrCat("'", d->source(), "' is not corpus | shards"));
   }
-  if (!d->path().empty()) return SpecError("data.path", "is only for source shards");
+  if (d->source() == "shards" && d->path().empty()) {
+    return SpecError("data.path", "is required for source shards");
+  }
+  if (d->source() == "corpus" && !d->path().empty()) {
+    return SpecError("data.path", "is only for source shards");
+  }
   if (d->tokenizer().empty()) d->set_tokenizer("byte");
-  if (d->tokenizer() != "byte")
-    return SpecError("data.tokenizer", absl::StrCat("'", d->tokenizer(), "' is not byte"));
-  if (m.vocab_size() < 256) {
+  if (d->tokenizer() != "byte") {
+    return SpecError(
+        "data.tokenizer",
+        absl::StrCat("'", d->tokenizer(), "' is not byte (loom-data datasets carry their own)"));
+  }
+  if (d->source() == "corpus" && m.vocab_size() < 256) {
     return SpecError("model.vocab_size",
                      absl::StrCat(m.vocab_size(), " is smaller than the byte tokenizer's 256"));
   }

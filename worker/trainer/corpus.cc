@@ -51,26 +51,16 @@ std::vector<int64_t> ByteTokens(const std::string& text) {
   return out;
 }
 
-std::pair<torch::Tensor, torch::Tensor> SampleWindows(const std::vector<int64_t>& tokens,
-                                                      int64_t batch, int64_t seq_len,
-                                                      std::mt19937_64& rng) {
-  if (static_cast<int64_t>(tokens.size()) < seq_len + 1) {
-    throw std::invalid_argument("corpus shorter than one training window");
-  }
-  std::uniform_int_distribution<int64_t> start(0,
-                                               static_cast<int64_t>(tokens.size()) - seq_len - 1);
-  torch::Tensor inputs = torch::empty({batch, seq_len}, torch::kInt64);
-  torch::Tensor targets = torch::empty({batch, seq_len}, torch::kInt64);
-  auto in = inputs.accessor<int64_t, 2>();
-  auto out = targets.accessor<int64_t, 2>();
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t s = start(rng);
-    for (int64_t t = 0; t < seq_len; ++t) {
-      in[b][t] = tokens[s + t];
-      out[b][t] = tokens[s + t + 1];
-    }
-  }
-  return {inputs, targets};
+std::pair<torch::Tensor, torch::Tensor> SampleWindows(const TokenStream& tokens, int64_t batch,
+                                                      int64_t seq_len, std::mt19937_64& rng) {
+  if (tokens.size() < seq_len + 1)
+    throw std::invalid_argument("token stream shorter than one training window");
+  std::uniform_int_distribution<int64_t> start(0, tokens.size() - seq_len - 1);
+  torch::Tensor window = torch::empty({batch, seq_len + 1}, torch::kInt64);
+  int64_t* data = window.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    tokens.Copy(start(rng), seq_len + 1, data + b * (seq_len + 1));
+  return {window.narrow(1, 0, seq_len).contiguous(), window.narrow(1, 1, seq_len).contiguous()};
 }
 
 }  // namespace loom::trainer

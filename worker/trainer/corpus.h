@@ -19,11 +19,30 @@ std::string GenerateCorpus(uint64_t seed, size_t min_bytes);
 // Byte-level tokens (vocabulary 256).
 std::vector<int64_t> ByteTokens(const std::string& text);
 
+// A read-only token sequence the samplers draw windows from.
+class TokenStream {
+ public:
+  virtual ~TokenStream() = default;
+  virtual int64_t size() const = 0;
+  virtual void Copy(int64_t start, int64_t n, int64_t* out) const = 0;
+};
+
+class VectorTokenStream : public TokenStream {
+ public:
+  explicit VectorTokenStream(std::vector<int64_t> tokens) : tokens_(std::move(tokens)) {}
+  int64_t size() const override { return static_cast<int64_t>(tokens_.size()); }
+  void Copy(int64_t start, int64_t n, int64_t* out) const override {
+    std::copy(tokens_.begin() + start, tokens_.begin() + start + n, out);
+  }
+
+ private:
+  std::vector<int64_t> tokens_;
+};
+
 // `batch` windows of seq_len + 1 tokens at uniformly random offsets: returns {inputs, targets},
 // each int64 [batch, seq_len], targets shifted by one.
-std::pair<torch::Tensor, torch::Tensor> SampleWindows(const std::vector<int64_t>& tokens,
-                                                      int64_t batch, int64_t seq_len,
-                                                      std::mt19937_64& rng);
+std::pair<torch::Tensor, torch::Tensor> SampleWindows(const TokenStream& tokens, int64_t batch,
+                                                      int64_t seq_len, std::mt19937_64& rng);
 
 }  // namespace loom::trainer
 

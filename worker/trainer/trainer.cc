@@ -18,6 +18,7 @@
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 #include "tensor_io.h"
+#include "token_shards.h"
 
 namespace loom::trainer {
 namespace {
@@ -77,7 +78,7 @@ double LearningRateAt(const v1::OptimizerConfig& o, int64_t total_steps, int64_t
 }
 
 std::pair<torch::Tensor, torch::Tensor> WindowSampler::Next(int64_t batch, int64_t seq_len) {
-  return SampleWindows(tokens_, batch, seq_len, rng_);
+  return SampleWindows(*tokens_, batch, seq_len, rng_);
 }
 
 std::string WindowSampler::State() const {
@@ -136,11 +137,7 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   optimizer_ =
       std::make_unique<AdamW>(params, AdamWConfig{o.beta1(), o.beta2(), o.eps(), o.weight_decay()});
 
-  const auto& d = spec_.data();
-  train_data_ = std::make_unique<WindowSampler>(
-      ByteTokens(GenerateCorpus(d.seed(), d.corpus_bytes())), d.seed());
-  eval_tokens_ = ByteTokens(
-      GenerateCorpus(d.seed() + 1000003, std::max<int64_t>(1 << 16, 8 * (spec_.seq_len() + 1))));
+  LOOM_RETURN_IF_ERROR(SetupData());
   model_hash_ = ModelHash(spec_);
   spec_hash_ = SpecHash(spec_);
   forward_flops_per_token_ = model_->ForwardFlopsPerToken(spec_.seq_len());
@@ -203,6 +200,56 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
       return absl::InvalidArgumentError(
           absl::StrCat("metrics.jsonl: cannot open '", spec_.metrics().jsonl(), "'"));
   }
+  return absl::OkStatus();
+}
+
+// A slice [begin, begin + length) of a dataset's token stream.
+class ShardSlice : public TokenStream {
+ public:
+  ShardSlice(std::shared_ptr<const data::TokenShards> shards, int64_t begin, int64_t length)
+      : shards_(std::move(shards)), begin_(begin), length_(length) {}
+  int64_t size() const override { return length_; }
+  void Copy(int64_t start, int64_t n, int64_t* out) const override {
+    shards_->Copy(begin_ + start, n, out);
+  }
+
+ private:
+  std::shared_ptr<const data::TokenShards> shards_;
+  int64_t begin_, length_;
+};
+
+absl::Status Trainer::SetupData() {
+  const auto& d = spec_.data();
+  if (d.source() == "corpus") {
+    train_data_ = std::make_unique<WindowSampler>(
+        std::make_shared<VectorTokenStream>(ByteTokens(GenerateCorpus(d.seed(), d.corpus_bytes()))),
+        d.seed());
+    eval_tokens_ = std::make_shared<VectorTokenStream>(ByteTokens(
+        GenerateCorpus(d.seed() + 1000003, std::max<int64_t>(1 << 16, 8 * (spec_.seq_len() + 1)))));
+    return absl::OkStatus();
+  }
+  // A loom-data dataset: the last 1% of its tokens (at least one evaluation's worth) are held out.
+  LOOM_ASSIGN_OR_RETURN(std::shared_ptr<data::TokenShards> shards,
+                        data::TokenShards::Open(d.path()));
+  if (shards->index().vocab_size > spec_.model().vocab_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("model.vocab_size: ", spec_.model().vocab_size(),
+                                                   " is smaller than the dataset's vocabulary ",
+                                                   shards->index().vocab_size, " (",
+                                                   shards->index().tokenizer, ")"));
+  }
+  const int64_t total = shards->size();
+  const int64_t held =
+      std::max(total / 100, spec_.eval().batches() * spec_.micro_batch() * (spec_.seq_len() + 1));
+  if (total - held < 4 * (spec_.seq_len() + 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data.path: ", d.path(), " holds ", total, " tokens, too few for training windows of ",
+        spec_.seq_len(), " plus a held-out set of ", held));
+  }
+  train_data_ = std::make_unique<WindowSampler>(
+      std::make_shared<ShardSlice>(shards, 0, total - held), d.seed());
+  eval_tokens_ = std::make_shared<ShardSlice>(shards, total - held, held);
+  LogLine(absl::StrCat("data: ", d.path(), ": ", total, " tokens (", shards->index().tokenizer,
+                       "), ", held, " held out"));
   return absl::OkStatus();
 }
 
@@ -342,7 +389,8 @@ double Trainer::Evaluate() {
   std::mt19937_64 rng(spec_.data().seed() ^ 0x9e3779b97f4a7c15ULL);  // the same windows every time
   double total = 0;
   for (int64_t i = 0; i < spec_.eval().batches(); ++i) {
-    auto [inputs, targets] = SampleWindows(eval_tokens_, spec_.micro_batch(), spec_.seq_len(), rng);
+    auto [inputs, targets] =
+        SampleWindows(*eval_tokens_, spec_.micro_batch(), spec_.seq_len(), rng);
     torch::Tensor logits = model_->forward({inputs.to(device_)});
     total += torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
                                                   targets.to(device_).reshape({-1}))

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "adamw.h"
 #include "checkpoint.h"
+#include "corpus.h"
 #include "http_exporter.h"
 #include "loom/v1/job.pb.h"
 #include "model.h"
@@ -34,16 +35,15 @@ double LearningRateAt(const v1::OptimizerConfig& o, int64_t total_steps, int64_t
 // checkpoints as the data cursor.
 class WindowSampler {
  public:
-  WindowSampler(std::vector<int64_t> tokens, uint64_t seed)
+  WindowSampler(std::shared_ptr<const TokenStream> tokens, uint64_t seed)
       : tokens_(std::move(tokens)), rng_(seed) {}
   // {inputs, targets}, int64 [batch, seq_len] each.
   std::pair<torch::Tensor, torch::Tensor> Next(int64_t batch, int64_t seq_len);
   std::string State() const;
   absl::Status Restore(const std::string& state);
-  const std::vector<int64_t>& tokens() const { return tokens_; }
 
  private:
-  std::vector<int64_t> tokens_;
+  std::shared_ptr<const TokenStream> tokens_;
   std::mt19937_64 rng_;
 };
 
@@ -87,6 +87,7 @@ class Trainer {
   Trainer(v1::JobSpec spec, TrainerOptions options)
       : spec_(std::move(spec)), options_(std::move(options)) {}
   absl::Status Setup(const PluginLoader& loader);
+  absl::Status SetupData();
   absl::Status Restore(const std::string& where, bool weights_only);
   absl::StatusOr<std::string> SaveCheckpoint();
   double Evaluate();
@@ -100,7 +101,7 @@ class Trainer {
   std::shared_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<WindowSampler> train_data_;
-  std::vector<int64_t> eval_tokens_;
+  std::shared_ptr<const TokenStream> eval_tokens_;
   int64_t step_ = 0, tokens_seen_ = 0, consecutive_nan_ = 0;
   std::string parent_;
   std::string model_hash_, spec_hash_;

@@ -118,11 +118,12 @@ TEST(Corpus, DeterministicBySeed) {
 }
 
 TEST(WindowSampler, StateRestoresTheCursor) {
-  WindowSampler a(ByteTokens(GenerateCorpus(1, 4096)), 7);
+  auto tokens = std::make_shared<VectorTokenStream>(ByteTokens(GenerateCorpus(1, 4096)));
+  WindowSampler a(tokens, 7);
   a.Next(2, 16);
   const std::string state = a.State();
   auto [x1, y1] = a.Next(2, 16);
-  WindowSampler b(ByteTokens(GenerateCorpus(1, 4096)), 99);
+  WindowSampler b(tokens, 99);
   ASSERT_TRUE(b.Restore(state).ok());
   auto [x2, y2] = b.Next(2, 16);
   EXPECT_TRUE(torch::equal(x1, x2));

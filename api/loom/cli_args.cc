@@ -1,4 +1,4 @@
-#include "cli_args.h"
+#include "loom/cli_args.h"
 
 #include <cerrno>
 #include <cmath>
@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace loom::trainer {
+namespace loom {
 
 absl::StatusOr<CliArgs> CliArgs::Parse(int argc, char** argv, int first,
                                        const std::set<std::string>& flags,
@@ -93,4 +93,4 @@ absl::StatusOr<double> CliArgs::GetDouble(const std::string& name, double fallba
   return v;
 }
 
-}  // namespace loom::trainer
+}  // namespace loom

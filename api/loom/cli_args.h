@@ -1,7 +1,7 @@
 // Minimal flag parsing for the loom-train subcommands: --name value or --name=value, known
 // flags only, and errors that name the flag.
-#ifndef LOOM_WORKER_TRAINER_CLI_ARGS_H_
-#define LOOM_WORKER_TRAINER_CLI_ARGS_H_
+#ifndef LOOM_API_CLI_ARGS_H_
+#define LOOM_API_CLI_ARGS_H_
 
 #include <cstdint>
 #include <map>
@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace loom::trainer {
+namespace loom {
 
 class CliArgs {
  public:
@@ -31,6 +31,6 @@ class CliArgs {
   std::map<std::string, std::string> values_;
 };
 
-}  // namespace loom::trainer
+}  // namespace loom
 
-#endif  // LOOM_WORKER_TRAINER_CLI_ARGS_H_
+#endif  // LOOM_API_CLI_ARGS_H_

@@ -1,0 +1,173 @@
+// loom-data: turns text and JSONL into packed token shards for the trainer.
+//   pack             tokenize inputs into DIR (shards + index.json)
+//   info | verify    describe a dataset | check every shard's size, checksum and ids
+//   train-tokenizer  train a SentencePiece model on text files
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "loom/cli_args.h"
+#include "loom/status_macros.h"
+#include "token_shards.h"
+#include "tokenizer.h"
+
+namespace loom::data {
+namespace {
+
+constexpr char kUsage[] = R"(usage: loom-data <command> [flags]
+
+  pack --output DIR --input FILE[,FILE...] [--format text|lines|jsonl] [--field text]
+       [--tokenizer byte|sentencepiece] [--tokenizer-model M] [--shard-tokens N] [--eos]
+       [--on-error fail|skip]
+      text: each file is one document; lines: each non-empty line; jsonl: one JSON object per
+      line, the document in --field (default "text"). Malformed JSONL lines fail the run with
+      their line number, or are skipped and counted with --on-error skip.
+  info DIR          print the index
+  verify DIR        check sizes, CRC-32C checksums and token ids of every shard
+  train-tokenizer --input FILE[,FILE...] --vocab-size N --output PREFIX
+)";
+
+std::vector<std::string> Inputs(const CliArgs& args) {
+  std::vector<std::string> out;
+  for (auto part : absl::StrSplit(args.Get("input"), ',', absl::SkipEmpty()))
+    out.emplace_back(part);
+  return out;
+}
+
+absl::Status Pack(const CliArgs& args) {
+  LOOM_ASSIGN_OR_RETURN(std::string output, args.Require("output"));
+  LOOM_RETURN_IF_ERROR(args.Require("input").status());
+  const std::string format = args.Get("format", "text");
+  if (format != "text" && format != "lines" && format != "jsonl") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--format: '", format, "' is not text | lines | jsonl"));
+  }
+  const std::string on_error = args.Get("on-error", "fail");
+  if (on_error != "fail" && on_error != "skip") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--on-error: '", on_error, "' is not fail | skip"));
+  }
+  const std::string field = args.Get("field", "text");
+  LOOM_ASSIGN_OR_RETURN(int64_t shard_tokens,
+                        args.GetInt("shard-tokens", 1 << 24, 1, int64_t{1} << 32));
+  LOOM_ASSIGN_OR_RETURN(auto tokenizer,
+                        MakeTokenizer(args.Get("tokenizer", "byte"), args.Get("tokenizer-model")));
+  const bool eos = args.Has("eos");
+  if (eos && tokenizer->eos_id() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--eos: tokenizer ", tokenizer->Describe(), " has no EOS token"));
+  }
+  LOOM_ASSIGN_OR_RETURN(
+      auto writer, TokenShardWriter::Create(output, tokenizer->vocab_size(), tokenizer->Describe(),
+                                            static_cast<uint64_t>(shard_tokens)));
+  int64_t skipped = 0;
+  auto add = [&](const std::string& text) -> absl::Status {
+    std::vector<uint32_t> ids = tokenizer->Encode(text);
+    if (eos) ids.push_back(static_cast<uint32_t>(tokenizer->eos_id()));
+    return writer->AddDocument(ids);
+  };
+  for (const std::string& path : Inputs(args)) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("--input: cannot open '", path, "'"));
+    if (format == "text") {
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      LOOM_RETURN_IF_ERROR(add(text));
+      continue;
+    }
+    std::string line;
+    int64_t number = 0;
+    while (std::getline(in, line)) {
+      ++number;
+      if (line.empty()) continue;
+      if (format == "lines") {
+        LOOM_RETURN_IF_ERROR(add(line));
+        continue;
+      }
+      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      std::string why;
+      if (j.is_discarded()) {
+        why = "not valid JSON";
+      } else if (!j.is_object() || !j.contains(field)) {
+        why = absl::StrCat("no \"", field, "\" field");
+      } else if (!j[field].is_string()) {
+        why = absl::StrCat("\"", field, "\" is not a string");
+      }
+      if (!why.empty()) {
+        if (on_error == "fail")
+          return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": ", why));
+        ++skipped;
+        continue;
+      }
+      LOOM_RETURN_IF_ERROR(add(j[field].get<std::string>()));
+    }
+  }
+  LOOM_ASSIGN_OR_RETURN(TokenIndex index, writer->Finish());
+  std::cout << "packed " << index.documents << " documents, " << index.total_tokens << " tokens ("
+            << index.dtype << ", vocabulary " << index.vocab_size << ", " << index.tokenizer
+            << ") into " << index.shards.size() << " shard(s) in " << output << "\n";
+  if (skipped > 0) std::cout << "skipped " << skipped << " malformed line(s)\n";
+  return absl::OkStatus();
+}
+
+absl::Status Info(const std::string& dir, bool verify) {
+  if (verify) {
+    LOOM_ASSIGN_OR_RETURN(auto shards, TokenShards::Open(dir, true));
+    std::cout << dir << ": " << shards->index().shards.size() << " shard(s) verified\n";
+    return absl::OkStatus();
+  }
+  LOOM_ASSIGN_OR_RETURN(TokenIndex index, ReadTokenIndex(dir));
+  std::cout << "tokenizer " << index.tokenizer << ", vocabulary " << index.vocab_size << ", "
+            << index.dtype << "\n"
+            << index.documents << " documents, " << index.total_tokens << " tokens\n";
+  for (const auto& s : index.shards)
+    std::cout << "  " << s.file << "  " << s.tokens << " tokens  crc32c " << s.crc32c << "\n";
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace loom::data
+
+int main(int argc, char** argv) {
+  using namespace loom;
+  using namespace loom::data;
+  if (argc < 2 || std::string(argv[1]) == "help" || std::string(argv[1]) == "--help") {
+    std::cout << kUsage;
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  absl::Status status;
+  if (command == "pack") {
+    auto args = CliArgs::Parse(argc, argv, 2,
+                               {"output", "input", "format", "field", "tokenizer",
+                                "tokenizer-model", "shard-tokens", "on-error"},
+                               {"eos"});
+    status = args.ok() ? Pack(*args) : args.status();
+  } else if (command == "info" || command == "verify") {
+    status = argc == 3 ? Info(argv[2], command == "verify")
+                       : absl::InvalidArgumentError(absl::StrCat(command, " takes one directory"));
+  } else if (command == "train-tokenizer") {
+    auto args = CliArgs::Parse(argc, argv, 2, {"input", "vocab-size", "output"});
+    status = args.status();
+    if (args.ok()) {
+      auto vocab = args->GetInt("vocab-size", 0, 8, 1 << 20);
+      auto out = args->Require("output");
+      status = !vocab.ok() ? vocab.status()
+               : !out.ok() ? out.status()
+                           : TrainSentencePiece(Inputs(*args), static_cast<int>(*vocab), *out);
+      if (status.ok()) std::cout << "wrote " << *out << ".model and " << *out << ".vocab\n";
+    }
+  } else {
+    std::cerr << "loom-data: unknown command '" << command << "'\n" << kUsage;
+    return 2;
+  }
+  if (!status.ok()) {
+    std::cerr << "loom-data " << command << ": " << status.message() << "\n";
+    return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ||
+                   absl::IsAlreadyExists(status)
+               ? 2
+               : 1;
+  }
+  return 0;
+}

@@ -1,0 +1,77 @@
+#include "tokenizer.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "sentencepiece_bridge.h"
+
+namespace loom::data {
+namespace {
+
+class ByteTokenizer : public Tokenizer {
+ public:
+  std::vector<uint32_t> Encode(std::string_view text) const override {
+    std::vector<uint32_t> out(text.size());
+    for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
+    return out;
+  }
+  std::string Decode(const std::vector<uint32_t>& ids) const override {
+    std::string out;
+    for (uint32_t id : ids) out.push_back(static_cast<char>(id & 0xff));
+    return out;
+  }
+  int64_t vocab_size() const override { return 256; }
+  int64_t eos_id() const override { return -1; }
+  std::string Describe() const override { return "byte"; }
+};
+
+class SentencePieceTokenizer : public Tokenizer {
+ public:
+  SentencePieceTokenizer(std::string path, std::unique_ptr<SentencePieceModel> model)
+      : path_(std::move(path)), model_(std::move(model)) {}
+  std::vector<uint32_t> Encode(std::string_view text) const override {
+    std::vector<int> ids = model_->Encode(std::string(text));
+    return std::vector<uint32_t>(ids.begin(), ids.end());
+  }
+  std::string Decode(const std::vector<uint32_t>& ids) const override {
+    return model_->Decode(std::vector<int>(ids.begin(), ids.end()));
+  }
+  int64_t vocab_size() const override { return model_->vocab_size(); }
+  int64_t eos_id() const override { return model_->eos_id(); }
+  std::string Describe() const override { return "sentencepiece:" + path_; }
+
+ private:
+  std::string path_;
+  std::unique_ptr<SentencePieceModel> model_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> MakeTokenizer(const std::string& kind,
+                                                         const std::string& model) {
+  if (kind == "byte") return std::make_unique<ByteTokenizer>();
+  if (kind == "sentencepiece") {
+    if (model.empty())
+      return absl::InvalidArgumentError("tokenizer_model: required for sentencepiece");
+    std::string error;
+    auto loaded = SentencePieceModel::Load(model, &error);
+    if (!loaded)
+      return absl::InvalidArgumentError(absl::StrCat("tokenizer model '", model, "': ", error));
+    return std::make_unique<SentencePieceTokenizer>(model, std::move(loaded));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("tokenizer: '", kind, "' is not byte | sentencepiece"));
+}
+
+absl::Status TrainSentencePiece(const std::vector<std::string>& inputs, int vocab_size,
+                                const std::string& model_prefix) {
+  const std::string args =
+      absl::StrCat("--input=", absl::StrJoin(inputs, ","), " --model_prefix=", model_prefix,
+                   " --vocab_size=", vocab_size,
+                   " --model_type=unigram --character_coverage=1.0 --minloglevel=2");
+  const std::string error = TrainSentencePieceModel(args);
+  if (!error.empty())
+    return absl::InvalidArgumentError(absl::StrCat("sentencepiece training: ", error));
+  return absl::OkStatus();
+}
+
+}  // namespace loom::data
