@@ -1,0 +1,183 @@
+// Generators are deterministic by seed and their labels are right, each checked by an
+// independent brute-force solver written here (path search, text parsing).
+#include "tasks.h"
+
+#include <gtest/gtest.h>
+
+#include <regex>
+
+namespace loom::data {
+namespace {
+
+std::string Text(const Example& e) {
+  std::string s;
+  for (int64_t t : e.tokens) s.push_back(static_cast<char>(t));
+  return s;
+}
+// The scored bytes, in order.
+std::string Scored(const Example& e) {
+  std::string s;
+  for (int64_t t : e.targets) {
+    if (t >= 0) s.push_back(static_cast<char>(t));
+  }
+  return s;
+}
+
+// Is there a path of exactly `len` edges from i to j in relation r (m×m)? Depth-first search.
+bool PathOfLength(const std::vector<int64_t>& r, int m, int i, int j, int len) {
+  if (len == 0) return i == j;
+  for (int k = 0; k < m; ++k) {
+    if (r[i * m + k] && PathOfLength(r, m, k, j, len - 1)) return true;
+  }
+  return false;
+}
+
+TEST(Tasks, DeterministicBySeed) {
+  for (const char* name : {"relation_binary", "relation_ternary", "needle", "khop", "arithmetic"}) {
+    auto task = MakeTask(name, {}, 512);
+    ASSERT_TRUE(task.ok()) << name << ": " << task.status();
+    std::mt19937_64 a(5), b(5), c(6);
+    auto x = (*task)->Batch(3, a), y = (*task)->Batch(3, b), z = (*task)->Batch(3, c);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(x[i].tokens, y[i].tokens) << name;
+      EXPECT_EQ(x[i].targets, y[i].targets) << name;
+    }
+    EXPECT_NE(x[0].tokens, z[0].tokens) << name;
+  }
+}
+
+TEST(Tasks, RelationLabelsMatchPathSearch) {
+  for (auto [name, times] :
+       {std::pair<const char*, int>{"relation_binary", 2}, {"relation_ternary", 3}}) {
+    auto task = MakeTask(name, {}, 512);
+    ASSERT_TRUE(task.ok());
+    EXPECT_TRUE((*task)->info().encoder);
+    std::mt19937_64 rng(1);
+    double ones = 0, cells = 0;
+    std::set<int> sizes;
+    for (int round = 0; round < 40; ++round) {
+      auto batch = (*task)->Batch(4, rng);
+      const int m = static_cast<int>(std::lround(std::sqrt(batch[0].tokens.size())));
+      sizes.insert(m);
+      for (const Example& e : batch) {
+        ASSERT_EQ(e.tokens.size(), static_cast<size_t>(m * m));  // one m per batch
+        for (int i = 0; i < m; ++i) {
+          for (int j = 0; j < m; ++j) {
+            EXPECT_EQ(e.targets[i * m + j], PathOfLength(e.tokens, m, i, j, times) ? 1 : 0);
+            EXPECT_EQ(e.rows[i * m + j], i);
+            EXPECT_EQ(e.cols[i * m + j], j);
+          }
+        }
+        for (int64_t t : e.tokens) ones += static_cast<double>(t);
+        cells += static_cast<double>(e.tokens.size());
+      }
+    }
+    const double density = times == 2 ? 0.325 : 0.264;
+    EXPECT_NEAR(ones / cells, density, 0.02) << name;
+    EXPECT_EQ(*sizes.begin(), times == 2 ? 6 : 5);
+    EXPECT_EQ(*sizes.rbegin(), times == 2 ? 10 : 8);
+  }
+}
+
+TEST(Tasks, NeedleAnswersAreTheStatedCodes) {
+  auto task = MakeTask("needle", {{"needles", "5"}, {"queries", "2"}, {"context", "600"}}, 600);
+  ASSERT_TRUE(task.ok()) << task.status();
+  std::mt19937_64 rng(2);
+  for (const Example& e : (*task)->Batch(20, rng)) {
+    EXPECT_LE(e.tokens.size(), 600u);
+    const std::string text = Text(e);
+    std::map<std::string, std::string> facts;
+    const std::regex fact("the code for (k[a-z][0-9]{3}) is ([0-9]{6})\\. ");
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), fact);
+         it != std::sregex_iterator(); ++it) {
+      facts[(*it)[1]] = (*it)[2];
+    }
+    EXPECT_EQ(facts.size(), 5u);
+    std::string expected;
+    const std::regex question("\nthe code for (k[a-z][0-9]{3}) is ");
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), question);
+         it != std::sregex_iterator(); ++it) {
+      expected += facts.at((*it)[1]) + ".\n";
+    }
+    // The final newline is the last target; the text (tokens) stops one byte short of it.
+    EXPECT_EQ(Scored(e), expected);
+  }
+}
+
+TEST(Tasks, KHopAnswersFollowTheEdges) {
+  auto task = MakeTask("khop", {{"nodes", "10"}, {"hops", "3"}}, 512);
+  ASSERT_TRUE(task.ok());
+  std::mt19937_64 rng(3);
+  for (const Example& e : (*task)->Batch(30, rng)) {
+    const std::string text = Text(e);
+    std::map<char, char> next;
+    const std::regex edge("([a-z])>([a-z]) ");
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), edge);
+         it != std::sregex_iterator(); ++it) {
+      next[(*it).str(1)[0]] = (*it).str(2)[0];
+    }
+    ASSERT_EQ(next.size(), 10u);
+    std::smatch q;
+    ASSERT_TRUE(std::regex_search(text, q, std::regex("q:([a-z])([0-9])=")));
+    char node = q.str(1)[0];
+    for (int h = 0; h < std::stoi(q.str(2)); ++h) node = next.at(node);
+    EXPECT_EQ(Scored(e), std::string(1, node) + ".\n");
+  }
+}
+
+TEST(Tasks, ArithmeticSolutionsAreCorrect) {
+  auto task = MakeTask("arithmetic", {{"min_steps", "2"}, {"max_steps", "4"}}, 512);
+  ASSERT_TRUE(task.ok());
+  std::mt19937_64 rng(4);
+  for (const Example& e : (*task)->Batch(30, rng)) {
+    const std::string text = Text(e) + "\n";
+    std::smatch start;
+    ASSERT_TRUE(std::regex_search(text, start, std::regex("^([a-z]+) has ([0-9]+) ")));
+    const std::string who = start.str(1);
+    int total = std::stoi(start.str(2));
+    const std::regex event("([a-z]+) gives ([a-z]+) ([0-9]+)( more)?\\.");
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), event);
+         it != std::sregex_iterator(); ++it) {
+      const int amount = std::stoi((*it).str(3));
+      total += (*it).str(2) == who && (*it).str(1) != who ? amount : -amount;
+    }
+    const std::string scored = Scored(e);
+    EXPECT_NE(scored.find("answer " + std::to_string(total) + "."), std::string::npos) << text;
+    const std::regex step("([0-9]+)([+-])([0-9]+)=([0-9]+)\\.");
+    int checked = 0;
+    for (auto it = std::sregex_iterator(scored.begin(), scored.end(), step);
+         it != std::sregex_iterator(); ++it) {
+      const int a = std::stoi((*it).str(1)), b = std::stoi((*it).str(3)),
+                c = std::stoi((*it).str(4));
+      EXPECT_EQ((*it).str(2) == "+" ? a + b : a - b, c);
+      ++checked;
+    }
+    EXPECT_GE(checked, 2);
+  }
+}
+
+TEST(Tasks, BadOptionsNameTheField) {
+  EXPECT_NE(MakeTask("sudoku", {}, 512).status().message().find("data.task"), std::string::npos);
+  EXPECT_NE(
+      MakeTask("khop", {{"hops", "0"}}, 512).status().message().find("data.task_options.hops"),
+      std::string::npos);
+  EXPECT_NE(MakeTask("khop", {{"colour", "red"}}, 512)
+                .status()
+                .message()
+                .find("data.task_options.colour"),
+            std::string::npos);
+  EXPECT_NE(MakeTask("needle", {{"context", "900"}}, 512)
+                .status()
+                .message()
+                .find("data.task_options.context"),
+            std::string::npos);
+  EXPECT_NE(MakeTask("arithmetic", {}, 64).status().message().find("seq_len"), std::string::npos);
+  EXPECT_NE(MakeTask("relation_binary", {{"m_min", "9"}, {"m_max", "7"}}, 512)
+                .status()
+                .message()
+                .find("m_min"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace loom::data
