@@ -85,6 +85,8 @@ TEST(JobSpec, BadSpecsNameTheField) {
       {R"({"preset": "micro", "data": {"source": "web"}})", "data.source"},
       {R"({"preset": "micro", "data": {"tokenizer": "gpt2"}})", "data.tokenizer"},
       {R"({"preset": "micro", "data": {"source": "shards"}})", "data.path"},
+      {R"({"preset": "micro", "data": {"source": "task"}})", "data.task"},
+      {R"({"preset": "micro", "data": {"task": "khop"}})", "data.task"},
       {R"({"preset": "micro", "data": {"path": "/tmp/ds"}})", "data.path"},
       {R"({"preset": "micro", "model": {"vocab_size": 100}})", "model.vocab_size"},
       {R"({"preset": "micro", "checkpoint": {"interval": 10}})", "checkpoint.dir"},
@@ -95,7 +97,7 @@ TEST(JobSpec, BadSpecsNameTheField) {
       {R"({"preset": "micro", "kind": "finetune"})", "kind"},
       {R"({"preset": "micro", "max_nan_skips": -1})", "max_nan_skips"},
       {R"({"preset": "micro", "model": {"mode": "encoder", "num_classes": 2, "tie_embeddings": false}})",
-       "model.mode"},
+       "model.mode"},  // encoder without a task
       {R"({"preset": "micro", "model": {"ffn_activation": "relu"}})", "model.ffn_activation"},
       {R"({"preset": "micro", "data": {"corpus_bytes": 10}})", "data.corpus_bytes"},
   };

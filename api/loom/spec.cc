@@ -289,7 +289,10 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (!j.has_model()) return SpecError("model", "is required (or set preset)");
   auto model = ResolveModelConfig(j.model());
   if (!model.ok()) return model.status();
-  if (model->mode() != "decoder") return SpecError("model.mode", "pretraining needs a decoder");
+  if (model->mode() != "decoder" && in.data().source() != "task" && j.data().source() != "task") {
+    return SpecError("model.mode",
+                     "encoder models train on built-in tasks only (data.source task)");
+  }
   *j.mutable_model() = *model;
   const v1::ModelConfig& m = j.model();
 
@@ -323,8 +326,13 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
 
   v1::DataConfig* d = j.mutable_data();
   if (d->source().empty()) d->set_source("corpus");
-  if (d->source() != "corpus" && d->source() != "shards") {
-    return SpecError("data.source", absl::StrCat("'", d->source(), "' is not corpus | shards"));
+  if (d->source() != "corpus" && d->source() != "shards" && d->source() != "task") {
+    return SpecError("data.source",
+                     absl::StrCat("'", d->source(), "' is not corpus | shards | task"));
+  }
+  if ((d->source() == "task") != !d->task().empty()) {
+    return SpecError("data.task", d->source() == "task" ? "is required for source task"
+                                                        : "is only for source task");
   }
   if (d->source() == "shards" && d->path().empty()) {
     return SpecError("data.path", "is required for source shards");

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "attention_factory.h"
 #include "corpus.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
@@ -77,23 +78,81 @@ double LearningRateAt(const v1::OptimizerConfig& o, int64_t total_steps, int64_t
   return o.min_lr() + 0.5 * (o.lr() - o.min_lr()) * (1.0 + std::cos(M_PI * progress));
 }
 
-std::pair<torch::Tensor, torch::Tensor> WindowSampler::Next(int64_t batch, int64_t seq_len) {
-  return SampleWindows(*tokens_, batch, seq_len, rng_);
+TrainBatch WindowSampler::Next(int64_t batch) {
+  auto [inputs, targets] = SampleWindows(*tokens_, batch, seq_len_, rng_);
+  return {inputs, targets, {}, {}};
 }
 
-std::string WindowSampler::State() const {
+TrainBatch TaskSampler::Next(int64_t batch) {
+  std::vector<data::Example> examples = task_->Batch(batch, rng_);
+  size_t len = 0;
+  for (const auto& e : examples) len = std::max(len, e.tokens.size());
+  const int64_t b = static_cast<int64_t>(examples.size()), n = static_cast<int64_t>(len);
+  TrainBatch out;
+  out.inputs = torch::zeros({b, n}, torch::kInt64);
+  out.targets = torch::full({b, n}, -1, torch::kInt64);
+  const bool grid = !examples.empty() && !examples[0].rows.empty();
+  if (grid) {
+    out.rows = torch::zeros({b, n}, torch::kInt64);
+    out.cols = torch::zeros({b, n}, torch::kInt64);
+  }
+  for (int64_t i = 0; i < b; ++i) {
+    const auto& e = examples[static_cast<size_t>(i)];
+    const int64_t m = static_cast<int64_t>(e.tokens.size());
+    auto copy = [&](const std::vector<int64_t>& v, torch::Tensor& t) {
+      t.select(0, i).narrow(0, 0, m).copy_(torch::tensor(v, torch::kInt64));
+    };
+    copy(e.tokens, out.inputs);
+    copy(e.targets, out.targets);
+    if (grid) {
+      copy(e.rows, out.rows);
+      copy(e.cols, out.cols);
+    }
+  }
+  return out;
+}
+
+std::string BatchSource::State() const {
   std::ostringstream s;
   s << rng_;
   return s.str();
 }
 
-absl::Status WindowSampler::Restore(const std::string& state) {
+absl::Status BatchSource::Restore(const std::string& state) {
   std::istringstream s(state);
   std::mt19937_64 rng;
   s >> rng;
   if (s.fail()) return absl::DataLossError("data cursor: malformed sampler state");
   rng_ = rng;
   return absl::OkStatus();
+}
+
+BatchScore ScoreBatch(const torch::Tensor& logits, const TrainBatch& batch, bool with_accuracy) {
+  BatchScore score;
+  const torch::Tensor targets = batch.targets.to(logits.device());
+  const torch::Tensor mask = targets >= 0;
+  if (logits.size(-1) == 1) {  // one binary logit per position
+    torch::Tensor z = logits.squeeze(-1);
+    torch::Tensor per = torch::binary_cross_entropy_with_logits(
+        z, targets.clamp_min(0).to(z.dtype()), {}, {}, at::Reduction::None);
+    score.loss = (per * mask.to(per.dtype())).sum() / mask.sum().clamp_min(1).to(per.dtype());
+  } else {
+    score.loss = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-1));
+  }
+  if (with_accuracy) {
+    torch::NoGradGuard no_grad;
+    torch::Tensor predicted =
+        logits.size(-1) == 1 ? (logits.squeeze(-1) > 0).to(torch::kInt64) : logits.argmax(-1);
+    torch::Tensor right = (predicted == targets) & mask;
+    score.scored = mask.sum().item<int64_t>();
+    score.correct = right.sum().item<int64_t>();
+    score.examples = targets.size(0);
+    // An example is exact when no scored position is wrong.
+    score.exact = ((mask & ~right).sum(1) == 0).sum().item<int64_t>();
+  }
+  return score;
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& resolved,
@@ -153,6 +212,10 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   labels_ = {{"job", spec_.name().empty() ? "standalone" : spec_.name()}, {"rank", "0"}};
   registry_.DeclareGauge("loom_train_loss", "Training loss of the last optimizer step.");
   registry_.DeclareGauge("loom_train_eval_loss", "Held-out loss at the last evaluation.");
+  registry_.DeclareGauge("loom_train_eval_accuracy_ratio",
+                         "Held-out accuracy over scored positions.");
+  registry_.DeclareGauge("loom_train_eval_exact_match_ratio",
+                         "Held-out share of examples with every scored position right.");
   registry_.DeclareGauge("loom_train_learning_rate", "Learning rate of the last step.");
   registry_.DeclareGauge("loom_train_grad_norm", "Global gradient norm before clipping.");
   registry_.DeclareGauge("loom_train_tokens_per_second", "Training throughput of the last step.");
@@ -220,37 +283,90 @@ class ShardSlice : public TokenStream {
 
 absl::Status Trainer::SetupData() {
   const auto& d = spec_.data();
-  if (d.source() == "corpus") {
-    train_data_ = std::make_unique<WindowSampler>(
-        std::make_shared<VectorTokenStream>(ByteTokens(GenerateCorpus(d.seed(), d.corpus_bytes()))),
-        d.seed());
-    eval_tokens_ = std::make_shared<VectorTokenStream>(ByteTokens(
-        GenerateCorpus(d.seed() + 1000003, std::max<int64_t>(1 << 16, 8 * (spec_.seq_len() + 1)))));
+  const int64_t seq_len = spec_.seq_len();
+  const uint64_t eval_seed =
+      d.seed() ^ 0x9e3779b97f4a7c15ULL;  // the same held-out batches every time
+  if (spec_.model().mode() == "encoder" && d.source() != "task") {
+    return absl::InvalidArgumentError("model.mode: encoder models train on built-in tasks only");
+  }
+  if (d.source() == "task") {
+    LOOM_ASSIGN_OR_RETURN(auto options, OptionsAsText(d.task_options()));
+    std::map<std::string, std::string> text(options.begin(), options.end());
+    LOOM_ASSIGN_OR_RETURN(std::unique_ptr<data::Task> made,
+                          data::MakeTask(d.task(), text, seq_len));
+    std::shared_ptr<const data::Task> task = std::move(made);
+    const data::TaskInfo& info = task->info();
+    const v1::ModelConfig& m = spec_.model();
+    if (info.encoder != (m.mode() == "encoder")) {
+      return absl::InvalidArgumentError(absl::StrCat("model.mode: task ", info.name, " needs ",
+                                                     info.encoder ? "an encoder" : "a decoder"));
+    }
+    if (info.encoder && m.num_classes() != info.num_classes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.num_classes: task ", info.name, " needs ", info.num_classes));
+    }
+    if (info.grid > 0 && (m.grid_max_rows() < info.grid || m.grid_max_cols() < info.grid)) {
+      return absl::InvalidArgumentError(absl::StrCat("model.grid_max_rows: task ", info.name,
+                                                     " needs grid positions of at least ",
+                                                     info.grid));
+    }
+    if (m.vocab_size() < info.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.vocab_size: task ", info.name, " needs ", info.vocab_size));
+    }
+    if (info.max_len > m.max_seq_len()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.max_seq_len: task ", info.name, " needs ", info.max_len));
+    }
+    train_data_ = std::make_unique<TaskSampler>(task, d.seed());
+    make_eval_data_ = [task, eval_seed] { return std::make_unique<TaskSampler>(task, eval_seed); };
     return absl::OkStatus();
   }
-  // A loom-data dataset: the last 1% of its tokens (at least one evaluation's worth) are held out.
-  LOOM_ASSIGN_OR_RETURN(std::shared_ptr<data::TokenShards> shards,
-                        data::TokenShards::Open(d.path()));
-  if (shards->index().vocab_size > spec_.model().vocab_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("model.vocab_size: ", spec_.model().vocab_size(),
-                                                   " is smaller than the dataset's vocabulary ",
-                                                   shards->index().vocab_size, " (",
-                                                   shards->index().tokenizer, ")"));
+  std::shared_ptr<const TokenStream> train, eval;
+  if (d.source() == "corpus") {
+    train =
+        std::make_shared<VectorTokenStream>(ByteTokens(GenerateCorpus(d.seed(), d.corpus_bytes())));
+    eval = std::make_shared<VectorTokenStream>(ByteTokens(
+        GenerateCorpus(d.seed() + 1000003, std::max<int64_t>(1 << 16, 8 * (seq_len + 1)))));
+  } else {
+    // A loom-data dataset: the last 1% of its tokens (at least one evaluation's worth) are held
+    // out.
+    LOOM_ASSIGN_OR_RETURN(std::shared_ptr<data::TokenShards> shards,
+                          data::TokenShards::Open(d.path()));
+    if (shards->index().vocab_size > spec_.model().vocab_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.vocab_size: ", spec_.model().vocab_size(),
+                       " is smaller than the dataset's vocabulary ", shards->index().vocab_size,
+                       " (", shards->index().tokenizer, ")"));
+    }
+    const int64_t total = shards->size();
+    const int64_t held =
+        std::max(total / 100, spec_.eval().batches() * spec_.micro_batch() * (seq_len + 1));
+    if (total - held < 4 * (seq_len + 1)) {
+      return absl::InvalidArgumentError(absl::StrCat("data.path: ", d.path(), " holds ", total,
+                                                     " tokens, too few for training windows of ",
+                                                     seq_len, " plus a held-out set of ", held));
+    }
+    train = std::make_shared<ShardSlice>(shards, 0, total - held);
+    eval = std::make_shared<ShardSlice>(shards, total - held, held);
+    LogLine(absl::StrCat("data: ", d.path(), ": ", total, " tokens (", shards->index().tokenizer,
+                         "), ", held, " held out"));
   }
-  const int64_t total = shards->size();
-  const int64_t held =
-      std::max(total / 100, spec_.eval().batches() * spec_.micro_batch() * (spec_.seq_len() + 1));
-  if (total - held < 4 * (spec_.seq_len() + 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "data.path: ", d.path(), " holds ", total, " tokens, too few for training windows of ",
-        spec_.seq_len(), " plus a held-out set of ", held));
-  }
-  train_data_ = std::make_unique<WindowSampler>(
-      std::make_shared<ShardSlice>(shards, 0, total - held), d.seed());
-  eval_tokens_ = std::make_shared<ShardSlice>(shards, total - held, held);
-  LogLine(absl::StrCat("data: ", d.path(), ": ", total, " tokens (", shards->index().tokenizer,
-                       "), ", held, " held out"));
+  train_data_ = std::make_unique<WindowSampler>(train, seq_len, d.seed());
+  make_eval_data_ = [eval, seq_len, eval_seed] {
+    return std::make_unique<WindowSampler>(eval, seq_len, eval_seed);
+  };
   return absl::OkStatus();
+}
+
+ModelInputs Trainer::Inputs(const TrainBatch& batch) const {
+  ModelInputs in;
+  in.tokens = batch.inputs.to(device_);
+  if (batch.rows.defined()) {
+    in.grid_rows = batch.rows.to(device_);
+    in.grid_cols = batch.cols.to(device_);
+  }
+  return in;
 }
 
 absl::Status Trainer::Restore(const std::string& where, bool weights_only) {
@@ -383,25 +499,33 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
   return *dir;
 }
 
-double Trainer::Evaluate() {
+Trainer::EvalResult Trainer::Evaluate() {
   torch::NoGradGuard no_grad;
   model_->eval();
-  std::mt19937_64 rng(spec_.data().seed() ^ 0x9e3779b97f4a7c15ULL);  // the same windows every time
-  double total = 0;
+  std::unique_ptr<BatchSource> source = make_eval_data_();
+  double loss = 0;
+  int64_t scored = 0, correct = 0, examples = 0, exact = 0;
   for (int64_t i = 0; i < spec_.eval().batches(); ++i) {
-    auto [inputs, targets] =
-        SampleWindows(*eval_tokens_, spec_.micro_batch(), spec_.seq_len(), rng);
-    torch::Tensor logits = model_->forward({inputs.to(device_)});
-    total += torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                  targets.to(device_).reshape({-1}))
-                 .item<double>();
+    TrainBatch batch = source->Next(spec_.micro_batch());
+    BatchScore s = ScoreBatch(model_->forward(Inputs(batch)), batch, true);
+    loss += s.loss.item<double>();
+    scored += s.scored;
+    correct += s.correct;
+    examples += s.examples;
+    exact += s.exact;
   }
   model_->train();
-  const double loss = total / static_cast<double>(spec_.eval().batches());
-  registry_.Set("loom_train_eval_loss", loss, labels_);
-  WriteJsonl(absl::StrCat("{\"event\":\"eval\",\"step\":", step_,
-                          ",\"eval_loss\":", JsonNumber(loss), "}"));
-  return loss;
+  EvalResult r;
+  r.loss = loss / static_cast<double>(spec_.eval().batches());
+  r.accuracy = scored > 0 ? static_cast<double>(correct) / static_cast<double>(scored) : 0;
+  r.exact_match = examples > 0 ? static_cast<double>(exact) / static_cast<double>(examples) : 0;
+  registry_.Set("loom_train_eval_loss", r.loss, labels_);
+  registry_.Set("loom_train_eval_accuracy_ratio", r.accuracy, labels_);
+  registry_.Set("loom_train_eval_exact_match_ratio", r.exact_match, labels_);
+  WriteJsonl(absl::StrCat("{\"event\":\"eval\",\"step\":", step_, ",\"eval_loss\":",
+                          JsonNumber(r.loss), ",\"accuracy\":", JsonNumber(r.accuracy),
+                          ",\"exact_match\":", JsonNumber(r.exact_match), "}"));
+  return r;
 }
 
 void Trainer::LogLine(const std::string& line) {
@@ -434,10 +558,18 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       spec_.model().n_layers(), spec_.model().d_model(), spec_.model().n_heads(),
       model_->NumParameters(), total, tokens_per_step, device_.str(), spec_.precision(),
       torch::get_num_threads(), forward_flops_per_token_));
-  if (step_ == 0) {
-    summary.first_eval_loss = Evaluate();
-    LogLine(absl::StrFormat("eval loss at step 0: %.4f", summary.first_eval_loss));
-  }
+  const bool task = spec_.data().source() == "task";
+  auto evaluate = [&]() {
+    EvalResult e = Evaluate();
+    summary.last_eval_loss = e.loss;
+    summary.last_eval_accuracy = e.accuracy;
+    summary.last_eval_exact_match = e.exact_match;
+    LogLine(task ? absl::StrFormat("eval at step %d: loss %.4f  accuracy %.4f  exact match %.4f",
+                                   step_, e.loss, e.accuracy, e.exact_match)
+                 : absl::StrFormat("eval loss at step %d: %.4f", step_, e.loss));
+    return e;
+  };
+  if (step_ == 0) summary.first_eval_loss = evaluate().loss;
   std::vector<torch::Tensor> params = model_->parameters();
   const auto run_start = Clock::now();
   const int64_t first_step = step_;
@@ -448,10 +580,8 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       for (auto& p : params) p.mutable_grad() = torch::Tensor();
       double loss_sum = 0;
       for (int64_t micro = 0; micro < spec_.grad_accum(); ++micro) {
-        auto [inputs, targets] = train_data_->Next(spec_.micro_batch(), spec_.seq_len());
-        torch::Tensor logits = model_->forward({inputs.to(device_)});
-        torch::Tensor loss = torch::nn::functional::cross_entropy(
-            logits.reshape({-1, logits.size(-1)}), targets.to(device_).reshape({-1}));
+        TrainBatch batch = train_data_->Next(spec_.micro_batch());
+        torch::Tensor loss = ScoreBatch(model_->forward(Inputs(batch)), batch, false).loss;
         (loss / static_cast<double>(spec_.grad_accum())).backward();
         loss_sum += loss.item<double>();
       }
@@ -526,10 +656,8 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
           LogLine(line);
         }
       }
-      if (spec_.eval().interval() > 0 && step_ % spec_.eval().interval() == 0 && step_ < total) {
-        summary.last_eval_loss = Evaluate();
-        LogLine(absl::StrFormat("eval loss at step %d: %.4f", step_, summary.last_eval_loss));
-      }
+      if (spec_.eval().interval() > 0 && step_ % spec_.eval().interval() == 0 && step_ < total)
+        evaluate();
       if (checkpoints && spec_.checkpoint().interval() > 0 &&
           step_ % spec_.checkpoint().interval() == 0) {
         LOOM_RETURN_IF_ERROR(save());
@@ -539,10 +667,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
     return absl::InternalError(absl::StrCat("step ", step_ + 1, ": ", e.what()));
   }
   if (options_.progress_bar && options_.log) *options_.log << "\n";
-  if (step_ >= total || (options_.stop_after > 0 && step_ >= options_.stop_after)) {
-    summary.last_eval_loss = Evaluate();
-    LogLine(absl::StrFormat("eval loss at step %d: %.4f", step_, summary.last_eval_loss));
-  }
+  if (step_ >= total || (options_.stop_after > 0 && step_ >= options_.stop_after)) evaluate();
   if (checkpoints && last_saved != step_) LOOM_RETURN_IF_ERROR(save());
   summary.final_step = step_;
   return summary;

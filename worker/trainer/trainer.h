@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <ostream>
 #include <random>
@@ -24,6 +25,7 @@
 #include "loom/v1/job.pb.h"
 #include "model.h"
 #include "prometheus.h"
+#include "tasks.h"
 
 namespace loom::trainer {
 
@@ -31,21 +33,57 @@ namespace loom::trainer {
 // at the last step.
 double LearningRateAt(const v1::OptimizerConfig& o, int64_t total_steps, int64_t step);
 
-// Uniformly random training windows over a token stream; its whole state is one RNG, saved in
-// checkpoints as the data cursor.
-class WindowSampler {
+// One micro-batch. targets: next-token ids (decoder) or classes (encoder); -1 = not scored.
+// rows/cols: grid coordinates for encoder grid tasks, else undefined.
+struct TrainBatch {
+  torch::Tensor inputs, targets, rows, cols;
+};
+
+// Where micro-batches come from. Its whole state is one RNG, saved in checkpoints as the data
+// cursor, so a resumed run draws exactly the batches the uninterrupted one would have.
+class BatchSource {
  public:
-  WindowSampler(std::shared_ptr<const TokenStream> tokens, uint64_t seed)
-      : tokens_(std::move(tokens)), rng_(seed) {}
-  // {inputs, targets}, int64 [batch, seq_len] each.
-  std::pair<torch::Tensor, torch::Tensor> Next(int64_t batch, int64_t seq_len);
+  explicit BatchSource(uint64_t seed) : rng_(seed) {}
+  virtual ~BatchSource() = default;
+  virtual TrainBatch Next(int64_t batch) = 0;
   std::string State() const;
   absl::Status Restore(const std::string& state);
 
- private:
-  std::shared_ptr<const TokenStream> tokens_;
+ protected:
   std::mt19937_64 rng_;
 };
+
+// Uniformly random windows of seq_len + 1 tokens over a token stream (corpus or shards).
+class WindowSampler : public BatchSource {
+ public:
+  WindowSampler(std::shared_ptr<const TokenStream> tokens, int64_t seq_len, uint64_t seed)
+      : BatchSource(seed), tokens_(std::move(tokens)), seq_len_(seq_len) {}
+  TrainBatch Next(int64_t batch) override;
+
+ private:
+  std::shared_ptr<const TokenStream> tokens_;
+  int64_t seq_len_;
+};
+
+// Examples of a built-in task, right-padded to the longest in the batch (padding is never scored).
+class TaskSampler : public BatchSource {
+ public:
+  TaskSampler(std::shared_ptr<const data::Task> task, uint64_t seed)
+      : BatchSource(seed), task_(std::move(task)) {}
+  TrainBatch Next(int64_t batch) override;
+
+ private:
+  std::shared_ptr<const data::Task> task_;
+};
+
+// Loss and scores of one batch: mean cross-entropy (decoder, multi-class encoder) or binary
+// cross-entropy with logits (encoder, one output) over scored positions; accuracy over scored
+// positions; exact match = every scored position of an example right.
+struct BatchScore {
+  torch::Tensor loss;
+  int64_t scored = 0, correct = 0, examples = 0, exact = 0;
+};
+BatchScore ScoreBatch(const torch::Tensor& logits, const TrainBatch& batch, bool with_accuracy);
 
 struct TrainerOptions {
   std::string resume;      // checkpoint root or step directory to continue from ("" = fresh)
@@ -64,6 +102,7 @@ struct StepRecord {
 struct TrainSummary {
   std::vector<StepRecord> steps;  // this run's steps
   double first_eval_loss = 0, last_eval_loss = 0;
+  double last_eval_accuracy = 0, last_eval_exact_match = 0;  // over scored positions / examples
   int64_t final_step = 0;
   std::string last_checkpoint;
   int64_t nan_skipped = 0;
@@ -90,7 +129,11 @@ class Trainer {
   absl::Status SetupData();
   absl::Status Restore(const std::string& where, bool weights_only);
   absl::StatusOr<std::string> SaveCheckpoint();
-  double Evaluate();
+  struct EvalResult {
+    double loss = 0, accuracy = 0, exact_match = 0;
+  };
+  EvalResult Evaluate();
+  ModelInputs Inputs(const TrainBatch& batch) const;
   void LogLine(const std::string& line);
   void WriteJsonl(const std::string& json);
 
@@ -100,8 +143,8 @@ class Trainer {
   torch::ScalarType dtype_ = torch::kFloat32;
   std::shared_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
-  std::unique_ptr<WindowSampler> train_data_;
-  std::shared_ptr<const TokenStream> eval_tokens_;
+  std::unique_ptr<BatchSource> train_data_;
+  std::function<std::unique_ptr<BatchSource>()> make_eval_data_;  // a fresh, fixed-seed source
   int64_t step_ = 0, tokens_seen_ = 0, consecutive_nan_ = 0;
   std::string parent_;
   std::string model_hash_, spec_hash_;
