@@ -113,6 +113,40 @@ TEST(JobSpec, BadSpecsNameTheField) {
   EXPECT_GE(rejected, 15);
 }
 
+TEST(JobSpec, YamlIsTheSameSpec) {
+  const std::string yaml = R"(# a comment
+preset: micro
+name: "007"          # quoted: stays a string
+steps: 40
+optimizer:
+  lr: 0.001
+model:
+  tie_embeddings: false
+  schedule:
+    - repeat: 1
+      attention: {plugin: iha, options: {p: 2, mask: block}}
+)";
+  auto json = YamlToJson(yaml, "job.yaml");
+  ASSERT_TRUE(json.ok()) << json.status();
+  v1::JobSpec spec;
+  ASSERT_TRUE(ParseJsonMessage(*json, "job.yaml", &spec).ok()) << *json;
+  auto r = ResolveJobSpec(spec);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->name(), "007");
+  EXPECT_EQ(r->steps(), 40);
+  EXPECT_DOUBLE_EQ(r->optimizer().lr(), 0.001);
+  EXPECT_FALSE(r->model().tie_embeddings());
+  EXPECT_EQ(r->model().schedule(0).attention().options().fields().at("mask").string_value(),
+            "block");
+  EXPECT_EQ(r->model().schedule(0).attention().options().fields().at("p").number_value(), 2);
+  auto bad = YamlToJson("steps: [1, 2\nname: x\n", "bad.yaml");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("bad.yaml:"), std::string::npos) << bad.status();
+  auto dup = YamlToJson("steps: 1\nsteps: 2\n", "dup.yaml");
+  EXPECT_NE(dup.status().message().find("duplicate key 'steps'"), std::string::npos)
+      << dup.status();
+}
+
 TEST(JobSpec, HashesIgnoreWhereOutputGoesButNotWhatIsTrained) {
   auto a = Resolve(R"({"preset": "micro", "steps": 200})");
   auto b =

@@ -3,11 +3,16 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/util/json_util.h>
+#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "loom/status_macros.h"
 
@@ -234,6 +239,45 @@ absl::Status ParseJsonMessage(const std::string& json, const std::string& source
 
 namespace {
 
+absl::StatusOr<nlohmann::json> YamlNodeToJson(const YAML::Node& node, const std::string& source) {
+  switch (node.Type()) {
+    case YAML::NodeType::Null:
+    case YAML::NodeType::Undefined:
+      return nlohmann::json(nullptr);
+    case YAML::NodeType::Sequence: {
+      nlohmann::json out = nlohmann::json::array();
+      for (const auto& item : node) {
+        LOOM_ASSIGN_OR_RETURN(nlohmann::json v, YamlNodeToJson(item, source));
+        out.push_back(std::move(v));
+      }
+      return out;
+    }
+    case YAML::NodeType::Map: {
+      nlohmann::json out = nlohmann::json::object();
+      for (const auto& kv : node) {
+        const std::string key = kv.first.as<std::string>();
+        if (out.contains(key)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(source, ":", kv.first.Mark().line + 1, ": duplicate key '", key, "'"));
+        }
+        LOOM_ASSIGN_OR_RETURN(out[key], YamlNodeToJson(kv.second, source));
+      }
+      return out;
+    }
+    case YAML::NodeType::Scalar: {
+      const std::string text = node.Scalar();
+      if (node.Tag() != "!") {  // plain (unquoted) scalar: numbers and booleans keep their type
+        if (text == "true" || text == "false") return nlohmann::json(text == "true");
+        if (text == "null" || text == "~") return nlohmann::json(nullptr);
+        nlohmann::json number = nlohmann::json::parse(text, nullptr, false);
+        if (!number.is_discarded() && number.is_number()) return number;
+      }
+      return nlohmann::json(text);
+    }
+  }
+  return nlohmann::json(nullptr);
+}
+
 absl::Status SpecError(const std::string& field, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
 }
@@ -267,6 +311,33 @@ std::string Deterministic(const google::protobuf::Message& m) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> YamlToJson(const std::string& yaml, const std::string& source) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ":", e.mark.line + 1, ":", e.mark.column + 1, ": ", e.msg));
+  }
+  LOOM_ASSIGN_OR_RETURN(nlohmann::json json, YamlNodeToJson(root, source));
+  return json.dump();
+}
+
+absl::StatusOr<v1::JobSpec> ReadJobSpecFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--spec: cannot open '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string json = text.str();
+  const bool yaml = absl::EndsWith(path, ".yaml") || absl::EndsWith(path, ".yml");
+  if (yaml) {
+    LOOM_ASSIGN_OR_RETURN(json, YamlToJson(json, path));
+  }
+  v1::JobSpec spec;
+  LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, path, &spec));
+  return spec;
+}
 
 absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   v1::JobSpec j;

@@ -36,6 +36,13 @@ int64_t PresetWarmup(int64_t preset_warmup, int64_t steps);
 absl::Status ParseJsonMessage(const std::string& json, const std::string& source,
                               google::protobuf::Message* out);
 
+// A job spec file: JSON, or YAML when the name ends in .yaml / .yml (converted to the same JSON
+// mapping: plain scalars that read as numbers or booleans become those, quoted ones stay strings).
+absl::StatusOr<v1::JobSpec> ReadJobSpecFile(const std::string& path);
+
+// YAML text to JSON text; errors carry the line and column.
+absl::StatusOr<std::string> YamlToJson(const std::string& yaml, const std::string& source);
+
 // Applies the preset (fields the spec leaves unset come from it), fills defaults, resolves the
 // model and validates everything, including cross-field consistency (seq_len <= max_seq_len,
 // windows, vocabulary vs tokenizer, precision vs device).

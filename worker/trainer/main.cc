@@ -124,8 +124,7 @@ absl::StatusOr<v1::JobSpec> JobFromArgs(const CliArgs& args) {
     if (args.Has("preset") || args.Has("model")) {
       return absl::InvalidArgumentError("--spec is exclusive with --preset and --model");
     }
-    LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(args.Get("spec"), "--spec"));
-    LOOM_RETURN_IF_ERROR(ParseJson(text, args.Get("spec"), &spec));
+    LOOM_ASSIGN_OR_RETURN(spec, ReadJobSpecFile(args.Get("spec")));
   } else {
     LOOM_ASSIGN_OR_RETURN(spec, JobPreset(args.Get("preset", "tiny-cpu")));
     if (args.Has("model")) {
