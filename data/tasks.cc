@@ -203,6 +203,54 @@ class KHopTask : public Task {
   int64_t nodes_, hops_;
 };
 
+// Polynomial-filter query on a small random digraph: (A^k x)_v, the sum of the values at the
+// ends of every walk of exactly k edges from v (walks, not paths: repeats count).
+class PolyFilterTask : public Task {
+ public:
+  PolyFilterTask(TaskInfo info, int64_t nodes, int64_t edges, int64_t hops)
+      : info_(std::move(info)), nodes_(nodes), edges_(edges), hops_(hops) {}
+  const TaskInfo& info() const override { return info_; }
+  std::vector<Example> Batch(int64_t batch, std::mt19937_64& rng) const override {
+    std::vector<Example> out;
+    for (int64_t b = 0; b < batch; ++b) {
+      std::set<std::pair<int, int>> edge_set;
+      while (static_cast<int64_t>(edge_set.size()) < edges_) {
+        edge_set.insert({static_cast<int>(Uniform(rng, 0, nodes_ - 1)),
+                         static_cast<int>(Uniform(rng, 0, nodes_ - 1))});
+      }
+      std::vector<std::pair<int, int>> edges(edge_set.begin(), edge_set.end());
+      std::shuffle(edges.begin(), edges.end(), rng);
+      std::vector<int64_t> value(static_cast<size_t>(nodes_));
+      std::string prompt;
+      for (int64_t v = 0; v < nodes_; ++v) {
+        value[v] = Uniform(rng, 0, 9);
+        prompt += absl::StrCat(std::string(1, static_cast<char>('a' + v)), "=", value[v], " ");
+      }
+      prompt += "\n";
+      for (const auto& [from, to] : edges) {
+        prompt += absl::StrCat(std::string(1, static_cast<char>('a' + from)), ">",
+                               std::string(1, static_cast<char>('a' + to)), " ");
+      }
+      const int start = static_cast<int>(Uniform(rng, 0, nodes_ - 1));
+      // x_k = A^k x by repeated propagation: x_{t+1}[u] = sum over edges u>w of x_t[w].
+      std::vector<int64_t> x = value;
+      for (int64_t h = 0; h < hops_; ++h) {
+        std::vector<int64_t> next(static_cast<size_t>(nodes_), 0);
+        for (const auto& [from, to] : edges) next[from] += x[to];
+        x = std::move(next);
+      }
+      prompt +=
+          absl::StrCat("\ns", hops_, "(", std::string(1, static_cast<char>('a' + start)), ")=");
+      out.push_back(LmExample(prompt, absl::StrCat(x[start], ".\n")));
+    }
+    return out;
+  }
+
+ private:
+  TaskInfo info_;
+  int64_t nodes_, edges_, hops_;
+};
+
 const char* const kPeople[] = {"alice", "bob", "carol", "dave", "erin", "frank"};
 const char* const kThings[] = {"apples", "coins", "books", "shells"};
 
@@ -308,6 +356,17 @@ absl::StatusOr<std::unique_ptr<Task>> MakeTask(const std::string& name,
     if (!hops.ok()) return hops.status();
     info.max_len = *nodes * 4 + 10;
     task = std::make_unique<KHopTask>(info, *nodes, *hops);
+  } else if (name == "poly_filter") {
+    auto nodes = o.Int("nodes", 6, 2, 26);
+    auto edges = o.Int("edges", 9, 1, 26 * 26);
+    auto hops = o.Int("hops", 2, 1, 4);
+    if (!nodes.ok()) return nodes.status();
+    if (!edges.ok()) return edges.status();
+    if (!hops.ok()) return hops.status();
+    if (*edges > *nodes * *nodes)
+      return absl::InvalidArgumentError("data.task_options.edges: more than nodes²");
+    info.max_len = *nodes * 4 + *edges * 4 + 24;
+    task = std::make_unique<PolyFilterTask>(info, *nodes, *edges, *hops);
   } else if (name == "arithmetic") {
     auto min_steps = o.Int("min_steps", 2, 1, 8);
     auto max_steps = o.Int("max_steps", 3, 1, 8);
@@ -318,9 +377,9 @@ absl::StatusOr<std::unique_ptr<Task>> MakeTask(const std::string& name,
     info.max_len = 60 + *max_steps * 45;
     task = std::make_unique<ArithmeticTask>(info, *min_steps, *max_steps);
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("data.task: '", name,
-                     "' is not relation_binary | relation_ternary | needle | khop | arithmetic"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data.task: '", name,
+        "' is not relation_binary | relation_ternary | needle | khop | poly_filter | arithmetic"));
   }
   if (absl::Status s = o.Finish(); !s.ok()) return s;
   if (!info.encoder && info.max_len > max_len) {

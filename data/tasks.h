@@ -11,6 +11,9 @@
 //     for kx417 is"); only the answer digits are scored.
 //   khop: a random functional graph on letters ("a>q b>c ..."), then "q:a3=" asks for the node
 //     reached from a after 3 hops; only the answer is scored.
+//   poly_filter: a random digraph with digit values on its nodes ("a=3 b=7 …", "a>c b>a …"),
+//     then "s2(a)=" asks for (A²x)_a, the sum of the values at the ends of all 2-edge walks from a
+//     (the polynomial filter of the paper's Theorem 3, as a decoder task).
 //   arithmetic: multi-step word problems with worked solutions ("... 3+4=7. 7-2=5. answer 5.");
 //     the solution and answer are scored.
 // Decoder tasks are byte-level (vocabulary 256, padding 0, which never occurs in the text).

@@ -33,7 +33,8 @@ bool PathOfLength(const std::vector<int64_t>& r, int m, int i, int j, int len) {
 }
 
 TEST(Tasks, DeterministicBySeed) {
-  for (const char* name : {"relation_binary", "relation_ternary", "needle", "khop", "arithmetic"}) {
+  for (const char* name :
+       {"relation_binary", "relation_ternary", "needle", "khop", "poly_filter", "arithmetic"}) {
     auto task = MakeTask(name, {}, 512);
     ASSERT_TRUE(task.ok()) << name << ": " << task.status();
     std::mt19937_64 a(5), b(5), c(6);
@@ -122,6 +123,44 @@ TEST(Tasks, KHopAnswersFollowTheEdges) {
     char node = q.str(1)[0];
     for (int h = 0; h < std::stoi(q.str(2)); ++h) node = next.at(node);
     EXPECT_EQ(Scored(e), std::string(1, node) + ".\n");
+  }
+}
+
+// Counts walks by explicit enumeration (depth-first), independent of the generator's propagation.
+int64_t WalkSum(const std::multimap<char, char>& edges, const std::map<char, int>& value, char node,
+                int hops) {
+  if (hops == 0) return value.at(node);
+  int64_t total = 0;
+  auto [lo, hi] = edges.equal_range(node);
+  for (auto it = lo; it != hi; ++it) total += WalkSum(edges, value, it->second, hops - 1);
+  return total;
+}
+
+TEST(Tasks, PolyFilterAnswersCountWalks) {
+  auto task = MakeTask("poly_filter", {{"nodes", "5"}, {"edges", "8"}, {"hops", "3"}}, 512);
+  ASSERT_TRUE(task.ok()) << task.status();
+  std::mt19937_64 rng(9);
+  for (const Example& e : (*task)->Batch(30, rng)) {
+    const std::string text = Text(e);
+    std::map<char, int> value;
+    std::multimap<char, char> edges;
+    const std::regex val("([a-z])=([0-9]) ");
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), val);
+         it != std::sregex_iterator(); ++it) {
+      value[(*it).str(1)[0]] = std::stoi((*it).str(2));
+    }
+    const std::regex edge("([a-z])>([a-z]) ");
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), edge);
+         it != std::sregex_iterator(); ++it) {
+      edges.emplace((*it).str(1)[0], (*it).str(2)[0]);
+    }
+    ASSERT_EQ(value.size(), 5u);
+    ASSERT_EQ(edges.size(), 8u);
+    std::smatch q;
+    ASSERT_TRUE(std::regex_search(text, q, std::regex("s([0-9])\\(([a-z])\\)=")));
+    EXPECT_EQ(Scored(e),
+              std::to_string(WalkSum(edges, value, q.str(2)[0], std::stoi(q.str(1)))) + ".\n")
+        << text;
   }
 }
 

@@ -114,6 +114,7 @@ TEST_F(TrainerTest, LossFallsOnEveryBuiltInTask) {
        R"("seq_len": 256, "data": {"source": "task", "task": "needle", "task_options": {"needles": 2}})",
        1.0},
       {"khop", decoder, R"("seq_len": 128)", 1.0},
+      {"poly_filter", decoder, R"("seq_len": 128)", 1.0},
       {"arithmetic", decoder, R"("seq_len": 256)", 1.0},
   };
   for (const Case& c : cases) {
