@@ -471,6 +471,10 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (j.max_nan_skips() < 0) return SpecError("max_nan_skips", "must be >= 0 (0 = 5)");
   if (j.max_nan_skips() == 0) j.set_max_nan_skips(5);
   if (j.threads() < 0 || j.threads() > 1024) return SpecError("threads", "must be in [0, 1024]");
+  if (j.dist_timeout_seconds() < 0 || j.dist_timeout_seconds() > 86400) {
+    return SpecError("dist_timeout_seconds", "must be in [0, 86400] (0 = 60)");
+  }
+  if (j.dist_timeout_seconds() == 0) j.set_dist_timeout_seconds(60);
   return j;
 }
 

@@ -48,8 +48,8 @@ std::string CpuName() {
 
 absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 1,
-                                                     {"steps", "warmup", "seq-len", "batch", "threads", "p",
-                                                      "plugin-dir", "layers"}));
+                                                     {"steps", "warmup", "seq-len", "batch",
+                                                      "threads", "p", "plugin-dir", "layers"}));
   LOOM_ASSIGN_OR_RETURN(int64_t steps, args.GetInt("steps", 20, 1, 100000));
   LOOM_ASSIGN_OR_RETURN(int64_t warmup, args.GetInt("warmup", 3, 0, 1000));
   LOOM_ASSIGN_OR_RETURN(int64_t seq_len, args.GetInt("seq-len", 256, 16, 8192));
@@ -59,16 +59,19 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(int64_t layers, args.GetInt("layers", 5, 1, 64));
   if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
   PluginLoader loader;
-  std::vector<std::string> dirs = args.Has("plugin-dir") ? std::vector<std::string>{args.Get("plugin-dir")}
-                                                         : PluginLoader::DefaultSearchPath();
+  std::vector<std::string> dirs = args.Has("plugin-dir")
+                                      ? std::vector<std::string>{args.Get("plugin-dir")}
+                                      : PluginLoader::DefaultSearchPath();
   loader.LoadDirectories(dirs);
 
   const double ceiling = MatmulCeilingFlops(1024);
-  std::cout << absl::StrFormat("machine: %s, %d LibTorch threads; fp32 matmul ceiling %.1f GFLOP/s (1024^3, best of 5)\n",
-                               CpuName(), torch::get_num_threads(), ceiling / 1e9);
-  std::cout << absl::StrFormat("model: tiny-cpu width (d_model 128, 4 heads), %d layers, batch %d x %d tokens, "
-                               "%d timed steps after %d warm-up\n\n",
-                               layers, batch, seq_len, steps, warmup);
+  std::cout << absl::StrFormat(
+      "machine: %s, %d LibTorch threads; fp32 matmul ceiling %.1f GFLOP/s (1024^3, best of 5)\n",
+      CpuName(), torch::get_num_threads(), ceiling / 1e9);
+  std::cout << absl::StrFormat(
+      "model: tiny-cpu width (d_model 128, 4 heads), %d layers, batch %d x %d tokens, "
+      "%d timed steps after %d warm-up\n\n",
+      layers, batch, seq_len, steps, warmup);
   struct Variant {
     std::string name, schedule_json;
   };
@@ -77,36 +80,42 @@ absl::Status Run(int argc, char** argv) {
   const std::vector<Variant> variants = {
       {"mha (global)", R"("schedule": [{"repeat": 1, "attention": {"plugin": "mha"}}])"},
       {absl::StrCat("local mha (W=", window, ")"),
-       absl::StrCat(R"("schedule": [{"repeat": 1, "attention": {"plugin": "local", "window": )", window, "}}]")},
+       absl::StrCat(R"("schedule": [{"repeat": 1, "attention": {"plugin": "local", "window": )",
+                    window, "}}]")},
       {absl::StrCat("iha global (P=", p, ")"),
-       absl::StrCat(R"("schedule": [{"repeat": 1, "attention": {"plugin": "iha", "options": )", iha_opts, "}}]")},
+       absl::StrCat(R"("schedule": [{"repeat": 1, "attention": {"plugin": "iha", "options": )",
+                    iha_opts, "}}]")},
       {absl::StrCat("hybrid 4 local iha : 1 mha (P=", p, ", W=", window, ")"),
        absl::StrCat(R"("hybrid": {"iha_options": )", iha_opts, "}")},
   };
-  std::cout << "| schedule | FLOPs/token (fwd) | step ms | tokens/s | vs mha | GFLOP/s | MFU vs matmul ceiling |\n"
+  std::cout << "| schedule | FLOPs/token (fwd) | step ms | tokens/s | vs mha | GFLOP/s | MFU vs "
+               "matmul ceiling |\n"
             << "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n";
   double mha_tps = 0;
   for (const Variant& v : variants) {
     const std::string json = absl::StrCat(
-        R"({"preset": "tiny-cpu", "steps": )", warmup + steps, R"(, "micro_batch": )", batch, R"(, "seq_len": )",
-        seq_len, R"(, "eval": {"batches": 1}, "model": {"n_layers": )", layers, R"(, "max_seq_len": )", seq_len, ", ",
-        v.schedule_json, "}}");
+        R"({"preset": "tiny-cpu", "steps": )", warmup + steps, R"(, "micro_batch": )", batch,
+        R"(, "seq_len": )", seq_len, R"(, "eval": {"batches": 1}, "model": {"n_layers": )", layers,
+        R"(, "max_seq_len": )", seq_len, ", ", v.schedule_json, "}}");
     v1::JobSpec spec;
     LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, v.name, &spec));
     LOOM_ASSIGN_OR_RETURN(v1::JobSpec resolved, ResolveJobSpec(spec));
     LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(resolved, loader, {}));
     LOOM_ASSIGN_OR_RETURN(TrainSummary summary, trainer->Run());
     double seconds = 0;
-    for (size_t i = static_cast<size_t>(warmup); i < summary.steps.size(); ++i) seconds += summary.steps[i].seconds;
+    for (size_t i = static_cast<size_t>(warmup); i < summary.steps.size(); ++i)
+      seconds += summary.steps[i].seconds;
     const double step_s = seconds / static_cast<double>(steps);
     const double tps = static_cast<double>(batch * seq_len) / step_s;
     const double flops_per_token = trainer->model().ForwardFlopsPerToken(seq_len);
     const double achieved = 3.0 * flops_per_token * tps;
     if (mha_tps == 0) mha_tps = tps;
-    std::cout << absl::StrFormat("| %s | %.3g | %.1f | %.0f | %.2f | %.2f | %.1f%% |\n", v.name, flops_per_token,
-                                 1e3 * step_s, tps, tps / mha_tps, achieved / 1e9, 100 * achieved / ceiling);
+    std::cout << absl::StrFormat("| %s | %.3g | %.1f | %.0f | %.2f | %.2f | %.1f%% |\n", v.name,
+                                 flops_per_token, 1e3 * step_s, tps, tps / mha_tps, achieved / 1e9,
+                                 100 * achieved / ceiling);
   }
-  std::cout << "\nFLOPs/token are the plugins' exact counts (masks counted); a training step is taken as 3x the "
+  std::cout << "\nFLOPs/token are the plugins' exact counts (masks counted); a training step is "
+               "taken as 3x the "
                "forward. IHA runs the materialising reference path (no fused kernel yet).\n";
   return absl::OkStatus();
 }

@@ -171,6 +171,15 @@ Trainer::~Trainer() = default;
 
 absl::Status Trainer::Setup(const PluginLoader& loader) {
   if (spec_.threads() > 0) torch::set_num_threads(spec_.threads());
+  LOOM_ASSIGN_OR_RETURN(
+      DistributedConfig dist,
+      DistributedConfigFromEnv(std::chrono::seconds(spec_.dist_timeout_seconds())));
+  LOOM_ASSIGN_OR_RETURN(comm_, Communicator::Create(dist));
+  if (comm_->rank() != 0) {  // one rank speaks for the job: logs, JSONL, metrics port, checkpoints
+    options_.log = nullptr;
+    spec_.mutable_metrics()->set_jsonl("");
+    spec_.mutable_metrics()->set_port(0);
+  }
   const bool cuda = torch::cuda::is_available();
   if (spec_.device() == "cuda" && !cuda) {
     return absl::FailedPreconditionError(
@@ -209,7 +218,8 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
     }
   }
 
-  labels_ = {{"job", spec_.name().empty() ? "standalone" : spec_.name()}, {"rank", "0"}};
+  labels_ = {{"job", spec_.name().empty() ? "standalone" : spec_.name()},
+             {"rank", std::to_string(comm_->rank())}};
   registry_.DeclareGauge("loom_train_loss", "Training loss of the last optimizer step.");
   registry_.DeclareGauge("loom_train_eval_loss", "Held-out loss at the last evaluation.");
   registry_.DeclareGauge("loom_train_eval_accuracy_ratio",
@@ -245,7 +255,7 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   }
 
   const std::string& ckpt_dir = spec_.checkpoint().dir();
-  if (!ckpt_dir.empty()) {
+  if (!ckpt_dir.empty() && comm_->rank() == 0) {
     LOOM_ASSIGN_OR_RETURN(int removed, storage::CleanIncomplete(ckpt_dir));
     if (removed > 0)
       LogLine(
@@ -357,6 +367,18 @@ absl::Status Trainer::SetupData() {
     return std::make_unique<WindowSampler>(eval, seq_len, eval_seed);
   };
   return absl::OkStatus();
+}
+
+TrainBatch Trainer::NextLocalBatch() {
+  // Every rank draws the same global micro-batch (the sampler state is replicated) and keeps its
+  // own rows, so W ranks with micro-batch b see exactly what one rank with W·b would.
+  const int64_t b = spec_.micro_batch(), world = comm_->world_size();
+  TrainBatch global = train_data_->Next(b * world);
+  if (world == 1) return global;
+  auto rows = [&](const torch::Tensor& t) {
+    return t.defined() ? t.narrow(0, comm_->rank() * b, b).contiguous() : t;
+  };
+  return {rows(global.inputs), rows(global.targets), rows(global.rows), rows(global.cols)};
 }
 
 ModelInputs Trainer::Inputs(const TrainBatch& batch) const {
@@ -541,23 +563,31 @@ void Trainer::WriteJsonl(const std::string& json) {
 absl::StatusOr<TrainSummary> Trainer::Run() {
   TrainSummary summary;
   const int64_t total = spec_.steps();
-  const int64_t tokens_per_step = spec_.micro_batch() * spec_.grad_accum() * spec_.seq_len();
+  const int64_t tokens_per_step =
+      spec_.micro_batch() * spec_.grad_accum() * spec_.seq_len() * comm_->world_size();
   const double flops_per_step =
       3.0 * forward_flops_per_token_ * static_cast<double>(tokens_per_step);
   const bool checkpoints = !spec_.checkpoint().dir().empty();
   int64_t last_saved = -1;
   auto save = [&]() -> absl::Status {
-    LOOM_ASSIGN_OR_RETURN(summary.last_checkpoint, SaveCheckpoint());
+    // Data-parallel state is replicated: rank 0 writes it, the others wait so no rank runs ahead
+    // of a checkpoint it might be restarted from.
+    if (comm_->rank() == 0) {
+      LOOM_ASSIGN_OR_RETURN(summary.last_checkpoint, SaveCheckpoint());
+    }
+    LOOM_RETURN_IF_ERROR(comm_->Barrier());
     last_saved = step_;
-    LogLine(absl::StrCat("checkpoint: step ", step_, " committed to ", summary.last_checkpoint));
+    if (comm_->rank() == 0) {
+      LogLine(absl::StrCat("checkpoint: step ", step_, " committed to ", summary.last_checkpoint));
+    }
     return absl::OkStatus();
   };
   LogLine(absl::StrFormat(
       "loom-train: %d layers, d_model %d, %d heads, %d parameters; %d steps x %d tokens "
-      "on %s, %s, %d threads; %.3g forward FLOPs/token",
+      "on %s, %s, %d threads, %d rank(s); %.3g forward FLOPs/token",
       spec_.model().n_layers(), spec_.model().d_model(), spec_.model().n_heads(),
       model_->NumParameters(), total, tokens_per_step, device_.str(), spec_.precision(),
-      torch::get_num_threads(), forward_flops_per_token_));
+      torch::get_num_threads(), comm_->world_size(), forward_flops_per_token_));
   const bool task = spec_.data().source() == "task";
   auto evaluate = [&]() {
     EvalResult e = Evaluate();
@@ -580,7 +610,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       for (auto& p : params) p.mutable_grad() = torch::Tensor();
       double loss_sum = 0;
       for (int64_t micro = 0; micro < spec_.grad_accum(); ++micro) {
-        TrainBatch batch = train_data_->Next(spec_.micro_batch());
+        TrainBatch batch = NextLocalBatch();
         torch::Tensor loss = ScoreBatch(model_->forward(Inputs(batch)), batch, false).loss;
         (loss / static_cast<double>(spec_.grad_accum())).backward();
         loss_sum += loss.item<double>();
@@ -589,6 +619,15 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       r.step = step_ + 1;
       r.lr = lr;
       r.loss = loss_sum / static_cast<double>(spec_.grad_accum());
+      if (comm_->world_size() > 1) {
+        // One all-reduce per optimizer step, after accumulation: gradients become the global mean.
+        std::vector<torch::Tensor> grads;
+        for (auto& p : params) {
+          if (p.grad().defined()) grads.push_back(p.grad());
+        }
+        LOOM_RETURN_IF_ERROR(comm_->AllReduceMean(grads));
+        LOOM_ASSIGN_OR_RETURN(r.loss, comm_->AllReduceMean(r.loss));
+      }
       if (std::find(inject_nan_at_.begin(), inject_nan_at_.end(), r.step) != inject_nan_at_.end()) {
         r.loss = std::nan("");  // test hook
       }

@@ -21,6 +21,7 @@
 #include "adamw.h"
 #include "checkpoint.h"
 #include "corpus.h"
+#include "distributed.h"
 #include "http_exporter.h"
 #include "loom/v1/job.pb.h"
 #include "model.h"
@@ -134,6 +135,7 @@ class Trainer {
   };
   EvalResult Evaluate();
   ModelInputs Inputs(const TrainBatch& batch) const;
+  TrainBatch NextLocalBatch();  // this rank's rows of the global micro-batch
   void LogLine(const std::string& line);
   void WriteJsonl(const std::string& json);
 
@@ -143,6 +145,7 @@ class Trainer {
   torch::ScalarType dtype_ = torch::kFloat32;
   std::shared_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<Communicator> comm_;
   std::unique_ptr<BatchSource> train_data_;
   std::function<std::unique_ptr<BatchSource>()> make_eval_data_;  // a fresh, fixed-seed source
   int64_t step_ = 0, tokens_seen_ = 0, consecutive_nan_ = 0;

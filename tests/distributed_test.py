@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Data parallelism with real processes over c10d Gloo on loopback: W ranks with micro-batch b
+train exactly like one rank with W*b (float64, tolerance 1e-10 absolute on losses and weights),
+a checkpoint written by 2 ranks resumes on 1 and on 3, and kill -9 of one rank makes the other
+exit with a clear error within the timeout. Every process is killed on exit."""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+PROCS = []
+TOL = 1e-10
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_spec(tmp, name, micro_batch, steps=6, **extra):
+    spec = {"preset": "micro", "steps": steps, "micro_batch": micro_batch, "seq_len": 32, "threads": 1,
+            "precision": "fp64", "optimizer": {"warmup_steps": 1}, "dist_timeout_seconds": 20,
+            "data": {"corpus_bytes": 65536}, "eval": {"batches": 1},
+            "checkpoint": {"dir": os.path.join(tmp, name), "interval": 3},
+            "metrics": {"jsonl": os.path.join(tmp, name + ".jsonl"), "log_every": 1}}
+    spec.update(extra)
+    path = os.path.join(tmp, name + ".json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return path
+
+
+def launch(loom, world, spec_path, extra_args=(), port=None):
+    port = port or free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "LOOM_RANK": str(rank), "LOOM_WORLD_SIZE": str(world),
+               "LOOM_MASTER_ADDR": "127.0.0.1", "LOOM_MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        p = subprocess.Popen([loom, "train", "--spec", spec_path, *extra_args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        PROCS.append(p)
+        procs.append(p)
+    return procs
+
+
+def wait_all(procs, timeout=300):
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise AssertionError(f"rank exited {p.returncode}:\n{out}\n{err}")
+        outs.append(out)
+    return outs
+
+
+def losses(jsonl):
+    out = {}
+    with open(jsonl) as f:
+        for line in f:
+            m = re.search(r'"event":"step","step":(\d+),"loss":([^,]+)', line)
+            if m:
+                out[int(m.group(1))] = float(m.group(2))
+    return out
+
+
+def weights(ckpt):
+    path = os.path.join(ckpt, "shard-00000-of-00001.safetensors")
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    out = {}
+    for k, v in header.items():
+        if k.startswith("model.") and v["dtype"] == "F64":
+            b, e = v["data_offsets"]
+            out[k] = struct.unpack(f"<{(e - b) // 8}d", data[b:e])
+    return out
+
+
+def assert_close(a, b, what):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        worst = max(abs(x - y) for x, y in zip(a[k], b[k])) if a[k] else 0.0
+        assert worst < TOL, f"{what}: {k} differs by {worst}"
+
+
+def test_ranks_match_one_big_batch(loom, tmp):
+    wait_all(launch(loom, 1, write_spec(tmp, "w1", 6)))
+    ref_loss = losses(os.path.join(tmp, "w1.jsonl"))
+    ref_w = weights(os.path.join(tmp, "w1", "step-00000006"))
+    for world, b in ((2, 3), (3, 2)):
+        name = f"w{world}"
+        outs = wait_all(launch(loom, world, write_spec(tmp, name, b)))
+        assert f"{world} rank(s)" in outs[0], outs[0]
+        got = losses(os.path.join(tmp, name + ".jsonl"))
+        assert sorted(got) == sorted(ref_loss)
+        for step in ref_loss:
+            assert abs(got[step] - ref_loss[step]) < TOL, (world, step, got[step], ref_loss[step])
+        assert_close(weights(os.path.join(tmp, name, "step-00000006")), ref_w, f"{world} ranks")
+        print(f"{world} gloo ranks x micro-batch {b} == 1 rank x 6: losses and weights within {TOL}")
+
+
+def test_resume_on_other_world_sizes(loom, tmp):
+    ref_w = weights(os.path.join(tmp, "w1", "step-00000006"))
+    ref_loss = losses(os.path.join(tmp, "w1.jsonl"))
+    wait_all(launch(loom, 2, write_spec(tmp, "saved2", 3), ["--stop-after", "3"]))
+    for world, b in ((1, 6), (3, 2)):
+        name = f"resume{world}"
+        shutil.copytree(os.path.join(tmp, "saved2"), os.path.join(tmp, name))
+        outs = wait_all(launch(loom, world, write_spec(tmp, name, b), ["--resume", os.path.join(tmp, name)]))
+        assert "at step 3" in outs[0], outs[0]
+        got = losses(os.path.join(tmp, name + ".jsonl"))
+        for step in (4, 5, 6):
+            assert abs(got[step] - ref_loss[step]) < TOL, (world, step)
+        assert_close(weights(os.path.join(tmp, name, "step-00000006")), ref_w, f"resume on {world}")
+        print(f"checkpoint of 2 ranks resumed on {world}: matches the uninterrupted run")
+
+
+def test_killed_rank_fails_the_other(loom, tmp):
+    spec = write_spec(tmp, "kill", 2, steps=100000, dist_timeout_seconds=10, checkpoint={"dir": ""})
+    r0, r1 = launch(loom, 2, spec)
+    deadline = time.time() + 120
+    for line in r0.stdout:
+        if re.match(r"step 3/", line.strip()):
+            break
+        assert time.time() < deadline, "rank 0 never made progress"
+    os.kill(r1.pid, signal.SIGKILL)
+    killed_at = time.time()
+    try:
+        _, err = r0.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("rank 0 hung after its peer was killed")
+    elapsed = time.time() - killed_at
+    assert r0.returncode != 0, "rank 0 should fail"
+    assert "rank 0" in err and ("all-reduce failed" in err or "barrier failed" in err), err
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+    print(f"kill -9 of rank 1: rank 0 failed in {elapsed:.1f}s: {err.strip().splitlines()[-1][:120]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loom-train", required=True)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="loom_dist_")
+    try:
+        test_ranks_match_one_big_batch(args.loom_train, tmp)
+        test_resume_on_other_world_sizes(args.loom_train, tmp)
+        test_killed_rank_fails_the_other(args.loom_train, tmp)
+    finally:
+        for p in PROCS:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("distributed: ok")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
