@@ -96,6 +96,7 @@ TEST(JobSpec, BadSpecsNameTheField) {
       {R"({"preset": "micro", "metrics": {"port": 70000}})", "metrics.port"},
       {R"({"preset": "micro", "kind": "finetune"})", "kind"},
       {R"({"preset": "micro", "max_nan_skips": -1})", "max_nan_skips"},
+      {R"({"preset": "micro", "dist_backend": "nccl2"})", "dist_backend"},
       {R"({"preset": "micro", "model": {"mode": "encoder", "num_classes": 2, "tie_embeddings": false}})",
        "model.mode"},  // encoder without a task
       {R"({"preset": "micro", "model": {"ffn_activation": "relu"}})", "model.ffn_activation"},

@@ -126,6 +126,24 @@ def test_resume_on_other_world_sizes(loom, tmp):
         print(f"checkpoint of 2 ranks resumed on {world}: matches the uninterrupted run")
 
 
+def test_mpirun(loom, tmp):
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "mpirun not found (install openmpi-bin)"
+    ref_loss = losses(os.path.join(tmp, "w1.jsonl"))
+    ref_w = weights(os.path.join(tmp, "w1", "step-00000006"))
+    spec = write_spec(tmp, "mpi", 3, dist_backend="mpi")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_MCA_btl": "self,tcp", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    p = subprocess.run([mpirun, "--allow-run-as-root", "-np", "2", "-x", "LOOM_PLUGIN_PATH", "-x", "OMP_NUM_THREADS",
+                        loom, "train", "--spec", spec], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "2 rank(s)" in p.stdout, p.stdout
+    got = losses(os.path.join(tmp, "mpi.jsonl"))
+    for step in ref_loss:
+        assert abs(got[step] - ref_loss[step]) < TOL, (step, got[step], ref_loss[step])
+    assert_close(weights(os.path.join(tmp, "mpi", "step-00000006")), ref_w, "mpirun -np 2")
+    print(f"mpirun -np 2 x micro-batch 3 == 1 rank x 6: losses and weights within {TOL}")
+
+
 def test_killed_rank_fails_the_other(loom, tmp):
     spec = write_spec(tmp, "kill", 2, steps=100000, dist_timeout_seconds=10, checkpoint={"dir": ""})
     r0, r1 = launch(loom, 2, spec)
@@ -155,6 +173,7 @@ def main():
     try:
         test_ranks_match_one_big_batch(args.loom_train, tmp)
         test_resume_on_other_world_sizes(args.loom_train, tmp)
+        test_mpirun(args.loom_train, tmp)
         test_killed_rank_fails_the_other(args.loom_train, tmp)
     finally:
         for p in PROCS:

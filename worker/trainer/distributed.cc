@@ -1,6 +1,12 @@
 #include "distributed.h"
 
 #include <cstdlib>
+
+#ifdef LOOM_HAVE_MPI
+#define OMPI_SKIP_MPICXX 1  // the C API only: the deprecated C++ bindings need another library
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -21,11 +27,27 @@ const char* Env(const char* primary, const char* fallback) {
 struct Communicator::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  bool mpi_initialized_here = false;
 };
 
-absl::StatusOr<DistributedConfig> DistributedConfigFromEnv(std::chrono::milliseconds timeout) {
+absl::StatusOr<DistributedConfig> DistributedConfigFromEnv(const std::string& backend,
+                                                           std::chrono::milliseconds timeout) {
   DistributedConfig c;
   c.timeout = timeout;
+  const bool mpi_launcher = Env("OMPI_COMM_WORLD_SIZE", "PMI_SIZE") != nullptr;
+  if (backend == "mpi" || (backend == "auto" && mpi_launcher)) {
+#ifdef LOOM_HAVE_MPI
+    c.backend = "mpi";  // rank and size come from MPI_Init
+    return c;
+#else
+    return absl::FailedPreconditionError(
+        "dist_backend: mpi requested, but this build has no MPI (libopenmpi-dev)");
+#endif
+  }
+  if (backend != "auto" && backend != "gloo") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dist_backend: '", backend, "' is not auto | gloo | mpi"));
+  }
   auto read_int = [](const char* primary, const char* fallback, int lo, int hi,
                      int* out) -> absl::Status {
     const char* v = Env(primary, fallback);
@@ -50,6 +72,7 @@ absl::StatusOr<DistributedConfig> DistributedConfigFromEnv(std::chrono::millisec
   if (c.world_size > 1 && c.master_port == 0) {
     return absl::InvalidArgumentError("LOOM_MASTER_PORT: required when LOOM_WORLD_SIZE > 1");
   }
+  c.backend = c.world_size > 1 ? "gloo" : "none";
   return c;
 }
 
@@ -57,6 +80,22 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
     const DistributedConfig& config) {
   std::unique_ptr<Communicator> comm(new Communicator(config));
   comm->impl_ = std::make_unique<Impl>();
+  if (config.backend == "mpi") {
+#ifdef LOOM_HAVE_MPI
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+      int provided = 0;
+      if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+        return absl::UnavailableError("dist_backend mpi: MPI_Init failed");
+      }
+      comm->impl_->mpi_initialized_here = true;
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, &comm->config_.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &comm->config_.world_size);
+    return comm;
+#endif
+  }
   if (config.world_size == 1) return comm;
   try {
     c10d::TCPStoreOptions store_options;
@@ -79,7 +118,15 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
 }
 
 Communicator::Communicator(DistributedConfig config) : config_(std::move(config)) {}
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+#ifdef LOOM_HAVE_MPI
+  if (impl_ && impl_->mpi_initialized_here) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
+#endif
+}
 
 absl::Status Communicator::AllReduceMean(const std::vector<torch::Tensor>& tensors,
                                          int64_t bucket_bytes) {
@@ -102,7 +149,22 @@ absl::Status Communicator::AllReduceMean(const std::vector<torch::Tensor>& tenso
         for (const auto& t : bucket) views.push_back(t.reshape({-1}));
         return views;
       }())};
-      impl_->group->allreduce(flat)->wait();
+      if (config_.backend == "mpi") {
+#ifdef LOOM_HAVE_MPI
+        torch::Tensor host = flat[0].to(torch::kCPU).contiguous();
+        const MPI_Datatype type = host.scalar_type() == torch::kFloat64 ? MPI_DOUBLE : MPI_FLOAT;
+        if (host.scalar_type() != torch::kFloat64 && host.scalar_type() != torch::kFloat32) {
+          return absl::InvalidArgumentError("mpi all-reduce: only float32 and float64 tensors");
+        }
+        if (MPI_Allreduce(MPI_IN_PLACE, host.data_ptr(), static_cast<int>(host.numel()), type,
+                          MPI_SUM, MPI_COMM_WORLD) != MPI_SUCCESS) {
+          return absl::UnavailableError(absl::StrCat("rank ", rank(), ": MPI_Allreduce failed"));
+        }
+        flat[0].copy_(host);
+#endif
+      } else {
+        impl_->group->allreduce(flat)->wait();
+      }
       flat[0].div_(world_size());
       int64_t offset = 0;
       for (auto& t : bucket) {
@@ -127,6 +189,12 @@ absl::StatusOr<double> Communicator::AllReduceMean(double value) {
 absl::Status Communicator::Barrier() {
   if (world_size() == 1) return absl::OkStatus();
   try {
+#ifdef LOOM_HAVE_MPI
+    if (config_.backend == "mpi") {
+      MPI_Barrier(MPI_COMM_WORLD);
+      return absl::OkStatus();
+    }
+#endif
     impl_->group->barrier()->wait();
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("rank ", rank(), ": barrier failed: ", e.what()));

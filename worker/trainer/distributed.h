@@ -1,9 +1,11 @@
-// Data-parallel communication for trainer ranks over PyTorch's c10d: ProcessGroupGloo with a
-// TCPStore rendezvous (CPU). Never a home-made transport.
-//
-// Ranks find each other through the environment a launcher sets (the worker agent, a shell
-// script, or torchrun): LOOM_RANK / LOOM_WORLD_SIZE / LOOM_MASTER_ADDR / LOOM_MASTER_PORT, falling
-// back to torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. Rank 0 hosts the store.
+// Data-parallel communication for trainer ranks, over existing engines only:
+//   gloo: PyTorch c10d ProcessGroupGloo with a TCPStore rendezvous (CPU). Ranks find each other
+//         through LOOM_RANK / LOOM_WORLD_SIZE / LOOM_MASTER_ADDR / LOOM_MASTER_PORT, falling back
+//         to torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. Rank 0 hosts the store.
+//   mpi:  ranks started by mpirun / srun; rank and size from MPI itself, MPI_Allreduce on host
+//         buffers (Debian's OpenMPI; compiled in when found, LOOM_HAVE_MPI).
+// Backend "auto" picks mpi when an MPI launcher's environment is present (OMPI_COMM_WORLD_SIZE,
+// PMI_SIZE), gloo when LOOM_WORLD_SIZE / WORLD_SIZE > 1, and a single rank otherwise.
 // A rank that dies or hangs makes the others fail within the configured timeout with an error
 // naming the operation, instead of hanging (Gloo's per-operation timeout).
 #ifndef LOOM_WORKER_TRAINER_DISTRIBUTED_H_
@@ -21,6 +23,7 @@
 namespace loom::trainer {
 
 struct DistributedConfig {
+  std::string backend = "none";  // resolved: none | gloo | mpi
   int rank = 0;
   int world_size = 1;
   std::string master_addr = "127.0.0.1";
@@ -28,8 +31,9 @@ struct DistributedConfig {
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
 };
 
-// Reads the launcher's environment; world size 1 when nothing is set. Errors name the variable.
-absl::StatusOr<DistributedConfig> DistributedConfigFromEnv(std::chrono::milliseconds timeout);
+// Reads the launcher's environment for `backend` (auto | gloo | mpi); errors name the variable.
+absl::StatusOr<DistributedConfig> DistributedConfigFromEnv(const std::string& backend,
+                                                           std::chrono::milliseconds timeout);
 
 class Communicator {
  public:

@@ -223,6 +223,7 @@ absl::Status RunTrain(int argc, char** argv) {
   LOOM_RETURN_IF_ERROR(LoadPlugins(args, loader, false));
   LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(spec, loader, options));
   LOOM_ASSIGN_OR_RETURN(TrainSummary summary, trainer->Run());
+  if (trainer->rank() != 0) return absl::OkStatus();  // rank 0 reports for the job
   if (summary.first_eval_loss > 0) {
     std::cout << absl::StrFormat("eval loss: %.4f -> %.4f over %d steps\n", summary.first_eval_loss,
                                  summary.last_eval_loss, summary.steps.size());

@@ -173,7 +173,8 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   if (spec_.threads() > 0) torch::set_num_threads(spec_.threads());
   LOOM_ASSIGN_OR_RETURN(
       DistributedConfig dist,
-      DistributedConfigFromEnv(std::chrono::seconds(spec_.dist_timeout_seconds())));
+      DistributedConfigFromEnv(spec_.dist_backend(),
+                               std::chrono::seconds(spec_.dist_timeout_seconds())));
   LOOM_ASSIGN_OR_RETURN(comm_, Communicator::Create(dist));
   if (comm_->rank() != 0) {  // one rank speaks for the job: logs, JSONL, metrics port, checkpoints
     options_.log = nullptr;

@@ -122,6 +122,7 @@ class Trainer {
   const metrics::Registry& registry() const { return registry_; }
   int metrics_port() const { return exporter_ ? exporter_->port() : 0; }
   int64_t step() const { return step_; }
+  int rank() const { return comm_->rank(); }
 
  private:
   Trainer(v1::JobSpec spec, TrainerOptions options)
