@@ -134,7 +134,8 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
 }
 
 absl::StatusOr<CheckpointWriter> CheckpointWriter::Begin(const std::string& root, int64_t step,
-                                                         int world_size) {
+                                                         int world_size, const std::string& token,
+                                                         bool create) {
   if (step < 0) return absl::InvalidArgumentError("checkpoint step must be >= 0");
   if (world_size < 1) return absl::InvalidArgumentError("checkpoint world size must be >= 1");
   std::error_code ec;
@@ -145,7 +146,16 @@ absl::StatusOr<CheckpointWriter> CheckpointWriter::Begin(const std::string& root
   w.step_ = step;
   w.world_size_ = world_size;
   w.final_dir_ = (fs::path(root) / CheckpointDirName(step)).string();
-  w.temp_dir_ = (fs::path(root) / absl::StrCat(kTempPrefix, step, "-", getpid())).string();
+  w.temp_dir_ = (fs::path(root) / absl::StrCat(kTempPrefix, step, "-",
+                                               token.empty() ? std::to_string(getpid()) : token))
+                    .string();
+  if (!create) {
+    if (!fs::is_directory(w.temp_dir_)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(w.temp_dir_, ": not created by the writing rank"));
+    }
+    return w;
+  }
   fs::remove_all(w.temp_dir_, ec);
   if (!fs::create_directory(w.temp_dir_, ec) || ec) {
     return absl::InternalError(absl::StrCat(w.temp_dir_, ": cannot create: ", ec.message()));
@@ -170,6 +180,25 @@ absl::Status CheckpointWriter::WriteShard(int rank, const std::vector<TensorToWr
       !s.ok()) {
     return s;
   }
+  shards_[rank] = info;
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointWriter::AdoptShard(int rank) {
+  if (rank < 0 || rank >= world_size_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " outside world size ", world_size_));
+  }
+  ShardInfo info;
+  info.rank = rank;
+  info.file = ShardName(rank, world_size_);
+  const std::string path = (fs::path(temp_dir_) / info.file).string();
+  auto bytes = ReadWholeFile(path);
+  if (!bytes.ok())
+    return absl::DataLossError(
+        absl::StrCat("shard ", path, ": missing (rank ", rank, " did not write it)"));
+  info.bytes = bytes->size();
+  info.crc32c = Crc32cHex(Crc32c(bytes->data(), bytes->size()));
   shards_[rank] = info;
   return absl::OkStatus();
 }

@@ -57,13 +57,20 @@ std::string CheckpointDirName(int64_t step);
 
 class CheckpointWriter {
  public:
-  // Creates the temporary directory for `step` under `root` (creating root if needed).
+  // Creates the temporary directory for `step` under `root` (creating root if needed). Ranks
+  // that write shards of one checkpoint pass the same `token` (default: this process id); one of
+  // them creates the directory, the others join it (create = false) once it exists.
   static absl::StatusOr<CheckpointWriter> Begin(const std::string& root, int64_t step,
-                                                int world_size);
+                                                int world_size, const std::string& token = "",
+                                                bool create = true);
 
   // Writes rank's shard (safetensors, fsync'ed) and records its size and checksum.
   absl::Status WriteShard(int rank, const std::vector<TensorToWrite>& tensors,
                           const std::map<std::string, std::string>& metadata = {});
+
+  // Records a shard another process wrote into the temporary directory (size and CRC-32C are
+  // computed from the file).
+  absl::Status AdoptShard(int rank);
 
   // Writes the manifest (shards filled in from WriteShard), fsyncs and renames into place.
   // Every rank's shard must have been written. Returns the final directory.

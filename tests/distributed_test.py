@@ -73,7 +73,7 @@ def losses(jsonl):
 
 
 def weights(ckpt):
-    path = os.path.join(ckpt, "shard-00000-of-00001.safetensors")
+    path = os.path.join(ckpt, [f for f in os.listdir(ckpt) if f.startswith("shard-00000-of-")][0])
     with open(path, "rb") as f:
         raw = f.read()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -126,6 +126,33 @@ def test_resume_on_other_world_sizes(loom, tmp):
         print(f"checkpoint of 2 ranks resumed on {world}: matches the uninterrupted run")
 
 
+def test_zero1_and_resharding(loom, tmp):
+    ref_loss = losses(os.path.join(tmp, "w1.jsonl"))
+    ref_w = weights(os.path.join(tmp, "w1", "step-00000006"))
+    wait_all(launch(loom, 2, write_spec(tmp, "zero2", 3, zero_stage=1)))
+    got = losses(os.path.join(tmp, "zero2.jsonl"))
+    for step in ref_loss:
+        assert abs(got[step] - ref_loss[step]) < TOL, ("zero", step)
+    assert_close(weights(os.path.join(tmp, "zero2", "step-00000006")), ref_w, "ZeRO-1 on 2 ranks")
+    with open(os.path.join(tmp, "zero2", "step-00000003", "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["world_size"] == 2 and len(manifest["shards"]) == 2, manifest["shards"]
+    print("ZeRO-1 on 2 ranks == 1 rank; its checkpoint has one shard per rank")
+    # Reshard: the 2-shard checkpoint at step 3 continues on 3 ZeRO ranks and on 1 plain rank.
+    for world, b, zero in ((3, 2, 1), (1, 6, 0)):
+        name = f"zres{world}"
+        os.makedirs(os.path.join(tmp, name))
+        shutil.copytree(os.path.join(tmp, "zero2", "step-00000003"), os.path.join(tmp, name, "step-00000003"))
+        outs = wait_all(launch(loom, world, write_spec(tmp, name, b, zero_stage=zero),
+                               ["--resume", os.path.join(tmp, name)]))
+        assert "at step 3" in outs[0], outs[0]
+        got = losses(os.path.join(tmp, name + ".jsonl"))
+        for step in (4, 5, 6):
+            assert abs(got[step] - ref_loss[step]) < TOL, (world, step)
+        assert_close(weights(os.path.join(tmp, name, "step-00000006")), ref_w, f"reshard onto {world}")
+        print(f"2-shard ZeRO-1 checkpoint resumed on {world} rank(s) (zero_stage {zero}): identical")
+
+
 def test_mpirun(loom, tmp):
     mpirun = shutil.which("mpirun")
     assert mpirun, "mpirun not found (install openmpi-bin)"
@@ -173,6 +200,7 @@ def main():
     try:
         test_ranks_match_one_big_batch(args.loom_train, tmp)
         test_resume_on_other_world_sizes(args.loom_train, tmp)
+        test_zero1_and_resharding(args.loom_train, tmp)
         test_mpirun(args.loom_train, tmp)
         test_killed_rank_fails_the_other(args.loom_train, tmp)
     finally:

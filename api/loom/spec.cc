@@ -475,6 +475,7 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     return SpecError("dist_timeout_seconds", "must be in [0, 86400] (0 = 60)");
   }
   if (j.dist_timeout_seconds() == 0) j.set_dist_timeout_seconds(60);
+  if (j.zero_stage() != 0 && j.zero_stage() != 1) return SpecError("zero_stage", "must be 0 or 1");
   if (j.dist_backend().empty()) j.set_dist_backend("auto");
   if (j.dist_backend() != "auto" && j.dist_backend() != "gloo" && j.dist_backend() != "mpi") {
     return SpecError("dist_backend",

@@ -8,10 +8,12 @@
 namespace loom::trainer {
 
 AdamW::AdamW(const std::vector<std::pair<std::string, torch::Tensor>>& named_parameters,
-             AdamWConfig config)
+             AdamWConfig config, std::function<bool(const std::string&)> owns)
     : config_(config) {
   for (const auto& [name, p] : named_parameters) {
-    slots_.push_back({name, p, torch::zeros_like(p), torch::zeros_like(p), p.dim() >= 2});
+    const bool owned = !owns || owns(name);
+    slots_.push_back({name, p, owned ? torch::zeros_like(p) : torch::Tensor(),
+                      owned ? torch::zeros_like(p) : torch::Tensor(), p.dim() >= 2, owned});
   }
 }
 
@@ -29,7 +31,7 @@ void AdamW::Step(double lr) {
   const double bc2 = 1.0 - std::pow(config_.beta2, static_cast<double>(step_));
   for (Slot& s : slots_) {
     const torch::Tensor& g = s.param.grad();
-    if (!g.defined()) continue;
+    if (!s.owned || !g.defined()) continue;
     if (s.decay && config_.weight_decay != 0) s.param.mul_(1.0 - lr * config_.weight_decay);
     s.exp_avg.mul_(config_.beta1).add_(g, 1.0 - config_.beta1);
     s.exp_avg_sq.mul_(config_.beta2).addcmul_(g, g, 1.0 - config_.beta2);
@@ -41,6 +43,7 @@ void AdamW::Step(double lr) {
 NamedTensors AdamW::StateTensors() const {
   NamedTensors out;
   for (const Slot& s : slots_) {
+    if (!s.owned) continue;
     out.emplace_back(s.name + ".exp_avg", s.exp_avg);
     out.emplace_back(s.name + ".exp_avg_sq", s.exp_avg_sq);
   }
@@ -51,6 +54,7 @@ absl::Status AdamW::LoadState(const std::map<std::string, torch::Tensor>& tensor
   std::vector<std::string> problems;
   torch::NoGradGuard no_grad;
   for (Slot& s : slots_) {
+    if (!s.owned) continue;
     for (auto [suffix, target] : {std::pair<const char*, torch::Tensor*>{".exp_avg", &s.exp_avg},
                                   {".exp_avg_sq", &s.exp_avg_sq}}) {
       auto it = tensors.find(s.name + suffix);

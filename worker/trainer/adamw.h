@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -26,8 +27,9 @@ struct AdamWConfig {
 
 class AdamW {
  public:
+  // `owns` (ZeRO-1): the parameters this rank updates and keeps moments for; null = all.
   AdamW(const std::vector<std::pair<std::string, torch::Tensor>>& named_parameters,
-        AdamWConfig config);
+        AdamWConfig config, std::function<bool(const std::string&)> owns = nullptr);
 
   // One update with learning rate `lr` from the parameters' .grad() (parameters without a
   // gradient are left alone).
@@ -35,9 +37,10 @@ class AdamW {
   int64_t step() const { return step_; }
   bool Decays(const std::string& name) const;
 
-  // "<name>.exp_avg" and "<name>.exp_avg_sq" for every parameter.
+  // "<name>.exp_avg" and "<name>.exp_avg_sq" for every parameter this optimizer owns.
   NamedTensors StateTensors() const;
-  // Restores the moments (every tensor must be present with the right shape) and the step.
+  // Restores the moments of every owned parameter (each must be present with the right shape;
+  // others are ignored, which is how a checkpoint reshards onto another partition) and the step.
   absl::Status LoadState(const std::map<std::string, torch::Tensor>& tensors, int64_t step);
 
  private:
@@ -45,6 +48,7 @@ class AdamW {
     std::string name;
     torch::Tensor param, exp_avg, exp_avg_sq;
     bool decay;
+    bool owned;
   };
   AdamWConfig config_;
   std::vector<Slot> slots_;

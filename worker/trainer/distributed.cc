@@ -180,6 +180,45 @@ absl::Status Communicator::AllReduceMean(const std::vector<torch::Tensor>& tenso
   return absl::OkStatus();
 }
 
+absl::Status Communicator::Broadcast(const std::vector<torch::Tensor>& tensors, int root) {
+  if (world_size() == 1 || tensors.empty()) return absl::OkStatus();
+  torch::NoGradGuard no_grad;
+  try {
+    size_t i = 0;
+    while (i < tensors.size()) {
+      std::vector<torch::Tensor> run;
+      const auto dtype = tensors[i].scalar_type();
+      while (i < tensors.size() && tensors[i].scalar_type() == dtype) run.push_back(tensors[i++]);
+      std::vector<torch::Tensor> views;
+      for (const auto& t : run) views.push_back(t.reshape({-1}));
+      std::vector<torch::Tensor> flat = {torch::cat(views).contiguous()};
+      if (config_.backend == "mpi") {
+#ifdef LOOM_HAVE_MPI
+        const MPI_Datatype type = dtype == torch::kFloat64 ? MPI_DOUBLE : MPI_FLOAT;
+        if (MPI_Bcast(flat[0].data_ptr(), static_cast<int>(flat[0].numel()), type, root,
+                      MPI_COMM_WORLD) != MPI_SUCCESS) {
+          return absl::UnavailableError(absl::StrCat("rank ", rank(), ": MPI_Bcast failed"));
+        }
+#endif
+      } else {
+        c10d::BroadcastOptions options;
+        options.rootRank = root;
+        impl_->group->broadcast(flat, options)->wait();
+      }
+      int64_t offset = 0;
+      for (auto& t : run) {
+        t.copy_(flat[0].narrow(0, offset, t.numel()).view_as(t));
+        offset += t.numel();
+      }
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("rank ", rank(),
+                                               ": parameter broadcast failed (a peer rank died or ",
+                                               "hung past the timeout): ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<double> Communicator::AllReduceMean(double value) {
   torch::Tensor t = torch::tensor({value}, torch::kFloat64);
   if (absl::Status s = AllReduceMean({t}); !s.ok()) return s;

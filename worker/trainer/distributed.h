@@ -49,6 +49,8 @@ class Communicator {
   absl::Status AllReduceMean(const std::vector<torch::Tensor>& tensors,
                              int64_t bucket_bytes = 25 << 20);
   absl::StatusOr<double> AllReduceMean(double value);
+  // Overwrites the tensors on every rank with root's values (one flat buffer per dtype run).
+  absl::Status Broadcast(const std::vector<torch::Tensor>& tensors, int root);
   absl::Status Barrier();
 
  private:

@@ -203,8 +203,20 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
   const auto& o = spec_.optimizer();
-  optimizer_ =
-      std::make_unique<AdamW>(params, AdamWConfig{o.beta1(), o.beta2(), o.eps(), o.weight_decay()});
+  zero_ = spec_.zero_stage() == 1 && comm_->world_size() > 1;
+  std::function<bool(const std::string&)> owns;
+  if (zero_) {
+    // Greedy balance by size, in parameter order: deterministic, so every rank agrees.
+    std::vector<int64_t> load(static_cast<size_t>(comm_->world_size()), 0);
+    for (const auto& [name, p] : params) {
+      const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+      owner_[name] = r;
+      load[r] += p.numel();
+    }
+    owns = [this](const std::string& name) { return owner_.at(name) == comm_->rank(); };
+  }
+  optimizer_ = std::make_unique<AdamW>(
+      params, AdamWConfig{o.beta1(), o.beta2(), o.eps(), o.weight_decay()}, owns);
 
   LOOM_RETURN_IF_ERROR(SetupData());
   model_hash_ = ModelHash(spec_);
@@ -409,12 +421,14 @@ absl::Status Trainer::Restore(const std::string& where, bool weights_only) {
     return absl::Status(loaded.status().code(),
                         absl::StrCat(what, ": ", loaded.status().message()));
   const storage::Manifest& m = loaded->manifest;
-  if (m.world_size != 1) {
-    return absl::UnimplementedError(
-        absl::StrCat(what, ": ", loaded->dir, " was written by ", m.world_size,
-                     " ranks; resharding onto 1 rank is not implemented yet"));
+  // Shards are merged by name: parameters live in shard 0, AdamW moments in the shard of the rank
+  // that owned them. Each rank then takes what its own partition needs, whatever the world size
+  // that wrote the checkpoint (resharding needs no conversion step).
+  std::map<std::string, torch::Tensor> tensors;
+  for (const auto& shard : loaded->shards) {
+    LOOM_ASSIGN_OR_RETURN(auto part, TensorsFromFile(shard));
+    tensors.insert(part.begin(), part.end());
   }
-  LOOM_ASSIGN_OR_RETURN(auto tensors, TensorsFromFile(loaded->shards[0]));
   std::map<std::string, torch::Tensor> model_tensors, optim_tensors;
   for (auto& [name, t] : tensors) {
     if (name.rfind(kModelPrefix, 0) == 0) model_tensors[name.substr(sizeof(kModelPrefix) - 1)] = t;
@@ -475,15 +489,30 @@ absl::Status Trainer::Restore(const std::string& where, bool weights_only) {
 absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
   const auto start = Clock::now();
   NamedTensors tensors;
-  for (auto& [name, t] : ModuleTensors(*model_)) tensors.emplace_back(kModelPrefix + name, t);
+  if (comm_->rank() == 0) {
+    for (auto& [name, t] : ModuleTensors(*model_)) tensors.emplace_back(kModelPrefix + name, t);
+    tensors.emplace_back(kTorchRng, at::detail::getDefaultCPUGenerator().get_state());
+  }
   for (auto& [name, t] : optimizer_->StateTensors()) tensors.emplace_back(kOptimPrefix + name, t);
-  tensors.emplace_back(kTorchRng, at::detail::getDefaultCPUGenerator().get_state());
   LOOM_ASSIGN_OR_RETURN(WritableTensors writable, ToWritable(tensors));
-  LOOM_ASSIGN_OR_RETURN(storage::CheckpointWriter writer,
-                        storage::CheckpointWriter::Begin(spec_.checkpoint().dir(), step_, 1));
-  if (absl::Status s = writer.WriteShard(0, writable.items, {{"format", "pt"}}); !s.ok()) {
-    writer.Abort();
+  // ZeRO-1: every rank writes its shard into one temporary directory that rank 0 creates and
+  // commits; otherwise rank 0 alone writes the (replicated) state.
+  const int world = zero_ ? comm_->world_size() : 1, rank = comm_->rank();
+  const std::string token = absl::StrCat("run", spec_hash_);
+  if (zero_ && rank != 0)
+    LOOM_RETURN_IF_ERROR(comm_->Barrier());  // rank 0 has created the directory
+  LOOM_ASSIGN_OR_RETURN(
+      storage::CheckpointWriter writer,
+      storage::CheckpointWriter::Begin(spec_.checkpoint().dir(), step_, world, token, rank == 0));
+  if (zero_ && rank == 0) LOOM_RETURN_IF_ERROR(comm_->Barrier());
+  if (absl::Status s = writer.WriteShard(rank, writable.items, {{"format", "pt"}}); !s.ok()) {
+    if (rank == 0) writer.Abort();
     return s;
+  }
+  if (zero_) {
+    LOOM_RETURN_IF_ERROR(comm_->Barrier());  // every shard is on disk
+    if (rank != 0) return std::string();
+    for (int r = 1; r < world; ++r) LOOM_RETURN_IF_ERROR(writer.AdoptShard(r));
   }
   if (checkpoint_pause_ms_ > 0 &&
       step_ == checkpoint_pause_step_) {  // test hook: a window to kill in
@@ -503,6 +532,7 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
                     {"data.rng", train_data_->State()},
                     {"nan.consecutive", std::to_string(consecutive_nan_)},
                     {"model_hash", model_hash_},
+                    {"zero_stage", zero_ ? "1" : "0"},
                     {"spec", spec_json}};
   auto dir = writer.Commit(manifest);
   if (!dir.ok()) {
@@ -520,6 +550,18 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
                           ",\"dir\":", JsonString(*dir), ",\"seconds\":", JsonNumber(seconds),
                           ",\"bytes\":", bytes, "}"));
   return *dir;
+}
+
+absl::Status Trainer::BroadcastOwnedParameters() {
+  // ZeRO-1: each rank updated only its share; every share travels from its owner to the others.
+  for (int r = 0; r < comm_->world_size(); ++r) {
+    std::vector<torch::Tensor> share;
+    for (const auto& p : model_->named_parameters()) {
+      if (owner_.at(p.key()) == r) share.push_back(p.value());
+    }
+    LOOM_RETURN_IF_ERROR(comm_->Broadcast(share, r));
+  }
+  return absl::OkStatus();
 }
 
 Trainer::EvalResult Trainer::Evaluate() {
@@ -573,7 +615,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
   auto save = [&]() -> absl::Status {
     // Data-parallel state is replicated: rank 0 writes it, the others wait so no rank runs ahead
     // of a checkpoint it might be restarted from.
-    if (comm_->rank() == 0) {
+    if (comm_->rank() == 0 || zero_) {
       LOOM_ASSIGN_OR_RETURN(summary.last_checkpoint, SaveCheckpoint());
     }
     LOOM_RETURN_IF_ERROR(comm_->Barrier());
@@ -638,6 +680,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       r.grad_norm = torch::nn::utils::clip_grad_norm_(params, clip);
       if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) {
         optimizer_->Step(lr);
+        if (zero_) LOOM_RETURN_IF_ERROR(BroadcastOwnedParameters());
         consecutive_nan_ = 0;
       } else {
         r.skipped = true;

@@ -131,6 +131,7 @@ class Trainer {
   absl::Status SetupData();
   absl::Status Restore(const std::string& where, bool weights_only);
   absl::StatusOr<std::string> SaveCheckpoint();
+  absl::Status BroadcastOwnedParameters();
   struct EvalResult {
     double loss = 0, accuracy = 0, exact_match = 0;
   };
@@ -147,6 +148,8 @@ class Trainer {
   std::shared_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<Communicator> comm_;
+  bool zero_ = false;                 // ZeRO-1 active (zero_stage 1 and several ranks)
+  std::map<std::string, int> owner_;  // ZeRO-1: parameter name -> rank that updates it
   std::unique_ptr<BatchSource> train_data_;
   std::function<std::unique_ptr<BatchSource>()> make_eval_data_;  // a fresh, fixed-seed source
   int64_t step_ = 0, tokens_seen_ = 0, consecutive_nan_ = 0;
