@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "attention_test_util.h"
 #include "diff_attention.h"
 #include "mha_attention.h"
 #include "talking_heads_attention.h"
@@ -14,25 +15,6 @@ namespace loom::attention {
 namespace {
 
 constexpr auto f64 = torch::kFloat64;
-
-LoomAttentionSpecV1 Spec(int64_t d_model, int64_t h, int64_t d, bool causal, int64_t window,
-                         double theta, std::vector<LoomOption>* options = nullptr,
-                         int64_t layer = 0) {
-  LoomAttentionSpecV1 s{};
-  s.d_model = d_model;
-  s.n_heads = h;
-  s.head_dim = d;
-  s.causal = causal;
-  s.window = window;
-  s.rope_theta = theta;
-  s.layer_index = layer;
-  s.n_layers = layer + 1;
-  if (options) {
-    s.options = options->data();
-    s.num_options = options->size();
-  }
-  return s;
-}
 
 // Per-head q or k for token n of batch b after RoPE at position n: loops over the weights.
 std::vector<double> Head(const torch::Tensor& w, const torch::Tensor& x, int64_t b, int64_t n,
@@ -89,7 +71,7 @@ TEST(TalkingHeads, MatchesLoopReference) {
        {std::pair<bool, int64_t>{true, 0}, {true, 3}, {false, 0}, {false, 2}}) {
     std::vector<LoomOption> opts = {{"init", "random"}};
     torch::manual_seed(2);
-    TalkingHeadsAttention m(Spec(12, 3, 4, causal, window, 10000, &opts));
+    TalkingHeadsAttention m(TestSpec(12, 3, 4, causal, window, 10000, &opts));
     m.to(f64);
     const int64_t B = 2, N = 6, H = 3, d = 4;
     torch::Tensor x = torch::randn({B, N, 12}, f64);
@@ -135,8 +117,8 @@ TEST(TalkingHeads, MatchesLoopReference) {
 // point); with mixing, head h's output depends on other heads' logits.
 TEST(TalkingHeads, IdentityMixingIsMhaAndMixingCouplesHeads) {
   torch::manual_seed(3);
-  TalkingHeadsAttention th(Spec(12, 3, 4, true, 0, 10000));
-  MultiHeadAttention mha(Spec(12, 3, 4, true, 0, 10000), "mha", false);
+  TalkingHeadsAttention th(TestSpec(12, 3, 4, true, 0, 10000));
+  MultiHeadAttention mha(TestSpec(12, 3, 4, true, 0, 10000), "mha", false);
   th.to(f64);
   mha.to(f64);
   {
@@ -161,14 +143,14 @@ TEST(Diff, LambdaInitScheduleFollowsThePaper) {
     EXPECT_DOUBLE_EQ(DiffLambdaInit(l - 1), 0.8 - 0.6 * std::exp(-0.3 * (l - 1)));
   }
   EXPECT_DOUBLE_EQ(DiffLambdaInit(0), 0.2);
-  DiffAttention layer(Spec(16, 4, 4, true, 0, 0, nullptr, 5));
+  DiffAttention layer(TestSpec(16, 4, 4, true, 0, 0, nullptr, 5));
   EXPECT_DOUBLE_EQ(layer.lambda_init(), 0.8 - 0.6 * std::exp(-1.5));
 }
 
 TEST(Diff, MatchesLoopReference) {
   for (auto [causal, window] : {std::pair<bool, int64_t>{true, 0}, {true, 2}, {false, 0}}) {
     torch::manual_seed(6);
-    DiffAttention m(Spec(16, 4, 4, causal, window, 10000, nullptr, 2));
+    DiffAttention m(TestSpec(16, 4, 4, causal, window, 10000, nullptr, 2));
     m.to(f64);
     const int64_t B = 2, N = 5, H = 4, d = 4, pairs = 2;
     torch::Tensor x = torch::randn({B, N, 16}, f64);
@@ -219,7 +201,7 @@ TEST(Diff, MatchesLoopReference) {
 // ε = 1e-5, negligible next to the mean square of these inputs: relative tolerance 1e-6).
 TEST(Diff, DefiningEquations) {
   torch::manual_seed(8);
-  DiffAttention m(Spec(16, 4, 4, true, 0, 0));
+  DiffAttention m(TestSpec(16, 4, 4, true, 0, 0));
   m.to(f64);
   {
     torch::NoGradGuard g;
@@ -247,13 +229,13 @@ TEST(Diff, DefiningEquations) {
   EXPECT_NE(m.Lambda().item<double>(), m.lambda_init());
   EXPECT_LT(((m.forward(x, in) - y0).abs().max() / y0.abs().max()).item<double>(), 1e-6);
   // Parameters: MHA's plus four λ vectors of width d and the 2d RMSNorm gain.
-  MultiHeadAttention mha(Spec(16, 4, 4, true, 0, 0), "mha", false);
+  MultiHeadAttention mha(TestSpec(16, 4, 4, true, 0, 0), "mha", false);
   EXPECT_EQ(m.NumParameters() - mha.NumParameters(), 4 * 4 + 2 * 4);
 }
 
 TEST(Diff, RejectsOddHeadCounts) {
   try {
-    DiffAttention m(Spec(12, 3, 4, true, 0, 0));
+    DiffAttention m(TestSpec(12, 3, 4, true, 0, 0));
     ADD_FAILURE() << "accepted 3 heads";
   } catch (const InvalidAttentionSpec& e) {
     EXPECT_NE(std::string(e.what()).find("n_heads"), std::string::npos);
@@ -264,29 +246,15 @@ TEST(Baselines, GradientsMatchFiniteDifferences) {
   std::vector<LoomOption> opts = {{"init", "random"}};
   torch::manual_seed(10);
   std::vector<std::shared_ptr<AttentionLayer>> layers = {
-      std::make_shared<TalkingHeadsAttention>(Spec(8, 2, 4, true, 0, 10000, &opts)),
-      std::make_shared<DiffAttention>(Spec(8, 2, 4, true, 0, 10000))};
+      std::make_shared<TalkingHeadsAttention>(TestSpec(8, 2, 4, true, 0, 10000, &opts)),
+      std::make_shared<DiffAttention>(TestSpec(8, 2, 4, true, 0, 10000))};
   for (auto& m : layers) {
     m->to(f64);
     torch::Tensor x = torch::randn({1, 4, 8}, f64), w = torch::randn({1, 4, 8}, f64);
     AttentionInputs in{torch::arange(4)};
-    auto loss = [&]() { return (m->forward(x, in) * w).sum(); };
-    m->zero_grad();
-    loss().backward();
-    torch::NoGradGuard g;
-    for (auto& p : m->named_parameters()) {
-      torch::Tensor flat = p.value().view(-1), grad = p.value().grad().view(-1);
-      for (int64_t i = 0; i < flat.numel(); i += 3) {
-        const double h = 1e-6, orig = flat[i].item<double>();
-        flat[i] = orig + h;
-        const double up = loss().item<double>();
-        flat[i] = orig - h;
-        const double down = loss().item<double>();
-        flat[i] = orig;
-        EXPECT_NEAR(grad[i].item<double>(), (up - down) / (2 * h), 1e-6)
-            << p.key() << "[" << i << "]";
-      }
-    }
+    ExpectGradientsMatchFiniteDifferences(
+        *m, [&] { return (m->forward(x, in) * w).sum(); }, [](const std::string&) { return 3; },
+        1e-6);
   }
 }
 

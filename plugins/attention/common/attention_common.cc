@@ -117,6 +117,20 @@ void ValidateSpec(const LoomAttentionSpecV1& spec, const std::string& plugin) {
   }
 }
 
+Projections RegisterProjections(torch::nn::Module& module, const LoomAttentionSpecV1& spec) {
+  const int64_t inner = spec.n_heads * spec.head_dim;
+  auto linear = [&](const char* name, int64_t in, int64_t out) {
+    return module.register_module(
+        name, torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(spec.bias != 0)));
+  };
+  Projections p;
+  p.q = linear("q_proj", spec.d_model, inner);
+  p.k = linear("k_proj", spec.d_model, inner);
+  p.v = linear("v_proj", spec.d_model, inner);
+  p.o = linear("o_proj", inner, spec.d_model);
+  return p;
+}
+
 torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
   TORCH_CHECK(x.dim() == 4, "ApplyRope: x must be [B, H, L, d], got ", x.sizes());
   const int64_t d = x.size(3);

@@ -38,6 +38,14 @@ class PluginOptions {
   std::set<std::string> used_;
 };
 
+// The four projections of multi-head attention that every plugin shares, registered on `module`
+// under the interop names q_proj, k_proj, v_proj ([H·d, D]) and o_proj ([D, H·d]), with biases
+// when spec.bias is set.
+struct Projections {
+  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
+};
+Projections RegisterProjections(torch::nn::Module& module, const LoomAttentionSpecV1& spec);
+
 // Checks the fields every plugin relies on; throws InvalidAttentionSpec naming the field.
 void ValidateSpec(const LoomAttentionSpecV1& spec, const std::string& plugin);
 

@@ -27,13 +27,7 @@ DiffAttention::DiffAttention(const LoomAttentionSpecV1& spec) {
   window_ = spec.window;
   causal_ = spec.causal != 0;
   rope_theta_ = spec.rope_theta;
-  const int64_t inner = n_heads_ * head_dim_;
-  const bool bias = spec.bias != 0;
-  using torch::nn::LinearOptions;
-  q_proj_ = register_module("q_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
-  k_proj_ = register_module("k_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
-  v_proj_ = register_module("v_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
-  o_proj_ = register_module("o_proj", torch::nn::Linear(LinearOptions(inner, d_model_).bias(bias)));
+  proj_ = RegisterProjections(*this, spec);
   lambda_q1 = register_parameter("lambda_q1", torch::randn({head_dim_}) * lambda_std);
   lambda_k1 = register_parameter("lambda_k1", torch::randn({head_dim_}) * lambda_std);
   lambda_q2 = register_parameter("lambda_q2", torch::randn({head_dim_}) * lambda_std);
@@ -53,9 +47,9 @@ torch::Tensor DiffAttention::forward(const torch::Tensor& x, const AttentionInpu
               x.sizes());
   const int64_t b = x.size(0), n = x.size(1), pairs = n_heads_ / 2;
   // [B, H, N, d] with heads (2i, 2i+1) the two maps of differential head i.
-  torch::Tensor q = q_proj_->forward(x).view({b, n, n_heads_, head_dim_}).transpose(1, 2);
-  torch::Tensor k = k_proj_->forward(x).view({b, n, n_heads_, head_dim_}).transpose(1, 2);
-  torch::Tensor v = v_proj_->forward(x).view({b, n, pairs, 2 * head_dim_}).transpose(1, 2);
+  torch::Tensor q = proj_.q->forward(x).view({b, n, n_heads_, head_dim_}).transpose(1, 2);
+  torch::Tensor k = proj_.k->forward(x).view({b, n, n_heads_, head_dim_}).transpose(1, 2);
+  torch::Tensor v = proj_.v->forward(x).view({b, n, pairs, 2 * head_dim_}).transpose(1, 2);
   if (rope_theta_ > 0) {
     torch::Tensor pos = CheckedPositions(inputs.positions, b, n, x.device());
     q = ApplyRope(q, pos, rope_theta_);
@@ -73,7 +67,7 @@ torch::Tensor DiffAttention::forward(const torch::Tensor& x, const AttentionInpu
   torch::Tensor heads = torch::matmul(attn, v);  // [B, H/2, N, 2d]
   heads = heads * torch::rsqrt(heads.pow(2).mean(-1, true) + 1e-5) * subln_weight.to(heads.dtype());
   heads = heads * (1.0 - lambda_init_);
-  return o_proj_->forward(heads.transpose(1, 2).reshape({b, n, n_heads_ * head_dim_}));
+  return proj_.o->forward(heads.transpose(1, 2).reshape({b, n, n_heads_ * head_dim_}));
 }
 
 double DiffAttention::ForwardFlopsPerToken(int64_t context) const {

@@ -33,13 +33,8 @@ IhaAttention::IhaAttention(const LoomAttentionSpecV1& spec) {
   d_model_ = spec.d_model;
   n_heads_ = spec.n_heads;
   head_dim_ = spec.head_dim;
-  const int64_t inner = n_heads_ * head_dim_, h = n_heads_, p = options_.p;
-  const bool bias = spec.bias != 0;
-  using torch::nn::LinearOptions;
-  q_proj_ = register_module("q_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
-  k_proj_ = register_module("k_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
-  v_proj_ = register_module("v_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
-  o_proj_ = register_module("o_proj", torch::nn::Linear(LinearOptions(inner, d_model_).bias(bias)));
+  const int64_t h = n_heads_, p = options_.p;
+  proj_ = RegisterProjections(*this, spec);
 
   // Initialisation (docs/iha.md):
   //   identity: alpha[m, h, j] = 1(m = h); R[h, h'·P + j] = 1(h' = h, j = 0).
@@ -75,7 +70,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> IhaAttention::Project(
               x.sizes());
   const int64_t b = x.size(0), n = x.size(1);
   auto heads = [&](const torch::Tensor& t) { return t.view({b, n, n_heads_, head_dim_}); };
-  return {heads(q_proj_->forward(x)), heads(k_proj_->forward(x)), heads(v_proj_->forward(x))};
+  return {heads(proj_.q->forward(x)), heads(proj_.k->forward(x)), heads(proj_.v->forward(x))};
 }
 
 torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
@@ -85,7 +80,7 @@ torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInput
     TORCH_CHECK(false, "iha: positions are required when RoPE is on");
   }
   torch::Tensor heads = Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, options_);
-  return o_proj_->forward(heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
+  return proj_.o->forward(heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
 }
 
 double IhaAttention::ForwardFlopsPerToken(int64_t context) const {

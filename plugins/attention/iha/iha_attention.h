@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include "attention_common.h"
 #include "iha_core.h"
 #include "loom/attention_plugin.h"
 
@@ -31,7 +32,7 @@ class IhaAttention : public AttentionLayer {
  private:
   int64_t d_model_, n_heads_, head_dim_;
   Options options_;
-  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
+  Projections proj_;
 };
 
 }  // namespace loom::attention::iha

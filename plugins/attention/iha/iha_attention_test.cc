@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "attention_test_util.h"
 #include "iha_core.h"
 #include "mha_attention.h"
 
@@ -155,28 +156,11 @@ TEST(IhaCore, MatchesLoopReferenceAcrossOptions) {
   EXPECT_EQ(checked, 3 * 4 * 3 * 2 * 3 * 2);
 }
 
-LoomAttentionSpecV1 Spec(int64_t d_model, int64_t h, int64_t d, bool causal, int64_t window,
-                         double theta, std::vector<LoomOption>* options) {
-  LoomAttentionSpecV1 s{};
-  s.d_model = d_model;
-  s.n_heads = h;
-  s.head_dim = d;
-  s.causal = causal;
-  s.window = window;
-  s.rope_theta = theta;
-  s.n_layers = 1;
-  if (options) {
-    s.options = options->data();
-    s.num_options = options->size();
-  }
-  return s;
-}
-
 std::shared_ptr<IhaAttention> MakeIha(int64_t d_model, int64_t h, int64_t d, bool causal,
                                       int64_t window, double theta,
                                       std::vector<LoomOption> options) {
   torch::manual_seed(21);
-  auto m = std::make_shared<IhaAttention>(Spec(d_model, h, d, causal, window, theta, &options));
+  auto m = std::make_shared<IhaAttention>(TestSpec(d_model, h, d, causal, window, theta, &options));
   m->to(torch::kFloat64);
   return m;
 }
@@ -200,35 +184,18 @@ TEST(IhaAttention, GradientsOfEveryParameterMatchFiniteDifferences) {
   torch::Tensor x = torch::randn({1, 4, 8}, torch::kFloat64);
   torch::Tensor w = torch::randn({1, 4, 8}, torch::kFloat64);
   AttentionInputs in{torch::arange(4)};
-  auto loss = [&]() { return (m->forward(x, in) * w).sum(); };
-  m->zero_grad();
-  loss().backward();
-  torch::NoGradGuard no_grad;
-  int checked = 0;
-  for (auto& p : m->named_parameters()) {
-    torch::Tensor flat = p.value().view(-1);
-    torch::Tensor grad = p.value().grad().view(-1);
-    const bool mixing = p.key().find("proj") == std::string::npos;
-    for (int64_t i = 0; i < flat.numel(); i += mixing ? 1 : 5) {  // every alpha / R entry
-      const double h = 1e-6, orig = flat[i].item<double>();
-      flat[i] = orig + h;
-      const double up = loss().item<double>();
-      flat[i] = orig - h;
-      const double down = loss().item<double>();
-      flat[i] = orig;
-      EXPECT_NEAR(grad[i].item<double>(), (up - down) / (2 * h), 1e-6)
-          << p.key() << "[" << i << "]";
-      ++checked;
-    }
-  }
-  EXPECT_GT(checked, 3 * 2 * 2 * 2 + 2 * 4);
+  // Every alpha and R entry; every fifth projection weight.
+  const int64_t checked = ExpectGradientsMatchFiniteDifferences(
+      *m, [&] { return (m->forward(x, in) * w).sum(); },
+      [](const std::string& name) { return name.find("proj") == std::string::npos ? 1 : 5; }, 1e-6);
+  EXPECT_GT(checked, 3 * 2 * 2 * 2 + 2 * 4);  // all 3·H²·P alpha entries and H·H·P collapse entries
 }
 
 TEST(IhaAttention, ParameterOverheadIsFourHSquaredP) {
   for (int64_t p : {1, 2, 3, 4}) {
     for (int64_t h : {1, 2, 4}) {
       auto iha = MakeIha(16, h, 4, true, 0, 0, {{"p", std::to_string(p).c_str()}});
-      LoomAttentionSpecV1 s = Spec(16, h, 4, true, 0, 0, nullptr);
+      LoomAttentionSpecV1 s = TestSpec(16, h, 4, true, 0, 0, nullptr);
       MultiHeadAttention mha(s, "mha", false);
       EXPECT_EQ(iha->NumParameters() - mha.NumParameters(), 4 * h * h * p)
           << "H " << h << " P " << p;
@@ -349,7 +316,7 @@ TEST(IhaCore, AttendedKeysAndFlops) {
 TEST(IhaAttention, RejectsBadOptionsNamingTheField) {
   auto expect_error = [](bool causal, std::vector<LoomOption> options, const std::string& field) {
     try {
-      IhaAttention m(Spec(16, 4, 4, causal, 0, 0, &options));
+      IhaAttention m(TestSpec(16, 4, 4, causal, 0, 0, &options));
       ADD_FAILURE() << "accepted " << field;
     } catch (const InvalidAttentionSpec& e) {
       EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();

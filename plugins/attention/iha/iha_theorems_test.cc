@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "attention_test_util.h"
 #include "iha_attention.h"
 #include "iha_core.h"
 #include "mha_attention.h"
@@ -12,21 +13,6 @@ namespace loom::attention::iha {
 namespace {
 
 constexpr auto f64 = torch::kFloat64;
-
-LoomAttentionSpecV1 Spec(bool causal, double theta, std::vector<LoomOption>* options) {
-  LoomAttentionSpecV1 s{};
-  s.d_model = 12;
-  s.n_heads = 3;
-  s.head_dim = 4;
-  s.causal = causal;
-  s.rope_theta = theta;
-  s.n_layers = 1;
-  if (options) {
-    s.options = options->data();
-    s.num_options = options->size();
-  }
-  return s;
-}
 
 // Copies the shared projections (q/k/v/o) of `from` into `to`.
 void CopyProjections(torch::nn::Module& from, torch::nn::Module& to) {
@@ -47,8 +33,8 @@ TEST(IhaTheorem2, IdentityMixingReproducesMhaExactly) {
       std::vector<LoomOption> opts = {
           {"p", p}, {"mask", st.mask}, {"rope_phase", "token"}, {"init", "identity"}};
       torch::manual_seed(1);
-      IhaAttention iha(Spec(st.causal, 10000, &opts));
-      MultiHeadAttention mha(Spec(st.causal, 10000, nullptr), "mha", false);
+      IhaAttention iha(TestSpec(12, 3, 4, st.causal, 0, 10000, &opts));
+      MultiHeadAttention mha(TestSpec(12, 3, 4, st.causal, 0, 10000, nullptr), "mha", false);
       iha.to(f64);
       mha.to(f64);
       CopyProjections(iha, mha);
@@ -62,8 +48,8 @@ TEST(IhaTheorem2, IdentityMixingReproducesMhaExactly) {
   // of its own token's key (spec/iha.md, Initialisation).
   std::vector<LoomOption> opts = {
       {"p", "2"}, {"mask", "interleaved"}, {"rope_phase", "token"}, {"init", "identity"}};
-  IhaAttention iha(Spec(true, 10000, &opts));
-  MultiHeadAttention mha(Spec(true, 10000, nullptr), "mha", false);
+  IhaAttention iha(TestSpec(12, 3, 4, true, 0, 10000, &opts));
+  MultiHeadAttention mha(TestSpec(12, 3, 4, true, 0, 10000, nullptr), "mha", false);
   iha.to(f64);
   mha.to(f64);
   CopyProjections(iha, mha);
@@ -79,8 +65,8 @@ TEST(IhaTheorem2, OppositePseudoHeadsAreNonlinearOnRepeatedTokens) {
        {std::pair<bool, const char*>{false, "none"}, {true, "block"}, {true, "interleaved"}}) {
     std::vector<LoomOption> opts = {{"p", "2"}, {"mask", mask}, {"init", "random"}};
     torch::manual_seed(4);
-    IhaAttention iha(Spec(causal, 0, &opts));
-    MultiHeadAttention mha(Spec(causal, 0, nullptr), "mha", false);
+    IhaAttention iha(TestSpec(12, 3, 4, causal, 0, 0, &opts));
+    MultiHeadAttention mha(TestSpec(12, 3, 4, causal, 0, 0, nullptr), "mha", false);
     iha.to(f64);
     mha.to(f64);
     {

@@ -22,16 +22,7 @@ MultiHeadAttention::MultiHeadAttention(const LoomAttentionSpecV1& spec, const st
   window_ = spec.window;
   causal_ = spec.causal != 0;
   rope_theta_ = spec.rope_theta;
-  const int64_t inner = n_heads_ * head_dim_;
-  const bool bias = spec.bias != 0;
-  q_proj_ = register_module(
-      "q_proj", torch::nn::Linear(torch::nn::LinearOptions(d_model_, inner).bias(bias)));
-  k_proj_ = register_module(
-      "k_proj", torch::nn::Linear(torch::nn::LinearOptions(d_model_, inner).bias(bias)));
-  v_proj_ = register_module(
-      "v_proj", torch::nn::Linear(torch::nn::LinearOptions(d_model_, inner).bias(bias)));
-  o_proj_ = register_module(
-      "o_proj", torch::nn::Linear(torch::nn::LinearOptions(inner, d_model_).bias(bias)));
+  proj_ = RegisterProjections(*this, spec);
 }
 
 torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
@@ -41,9 +32,9 @@ torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const Attentio
   auto heads = [&](const torch::Tensor& t) {
     return t.view({batch, length, n_heads_, head_dim_}).transpose(1, 2);  // [B, H, N, d]
   };
-  torch::Tensor q = heads(q_proj_->forward(x));
-  torch::Tensor k = heads(k_proj_->forward(x));
-  torch::Tensor v = heads(v_proj_->forward(x));
+  torch::Tensor q = heads(proj_.q->forward(x));
+  torch::Tensor k = heads(proj_.k->forward(x));
+  torch::Tensor v = heads(proj_.v->forward(x));
   if (rope_theta_ > 0) {
     torch::Tensor pos = CheckedPositions(inputs.positions, batch, length, x.device());
     q = ApplyRope(q, pos, rope_theta_);
@@ -64,7 +55,7 @@ torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const Attentio
   out = ReferenceAttention(q, k, v, allowed, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
 #endif
   out = out.transpose(1, 2).reshape({batch, length, n_heads_ * head_dim_});
-  return o_proj_->forward(out);
+  return proj_.o->forward(out);
 }
 
 double MultiHeadAttention::ForwardFlopsPerToken(int64_t context) const {

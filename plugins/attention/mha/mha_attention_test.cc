@@ -8,24 +8,12 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "attention_test_util.h"
 
 namespace loom::attention {
 namespace {
 
 constexpr double kTol = 1e-10;
-
-LoomAttentionSpecV1 Spec(int64_t d_model, int64_t heads, int64_t head_dim, bool causal,
-                         int64_t window, double theta) {
-  LoomAttentionSpecV1 s{};
-  s.d_model = d_model;
-  s.n_heads = heads;
-  s.head_dim = head_dim;
-  s.causal = causal;
-  s.window = window;
-  s.rope_theta = theta;
-  s.n_layers = 1;
-  return s;
-}
 
 std::shared_ptr<MultiHeadAttention> Make(const LoomAttentionSpecV1& spec) {
   torch::manual_seed(11);
@@ -115,7 +103,7 @@ TEST(MultiHeadAttention, MatchesLoopReference) {
       {8, 2, 4, true, 64, 10000},
   };
   for (const Case& c : cases) {
-    auto spec = Spec(c.d_model, c.heads, c.head_dim, c.causal, c.window, c.theta);
+    auto spec = TestSpec(c.d_model, c.heads, c.head_dim, c.causal, c.window, c.theta);
     auto m = Make(spec);
     torch::manual_seed(3);
     torch::Tensor x = torch::randn({2, 9, c.d_model}, torch::kFloat64);
@@ -130,7 +118,7 @@ TEST(MultiHeadAttention, MatchesLoopReference) {
 
 TEST(MultiHeadAttention, CausalityChangingTokenTNeverChangesEarlierOutputs) {
   for (int64_t window : {0, 3}) {
-    auto spec = Spec(16, 4, 4, true, window, 10000);
+    auto spec = TestSpec(16, 4, 4, true, window, 10000);
     auto m = Make(spec);
     torch::Tensor x = torch::randn({1, 12, 16}, torch::kFloat64);
     AttentionInputs in{torch::arange(12)};
@@ -150,7 +138,7 @@ TEST(MultiHeadAttention, CausalityChangingTokenTNeverChangesEarlierOutputs) {
 TEST(MultiHeadAttention, WindowTokensOutsideHaveNoEffect) {
   for (bool causal : {true, false}) {
     const int64_t W = 3, N = 12;
-    auto spec = Spec(16, 4, 4, causal, W, 10000);
+    auto spec = TestSpec(16, 4, 4, causal, W, 10000);
     auto m = Make(spec);
     torch::Tensor x = torch::randn({1, N, 16}, torch::kFloat64);
     AttentionInputs in{torch::arange(N)};
@@ -193,7 +181,7 @@ TEST(Rope, DotProductDependsOnlyOnRelativePosition) {
 
 TEST(MultiHeadAttention, ShiftingAllPositionsLeavesOutputUnchanged) {
   for (bool causal : {true, false}) {
-    auto spec = Spec(16, 4, 4, causal, 0, 10000);
+    auto spec = TestSpec(16, 4, 4, causal, 0, 10000);
     auto m = Make(spec);
     torch::Tensor x = torch::randn({2, 10, 16}, torch::kFloat64);
     torch::Tensor y0 = m->forward(x, {torch::arange(10)});
@@ -206,7 +194,7 @@ TEST(MultiHeadAttention, ShiftingAllPositionsLeavesOutputUnchanged) {
 }
 
 TEST(MultiHeadAttention, EncoderModeSeesTheFuture) {
-  auto spec = Spec(16, 4, 4, false, 0, 10000);
+  auto spec = TestSpec(16, 4, 4, false, 0, 10000);
   auto m = Make(spec);
   torch::Tensor x = torch::randn({1, 8, 16}, torch::kFloat64);
   AttentionInputs in{torch::arange(8)};
@@ -218,37 +206,22 @@ TEST(MultiHeadAttention, EncoderModeSeesTheFuture) {
 }
 
 TEST(MultiHeadAttention, GradientsMatchFiniteDifferences) {
-  auto spec = Spec(8, 2, 4, true, 3, 10000);
+  auto spec = TestSpec(8, 2, 4, true, 3, 10000);
   auto m = Make(spec);
   torch::Tensor x = torch::randn({1, 5, 8}, torch::kFloat64);
   AttentionInputs in{torch::arange(5)};
   torch::Tensor w = torch::randn({1, 5, 8}, torch::kFloat64);
-  auto loss = [&]() { return (m->forward(x, in) * w).sum(); };
-  m->zero_grad();
-  loss().backward();
-  torch::NoGradGuard no_grad;
-  for (auto& p : m->named_parameters()) {
-    torch::Tensor flat = p.value().view(-1);
-    torch::Tensor grad = p.value().grad().view(-1);
-    for (int64_t i = 0; i < flat.numel(); i += 7) {
-      const double h = 1e-6, orig = flat[i].item<double>();
-      flat[i] = orig + h;
-      const double up = loss().item<double>();
-      flat[i] = orig - h;
-      const double down = loss().item<double>();
-      flat[i] = orig;
-      EXPECT_NEAR(grad[i].item<double>(), (up - down) / (2 * h), 1e-6)
-          << p.key() << "[" << i << "]";
-    }
-  }
+  ExpectGradientsMatchFiniteDifferences(
+      *m, [&] { return (m->forward(x, in) * w).sum(); }, [](const std::string&) { return 7; },
+      1e-6);
 }
 
 TEST(MultiHeadAttention, ReportsParametersAndFlops) {
-  auto m = Make(Spec(16, 4, 4, true, 0, 0));
+  auto m = Make(TestSpec(16, 4, 4, true, 0, 0));
   EXPECT_EQ(m->NumParameters(), 4 * 16 * 16);
   // Causal, N = 8: mean attended keys (1+...+8)/8 = 4.5.
   EXPECT_DOUBLE_EQ(m->ForwardFlopsPerToken(8), 2.0 * 4 * 16 * 16 + 4.0 * 16 * 4.5);
-  auto local = Make(Spec(16, 4, 4, true, 2, 0));
+  auto local = Make(TestSpec(16, 4, 4, true, 2, 0));
   // Window 2: keys per query 1,2,2,2 -> 7/4.
   EXPECT_DOUBLE_EQ(local->ForwardFlopsPerToken(4), 2.0 * 4 * 16 * 16 + 4.0 * 16 * 1.75);
   EXPECT_DOUBLE_EQ(AverageAttendedKeys(5, false, 2), (2 + 3 + 3 + 3 + 2) / 5.0);
@@ -263,14 +236,14 @@ TEST(MultiHeadAttention, RejectsBadSpecsNamingTheField) {
       EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
     }
   };
-  expect_error(Spec(0, 4, 4, true, 0, 0), false, "d_model");
-  expect_error(Spec(16, 0, 4, true, 0, 0), false, "n_heads");
-  expect_error(Spec(16, 4, 3, true, 0, 10000), false, "head_dim");
-  expect_error(Spec(16, 4, 4, true, 0, -1), false, "rope_theta");
-  expect_error(Spec(16, 4, 4, true, 0, 0), true, "window");
-  expect_error(Spec(16, 4, 4, true, 8, 0), false, "window");
+  expect_error(TestSpec(0, 4, 4, true, 0, 0), false, "d_model");
+  expect_error(TestSpec(16, 0, 4, true, 0, 0), false, "n_heads");
+  expect_error(TestSpec(16, 4, 3, true, 0, 10000), false, "head_dim");
+  expect_error(TestSpec(16, 4, 4, true, 0, -1), false, "rope_theta");
+  expect_error(TestSpec(16, 4, 4, true, 0, 0), true, "window");
+  expect_error(TestSpec(16, 4, 4, true, 8, 0), false, "window");
   LoomOption opt{"p", "2"};
-  auto s = Spec(16, 4, 4, true, 0, 0);
+  auto s = TestSpec(16, 4, 4, true, 0, 0);
   s.options = &opt;
   s.num_options = 1;
   expect_error(s, false, "options.p");

@@ -19,13 +19,7 @@ TalkingHeadsAttention::TalkingHeadsAttention(const LoomAttentionSpecV1& spec) {
   window_ = spec.window;
   causal_ = spec.causal != 0;
   rope_theta_ = spec.rope_theta;
-  const int64_t inner = n_heads_ * head_dim_;
-  const bool bias = spec.bias != 0;
-  using torch::nn::LinearOptions;
-  q_proj_ = register_module("q_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
-  k_proj_ = register_module("k_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
-  v_proj_ = register_module("v_proj", torch::nn::Linear(LinearOptions(d_model_, inner).bias(bias)));
-  o_proj_ = register_module("o_proj", torch::nn::Linear(LinearOptions(inner, d_model_).bias(bias)));
+  proj_ = RegisterProjections(*this, spec);
   auto make = [&]() -> torch::Tensor {
     if (init == "random")
       return torch::randn({n_heads_, n_heads_}) / std::sqrt(static_cast<double>(n_heads_));
@@ -43,8 +37,8 @@ torch::Tensor TalkingHeadsAttention::forward(const torch::Tensor& x,
   auto heads = [&](const torch::Tensor& t) {
     return t.view({b, n, n_heads_, head_dim_}).transpose(1, 2);  // [B, H, N, d]
   };
-  torch::Tensor q = heads(q_proj_->forward(x)), k = heads(k_proj_->forward(x)),
-                v = heads(v_proj_->forward(x));
+  torch::Tensor q = heads(proj_.q->forward(x)), k = heads(proj_.k->forward(x)),
+                v = heads(proj_.v->forward(x));
   if (rope_theta_ > 0) {
     torch::Tensor pos = CheckedPositions(inputs.positions, b, n, x.device());
     q = ApplyRope(q, pos, rope_theta_);
@@ -62,7 +56,7 @@ torch::Tensor TalkingHeadsAttention::forward(const torch::Tensor& x,
       torch::einsum("bmqk,mh->bhqk", {torch::softmax(logits, -1), weight_mix.to(logits.dtype())});
   torch::Tensor out =
       torch::matmul(weights, v).transpose(1, 2).reshape({b, n, n_heads_ * head_dim_});
-  return o_proj_->forward(out);
+  return proj_.o->forward(out);
 }
 
 double TalkingHeadsAttention::ForwardFlopsPerToken(int64_t context) const {

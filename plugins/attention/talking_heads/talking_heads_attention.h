@@ -14,6 +14,7 @@
 
 #include <torch/torch.h>
 
+#include "attention_common.h"
 #include "loom/attention_plugin.h"
 
 namespace loom::attention {
@@ -30,7 +31,7 @@ class TalkingHeadsAttention : public AttentionLayer {
   int64_t d_model_, n_heads_, head_dim_, window_;
   bool causal_;
   double rope_theta_;
-  torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, o_proj_{nullptr};
+  Projections proj_;
 };
 
 }  // namespace loom::attention

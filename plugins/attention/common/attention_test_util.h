@@ -1,0 +1,65 @@
+// Helpers shared by the attention plugin tests: spec construction and the finite-difference
+// gradient check.
+#ifndef LOOM_PLUGINS_ATTENTION_COMMON_ATTENTION_TEST_UTIL_H_
+#define LOOM_PLUGINS_ATTENTION_COMMON_ATTENTION_TEST_UTIL_H_
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "loom/attention_plugin.h"
+
+namespace loom::attention {
+
+inline LoomAttentionSpecV1 TestSpec(int64_t d_model, int64_t heads, int64_t head_dim, bool causal,
+                                    int64_t window, double theta,
+                                    std::vector<LoomOption>* options = nullptr, int64_t layer = 0) {
+  LoomAttentionSpecV1 s{};
+  s.d_model = d_model;
+  s.n_heads = heads;
+  s.head_dim = head_dim;
+  s.causal = causal;
+  s.window = window;
+  s.rope_theta = theta;
+  s.layer_index = layer;
+  s.n_layers = layer + 1;
+  if (options) {
+    s.options = options->data();
+    s.num_options = options->size();
+  }
+  return s;
+}
+
+// Compares autograd gradients of `loss` with central differences (step 1e-6) on every
+// `stride(name)`-th entry of each parameter; float64 modules only. Returns how many entries it
+// checked.
+inline int64_t ExpectGradientsMatchFiniteDifferences(
+    torch::nn::Module& module, const std::function<torch::Tensor()>& loss,
+    const std::function<int64_t(const std::string&)>& stride, double tolerance) {
+  module.zero_grad();
+  loss().backward();
+  torch::NoGradGuard no_grad;
+  int64_t checked = 0;
+  for (auto& p : module.named_parameters()) {
+    torch::Tensor flat = p.value().view(-1), grad = p.value().grad().view(-1);
+    for (int64_t i = 0; i < flat.numel(); i += stride(p.key())) {
+      const double h = 1e-6, orig = flat[i].item<double>();
+      flat[i] = orig + h;
+      const double up = loss().item<double>();
+      flat[i] = orig - h;
+      const double down = loss().item<double>();
+      flat[i] = orig;
+      EXPECT_NEAR(grad[i].item<double>(), (up - down) / (2 * h), tolerance)
+          << p.key() << "[" << i << "]";
+      ++checked;
+    }
+  }
+  return checked;
+}
+
+}  // namespace loom::attention
+
+#endif  // LOOM_PLUGINS_ATTENTION_COMMON_ATTENTION_TEST_UTIL_H_
