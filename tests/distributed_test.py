@@ -9,21 +9,17 @@ import os
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loom_testlib import free_port, safetensors_raw, shard_path, step_losses  # noqa: E402
+
 PROCS = []
 TOL = 1e-10
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_spec(tmp, name, micro_batch, steps=6, **extra):
@@ -63,28 +59,14 @@ def wait_all(procs, timeout=300):
 
 
 def losses(jsonl):
-    out = {}
-    with open(jsonl) as f:
-        for line in f:
-            m = re.search(r'"event":"step","step":(\d+),"loss":([^,]+)', line)
-            if m:
-                out[int(m.group(1))] = float(m.group(2))
-    return out
+    return {step: float(loss) for step, loss in step_losses(jsonl).items()}
 
 
 def weights(ckpt):
-    path = os.path.join(ckpt, [f for f in os.listdir(ckpt) if f.startswith("shard-00000-of-")][0])
-    with open(path, "rb") as f:
-        raw = f.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    data = raw[8 + n:]
-    out = {}
-    for k, v in header.items():
-        if k.startswith("model.") and v["dtype"] == "F64":
-            b, e = v["data_offsets"]
-            out[k] = struct.unpack(f"<{(e - b) // 8}d", data[b:e])
-    return out
+    """float64 parameters of a checkpoint (rank 0's shard holds them)."""
+    return {name: struct.unpack(f"<{len(data) // 8}d", data)
+            for name, (dtype, _, data) in safetensors_raw(shard_path(ckpt)).items()
+            if name.startswith("model.") and dtype == "F64"}
 
 
 def assert_close(a, b, what):

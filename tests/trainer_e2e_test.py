@@ -8,12 +8,14 @@ import os
 import re
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loom_testlib import safetensors_raw, shard_path, step_losses  # noqa: E402
 
 PROCS = []
 
@@ -38,28 +40,6 @@ def run(loom, args, env=None, expect_ok=True, timeout=300):
     return p
 
 
-def steps_of(jsonl):
-    """step -> the loss exactly as logged (%.17g), in order of appearance."""
-    out = {}
-    with open(jsonl) as f:
-        for line in f:
-            m = re.search(r'"event":"step","step":(\d+),"loss":([^,]+)', line)
-            if m:
-                out[int(m.group(1))] = m.group(2)
-    return out
-
-
-def shard_tensors(ckpt_dir):
-    path = os.path.join(ckpt_dir, "shard-00000-of-00001.safetensors")
-    with open(path, "rb") as f:
-        raw = f.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    data = raw[8 + n:]
-    return {k: data[v["data_offsets"][0]:v["data_offsets"][1]] for k, v in header.items()
-            if k != "__metadata__"}
-
-
 def test_exact_resume(loom, tmp):
     run(loom, ["--spec", spec(tmp, "full")])
     run(loom, ["--spec", spec(tmp, "split"), "--stop-after", "20"])
@@ -67,12 +47,12 @@ def test_exact_resume(loom, tmp):
     assert not os.path.isdir(os.path.join(tmp, "split", "step-00000030"))
     p = run(loom, ["--spec", spec(tmp, "split"), "--resume", os.path.join(tmp, "split")])
     assert "resume:" in p.stdout and "at step 20" in p.stdout, p.stdout
-    full, split = steps_of(os.path.join(tmp, "full.jsonl")), steps_of(os.path.join(tmp, "split.jsonl"))
+    full, split = step_losses(os.path.join(tmp, "full.jsonl")), step_losses(os.path.join(tmp, "split.jsonl"))
     assert sorted(full) == list(range(1, 41)) and sorted(split) == list(range(1, 41)), (sorted(full), sorted(split))
     for step in range(1, 41):
         assert full[step] == split[step], f"step {step}: {full[step]} != {split[step]}"
-    a = shard_tensors(os.path.join(tmp, "full", "step-00000040"))
-    b = shard_tensors(os.path.join(tmp, "split", "step-00000040"))
+    a = safetensors_raw(shard_path(os.path.join(tmp, "full", "step-00000040")))
+    b = safetensors_raw(shard_path(os.path.join(tmp, "split", "step-00000040")))
     assert a.keys() == b.keys()
     for k in a:
         if k.startswith(("model.", "optim.")):

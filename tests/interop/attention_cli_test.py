@@ -18,6 +18,9 @@ import tempfile
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from loom_testlib import safetensors_raw  # noqa: E402
+
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
           "U8": torch.uint8, "BOOL": torch.bool}
@@ -40,20 +43,11 @@ def write_safetensors(path, tensors):
 
 
 def read_safetensors(path):
-    with open(path, "rb") as f:
-        raw = f.read()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    data = raw[8 + n:]
     out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        b, end = e["data_offsets"]
-        buf = bytearray(data[b:end])
-        dtype = DTYPES[e["dtype"]]
-        t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-        out[name] = t.reshape(e["shape"]).clone()
+    for name, (dtype, shape, data) in safetensors_raw(path).items():
+        buf = bytearray(data)
+        t = torch.frombuffer(buf, dtype=DTYPES[dtype]) if buf else torch.empty(0, dtype=DTYPES[dtype])
+        out[name] = t.reshape(shape).clone()
     return out
 
 
