@@ -58,17 +58,6 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string&
   return s.str();
 }
 
-template <typename Message>
-absl::Status ParseJson(const std::string& text, const std::string& what, Message* out) {
-  google::protobuf::util::JsonParseOptions options;
-  options.ignore_unknown_fields = false;
-  auto status = google::protobuf::util::JsonStringToMessage(text, out, options);
-  if (!status.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", status.ToString()));
-  }
-  return absl::OkStatus();
-}
-
 // Loads plugins from --plugin-dir or the default search path; load failures are printed and
 // skipped so one broken library never takes the others down.
 absl::Status LoadPlugins(const CliArgs& args, PluginLoader& loader, bool verbose) {
@@ -110,7 +99,7 @@ absl::StatusOr<v1::ModelConfig> ModelFromArgs(const CliArgs& args) {
   v1::ModelConfig config;
   if (args.Has("model")) {
     LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(args.Get("model"), "--model"));
-    LOOM_RETURN_IF_ERROR(ParseJson(text, args.Get("model"), &config));
+    LOOM_RETURN_IF_ERROR(ParseJsonMessage(text, args.Get("model"), &config));
     return config;
   }
   return ModelPreset(args.Get("preset", "tiny-cpu"));
@@ -130,7 +119,7 @@ absl::StatusOr<v1::JobSpec> JobFromArgs(const CliArgs& args) {
     if (args.Has("model")) {
       LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(args.Get("model"), "--model"));
       v1::ModelConfig model;
-      LOOM_RETURN_IF_ERROR(ParseJson(text, args.Get("model"), &model));
+      LOOM_RETURN_IF_ERROR(ParseJsonMessage(text, args.Get("model"), &model));
       *spec.mutable_model() = model;
     }
   }
@@ -248,7 +237,7 @@ absl::Status RunAttention(int argc, char** argv) {
 
   LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(config_path, "--config"));
   v1::AttentionLayerConfig config;
-  LOOM_RETURN_IF_ERROR(ParseJson(text, config_path, &config));
+  LOOM_RETURN_IF_ERROR(ParseJsonMessage(text, config_path, &config));
   if (!config.attention().plugin().empty() && config.attention().plugin() != plugin) {
     return absl::InvalidArgumentError(absl::StrCat("attention.plugin: '",
                                                    config.attention().plugin(),
