@@ -131,6 +131,44 @@ Projections RegisterProjections(torch::nn::Module& module, const LoomAttentionSp
   return p;
 }
 
+ProjectedAttention::ProjectedAttention(const LoomAttentionSpecV1& spec, const std::string& plugin)
+    : plugin_(plugin) {
+  ValidateSpec(spec, plugin);
+  d_model_ = spec.d_model;
+  n_heads_ = spec.n_heads;
+  head_dim_ = spec.head_dim;
+  window_ = spec.window;
+  causal_ = spec.causal != 0;
+  rope_theta_ = spec.rope_theta;
+  proj_ = RegisterProjections(*this, spec);
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ProjectedAttention::QueriesKeysValues(
+    const torch::Tensor& x, const AttentionInputs& inputs, int64_t v_heads) {
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == d_model_, plugin_, ": x must be [B, N, ", d_model_,
+              "], got ", x.sizes());
+  const int64_t b = x.size(0), n = x.size(1);
+  auto split = [&](const torch::Tensor& t, int64_t heads) {
+    return t.view({b, n, heads, n_heads_ * head_dim_ / heads}).transpose(1, 2);
+  };
+  torch::Tensor q = split(proj_.q->forward(x), n_heads_), k = split(proj_.k->forward(x), n_heads_);
+  if (rope_theta_ > 0) {
+    torch::Tensor pos = CheckedPositions(inputs.positions, b, n, x.device());
+    q = ApplyRope(q, pos, rope_theta_);
+    k = ApplyRope(k, pos, rope_theta_);
+  }
+  return {q, k, split(proj_.v->forward(x), v_heads)};
+}
+
+torch::Tensor ProjectedAttention::Output(const torch::Tensor& heads) {
+  return proj_.o->forward(
+      heads.transpose(1, 2).reshape({heads.size(0), heads.size(2), n_heads_ * head_dim_}));
+}
+
+double ProjectedAttention::ProjectionFlopsPerToken() const {
+  return 2.0 * 4.0 * static_cast<double>(d_model_) * static_cast<double>(n_heads_ * head_dim_);
+}
+
 torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
   TORCH_CHECK(x.dim() == 4, "ApplyRope: x must be [B, H, L, d], got ", x.sizes());
   const int64_t d = x.size(3);

@@ -11,6 +11,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 
 #include "loom/attention_plugin.h"
 
@@ -45,6 +46,28 @@ struct Projections {
   torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};
 };
 Projections RegisterProjections(torch::nn::Module& module, const LoomAttentionSpecV1& spec);
+
+// Base of plugins built on the four projections: validates the common spec (throws
+// InvalidAttentionSpec naming the field), keeps its shape fields and registers the projections
+// first, so parameter order (and seeded initialisation) is the same in every plugin.
+class ProjectedAttention : public AttentionLayer {
+ protected:
+  ProjectedAttention(const LoomAttentionSpecV1& spec, const std::string& plugin);
+
+  // x [B, N, D] -> q, k [B, H, N, d] (RoPE applied when on) and v [B, v_heads, N, H·d / v_heads].
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> QueriesKeysValues(
+      const torch::Tensor& x, const AttentionInputs& inputs, int64_t v_heads);
+  // heads [B, H', N, w] with H'·w = H·d -> o_proj of their concatenation, [B, N, D].
+  torch::Tensor Output(const torch::Tensor& heads);
+  // The four projections' FLOPs per token.
+  double ProjectionFlopsPerToken() const;
+
+  std::string plugin_;
+  int64_t d_model_, n_heads_, head_dim_, window_;
+  bool causal_;
+  double rope_theta_;
+  Projections proj_;
+};
 
 // Checks the fields every plugin relies on; throws InvalidAttentionSpec naming the field.
 void ValidateSpec(const LoomAttentionSpecV1& spec, const std::string& plugin);

@@ -10,24 +10,15 @@ double DiffLambdaInit(int64_t layer_index) {
   return 0.8 - 0.6 * std::exp(-0.3 * static_cast<double>(layer_index));
 }
 
-DiffAttention::DiffAttention(const LoomAttentionSpecV1& spec) {
-  const std::string plugin = "diff";
-  ValidateSpec(spec, plugin);
+DiffAttention::DiffAttention(const LoomAttentionSpecV1& spec) : ProjectedAttention(spec, "diff") {
   if (spec.n_heads % 2 != 0) {
     throw InvalidAttentionSpec(
         "diff: n_heads: must be even (H/2 differential heads of 2 maps each)");
   }
-  PluginOptions opts(spec, plugin);
+  PluginOptions opts(spec, plugin_);
   lambda_init_ = opts.GetDouble("lambda_init", DiffLambdaInit(spec.layer_index), -10.0, 10.0);
   const double lambda_std = opts.GetDouble("lambda_std", 0.1, 0.0, 10.0);
   opts.Finish();
-  d_model_ = spec.d_model;
-  n_heads_ = spec.n_heads;
-  head_dim_ = spec.head_dim;
-  window_ = spec.window;
-  causal_ = spec.causal != 0;
-  rope_theta_ = spec.rope_theta;
-  proj_ = RegisterProjections(*this, spec);
   lambda_q1 = register_parameter("lambda_q1", torch::randn({head_dim_}) * lambda_std);
   lambda_k1 = register_parameter("lambda_k1", torch::randn({head_dim_}) * lambda_std);
   lambda_q2 = register_parameter("lambda_q2", torch::randn({head_dim_}) * lambda_std);
@@ -43,18 +34,10 @@ torch::Tensor DiffAttention::Lambda() const {
 }
 
 torch::Tensor DiffAttention::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
-  TORCH_CHECK(x.dim() == 3 && x.size(2) == d_model_, "diff: x must be [B, N, ", d_model_, "], got ",
-              x.sizes());
   const int64_t b = x.size(0), n = x.size(1), pairs = n_heads_ / 2;
-  // [B, H, N, d] with heads (2i, 2i+1) the two maps of differential head i.
-  torch::Tensor q = proj_.q->forward(x).view({b, n, n_heads_, head_dim_}).transpose(1, 2);
-  torch::Tensor k = proj_.k->forward(x).view({b, n, n_heads_, head_dim_}).transpose(1, 2);
-  torch::Tensor v = proj_.v->forward(x).view({b, n, pairs, 2 * head_dim_}).transpose(1, 2);
-  if (rope_theta_ > 0) {
-    torch::Tensor pos = CheckedPositions(inputs.positions, b, n, x.device());
-    q = ApplyRope(q, pos, rope_theta_);
-    k = ApplyRope(k, pos, rope_theta_);
-  }
+  // q, k: [B, H, N, d] with heads (2i, 2i+1) the two maps of differential head i; v: H/2 heads of
+  // width 2d.
+  auto [q, k, v] = QueriesKeysValues(x, inputs, pairs);
   torch::Tensor allowed;
   if (causal_ || window_ > 0) allowed = AllowedMask(n, causal_, window_, x.device());
   torch::Tensor scores =
@@ -67,15 +50,15 @@ torch::Tensor DiffAttention::forward(const torch::Tensor& x, const AttentionInpu
   torch::Tensor heads = torch::matmul(attn, v);  // [B, H/2, N, 2d]
   heads = heads * torch::rsqrt(heads.pow(2).mean(-1, true) + 1e-5) * subln_weight.to(heads.dtype());
   heads = heads * (1.0 - lambda_init_);
-  return proj_.o->forward(heads.transpose(1, 2).reshape({b, n, n_heads_ * head_dim_}));
+  return Output(heads);
 }
 
 double DiffAttention::ForwardFlopsPerToken(int64_t context) const {
   const double h = static_cast<double>(n_heads_), d = static_cast<double>(head_dim_);
   const double keys = AverageAttendedKeys(context, causal_, window_);
   // H score maps of width d, H/2 value products of width 2d, and the map difference.
-  return 2.0 * 4.0 * static_cast<double>(d_model_) * h * d + 2.0 * h * d * keys +
-         2.0 * (h / 2) * 2 * d * keys + 2.0 * (h / 2) * keys;
+  return ProjectionFlopsPerToken() + 2.0 * h * d * keys + 2.0 * (h / 2) * 2 * d * keys +
+         2.0 * (h / 2) * keys;
 }
 
 }  // namespace loom::attention

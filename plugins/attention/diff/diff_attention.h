@@ -25,7 +25,7 @@ namespace loom::attention {
 // λ_init for a 0-based layer index.
 double DiffLambdaInit(int64_t layer_index);
 
-class DiffAttention : public AttentionLayer {
+class DiffAttention : public ProjectedAttention {
  public:
   explicit DiffAttention(const LoomAttentionSpecV1& spec);
   torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) override;
@@ -37,10 +37,7 @@ class DiffAttention : public AttentionLayer {
   torch::Tensor lambda_q1, lambda_k1, lambda_q2, lambda_k2, subln_weight;
 
  private:
-  int64_t d_model_, n_heads_, head_dim_, window_;
-  bool causal_;
-  double rope_theta_, lambda_init_;
-  Projections proj_;
+  double lambda_init_;
 };
 
 }  // namespace loom::attention

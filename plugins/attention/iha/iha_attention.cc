@@ -4,10 +4,8 @@
 
 namespace loom::attention::iha {
 
-IhaAttention::IhaAttention(const LoomAttentionSpecV1& spec) {
-  const std::string plugin = "iha";
-  ValidateSpec(spec, plugin);
-  PluginOptions opts(spec, plugin);
+IhaAttention::IhaAttention(const LoomAttentionSpecV1& spec) : ProjectedAttention(spec, "iha") {
+  PluginOptions opts(spec, plugin_);
   options_.p = opts.GetInt("p", spec.n_heads, 1, 256);
   const bool causal = spec.causal != 0;
   const std::string mask =
@@ -30,11 +28,7 @@ IhaAttention::IhaAttention(const LoomAttentionSpecV1& spec) {
   const double noise = opts.GetDouble("init_noise", 0.02, 0.0, 10.0);
   opts.Finish();
 
-  d_model_ = spec.d_model;
-  n_heads_ = spec.n_heads;
-  head_dim_ = spec.head_dim;
   const int64_t h = n_heads_, p = options_.p;
-  proj_ = RegisterProjections(*this, spec);
 
   // Initialisation (docs/iha.md):
   //   identity: alpha[m, h, j] = 1(m = h); R[h, h'·P + j] = 1(h' = h, j = 0).
@@ -85,8 +79,8 @@ torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInput
 
 double IhaAttention::ForwardFlopsPerToken(int64_t context) const {
   const double h = static_cast<double>(n_heads_), d = static_cast<double>(head_dim_),
-               p = static_cast<double>(options_.p), dm = static_cast<double>(d_model_);
-  const double projections = 2.0 * 4.0 * dm * h * d;
+               p = static_cast<double>(options_.p);
+  const double projections = ProjectionFlopsPerToken();
   const double mixing = 3.0 * 2.0 * h * h * p * d;  // each pseudo q/k/v mixes H heads
   const double collapse_flops = 2.0 * h * h * p * d;
   const double keys = AverageAttendedKeys(context, options_.p, options_.mask, options_.window);

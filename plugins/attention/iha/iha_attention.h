@@ -16,7 +16,7 @@
 
 namespace loom::attention::iha {
 
-class IhaAttention : public AttentionLayer {
+class IhaAttention : public ProjectedAttention {
  public:
   explicit IhaAttention(const LoomAttentionSpecV1& spec);
 
@@ -30,9 +30,7 @@ class IhaAttention : public AttentionLayer {
   torch::Tensor alpha_q, alpha_k, alpha_v, collapse;
 
  private:
-  int64_t d_model_, n_heads_, head_dim_;
   Options options_;
-  Projections proj_;
 };
 
 }  // namespace loom::attention::iha

@@ -10,7 +10,7 @@
 
 namespace loom::attention {
 
-class MultiHeadAttention : public AttentionLayer {
+class MultiHeadAttention : public ProjectedAttention {
  public:
   // Validates `spec` (throws InvalidAttentionSpec naming the field). `plugin` names the plugin
   // in errors; `local` requires window > 0, global requires window == 0.
@@ -18,12 +18,6 @@ class MultiHeadAttention : public AttentionLayer {
 
   torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) override;
   double ForwardFlopsPerToken(int64_t context) const override;
-
- private:
-  int64_t d_model_, n_heads_, head_dim_, window_;
-  bool causal_;
-  double rope_theta_;
-  Projections proj_;
 };
 
 }  // namespace loom::attention

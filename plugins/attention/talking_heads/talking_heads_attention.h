@@ -19,19 +19,13 @@
 
 namespace loom::attention {
 
-class TalkingHeadsAttention : public AttentionLayer {
+class TalkingHeadsAttention : public ProjectedAttention {
  public:
   explicit TalkingHeadsAttention(const LoomAttentionSpecV1& spec);
   torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) override;
   double ForwardFlopsPerToken(int64_t context) const override;
 
   torch::Tensor logit_mix, weight_mix;  // [H, H], indexed [source head m, target head h]
-
- private:
-  int64_t d_model_, n_heads_, head_dim_, window_;
-  bool causal_;
-  double rope_theta_;
-  Projections proj_;
 };
 
 }  // namespace loom::attention
