@@ -16,7 +16,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import free_port, safetensors_raw, shard_path, step_losses  # noqa: E402
+from loom_testlib import free_port, kill_all, safetensors_raw, shard_path, step_losses  # noqa: E402
 
 PROCS = []
 TOL = 1e-10
@@ -186,10 +186,7 @@ def main():
         test_mpirun(args.loom_train, tmp)
         test_killed_rank_fails_the_other(args.loom_train, tmp)
     finally:
-        for p in PROCS:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        kill_all(PROCS)
         shutil.rmtree(tmp, ignore_errors=True)
     print("distributed: ok")
 

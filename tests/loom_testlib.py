@@ -39,3 +39,11 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_all(procs):
+    """Kills every child process still running (tests must not leave ranks or trainers behind)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)

@@ -15,7 +15,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import safetensors_raw, shard_path, step_losses  # noqa: E402
+from loom_testlib import kill_all, safetensors_raw, shard_path, step_losses  # noqa: E402
 
 PROCS = []
 
@@ -194,10 +194,7 @@ def main():
         test_train_on_packed_shards(args.loom_train, args.loom_data, tmp)
         test_live_metrics(args.loom_train, tmp, args.promtool)
     finally:
-        for p in PROCS:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        kill_all(PROCS)
         shutil.rmtree(tmp, ignore_errors=True)
     print("trainer e2e: ok")
 

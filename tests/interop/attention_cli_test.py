@@ -86,14 +86,21 @@ def allowed_mask(N, causal, window):
     return allowed
 
 
+def queries_keys_values(w, x, heads, theta, v_heads=None):
+    """q, k [B, H, N, d] with RoPE at token positions, v [B, v_heads, N, H*d/v_heads]."""
+    q, k = (split_heads(x, w, f"{n}_proj.weight", heads).transpose(1, 2) for n in "qk")
+    v = split_heads(x, w, "v_proj.weight", v_heads or heads).transpose(1, 2)
+    if theta > 0:
+        pos = torch.arange(x.shape[1])
+        q, k = rope(q, pos, theta), rope(k, pos, theta)
+    return q, k, v
+
+
 def reference_attention(w, x, heads, causal, window, theta, options):
     x = x.to(torch.float64)
     B, N, D = x.shape
-    q, k, v = (split_heads(x, w, f"{n}_proj.weight", heads).transpose(1, 2) for n in "qkv")
+    q, k, v = queries_keys_values(w, x, heads, theta)
     d = q.shape[-1]
-    if theta > 0:
-        pos = torch.arange(N)
-        q, k = rope(q, pos, theta), rope(k, pos, theta)
     scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(
         ~allowed_mask(N, causal, window), float("-inf"))
     out = torch.softmax(scores, -1) @ v
@@ -103,11 +110,8 @@ def reference_attention(w, x, heads, causal, window, theta, options):
 def reference_talking_heads(w, x, heads, causal, window, theta, options):
     x = x.to(torch.float64)
     B, N, D = x.shape
-    q, k, v = (split_heads(x, w, f"{n}_proj.weight", heads).transpose(1, 2) for n in "qkv")
+    q, k, v = queries_keys_values(w, x, heads, theta)
     d = q.shape[-1]
-    if theta > 0:
-        pos = torch.arange(N)
-        q, k = rope(q, pos, theta), rope(k, pos, theta)
     logits = torch.einsum("bmqk,mh->bhqk", q @ k.transpose(-1, -2) / math.sqrt(d), w["logit_mix"].double())
     probs = torch.softmax(logits.masked_fill(~allowed_mask(N, causal, window), float("-inf")), -1)
     probs = torch.einsum("bmqk,mh->bhqk", probs, w["weight_mix"].double())
@@ -118,12 +122,8 @@ def reference_talking_heads(w, x, heads, causal, window, theta, options):
 def reference_diff(w, x, heads, causal, window, theta, options):
     x = x.to(torch.float64)
     B, N, D = x.shape
-    q, k = (split_heads(x, w, f"{n}_proj.weight", heads).transpose(1, 2) for n in "qk")
+    q, k, v = queries_keys_values(w, x, heads, theta, heads // 2)  # v: [B, H/2, N, 2d]
     d = q.shape[-1]
-    v = split_heads(x, w, "v_proj.weight", heads // 2).transpose(1, 2)  # [B, H/2, N, 2d]
-    if theta > 0:
-        pos = torch.arange(N)
-        q, k = rope(q, pos, theta), rope(k, pos, theta)
     scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(
         ~allowed_mask(N, causal, window), float("-inf"))
     maps = torch.softmax(scores, -1).reshape(B, heads // 2, 2, N, N)
