@@ -1,0 +1,503 @@
+// loom: the command-line client of the coordinator, and `loom up` (a local coordinator plus
+// workers on one box). docs/control-plane.md.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "loom/cli_args.h"
+#include "loom/spec.h"
+#include "loom/status_macros.h"
+#include "loom/v1/control.pb.h"
+#include "rest_client.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::cli {
+namespace {
+
+constexpr char kUsage[] = R"(usage: loom <command> [args] [flags]
+
+commands:
+  up                      run a local coordinator and workers on this box until Ctrl-C
+                            --workers N (default 1) --slots S (default 2) --port P (default 8470)
+                            --data-dir DIR (default runs/loom-up) --labels k=v,...
+  submit FILE             submit a job: a job spec (docs/jobs.md) or {"spec": ..., "world_size": ...}
+                            as JSON or YAML; --world-size N --priority P --pool k=v,...
+                            --max-restarts N --init-from CHECKPOINT_ID --request-id KEY --name NAME
+                            --follow (wait, showing progress; exit status says how it ended)
+  list                    jobs (--state S, --limit N)
+  status JOB              state, progress, events, checkpoints, evaluations (--follow: until done)
+  logs JOB                the job's logs (-f / --follow: stream until the job ends)
+  cancel JOB
+  checkpoints             the checkpoint catalogue with lineage (--job JOB)
+  workers                 registered workers and their slots
+
+common flags: --coordinator URL (default $LOOM_COORDINATOR, then http://127.0.0.1:8470)
+              --token-file F (default $LOOM_TOKEN: a user token)   --json (machine-readable)
+)";
+
+std::string FormatTime(int64_t ms) {
+  if (ms <= 0) return "-";
+  return absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(ms), absl::LocalTimeZone());
+}
+
+std::string ProgressBar(const v1::Job& job) {
+  const int64_t total = std::max<int64_t>(1, job.progress().total_steps());
+  const int64_t step = std::min(job.progress().step(), total);
+  const int width = 24;
+  const int filled = static_cast<int>(width * step / total);
+  std::string bar =
+      absl::StrCat("[", std::string(filled, '#'), std::string(width - filled, '.'), "]");
+  std::string text = absl::StrFormat("%s %d/%d", bar, step, total);
+  if (job.progress().update_time_ms() > 0) {
+    absl::StrAppend(&text, absl::StrFormat("  loss %.4f  %.0f tok/s", job.progress().loss(),
+                                           job.progress().tokens_per_second()));
+  }
+  return text;
+}
+
+class Cli {
+ public:
+  absl::Status Init(const CliArgs& args) {
+    const char* env_url = std::getenv("LOOM_COORDINATOR");
+    std::string url = args.Get("coordinator", env_url ? env_url : "http://127.0.0.1:8470");
+    std::string token;
+    if (args.Has("token-file")) {
+      std::ifstream in(args.Get("token-file"));
+      if (!in)
+        return absl::NotFoundError(
+            absl::StrCat("--token-file: cannot open '", args.Get("token-file"), "'"));
+      std::getline(in, token);
+      token = std::string(absl::StripAsciiWhitespace(token));
+    } else if (const char* t = std::getenv("LOOM_TOKEN")) {
+      token = t;
+    }
+    json_ = args.Has("json");
+    LOOM_ASSIGN_OR_RETURN(client_, client::RestClient::Create(url, token, 15000));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<v1::Job> GetJob(const std::string& id) {
+    v1::Job job;
+    LOOM_RETURN_IF_ERROR(client_->Call("GET", "/v1/jobs/" + id, nullptr, &job));
+    return job;
+  }
+
+  absl::Status Submit(const std::string& file, const CliArgs& args) {
+    std::ifstream in(file);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", file, "'"));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string json = ss.str();
+    if (absl::EndsWith(file, ".yaml") || absl::EndsWith(file, ".yml")) {
+      LOOM_ASSIGN_OR_RETURN(json, YamlToJson(json, file));
+    }
+    auto doc = nlohmann::json::parse(json, nullptr, false);
+    if (!doc.is_object())
+      return absl::InvalidArgumentError(absl::StrCat(file, ": expected a JSON/YAML object"));
+    v1::SubmitJobRequest req;
+    if (doc.contains("spec")) {
+      LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, file, &req));
+    } else {
+      LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, file, req.mutable_spec()));
+    }
+    if (args.Has("world-size")) {
+      LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("world-size", 1, 1, 1024));
+      req.set_world_size(static_cast<int32_t>(v));
+    }
+    if (args.Has("priority")) {
+      LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("priority", 0, -1000, 1000));
+      req.set_priority(static_cast<int32_t>(v));
+    }
+    if (args.Has("max-restarts")) {
+      LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("max-restarts", 3, 0, 100));
+      req.set_max_restarts(static_cast<int32_t>(v));
+    }
+    for (absl::string_view kv : absl::StrSplit(args.Get("pool"), ',', absl::SkipEmpty())) {
+      std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+      if (p.first.empty() || p.second.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("--pool: expected k=v, got '", kv, "'"));
+      }
+      (*req.mutable_pool())[p.first] = p.second;
+    }
+    if (args.Has("init-from")) req.set_init_from(args.Get("init-from"));
+    if (args.Has("request-id")) req.set_request_id(args.Get("request-id"));
+    if (args.Has("name")) req.mutable_spec()->set_name(args.Get("name"));
+    v1::SubmitJobResponse resp;
+    LOOM_RETURN_IF_ERROR(client_->Call("POST", "/v1/jobs", &req, &resp));
+    if (json_) {
+      std::cout << client::MessageToJson(resp) << "\n";
+    } else {
+      std::cout << (resp.created() ? "submitted " : "already submitted as ") << resp.id() << "\n";
+    }
+    if (args.Has("follow")) return Follow(resp.id());
+    return absl::OkStatus();
+  }
+
+  // Polls until the job is terminal; a live progress bar on a terminal, a line per change
+  // otherwise.
+  absl::Status Follow(const std::string& id) {
+    const bool tty = ::isatty(STDOUT_FILENO) != 0;
+    std::string last_line, last_state;
+    int64_t last_event = -1;
+    for (;;) {
+      LOOM_ASSIGN_OR_RETURN(v1::Job job, GetJob(id));
+      for (const auto& e : job.events()) {
+        if (e.seq() <= last_event) continue;
+        last_event = e.seq();
+        if (!json_) {
+          if (tty) std::cout << "\r\033[K";
+          std::cout << FormatTime(e.time_ms()) << "  " << (e.state().empty() ? "event" : e.state())
+                    << ": " << e.reason() << "\n";
+        }
+      }
+      const std::string line = absl::StrCat(job.state(), "  ", ProgressBar(job));
+      if (!json_ && line != last_line && job.progress().update_time_ms() > 0) {
+        if (tty) {
+          std::cout << "\r\033[K" << line << std::flush;
+        } else if (job.progress().step() % 10 == 0 || job.state() != last_state) {
+          std::cout << line << "\n";
+        }
+        last_line = line;
+      }
+      last_state = job.state();
+      if (job.state() == "succeeded" || job.state() == "failed" || job.state() == "cancelled") {
+        if (tty && !json_) std::cout << "\n";
+        if (json_)
+          std::cout << client::MessageToJson(job) << "\n";
+        else
+          PrintResults(job);
+        if (job.state() != "succeeded") {
+          return absl::AbortedError(absl::StrCat("job ", id, " ", job.state(), ": ", job.reason()));
+        }
+        return absl::OkStatus();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  }
+
+  void PrintResults(const v1::Job& job) {
+    std::cout << job.id() << " " << job.state() << " after " << job.attempt() << " attempt(s), "
+              << job.restarts() << " restart(s); step " << job.progress().step() << "/"
+              << job.progress().total_steps() << ", loss "
+              << absl::StrFormat("%.4f", job.progress().loss()) << "\n";
+    for (const auto& e : job.evals()) {
+      std::cout << absl::StrFormat(
+          "  eval at step %d: loss %.4f  accuracy %.3f  exact match %.3f\n", e.step(),
+          e.eval_loss(), e.accuracy(), e.exact_match());
+    }
+    if (!job.checkpoints().empty()) {
+      std::cout << "  checkpoints: " << absl::StrJoin(job.checkpoints(), ", ") << "\n";
+    }
+  }
+
+  absl::Status List(const CliArgs& args) {
+    LOOM_ASSIGN_OR_RETURN(int64_t limit, args.GetInt("limit", 500, 1, 100000));
+    std::string token;
+    v1::ListJobsResponse all;
+    do {
+      std::string path = "/v1/jobs?page_size=500";
+      if (args.Has("state")) absl::StrAppend(&path, "&state=", args.Get("state"));
+      if (!token.empty()) absl::StrAppend(&path, "&page_token=", token);
+      v1::ListJobsResponse page;
+      LOOM_RETURN_IF_ERROR(client_->Call("GET", path, nullptr, &page));
+      for (auto& j : *page.mutable_jobs()) {
+        if (all.jobs_size() < limit) *all.add_jobs() = std::move(j);
+      }
+      token = page.next_page_token();
+    } while (!token.empty() && all.jobs_size() < limit);
+    if (json_) {
+      std::cout << client::MessageToJson(all) << "\n";
+      return absl::OkStatus();
+    }
+    std::cout << absl::StrFormat("%-11s %-20s %-10s %5s %-40s\n", "ID", "NAME", "STATE", "RANKS",
+                                 "PROGRESS");
+    for (const auto& j : all.jobs()) {
+      std::cout << absl::StrFormat("%-11s %-20s %-10s %5d %s\n", j.id(), j.name().substr(0, 20),
+                                   j.state(), j.world_size(), ProgressBar(j));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Status(const std::string& id, const CliArgs& args) {
+    if (args.Has("follow")) return Follow(id);
+    LOOM_ASSIGN_OR_RETURN(v1::Job job, GetJob(id));
+    if (json_) {
+      std::cout << client::MessageToJson(job, true) << "\n";
+      return absl::OkStatus();
+    }
+    std::cout << job.id() << "  " << job.name() << "\n  state     " << job.state() << " ("
+              << job.reason() << ")\n  progress  " << ProgressBar(job) << "\n  ranks     "
+              << job.world_size() << "  attempt " << job.attempt() << "  restarts "
+              << job.restarts() << "/" << job.max_restarts() << "\n  submitted "
+              << FormatTime(job.submit_time_ms()) << " by " << job.submitted_by() << "\n";
+    for (const auto& p : job.placement()) {
+      std::cout << "  placed    " << p.worker_id() << " ranks " << absl::StrJoin(p.ranks(), ",")
+                << "\n";
+    }
+    std::cout << "events:\n";
+    for (const auto& e : job.events()) {
+      std::cout << "  " << FormatTime(e.time_ms()) << "  " << (e.state().empty() ? "-" : e.state())
+                << "  " << e.reason() << "\n";
+    }
+    PrintResults(job);
+    return absl::OkStatus();
+  }
+
+  absl::Status Logs(const std::string& id, const CliArgs& args) {
+    const bool follow = args.Has("follow") || args.Has("f");
+    return client_->GetStream(absl::StrCat("/v1/jobs/", id, "/logs", follow ? "?follow=true" : ""),
+                              [](const char* data, size_t n) {
+                                std::cout.write(data, static_cast<std::streamsize>(n));
+                                std::cout.flush();
+                                return true;
+                              });
+  }
+
+  absl::Status Cancel(const std::string& id) {
+    v1::Job job;
+    LOOM_RETURN_IF_ERROR(
+        client_->Call("POST", absl::StrCat("/v1/jobs/", id, "/cancel"), nullptr, &job));
+    if (json_)
+      std::cout << client::MessageToJson(job) << "\n";
+    else
+      std::cout << id << " " << job.state() << "\n";
+    return absl::OkStatus();
+  }
+
+  absl::Status Checkpoints(const CliArgs& args) {
+    v1::ListCheckpointsResponse r;
+    std::string path = "/v1/checkpoints";
+    if (args.Has("job")) path += "?job=" + args.Get("job");
+    LOOM_RETURN_IF_ERROR(client_->Call("GET", path, nullptr, &r));
+    if (json_) {
+      std::cout << client::MessageToJson(r) << "\n";
+      return absl::OkStatus();
+    }
+    std::cout << absl::StrFormat("%-22s %-9s %8s %-22s %s\n", "ID", "KIND", "STEP", "PARENT",
+                                 "PATH");
+    for (const auto& c : r.checkpoints()) {
+      std::cout << absl::StrFormat("%-22s %-9s %8d %-22s %s\n", c.id(), c.kind(), c.step(),
+                                   c.parent().empty() ? "-" : c.parent(), c.path());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Workers() {
+    v1::ListWorkersResponse r;
+    LOOM_RETURN_IF_ERROR(client_->Call("GET", "/v1/workers", nullptr, &r));
+    if (json_) {
+      std::cout << client::MessageToJson(r) << "\n";
+      return absl::OkStatus();
+    }
+    std::cout << absl::StrFormat("%-12s %-16s %-6s %5s %-20s %s\n", "ID", "NAME", "STATE", "SLOTS",
+                                 "LABELS", "LAST HEARTBEAT");
+    for (const auto& w : r.workers()) {
+      std::string labels;
+      for (const auto& [k, v] : w.labels())
+        absl::StrAppend(&labels, labels.empty() ? "" : ",", k, "=", v);
+      std::cout << absl::StrFormat("%-12s %-16s %-6s %2d/%-2d %-20s %s\n", w.id(),
+                                   w.name().substr(0, 16), w.state(), w.used_slots(), w.slots(),
+                                   labels, FormatTime(w.last_heartbeat_ms()));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  bool json_ = false;
+  std::unique_ptr<client::RestClient> client_;
+};
+
+// `loom up`: a local-mode coordinator on loopback and N workers, as child processes.
+volatile sig_atomic_t g_stop = 0;
+void OnSignal(int) { g_stop = 1; }
+
+absl::Status Up(const CliArgs& args) {
+  LOOM_ASSIGN_OR_RETURN(int64_t workers, args.GetInt("workers", 1, 1, 64));
+  LOOM_ASSIGN_OR_RETURN(int64_t slots, args.GetInt("slots", 2, 1, 1024));
+  LOOM_ASSIGN_OR_RETURN(int64_t port, args.GetInt("port", 8470, 0, 65535));
+  const std::string data = fs::absolute(args.Get("data-dir", "runs/loom-up")).string();
+  std::error_code ec;
+  const fs::path bin = fs::read_symlink("/proc/self/exe", ec).parent_path();
+  fs::create_directories(data, ec);
+  const std::string port_file = (fs::path(data) / "coordinator.port").string();
+  fs::remove(port_file, ec);
+
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+
+  auto spawn = [](std::vector<std::string> argv) -> pid_t {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      std::vector<char*> cargv;
+      for (auto& s : argv) cargv.push_back(s.data());
+      cargv.push_back(nullptr);
+      ::execv(cargv[0], cargv.data());
+      std::perror(argv[0].c_str());
+      _exit(127);
+    }
+    return pid;
+  };
+  std::vector<pid_t> children;
+  auto stop_all = [&]() {
+    for (auto it = children.rbegin(); it != children.rend(); ++it) ::kill(*it, SIGTERM);
+    for (pid_t p : children) ::waitpid(p, nullptr, 0);
+  };
+  const pid_t coordinator = spawn({(bin / "loom-coordinator").string(), "--local", "--data-dir",
+                                   (fs::path(data) / "coordinator").string(), "--storage-root",
+                                   (fs::path(data) / "storage").string(), "--port",
+                                   std::to_string(port), "--port-file", port_file});
+  children.push_back(coordinator);
+  int bound = 0;
+  for (int i = 0; i < 200 && bound == 0; ++i) {
+    std::ifstream in(port_file);
+    in >> bound;
+    int st;
+    if (::waitpid(coordinator, &st, WNOHANG) == coordinator) {
+      return absl::UnavailableError("loom-coordinator exited during start-up (see above)");
+    }
+    if (bound == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (bound == 0) {
+    stop_all();
+    return absl::UnavailableError("loom-coordinator did not start within 10 s");
+  }
+  const std::string url = absl::StrCat("http://127.0.0.1:", bound);
+  for (int i = 0; i < workers; ++i) {
+    std::vector<std::string> argv = {(bin / "loom-worker").string(),
+                                     "--coordinator",
+                                     url,
+                                     "--work-dir",
+                                     (fs::path(data) / absl::StrCat("worker-", i)).string(),
+                                     "--slots",
+                                     std::to_string(slots),
+                                     "--name",
+                                     absl::StrCat("local-", i)};
+    if (args.Has("labels")) argv.insert(argv.end(), {"--labels", args.Get("labels")});
+    children.push_back(spawn(argv));
+  }
+  std::cout << "loom up: coordinator " << url << " with " << workers << " worker(s) x " << slots
+            << " slot(s); state in " << data << "\n"
+            << "  try: LOOM_COORDINATOR=" << url << " loom submit examples/tiny-iha.yaml --follow\n"
+            << "  Ctrl-C stops everything" << std::endl;
+  while (!g_stop) {
+    int st;
+    const pid_t done = ::waitpid(-1, &st, WNOHANG);
+    if (done > 0) {
+      children.erase(std::remove(children.begin(), children.end(), done), children.end());
+      if (done == coordinator) {
+        stop_all();
+        return absl::UnavailableError("loom-coordinator exited");
+      }
+      std::cerr << "loom up: a worker (pid " << done << ") exited\n";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  stop_all();
+  std::cout << "loom up: stopped" << std::endl;
+  return absl::OkStatus();
+}
+
+absl::Status Run(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "help" || std::string(argv[1]) == "--help") {
+    std::cout << kUsage;
+    return argc < 2 ? absl::InvalidArgumentError("missing command") : absl::OkStatus();
+  }
+  const std::string cmd = argv[1];
+  int first = 2;
+  std::string positional;
+  if (argc > 2 && argv[2][0] != '-') {
+    positional = argv[2];
+    first = 3;
+  }
+  // "-f" is the usual spelling of --follow for logs.
+  std::vector<std::string> storage;
+  std::vector<char*> rest = {argv[0]};
+  for (int i = first; i < argc; ++i) {
+    storage.push_back(std::string(argv[i]) == "-f" ? "--follow" : argv[i]);
+  }
+  for (auto& s : storage) rest.push_back(s.data());
+  const std::set<std::string> common = {"coordinator", "token-file"};
+  auto parse = [&](std::set<std::string> flags, std::set<std::string> switches) {
+    flags.insert(common.begin(), common.end());
+    switches.insert("json");
+    return CliArgs::Parse(static_cast<int>(rest.size()), rest.data(), 1, flags, switches);
+  };
+  auto need_positional = [&](const char* what) -> absl::Status {
+    if (positional.empty())
+      return absl::InvalidArgumentError(absl::StrCat("loom ", cmd, ": missing ", what));
+    return absl::OkStatus();
+  };
+  Cli cli;
+  if (cmd == "up") {
+    if (!positional.empty())
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", positional, "'"));
+    LOOM_ASSIGN_OR_RETURN(CliArgs args,
+                          CliArgs::Parse(static_cast<int>(rest.size()), rest.data(), 1,
+                                         {"workers", "slots", "port", "data-dir", "labels"}));
+    return Up(args);
+  }
+  if (cmd == "submit") {
+    LOOM_RETURN_IF_ERROR(need_positional("job file"));
+    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"world-size", "priority", "pool", "max-restarts",
+                                               "init-from", "request-id", "name"},
+                                              {"follow"}));
+    LOOM_RETURN_IF_ERROR(cli.Init(args));
+    return cli.Submit(positional, args);
+  }
+  if (cmd == "list") {
+    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"state", "limit"}, {}));
+    LOOM_RETURN_IF_ERROR(cli.Init(args));
+    return cli.List(args);
+  }
+  if (cmd == "status" || cmd == "logs" || cmd == "cancel") {
+    LOOM_RETURN_IF_ERROR(need_positional("job id"));
+    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({}, {"follow"}));
+    LOOM_RETURN_IF_ERROR(cli.Init(args));
+    if (cmd == "status") return cli.Status(positional, args);
+    if (cmd == "logs") return cli.Logs(positional, args);
+    return cli.Cancel(positional);
+  }
+  if (cmd == "checkpoints") {
+    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"job"}, {}));
+    LOOM_RETURN_IF_ERROR(cli.Init(args));
+    return cli.Checkpoints(args);
+  }
+  if (cmd == "workers") {
+    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({}, {}));
+    LOOM_RETURN_IF_ERROR(cli.Init(args));
+    return cli.Workers();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown command '", cmd, "' (loom help)"));
+}
+
+}  // namespace
+}  // namespace loom::cli
+
+int main(int argc, char** argv) {
+  absl::Status s = loom::cli::Run(argc, argv);
+  if (!s.ok()) {
+    std::cerr << "loom: " << s.message() << "\n";
+    return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}

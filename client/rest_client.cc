@@ -1,0 +1,133 @@
+#include "rest_client.h"
+
+#include <google/protobuf/util/json_util.h>
+#include <httplib.h>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "loom/spec.h"
+
+namespace loom::client {
+
+std::string MessageToJson(const google::protobuf::Message& m, bool pretty) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.add_whitespace = pretty;
+  std::string json;
+  (void)google::protobuf::util::MessageToJsonString(m, &json, options);
+  return json;
+}
+
+std::string ErrorMessage(const std::string& body) {
+  auto j = nlohmann::json::parse(body, nullptr, false);
+  if (j.is_object() && j.contains("error") && j["error"].is_string()) return j["error"];
+  return body.substr(0, 500);
+}
+
+absl::Status StatusFromHttp(int status, const std::string& body) {
+  if (status >= 200 && status < 300) return absl::OkStatus();
+  const std::string msg = absl::StrCat("HTTP ", status, ": ", ErrorMessage(body));
+  switch (status) {
+    case 400:
+      return absl::InvalidArgumentError(msg);
+    case 401:
+      return absl::UnauthenticatedError(msg);
+    case 403:
+      return absl::PermissionDeniedError(msg);
+    case 404:
+      return absl::NotFoundError(msg);
+    case 409:
+      return absl::FailedPreconditionError(msg);
+    case 413:
+    case 429:
+      return absl::ResourceExhaustedError(msg);
+    case 503:
+      return absl::UnavailableError(msg);
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<RestClient>> RestClient::Create(const std::string& url,
+                                                               const std::string& token,
+                                                               int timeout_ms) {
+  if (!absl::StartsWith(url, "http://")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("coordinator URL '", url, "': expected http://host:port"));
+  }
+  std::unique_ptr<RestClient> c(new RestClient());
+  c->url_ = url;
+  c->token_ = token;
+  c->http_ = std::make_unique<httplib::Client>(url);
+  if (!c->http_->is_valid())
+    return absl::InvalidArgumentError(absl::StrCat("bad coordinator URL '", url, "'"));
+  const time_t sec = timeout_ms / 1000;
+  const time_t usec = (timeout_ms % 1000) * 1000;
+  c->http_->set_connection_timeout(sec, usec);
+  c->http_->set_read_timeout(sec, usec);
+  c->http_->set_write_timeout(sec, usec);
+  if (!token.empty()) c->http_->set_bearer_token_auth(token.c_str());
+  return c;
+}
+
+RestClient::~RestClient() = default;
+
+namespace {
+absl::Status Unreachable(const std::string& url, httplib::Error e) {
+  return absl::UnavailableError(
+      absl::StrCat("coordinator ", url, " unreachable: ", httplib::to_string(e)));
+}
+}  // namespace
+
+absl::StatusOr<HttpResult> RestClient::Get(const std::string& path) {
+  auto r = http_->Get(path.c_str());
+  if (!r) return Unreachable(url_, r.error());
+  return HttpResult{r->status, r->body};
+}
+
+absl::StatusOr<HttpResult> RestClient::Post(const std::string& path, const std::string& json) {
+  auto r = http_->Post(path.c_str(), json, "application/json");
+  if (!r) return Unreachable(url_, r.error());
+  return HttpResult{r->status, r->body};
+}
+
+absl::Status RestClient::GetStream(const std::string& path,
+                                   const std::function<bool(const char*, size_t)>& on_data) {
+  int status = 0;
+  std::string error_body;
+  auto r = http_->Get(
+      path.c_str(), httplib::Headers{},
+      [&](const httplib::Response& res) {
+        status = res.status;
+        return true;
+      },
+      [&](const char* data, size_t n) {
+        if (status >= 300) {
+          error_body.append(data, n);
+          return true;
+        }
+        return on_data(data, n);
+      });
+  if (!r && r.error() != httplib::Error::Canceled) return Unreachable(url_, r.error());
+  return StatusFromHttp(status == 0 ? 200 : status, error_body);
+}
+
+absl::Status RestClient::Call(const std::string& method, const std::string& path,
+                              const google::protobuf::Message* request,
+                              google::protobuf::Message* response) {
+  absl::StatusOr<HttpResult> r =
+      method == "GET" ? Get(path) : Post(path, request ? MessageToJson(*request) : "{}");
+  if (!r.ok()) return r.status();
+  if (auto s = StatusFromHttp(r->status, r->body); !s.ok()) return s;
+  if (response == nullptr) return absl::OkStatus();
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;  // a newer coordinator may add fields
+  auto s = google::protobuf::util::JsonStringToMessage(r->body, response, options);
+  if (!s.ok())
+    return absl::InternalError(absl::StrCat("bad response from ", path, ": ", s.ToString()));
+  return absl::OkStatus();
+}
+
+}  // namespace loom::client

@@ -1,0 +1,61 @@
+// A small client for the coordinator's REST API (cpp-httplib), shared by the `loom` CLI and the
+// worker agent: bearer token, JSON <-> protobuf, and non-2xx answers turned into a Status that
+// carries the server's error message.
+#ifndef LOOM_CLIENT_REST_CLIENT_H_
+#define LOOM_CLIENT_REST_CLIENT_H_
+
+#include <google/protobuf/message.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace httplib {
+class Client;
+}
+
+namespace loom::client {
+
+struct HttpResult {
+  int status = 0;
+  std::string body;
+};
+
+class RestClient {
+ public:
+  // url: http://host:port
+  static absl::StatusOr<std::unique_ptr<RestClient>> Create(const std::string& url,
+                                                            const std::string& token,
+                                                            int timeout_ms = 10000);
+  ~RestClient();
+
+  absl::StatusOr<HttpResult> Get(const std::string& path);
+  absl::StatusOr<HttpResult> Post(const std::string& path, const std::string& json);
+  // Streams a GET response body to `on_data` (return false to stop).
+  absl::Status GetStream(const std::string& path,
+                         const std::function<bool(const char*, size_t)>& on_data);
+
+  // JSON request/response as messages; HTTP errors become Status with the server's message
+  // (404 -> NotFound, 400 -> InvalidArgument, 401/403 -> Unauthenticated/PermissionDenied, ...).
+  absl::Status Call(const std::string& method, const std::string& path,
+                    const google::protobuf::Message* request, google::protobuf::Message* response);
+
+  const std::string& url() const { return url_; }
+
+ private:
+  RestClient() = default;
+  std::string url_;
+  std::string token_;
+  std::unique_ptr<httplib::Client> http_;
+};
+
+std::string MessageToJson(const google::protobuf::Message& m, bool pretty = false);
+// The "error" field of an error body, or the body itself.
+std::string ErrorMessage(const std::string& body);
+absl::Status StatusFromHttp(int status, const std::string& body);
+
+}  // namespace loom::client
+
+#endif  // LOOM_CLIENT_REST_CLIENT_H_

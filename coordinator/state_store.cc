@@ -1,0 +1,124 @@
+#include "state_store.h"
+
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace loom::coordinator {
+namespace {
+
+absl::Status FromRocks(const rocksdb::Status& s, const std::string& what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("rocksdb ", what, ": ", s.ToString()));
+}
+
+std::string EventKey(const std::string& job_id, int64_t seq) {
+  return absl::StrFormat("event/%s/%012d", job_id, seq);
+}
+
+template <typename M>
+absl::Status ParseValue(const rocksdb::Slice& key, const rocksdb::Slice& value, M* out) {
+  if (!out->ParseFromArray(value.data(), static_cast<int>(value.size()))) {
+    return absl::DataLossError(absl::StrCat("state store: cannot parse ", key.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+StateStore::Batch::Batch() : batch_(std::make_unique<rocksdb::WriteBatch>()) {}
+StateStore::Batch::~Batch() = default;
+
+void StateStore::Batch::PutJob(const v1::Job& job) {
+  v1::Job stored = job;
+  stored.clear_events();  // events live under their own keys
+  batch_->Put(absl::StrCat("job/", job.id()), stored.SerializeAsString());
+}
+void StateStore::Batch::PutEvent(const std::string& job_id, const v1::JobEvent& event) {
+  batch_->Put(EventKey(job_id, event.seq()), event.SerializeAsString());
+}
+void StateStore::Batch::PutWorker(const v1::Worker& worker) {
+  batch_->Put(absl::StrCat("worker/", worker.id()), worker.SerializeAsString());
+}
+void StateStore::Batch::PutCheckpoint(const v1::CheckpointEntry& entry) {
+  batch_->Put(absl::StrCat("ckpt/", entry.id()), entry.SerializeAsString());
+}
+void StateStore::Batch::PutRequestId(const std::string& key, const std::string& job_id) {
+  batch_->Put(absl::StrCat("request/", key), job_id);
+}
+void StateStore::Batch::PutNextJob(int64_t next) {
+  batch_->Put("meta/next_job", std::to_string(next));
+}
+bool StateStore::Batch::empty() const { return batch_->Count() == 0; }
+
+absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& dir) {
+  rocksdb::Options options;
+  options.create_if_missing = true;
+  options.paranoid_checks = true;
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(options, dir, &db);
+  if (!s.ok())
+    return absl::UnavailableError(absl::StrCat("state store '", dir, "': ", s.ToString()));
+  std::unique_ptr<StateStore> store(new StateStore());
+  store->db_.reset(db);
+  return store;
+}
+
+StateStore::~StateStore() = default;
+
+absl::StatusOr<LoadedState> StateStore::Load() {
+  LoadedState state;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const std::string key = it->key().ToString();
+    if (key.rfind("job/", 0) == 0) {
+      v1::Job job;
+      if (auto s = ParseValue(it->key(), it->value(), &job); !s.ok()) return s;
+      state.jobs[job.id()] = std::move(job);
+    } else if (key.rfind("event/", 0) == 0) {
+      const size_t slash = key.rfind('/');
+      state.event_counts[key.substr(6, slash - 6)]++;
+    } else if (key.rfind("worker/", 0) == 0) {
+      v1::Worker w;
+      if (auto s = ParseValue(it->key(), it->value(), &w); !s.ok()) return s;
+      state.workers[w.id()] = std::move(w);
+    } else if (key.rfind("ckpt/", 0) == 0) {
+      v1::CheckpointEntry c;
+      if (auto s = ParseValue(it->key(), it->value(), &c); !s.ok()) return s;
+      state.checkpoints[c.id()] = std::move(c);
+    } else if (key.rfind("request/", 0) == 0) {
+      state.request_ids[key.substr(8)] = it->value().ToString();
+    } else if (key == "meta/next_job") {
+      if (!absl::SimpleAtoi(it->value().ToString(), &state.next_job)) {
+        return absl::DataLossError("state store: bad meta/next_job");
+      }
+    }
+  }
+  if (auto s = FromRocks(it->status(), "scan"); !s.ok()) return s;
+  return state;
+}
+
+absl::StatusOr<std::vector<v1::JobEvent>> StateStore::Events(const std::string& job_id) {
+  std::vector<v1::JobEvent> events;
+  const std::string prefix = absl::StrCat("event/", job_id, "/");
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    v1::JobEvent e;
+    if (auto s = ParseValue(it->key(), it->value(), &e); !s.ok()) return s;
+    events.push_back(std::move(e));
+  }
+  if (auto s = FromRocks(it->status(), "scan"); !s.ok()) return s;
+  return events;
+}
+
+absl::Status StateStore::Commit(Batch& batch, bool sync) {
+  rocksdb::WriteOptions options;
+  options.sync = sync;
+  return FromRocks(db_->Write(options, batch.batch_.get()), "write");
+}
+
+}  // namespace loom::coordinator

@@ -1,0 +1,443 @@
+#include "agent.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "loom/status_macros.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::agent {
+namespace {
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+int PickFreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+bool SafeName(const std::string& s) {
+  if (s.empty() || s.size() > 64) return false;
+  for (char c : s) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_')) return false;
+  }
+  return true;
+}
+
+// New bytes of a growing file from `offset`.
+std::string ReadFrom(const std::string& path, int64_t offset, int64_t max) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "";
+  in.seekg(0, std::ios::end);
+  const int64_t size = in.tellg();
+  if (size <= offset) return "";
+  const int64_t n = std::min(size - offset, max);
+  std::string buf(static_cast<size_t>(n), '\0');
+  in.seekg(offset);
+  in.read(buf.data(), n);
+  buf.resize(static_cast<size_t>(in.gcount()));
+  return buf;
+}
+
+void Log(const std::string& line) { std::cout << "loom-worker: " << line << std::endl; }
+
+}  // namespace
+
+Agent::Agent(AgentOptions options) : options_(std::move(options)) {}
+
+Agent::~Agent() = default;
+
+std::string Agent::Key(const std::string& job, int attempt) {
+  return absl::StrCat(job, "#", attempt);
+}
+
+absl::Status Agent::Register() {
+  v1::RegisterWorkerRequest req;
+  req.set_worker_id(worker_id_);
+  req.set_name(options_.name);
+  req.set_address(options_.address);
+  req.set_slots(options_.slots);
+  req.mutable_labels()->insert(options_.labels.begin(), options_.labels.end());
+  v1::RegisterWorkerResponse resp;
+  LOOM_RETURN_IF_ERROR(client_->Call("POST", "/v1/agent/register", &req, &resp));
+  if (resp.worker_id() != worker_id_) {
+    worker_id_ = resp.worker_id();
+    const fs::path id_file = fs::path(options_.work_dir) / "worker-id";
+    std::ofstream(id_file.string() + ".tmp") << worker_id_ << "\n";
+    fs::rename(id_file.string() + ".tmp", id_file);
+  }
+  heartbeat_ms_ = std::max(50, resp.heartbeat_interval_ms());
+  Log(absl::StrCat("registered as ", worker_id_, " with ", options_.slots, " slots at ",
+                   client_->url()));
+  return absl::OkStatus();
+}
+
+void Agent::AppendCombined(Attempt& a, const std::string& text) {
+  std::ofstream out(a.combined_log, std::ios::app | std::ios::binary);
+  out << text;
+  a.log_written += static_cast<int64_t>(text.size());
+}
+
+void Agent::StartAttempt(const v1::Assignment& as) {
+  if (!SafeName(as.job_id()) || as.attempt() < 1 || as.ranks().empty()) {
+    Log(absl::StrCat("ignoring a malformed assignment for '", as.job_id().substr(0, 64), "'"));
+    return;
+  }
+  Attempt a;
+  a.job_id = as.job_id();
+  a.attempt = as.attempt();
+  a.dir = (fs::path(options_.work_dir) / "jobs" / as.job_id() /
+           absl::StrFormat("attempt-%03d", as.attempt()))
+              .string();
+  std::error_code ec;
+  fs::create_directories(a.dir, ec);
+  a.combined_log = (fs::path(a.dir) / "combined.log").string();
+  { std::ofstream(a.combined_log, std::ios::trunc); }
+  a.metrics_path = (fs::path(a.dir) / "metrics.jsonl").string();
+  bool hosts_rank0 = false;
+  for (int r : as.ranks()) hosts_rank0 |= r == 0;
+  a.master_port = as.master_port();
+  if (a.master_port == 0 && hosts_rank0) a.master_port = PickFreePort();
+
+  v1::JobSpec spec = as.spec();
+  spec.clear_preset();  // already resolved: the trainer must not re-apply preset values
+  spec.mutable_metrics()->set_jsonl(a.metrics_path);
+  const std::string spec_path = (fs::path(a.dir) / "spec.json").string();
+  std::ofstream(spec_path, std::ios::trunc) << client::MessageToJson(spec, true) << "\n";
+
+  std::vector<std::string> argv = {options_.loom_train, "train", "--spec", spec_path};
+  if (!as.resume_from().empty()) {
+    argv.insert(argv.end(), {"--resume", as.resume_from()});
+  } else if (!as.init_from().empty()) {
+    argv.insert(argv.end(), {"--init-from", as.init_from()});
+  }
+  if (!options_.plugin_dir.empty()) argv.insert(argv.end(), {"--plugin-dir", options_.plugin_dir});
+  std::string omp;
+  if (spec.threads() == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    omp = std::to_string(std::max(1u, cores / static_cast<unsigned>(std::max(1, options_.slots))));
+  }
+  std::vector<int> ranks(as.ranks().begin(), as.ranks().end());
+  AppendCombined(
+      a, absl::StrCat("[agent ", options_.name, "] attempt ", a.attempt, ": ranks ",
+                      absl::StrJoin(ranks, ","), " of ", as.world_size(), ", rendezvous ",
+                      as.master_addr(), ":", a.master_port,
+                      as.resume_from().empty() ? "" : ", resuming from " + as.resume_from(), "\n"));
+  for (int r : ranks) {
+    Rank rank;
+    rank.rank = r;
+    rank.log_path = (fs::path(a.dir) / absl::StrFormat("rank-%d.log", r)).string();
+    const int log_fd =
+        ::open(rank.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const pid_t parent = ::getpid();
+    const pid_t pid = log_fd < 0 ? -1 : ::fork();
+    if (pid == 0) {
+      // Child: own process group (cancel kills the whole rank), dies with the agent.
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) _exit(126);
+      ::dup2(log_fd, STDOUT_FILENO);
+      ::dup2(log_fd, STDERR_FILENO);
+      ::setenv("LOOM_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOOM_WORLD_SIZE", std::to_string(as.world_size()).c_str(), 1);
+      ::setenv("MASTER_ADDR", as.master_addr().c_str(), 1);
+      ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
+      ::setenv("LOOM_JOB_ID", as.job_id().c_str(), 1);
+      ::setenv("LOOM_ATTEMPT", std::to_string(as.attempt()).c_str(), 1);
+      if (!omp.empty()) ::setenv("OMP_NUM_THREADS", omp.c_str(), 1);
+      if (::chdir(a.dir.c_str()) != 0) _exit(126);
+      std::vector<char*> cargv;
+      for (auto& s : argv) cargv.push_back(s.data());
+      cargv.push_back(nullptr);
+      ::execv(cargv[0], cargv.data());
+      const std::string msg = absl::StrCat("exec ", argv[0], ": ", std::strerror(errno), "\n");
+      (void)!::write(STDERR_FILENO, msg.data(), msg.size());
+      _exit(127);
+    }
+    if (log_fd >= 0) ::close(log_fd);
+    if (pid < 0) {
+      rank.running = false;
+      rank.exit_code = 127;
+      rank.detail = absl::StrCat("failed to start: ", std::strerror(errno));
+    } else {
+      ::setpgid(pid, pid);  // also from the parent, so a cancel right away finds the group
+      rank.pid = pid;
+      rank.running = true;
+    }
+    a.ranks.push_back(std::move(rank));
+  }
+  Log(absl::StrCat("started ", a.job_id, " attempt ", a.attempt, " ranks ",
+                   absl::StrJoin(ranks, ","), " in ", a.dir));
+  attempts_[Key(a.job_id, a.attempt)] = std::move(a);
+}
+
+void Agent::Cancel(Attempt& a, const std::string& why) {
+  if (a.kill_at_ms != 0) return;
+  bool any = false;
+  for (Rank& r : a.ranks) {
+    if (r.running) {
+      ::kill(-r.pid, SIGTERM);
+      any = true;
+    }
+  }
+  a.kill_at_ms = NowMs() + options_.term_grace_ms;
+  if (any) {
+    AppendCombined(a, absl::StrCat("[agent ", options_.name, "] stopping attempt ", a.attempt, ": ",
+                                   why, "\n"));
+    Log(absl::StrCat("stopping ", a.job_id, " attempt ", a.attempt, ": ", why));
+  }
+}
+
+void Agent::Poll() {
+  const int64_t now = NowMs();
+  for (auto& [key, a] : attempts_) {
+    for (Rank& r : a.ranks) {
+      // Log lines first, then the exit, so a rank's last words precede its exit line.
+      std::string data = ReadFrom(r.log_path, r.log_read, 1 << 20);
+      r.log_read += static_cast<int64_t>(data.size());
+      r.partial += data;
+      bool exited = false;
+      if (r.running) {
+        int st = 0;
+        const pid_t got = ::waitpid(r.pid, &st, WNOHANG);
+        if (got == r.pid) {
+          exited = true;
+          r.running = false;
+          if (WIFEXITED(st)) {
+            r.exit_code = WEXITSTATUS(st);
+            r.detail = absl::StrCat("exited ", r.exit_code);
+          } else if (WIFSIGNALED(st)) {
+            r.exit_code = 128 + WTERMSIG(st);
+            r.detail =
+                absl::StrCat("killed by signal ", WTERMSIG(st), " (", strsignal(WTERMSIG(st)), ")");
+          }
+          // Whatever it wrote after the read above.
+          std::string rest = ReadFrom(r.log_path, r.log_read, 64 << 20);
+          r.log_read += static_cast<int64_t>(rest.size());
+          r.partial += rest;
+        }
+      }
+      std::string lines;
+      size_t start = 0, nl;
+      while ((nl = r.partial.find('\n', start)) != std::string::npos) {
+        absl::StrAppend(&lines, "[rank ", r.rank, "] ", r.partial.substr(start, nl - start), "\n");
+        start = nl + 1;
+      }
+      r.partial.erase(0, start);
+      if (exited && !r.partial.empty()) {
+        absl::StrAppend(&lines, "[rank ", r.rank, "] ", r.partial, "\n");
+        r.partial.clear();
+      }
+      if (exited)
+        absl::StrAppend(&lines, "[agent ", options_.name, "] rank ", r.rank, " ", r.detail, "\n");
+      if (!lines.empty()) AppendCombined(a, lines);
+    }
+    // Rank 0's metrics: progress, checkpoint commits, evaluations.
+    std::string m = ReadFrom(a.metrics_path, a.metrics_read, 4 << 20);
+    a.metrics_read += static_cast<int64_t>(m.size());
+    a.metrics_partial += m;
+    size_t start = 0, nl;
+    while ((nl = a.metrics_partial.find('\n', start)) != std::string::npos) {
+      auto j = nlohmann::json::parse(a.metrics_partial.substr(start, nl - start), nullptr, false);
+      start = nl + 1;
+      if (!j.is_object() || !j.contains("event") || !j["event"].is_string()) continue;
+      const std::string event = j["event"];
+      auto num = [&](const char* k) {
+        return j.contains(k) && j[k].is_number() ? j[k].get<double>() : 0.0;
+      };
+      if (event == "step") {
+        a.progress.set_step(static_cast<int64_t>(num("step")));
+        a.progress.set_loss(num("loss"));
+        a.progress.set_tokens_per_second(num("tokens_per_second"));
+        a.progress.set_tokens_seen(static_cast<int64_t>(num("tokens_seen")));
+        a.progress.set_update_time_ms(now);
+      } else if (event == "checkpoint" && j.contains("dir") && j["dir"].is_string()) {
+        v1::CheckpointReport c;
+        c.set_step(static_cast<int64_t>(num("step")));
+        c.set_path(j["dir"].get<std::string>());
+        a.checkpoints.push_back(c);
+      } else if (event == "eval") {
+        v1::EvalResult e;
+        e.set_step(static_cast<int64_t>(num("step")));
+        e.set_eval_loss(num("eval_loss"));
+        e.set_accuracy(num("accuracy"));
+        e.set_exact_match(num("exact_match"));
+        a.evals.push_back(e);
+      }
+    }
+    a.metrics_partial.erase(0, start);
+    if (a.kill_at_ms != 0 && now >= a.kill_at_ms) {
+      for (Rank& r : a.ranks) {
+        if (r.running) ::kill(-r.pid, SIGKILL);
+      }
+    }
+  }
+}
+
+v1::HeartbeatRequest Agent::BuildHeartbeat(std::map<std::string, int64_t>* log_ends) {
+  v1::HeartbeatRequest req;
+  req.set_worker_id(worker_id_);
+  for (auto& [key, a] : attempts_) {
+    v1::AttemptReport* r = req.add_attempts();
+    r->set_job_id(a.job_id);
+    r->set_attempt(a.attempt);
+    bool finished = true;
+    for (const Rank& rank : a.ranks) {
+      v1::RankStatus* s = r->add_ranks();
+      s->set_rank(rank.rank);
+      s->set_running(rank.running);
+      s->set_exit_code(rank.exit_code);
+      s->set_detail(rank.detail);
+      finished &= !rank.running;
+    }
+    r->set_finished(finished);
+    *r->mutable_progress() = a.progress;
+    for (const auto& c : a.checkpoints) *r->add_checkpoints() = c;
+    for (const auto& e : a.evals) *r->add_evals() = e;
+    r->set_master_port(a.master_port);
+    std::string chunk = ReadFrom(a.combined_log, a.log_sent, options_.max_log_chunk);
+    r->set_log_offset(a.log_sent);
+    (*log_ends)[key] = a.log_sent + static_cast<int64_t>(chunk.size());
+    r->set_log(std::move(chunk));
+  }
+  return req;
+}
+
+absl::Status Agent::Run() {
+  std::error_code ec;
+  fs::create_directories(options_.work_dir, ec);
+  if (ec)
+    return absl::UnavailableError(
+        absl::StrCat("--work-dir '", options_.work_dir, "': ", ec.message()));
+  {
+    std::ifstream in(fs::path(options_.work_dir) / "worker-id");
+    std::string id;
+    if (in >> id && SafeName(id)) worker_id_ = id;
+  }
+  LOOM_ASSIGN_OR_RETURN(client_,
+                        client::RestClient::Create(options_.coordinator_url, options_.token, 5000));
+  bool registered = false;
+  bool reachable = true;
+  int64_t next_heartbeat = 0;
+  while (!stop_) {
+    Poll();
+    const int64_t now = NowMs();
+    if (now >= next_heartbeat) {
+      next_heartbeat = now + heartbeat_ms_;
+      if (!registered) {
+        absl::Status s = Register();
+        registered = s.ok();
+        if (!s.ok()) {
+          if (s.code() == absl::StatusCode::kUnauthenticated ||
+              s.code() == absl::StatusCode::kPermissionDenied ||
+              s.code() == absl::StatusCode::kInvalidArgument) {
+            return s;  // retrying cannot fix a bad token or a refused registration
+          }
+          if (reachable) Log(absl::StrCat("cannot register yet: ", s.message()));
+          reachable = false;
+        } else {
+          reachable = true;
+        }
+      }
+      if (registered) {
+        std::map<std::string, int64_t> log_ends;
+        v1::HeartbeatRequest req = BuildHeartbeat(&log_ends);
+        v1::HeartbeatResponse resp;
+        absl::Status s = client_->Call("POST", "/v1/agent/heartbeat", &req, &resp);
+        if (s.code() == absl::StatusCode::kNotFound) {
+          registered = false;  // the coordinator forgot us (new state dir): register again
+          next_heartbeat = 0;
+        } else if (!s.ok()) {
+          if (reachable) Log(absl::StrCat("heartbeat failed (will retry): ", s.message()));
+          reachable = false;
+        } else {
+          if (!reachable) Log("coordinator reachable again");
+          reachable = true;
+          for (const auto& r : req.attempts()) {
+            auto it = attempts_.find(Key(r.job_id(), r.attempt()));
+            if (it == attempts_.end()) continue;
+            it->second.log_sent = log_ends[it->first];
+            it->second.checkpoints.erase(it->second.checkpoints.begin(),
+                                         it->second.checkpoints.begin() + r.checkpoints_size());
+            it->second.evals.erase(it->second.evals.begin(),
+                                   it->second.evals.begin() + r.evals_size());
+          }
+          for (const auto& c : resp.cancels()) {
+            auto it = attempts_.find(Key(c.job_id(), c.attempt()));
+            if (it != attempts_.end()) Cancel(it->second, "cancelled by the coordinator");
+          }
+          for (const auto& f : resp.forget()) {
+            auto it = attempts_.find(Key(f.job_id(), f.attempt()));
+            if (it == attempts_.end()) continue;
+            bool finished = true;
+            for (const Rank& r : it->second.ranks) finished &= !r.running;
+            if (finished && it->second.log_sent >= it->second.log_written &&
+                it->second.checkpoints.empty()) {
+              attempts_.erase(it);
+            }
+          }
+          for (const auto& as : resp.assignments()) {
+            if (!attempts_.count(Key(as.job_id(), as.attempt()))) StartAttempt(as);
+          }
+          if (!resp.assignments().empty()) next_heartbeat = 0;  // report the port / start at once
+        }
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  // Shutting down: stop every rank (SIGTERM, then SIGKILL after the grace period).
+  for (auto& [key, a] : attempts_) Cancel(a, "worker agent stopping");
+  const int64_t deadline = NowMs() + options_.term_grace_ms + 1000;
+  for (;;) {
+    Poll();
+    bool any = false;
+    for (auto& [key, a] : attempts_) {
+      for (const Rank& r : a.ranks) any |= r.running;
+    }
+    if (!any || NowMs() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (registered) {
+    std::map<std::string, int64_t> log_ends;
+    v1::HeartbeatRequest req = BuildHeartbeat(&log_ends);
+    v1::HeartbeatResponse resp;
+    (void)client_->Call("POST", "/v1/agent/heartbeat", &req, &resp);  // best effort: final exits
+  }
+  Log("stopped");
+  return absl::OkStatus();
+}
+
+}  // namespace loom::agent

@@ -1,0 +1,92 @@
+// loom-worker: the agent on each node. Registers its slots and labels with the coordinator,
+// heartbeats, launches the trainer ranks it is assigned as child processes (their own process
+// groups, killed if the agent dies), tails their logs and rank 0's metrics JSONL, and reports
+// progress, checkpoint commits and exits until the coordinator acknowledges them. Never links
+// LibTorch.
+#ifndef LOOM_WORKER_AGENT_AGENT_H_
+#define LOOM_WORKER_AGENT_AGENT_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "loom/v1/control.pb.h"
+#include "rest_client.h"
+
+namespace loom::agent {
+
+struct AgentOptions {
+  std::string coordinator_url;
+  std::string token;
+  std::string name;
+  std::string address = "127.0.0.1";
+  int slots = 1;
+  std::map<std::string, std::string> labels;
+  std::string work_dir;       // per-attempt directories, the worker id file
+  std::string loom_train;     // trainer binary
+  std::string plugin_dir;     // passed to the trainer as --plugin-dir ("" = its default)
+  int term_grace_ms = 10000;  // SIGTERM -> SIGKILL
+  int max_log_chunk = 256 << 10;
+};
+
+class Agent {
+ public:
+  explicit Agent(AgentOptions options);
+  ~Agent();
+  // Runs until Stop(); then terminates its ranks.
+  absl::Status Run();
+  void Stop() { stop_ = true; }
+
+ private:
+  struct Rank {
+    int rank = 0;
+    pid_t pid = -1;
+    bool running = false;
+    int exit_code = 0;
+    std::string detail;
+    std::string log_path;
+    int64_t log_read = 0;
+    std::string partial;
+  };
+  struct Attempt {
+    std::string job_id;
+    int attempt = 0;
+    std::string dir;
+    std::vector<Rank> ranks;
+    int master_port = 0;
+    std::string metrics_path;
+    int64_t metrics_read = 0;
+    std::string metrics_partial;
+    v1::Progress progress;
+    std::vector<v1::CheckpointReport> checkpoints;  // not yet acknowledged
+    std::vector<v1::EvalResult> evals;              // not yet acknowledged
+    std::string combined_log;                       // path of the combined log of all ranks
+    int64_t log_written = 0;
+    int64_t log_sent = 0;
+    int64_t kill_at_ms = 0;  // SIGKILL deadline after a cancel (0 = not cancelled)
+  };
+
+  absl::Status Register();
+  void StartAttempt(const v1::Assignment& a);
+  void Cancel(Attempt& a, const std::string& why);
+  void Poll();  // reap children, tail logs and metrics, escalate kills
+  void AppendCombined(Attempt& a, const std::string& text);
+  v1::HeartbeatRequest BuildHeartbeat(std::map<std::string, int64_t>* log_ends);
+  static std::string Key(const std::string& job, int attempt);
+
+  AgentOptions options_;
+  std::unique_ptr<client::RestClient> client_;
+  std::string worker_id_;
+  int heartbeat_ms_ = 1000;
+  std::map<std::string, Attempt> attempts_;  // Key(job, attempt)
+  std::atomic<bool> stop_{false};
+};
+
+}  // namespace loom::agent
+
+#endif  // LOOM_WORKER_AGENT_AGENT_H_

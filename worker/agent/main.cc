@@ -1,0 +1,105 @@
+// loom-worker: the worker agent (docs/control-plane.md).
+#include <signal.h>
+#include <unistd.h>
+
+#include <climits>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "agent.h"
+#include "loom/cli_args.h"
+#include "loom/status_macros.h"
+
+namespace loom::agent {
+namespace {
+
+constexpr char kUsage[] = R"(usage: loom-worker [flags]
+  --coordinator URL     http://host:port (default $LOOM_COORDINATOR, then http://127.0.0.1:8470)
+  --token-file F        the worker token (default $LOOM_WORKER_TOKEN; none for a --local coordinator)
+  --work-dir DIR        per-attempt directories and rank logs (required)
+  --slots N             trainer ranks this node runs at once (default 1)
+  --labels k=v,...      pool labels (e.g. pool=cpu,zone=a)
+  --name NAME           display name (default host name)
+  --address HOST        where other nodes reach this one's ranks (default 127.0.0.1)
+  --loom-train PATH     trainer binary (default: next to loom-worker)
+  --plugin-dir DIR      passed to the trainer
+  --term-grace-ms N     SIGTERM -> SIGKILL delay when stopping ranks (default 10000)
+)";
+
+Agent* g_agent = nullptr;
+void OnSignal(int) {
+  if (g_agent != nullptr) g_agent->Stop();
+}
+
+absl::Status Run(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args, CliArgs::Parse(argc, argv, 1,
+                                   {"coordinator", "token-file", "work-dir", "slots", "labels",
+                                    "name", "address", "loom-train", "plugin-dir", "term-grace-ms"},
+                                   {"help"}));
+  if (args.Has("help")) {
+    std::cout << kUsage;
+    return absl::OkStatus();
+  }
+  AgentOptions o;
+  const char* env_url = std::getenv("LOOM_COORDINATOR");
+  o.coordinator_url = args.Get("coordinator", env_url ? env_url : "http://127.0.0.1:8470");
+  if (args.Has("token-file")) {
+    std::ifstream in(args.Get("token-file"));
+    if (!in)
+      return absl::NotFoundError(
+          absl::StrCat("--token-file: cannot open '", args.Get("token-file"), "'"));
+    std::getline(in, o.token);
+    o.token = std::string(absl::StripAsciiWhitespace(o.token));
+  } else if (const char* t = std::getenv("LOOM_WORKER_TOKEN")) {
+    o.token = t;
+  }
+  LOOM_ASSIGN_OR_RETURN(o.work_dir, args.Require("work-dir"));
+  LOOM_ASSIGN_OR_RETURN(int64_t slots, args.GetInt("slots", 1, 1, 4096));
+  o.slots = static_cast<int>(slots);
+  LOOM_ASSIGN_OR_RETURN(int64_t grace, args.GetInt("term-grace-ms", 10000, 0, 3600000));
+  o.term_grace_ms = static_cast<int>(grace);
+  for (absl::string_view kv : absl::StrSplit(args.Get("labels"), ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    if (p.first.empty() || p.second.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--labels: expected k=v, got '", kv, "'"));
+    }
+    o.labels[p.first] = p.second;
+  }
+  char host[HOST_NAME_MAX + 1] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  o.name = args.Get("name", host);
+  o.address = args.Get("address", "127.0.0.1");
+  o.plugin_dir = args.Get("plugin-dir");
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  o.loom_train = args.Get("loom-train", (self.parent_path() / "loom-train").string());
+  if (::access(o.loom_train.c_str(), X_OK) != 0) {
+    return absl::NotFoundError(
+        absl::StrCat("--loom-train: '", o.loom_train, "' is not an executable"));
+  }
+  Agent agent(o);
+  g_agent = &agent;
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  return agent.Run();
+}
+
+}  // namespace
+}  // namespace loom::agent
+
+int main(int argc, char** argv) {
+  absl::Status s = loom::agent::Run(argc, argv);
+  if (!s.ok()) {
+    std::cerr << "loom-worker: " << s.message() << "\n";
+    return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}
