@@ -77,7 +77,12 @@ absl::Status Run(int argc, char** argv) {
   o.plugin_dir = args.Get("plugin-dir");
   std::error_code ec;
   const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  o.loom_train = args.Get("loom-train", (self.parent_path() / "loom-train").string());
+  // Absolute: ranks run with their attempt directory as the working directory.
+  o.loom_train = std::filesystem::absolute(
+                     args.Get("loom-train", (self.parent_path() / "loom-train").string()))
+                     .string();
+  if (!o.plugin_dir.empty()) o.plugin_dir = std::filesystem::absolute(o.plugin_dir).string();
+  o.work_dir = std::filesystem::absolute(o.work_dir).string();
   if (::access(o.loom_train.c_str(), X_OK) != 0) {
     return absl::NotFoundError(
         absl::StrCat("--loom-train: '", o.loom_train, "' is not an executable"));

@@ -1,0 +1,517 @@
+#!/usr/bin/env python3
+"""The control plane with real processes on loopback: loom-coordinator (token mode, RocksDB on
+disk), two loom-worker agents launching real loom-train ranks, the loom CLI and the REST API.
+
+Checks: submit -> run -> succeed; cancel mid-run (ranks gone, slots freed); kill -9 of a trainer
+rank (restart from the newest checkpoint, finishes at the expected step); kill -9 of a worker
+(marked lost, job reruns on the other worker); kill -9 + restart of the coordinator mid-run (jobs,
+events and catalogue intact, the job completes); 200 concurrent submissions (each accepted exactly
+once, ids unique); 25+ malformed and hostile requests (clean 4xx, server stays up); the OpenAPI
+document validated by swagger-cli and matching the served routes. Every process is killed on exit.
+"""
+import argparse
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loom_testlib import kill_all  # noqa: E402
+
+PROCS = []
+USER_TOKEN = "alice-token-0123456789abcdef"
+WORKER_TOKEN = "worker-token-0123456789abcdef"
+
+
+class Api:
+    def __init__(self, port):
+        self.port = port
+
+    def request(self, method, path, body=None, token=USER_TOKEN, raw=None, headers=None, timeout=30):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        h = dict(headers or {})
+        if token:
+            h["Authorization"] = "Bearer " + token
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        if data is not None:
+            h.setdefault("Content-Type", "application/json")
+        conn.request(method, path, body=data, headers=h)
+        resp = conn.getresponse()
+        text = resp.read().decode("utf-8", "replace")
+        conn.close()
+        try:
+            parsed = json.loads(text) if text else None
+        except ValueError:
+            parsed = None
+        return resp.status, parsed, text
+
+    def ok(self, method, path, body=None, token=USER_TOKEN):
+        status, parsed, text = self.request(method, path, body, token)
+        assert 200 <= status < 300, f"{method} {path}: HTTP {status}: {text}"
+        return parsed
+
+    def job(self, job_id):
+        return self.ok("GET", f"/v1/jobs/{job_id}")
+
+    def wait(self, job_id, pred, what, timeout=120):
+        deadline = time.time() + timeout
+        job = None
+        while time.time() < deadline:
+            job = self.job(job_id)
+            if pred(job):
+                return job
+            time.sleep(0.2)
+        raise AssertionError(f"{job_id}: timed out waiting for {what}; last state {json.dumps(job)[:3000]}")
+
+
+class Cluster:
+    def __init__(self, args, tmp):
+        self.args = args
+        self.tmp = tmp
+        with open(os.path.join(tmp, "users"), "w") as f:
+            f.write(f"# user token\nalice {USER_TOKEN}\n")
+        with open(os.path.join(tmp, "worker-token"), "w") as f:
+            f.write(WORKER_TOKEN + "\n")
+        self.coordinator = None
+        self.port = 0
+        self.workers = {}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start_coordinator(self):
+        port_file = os.path.join(self.tmp, "port")
+        if os.path.exists(port_file):
+            os.remove(port_file)
+        log = open(os.path.join(self.tmp, "coordinator.log"), "a")
+        self.coordinator = subprocess.Popen(
+            [self.args.coordinator, "--data-dir", os.path.join(self.tmp, "coord"),
+             "--storage-root", os.path.join(self.tmp, "storage"), "--port", str(self.port),
+             "--port-file", port_file, "--user-tokens", os.path.join(self.tmp, "users"),
+             "--worker-token-file", os.path.join(self.tmp, "worker-token"),
+             "--heartbeat-ms", "200", "--lost-after-ms", "2500", "--max-body-bytes", "262144"],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        PROCS.append(self.coordinator)
+        deadline = time.time() + 20
+        while not os.path.exists(port_file):
+            assert self.coordinator.poll() is None, "loom-coordinator exited at start-up"
+            assert time.time() < deadline, "loom-coordinator did not start"
+            time.sleep(0.05)
+        with open(port_file) as f:
+            self.port = int(f.read())
+        self.api = Api(self.port)
+
+    def start_worker(self, name, slots=2):
+        log = open(os.path.join(self.tmp, f"{name}.log"), "a")
+        p = subprocess.Popen(
+            [self.args.worker, "--coordinator", f"http://127.0.0.1:{self.port}", "--token-file",
+             os.path.join(self.tmp, "worker-token"), "--work-dir", os.path.join(self.tmp, name),
+             "--slots", str(slots), "--name", name, "--labels", "pool=cpu", "--term-grace-ms", "3000",
+             "--loom-train", self.args.loom_train],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        PROCS.append(p)
+        self.workers[name] = p
+        return p
+
+    def worker_ids(self):
+        return {w["name"]: w for w in self.api.ok("GET", "/v1/workers")["workers"]}
+
+    def wait_workers(self, n, timeout=20):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            alive = [w for w in self.worker_ids().values() if w["state"] == "alive"]
+            if len(alive) >= n:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"fewer than {n} live workers: {self.worker_ids()}")
+
+    def cli(self, *argv, check=True):
+        env = {**self.env, "LOOM_COORDINATOR": f"http://127.0.0.1:{self.port}", "LOOM_TOKEN": USER_TOKEN}
+        r = subprocess.run([self.args.loom, *argv], env=env, capture_output=True, text=True, timeout=120)
+        if check:
+            assert r.returncode == 0, f"loom {' '.join(argv)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r
+
+
+def rank_pids(job_id):
+    """rank -> pid of the loom-train processes of a job, found by their environment."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[1][0] == "Z":
+                    continue
+        except (OSError, IndexError):
+            continue
+        if env.get(b"LOOM_JOB_ID") == job_id.encode():
+            out[int(env[b"LOOM_RANK"])] = int(pid)
+    return out
+
+
+def micro(steps, world=2, interval=20, **extra):
+    spec = {"preset": "micro", "steps": steps, "micro_batch": 4, "seq_len": 32, "threads": 1,
+            "dist_timeout_seconds": 30, "data": {"corpus_bytes": 65536}, "eval": {"batches": 1},
+            "checkpoint": {"interval": interval, "keep_last": 2}, "metrics": {"log_every": 5}}
+    spec.update(extra)
+    return {"spec": spec, "world_size": world, "pool": {"pool": "cpu"}}
+
+
+def states(job):
+    return [e["state"] for e in job["events"] if e["state"]]
+
+
+def submit(api, body):
+    status, parsed, text = api.request("POST", "/v1/jobs", body)
+    assert status == 201, f"submit: HTTP {status}: {text}"
+    return parsed["id"]
+
+
+def test_submit_run_succeed(c):
+    api = c.api
+    job_id = submit(api, micro(40))
+    job = api.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), "the end")
+    assert job["state"] == "succeeded", job
+    assert states(job) == ["queued", "scheduled", "running", "succeeded"], states(job)
+    assert int(job["progress"]["step"]) == 40 and job["attempt"] == 1
+    assert job["evals"] and job["evals"][-1]["eval_loss"] < job["evals"][0]["eval_loss"], job["evals"]
+    cat = api.ok("GET", f"/v1/checkpoints?job={job_id}")["checkpoints"]
+    assert [int(x["step"]) for x in cat] == [20, 40], cat
+    assert all(os.path.isfile(os.path.join(x["path"], "manifest.json")) for x in cat[1:])
+    status, _, log = api.request("GET", f"/v1/jobs/{job_id}/logs")
+    assert status == 200 and "[rank 0] step 40/40" in log and "rank 1 exited 0" in log, log[-2000:]
+    # Streaming a finished job's log ends by itself and returns the same bytes.
+    status, _, followed = api.request("GET", f"/v1/jobs/{job_id}/logs?follow=true", timeout=60)
+    assert status == 200 and followed.startswith(log[:200])
+    # The CLI: status, list, checkpoints, workers (text and --json).
+    r = c.cli("status", job_id)
+    assert "succeeded" in r.stdout and "checkpoint at step 40" in r.stdout, r.stdout
+    listed = json.loads(c.cli("list", "--json").stdout)
+    assert any(j["id"] == job_id for j in listed["jobs"])
+    assert f"{job_id}/40" in c.cli("checkpoints").stdout
+    assert "alive" in c.cli("workers").stdout
+    # A second job fine-tunes from the first one's checkpoint: lineage in the catalogue.
+    body = micro(10)
+    body["init_from"] = f"{job_id}/40"
+    child = submit(api, body)
+    api.wait(child, lambda j: j["state"] == "succeeded", "the fine-tune to succeed")
+    cat = api.ok("GET", f"/v1/checkpoints?job={child}")["checkpoints"]
+    assert cat and all(x["parent"] == f"{job_id}/40" for x in cat), cat
+    status, _, log = api.request("GET", f"/v1/jobs/{child}/logs")
+    assert "init-from" in log or "initialised from" in log or "init from" in log, log[-3000:]
+    print(f"ok: submit -> run -> succeed ({job_id}), fine-tune lineage ({child})")
+
+
+def test_cancel_mid_run(c):
+    api = c.api
+    job_id = submit(api, micro(100000, interval=0))
+    api.wait(job_id, lambda j: j["state"] == "running" and int(j["progress"].get("step", 0)) > 5, "progress")
+    assert len(rank_pids(job_id)) == 2
+    job = api.ok("POST", f"/v1/jobs/{job_id}/cancel")
+    assert job["state"] == "cancelled"
+    deadline = time.time() + 15
+    while rank_pids(job_id) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not rank_pids(job_id), "ranks still running after cancel"
+    deadline = time.time() + 10
+    while any(w["used_slots"] for w in c.worker_ids().values()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(w["used_slots"] for w in c.worker_ids().values()), c.worker_ids()
+    status, parsed, _ = api.request("POST", f"/v1/jobs/{job_id}/cancel")
+    assert status == 409 and "already cancelled" in parsed["error"]
+    print(f"ok: cancel mid-run ({job_id})")
+
+
+def wait_checkpoint(api, job_id, min_step):
+    return api.wait(job_id, lambda j: any(int(x.split("/")[1]) >= min_step for x in j["checkpoints"]) and
+                    j["state"] == "running", f"a checkpoint at step >= {min_step}")
+
+
+def test_kill_rank(c):
+    api = c.api
+    job_id = submit(api, micro(240))
+    wait_checkpoint(api, job_id, 40)
+    pids = rank_pids(job_id)
+    assert set(pids) == {0, 1}, pids
+    os.kill(pids[1], signal.SIGKILL)
+    job = api.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout=180)
+    assert job["state"] == "succeeded", job
+    assert job["restarts"] == 1 and job["attempt"] == 2, job
+    assert int(job["progress"]["step"]) == 240
+    reasons = " | ".join(e["reason"] for e in job["events"])
+    assert "rank 1" in reasons and "killed by signal 9" in reasons, reasons
+    assert "resuming from step" in reasons, reasons
+    _, _, log = api.request("GET", f"/v1/jobs/{job_id}/logs")
+    assert "resume: " in log and "attempt 2" in log, log[-3000:]
+    steps = [int(x.split("/")[1]) for x in job["checkpoints"]]
+    assert steps[-1] == 240, steps
+    print(f"ok: kill -9 of rank 1 -> restarted from a checkpoint, finished at step 240 ({job_id})")
+
+
+def test_kill_worker(c):
+    api = c.api
+    job_id = submit(api, micro(240, world=1))
+    job = wait_checkpoint(api, job_id, 20)
+    victim_id = job["placement"][0]["worker_id"]
+    names = {w["id"]: name for name, w in c.worker_ids().items()}
+    victim = names[victim_id]
+    c.workers[victim].kill()
+    c.workers[victim].wait()
+    job = api.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout=180)
+    assert job["state"] == "succeeded", job
+    reasons = " | ".join(e["reason"] for e in job["events"])
+    assert f"worker {victim_id} lost" in reasons, reasons
+    last_scheduled = [e["reason"] for e in job["events"] if e["state"] == "scheduled"][-1]
+    assert victim_id not in last_scheduled and "resuming from step" in last_scheduled, last_scheduled
+    assert c.worker_ids()[victim]["state"] == "lost"
+    assert not rank_pids(job_id), "the killed worker's rank survived it"
+    # The worker comes back with its old id and is alive again.
+    c.start_worker(victim)
+    c.wait_workers(2)
+    assert c.worker_ids()[victim]["id"] == victim_id
+    print(f"ok: kill -9 of worker {victim} -> marked lost, job reran on the other worker ({job_id})")
+
+
+def test_restart_coordinator(c):
+    api = c.api
+    job_id = submit(api, micro(240))
+    wait_checkpoint(api, job_id, 20)
+    before = api.job(job_id)
+    catalogue = api.ok("GET", "/v1/checkpoints")["checkpoints"]
+    jobs_before = {j["id"]: j["state"] for j in api.ok("GET", "/v1/jobs?page_size=500")["jobs"]}
+    c.coordinator.kill()
+    c.coordinator.wait()
+    time.sleep(1.0)  # the agents notice, keep their ranks running and retry
+    c.start_coordinator()
+    after = api.job(job_id)
+    assert after["events"][:len(before["events"])] == before["events"], "events changed across the restart"
+    ids_after = {x["id"] for x in api.ok("GET", "/v1/checkpoints")["checkpoints"]}
+    assert {x["id"] for x in catalogue} <= ids_after
+    jobs_after = {j["id"]: j["state"] for j in api.ok("GET", "/v1/jobs?page_size=500")["jobs"]}
+    for jid, state in jobs_before.items():
+        if state in ("succeeded", "failed", "cancelled", "queued"):
+            assert jobs_after[jid] == state, (jid, state, jobs_after[jid])
+    c.wait_workers(2)
+    job = api.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout=180)
+    assert job["state"] == "succeeded" and job["restarts"] == 0 and int(job["progress"]["step"]) == 240, job
+    print(f"ok: coordinator kill -9 + restart mid-run: state intact, job completed ({job_id})")
+
+
+def test_concurrent_submissions(c):
+    api = c.api
+    threads, per_thread = 8, 25
+    results, errors = [], []
+    lock = threading.Lock()
+
+    def client(t):
+        try:
+            for i in range(per_thread):
+                body = micro(10, world=1)
+                body["pool"] = {"pool": "nowhere"}  # stays queued: this checks acceptance only
+                body["request_id"] = f"client-{t}-{i}"
+                status, parsed, text = api.request("POST", "/v1/jobs", body)
+                with lock:
+                    results.append((t, i, status, parsed))
+                if i == 0:  # a client retry of the same request: the same job, not a new one
+                    status2, parsed2, _ = api.request("POST", "/v1/jobs", body)
+                    assert status2 == 200 and parsed2 == {"id": parsed["id"], "created": False}, parsed2
+        except Exception as e:  # noqa: BLE001
+            with lock:
+                errors.append(repr(e))
+
+    ts = [threading.Thread(target=client, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert len(results) == threads * per_thread
+    assert all(r[2] == 201 and r[3]["created"] for r in results), [r for r in results if r[2] != 201][:3]
+    ids = [r[3]["id"] for r in results]
+    assert len(set(ids)) == len(ids) == 200
+    listed, token = [], ""
+    while True:
+        page = api.ok("GET", "/v1/jobs?state=queued&page_size=64" + (f"&page_token={token}" if token else ""))
+        listed += [j["id"] for j in page["jobs"] if j["request"].get("request_id", "").startswith("client-")]
+        token = page["next_page_token"]
+        if not token:
+            break
+    assert sorted(listed) == sorted(ids), (len(listed), len(ids))
+    job = api.job(ids[0])
+    assert "no live worker matches pool {pool=nowhere}" in job["reason"], job["reason"]
+    for jid in ids:
+        api.ok("POST", f"/v1/jobs/{jid}/cancel")
+    print("ok: 200 concurrent submissions from 8 clients, each accepted once, ids unique")
+
+
+def test_hostile_requests(c):
+    api = c.api
+    good = micro(10, world=1)
+
+    def with_spec(**kw):
+        b = json.loads(json.dumps(good))
+        b["spec"].update(kw)
+        return b
+
+    cases = [
+        ("bad JSON", "POST", "/v1/jobs", {"raw": b"{not json"}, 400, "request body"),
+        ("JSON array", "POST", "/v1/jobs", {"raw": b"[1,2,3]"}, 400, "request body"),
+        ("empty body", "POST", "/v1/jobs", {"raw": b""}, 400, "request body"),
+        ("unknown field", "POST", "/v1/jobs", {"body": {**good, "colour": "red"}}, 400, "colour"),
+        ("unknown spec field", "POST", "/v1/jobs", {"body": with_spec(learning_rate=1)}, 400, "learning_rate"),
+        ("wrong type", "POST", "/v1/jobs", {"body": {**good, "world_size": "two"}}, 400, "world_size"),
+        ("wrong nested type", "POST", "/v1/jobs", {"body": with_spec(steps={"a": 1})}, 400, "steps"),
+        ("negative world size", "POST", "/v1/jobs", {"body": {**good, "world_size": -3}}, 400, "world_size"),
+        ("priority out of range", "POST", "/v1/jobs", {"body": {**good, "priority": 10**6}}, 400, "priority"),
+        ("int32 overflow", "POST", "/v1/jobs", {"body": {**good, "world_size": 2**40}}, 400, "world_size"),
+        ("invalid model", "POST", "/v1/jobs", {"body": with_spec(model={"n_heads": 3})}, 400, "spec.model"),
+        ("missing spec", "POST", "/v1/jobs", {"body": {"world_size": 1}}, 400, "spec"),
+        ("traversal checkpoint dir", "POST", "/v1/jobs",
+         {"body": with_spec(checkpoint={"dir": "../../../etc", "interval": 5})}, 400, "spec.checkpoint.dir"),
+        ("absolute data path", "POST", "/v1/jobs",
+         {"body": with_spec(data={"source": "shards", "path": "/etc"})}, 400, "spec.data.path"),
+        ("metrics file", "POST", "/v1/jobs", {"body": with_spec(metrics={"jsonl": "/tmp/x"})}, 400,
+         "spec.metrics.jsonl"),
+        ("unknown init_from", "POST", "/v1/jobs", {"body": {**good, "init_from": "job-424242/1"}}, 400, "init_from"),
+        ("bad request id", "POST", "/v1/jobs", {"body": {**good, "request_id": "a b\nc"}}, 400, "request_id"),
+        ("bad pool label", "POST", "/v1/jobs", {"body": {**good, "pool": {"k": "v v"}}}, 400, "pool"),
+        ("huge body", "POST", "/v1/jobs", {"raw": b'{"spec": {"name": "' + b"x" * 400000 + b'"}}'}, 413, "too large"),
+        ("wrong content type", "POST", "/v1/jobs", {"raw": json.dumps(good).encode(),
+                                                    "headers": {"Content-Type": "text/plain"}}, 415, "Content-Type"),
+        ("missing token", "GET", "/v1/jobs", {"token": None}, 401, "bearer"),
+        ("wrong token", "GET", "/v1/jobs", {"token": "x" * 30}, 401, "invalid token"),
+        ("basic auth", "GET", "/v1/jobs", {"token": None, "headers": {"Authorization": "Basic YTpi"}}, 401, "bearer"),
+        ("worker token on a user route", "GET", "/v1/jobs", {"token": WORKER_TOKEN}, 403, "user token"),
+        ("user token on an agent route", "POST", "/v1/agent/heartbeat",
+         {"body": {"worker_id": "w-1"}, "token": USER_TOKEN}, 403, "worker token"),
+        # httplib decodes %2F before routing: the path no longer matches a route.
+        ("traversal job id", "GET", "/v1/jobs/..%2F..%2Fetc%2Fpasswd", {}, 404, "no route"),
+        ("dot-dot job id", "GET", "/v1/jobs/..", {}, 400, "malformed"),
+        ("traversal cancel", "POST", "/v1/jobs/%2E%2E/cancel", {}, 400, "malformed"),
+        ("upper-case job id", "GET", "/v1/jobs/JOB-1", {}, 400, "malformed"),
+        ("overlong job id", "GET", "/v1/jobs/" + "a" * 500, {}, 400, "malformed"),
+        ("unknown job", "GET", "/v1/jobs/job-999999", {}, 404, "not found"),
+        ("unknown route", "GET", "/v1/secrets", {}, 404, "no route"),
+        ("wrong method", "DELETE", "/v1/jobs/job-000001", {}, 404, "no route"),
+        ("bad state filter", "GET", "/v1/jobs?state=exploded", {}, 400, "state"),
+        ("bad page size", "GET", "/v1/jobs?page_size=0", {}, 400, "page_size"),
+        ("non-numeric page size", "GET", "/v1/jobs?page_size=1e9", {}, 400, "page_size"),
+        ("unknown query parameter", "GET", "/v1/jobs?sort=desc", {}, 400, "sort"),
+        ("repeated query parameter", "GET", "/v1/jobs?state=queued&state=running", {}, 400, "more than once"),
+        ("bad log offset", "GET", "/v1/jobs/job-000001/logs?offset=-5", {}, 400, "offset"),
+        ("bad follow", "GET", "/v1/jobs/job-000001/logs?follow=maybe", {}, 400, "follow"),
+        ("traversal checkpoint filter", "GET", "/v1/checkpoints?job=../x", {}, 400, "job"),
+        ("heartbeat from an unknown worker", "POST", "/v1/agent/heartbeat",
+         {"body": {"worker_id": "w-deadbeef"}, "token": WORKER_TOKEN}, 404, "not registered"),
+        ("register with no slots", "POST", "/v1/agent/register",
+         {"body": {"address": "127.0.0.1", "slots": 0}, "token": WORKER_TOKEN}, 400, "slots"),
+        ("register with a traversal id", "POST", "/v1/agent/register",
+         {"body": {"worker_id": "../../x", "address": "h", "slots": 1}, "token": WORKER_TOKEN}, 400, "worker_id"),
+    ]
+    for name, method, path, kw, want, needle in cases:
+        raw = kw.get("raw")
+        status, parsed, text = api.request(method, path, body=kw.get("body"), raw=raw,
+                                           token=kw.get("token", USER_TOKEN), headers=kw.get("headers"))
+        assert status == want, f"{name}: HTTP {status}, wanted {want}: {text[:300]}"
+        assert parsed is not None and "error" in parsed, f"{name}: not a JSON error: {text[:300]}"
+        assert needle.lower() in parsed["error"].lower(), f"{name}: '{needle}' not in '{parsed['error']}'"
+    assert c.coordinator.poll() is None, "the coordinator died"
+    status, _, text = api.request("GET", "/healthz", token=None)
+    assert status == 200 and text.strip() == "ok"
+    # Nothing hostile was stored as a job.
+    jobs = api.ok("GET", "/v1/jobs?page_size=500")["jobs"]
+    assert not any(j["name"].startswith("xxxx") for j in jobs)
+    # The metrics endpoint counts them and is valid exposition text.
+    status, _, metrics = api.request("GET", "/metrics", token=None)
+    assert status == 200 and 'loom_coordinator_http_requests_total{code="400",route="/v1/jobs"}' in metrics \
+        or 'loom_coordinator_http_requests_total{route="/v1/jobs",code="400"}' in metrics, metrics[:2000]
+    print(f"ok: {len(cases)} malformed or hostile requests answered with clean 4xx; server up")
+
+
+def test_openapi(c, args):
+    spec_path = os.path.join(args.source_dir, "api", "openapi.yaml")
+    validator = os.path.join(args.source_dir, ".tools", "node_modules", ".bin", "swagger-cli")
+    assert os.access(validator, os.X_OK), f"{validator} missing: run scripts/install-deps"
+    r = subprocess.run([validator, "validate", spec_path], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "is valid" in r.stdout, r.stdout + r.stderr
+    import yaml
+    with open(spec_path) as f:
+        doc = yaml.safe_load(f)
+    api = c.api
+    job_id = api.ok("GET", "/v1/jobs?page_size=1")["jobs"][0]["id"]
+    worker_id = next(iter(c.worker_ids().values()))["id"]
+    probes = 0
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            if method == "parameters":
+                continue
+            url = path.replace("{id}", job_id)
+            token = WORKER_TOKEN if "/agent/" in path else USER_TOKEN
+            body = None
+            if method == "post":
+                body = {"worker_id": worker_id} if path.endswith("heartbeat") else (
+                    {"address": "127.0.0.1", "slots": 1, "name": "probe"} if path.endswith("register") else
+                    micro(1, world=1) if path == "/v1/jobs" else None)
+            status, parsed, text = api.request(method.upper(), url, body=body, token=token)
+            assert not (status == 404 and parsed and parsed.get("error", "").startswith("no route")), \
+                f"documented {method.upper()} {path} is not served: {text}"
+            documented = {str(k) for k in op["responses"]}
+            assert str(status) in documented, f"{method.upper()} {path}: HTTP {status} not documented ({documented})"
+            probes += 1
+    print(f"ok: OpenAPI document valid (swagger-cli) and all {probes} documented operations served")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--loom-train", required=True)
+    ap.add_argument("--source-dir", required=True)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="loom-control-plane-")
+    c = Cluster(args, tmp)
+    try:
+        c.start_coordinator()
+        c.start_worker("node-a")
+        c.start_worker("node-b")
+        c.wait_workers(2)
+        test_hostile_requests(c)
+        test_submit_run_succeed(c)
+        test_cancel_mid_run(c)
+        test_kill_rank(c)
+        test_kill_worker(c)
+        test_restart_coordinator(c)
+        test_concurrent_submissions(c)
+        test_openapi(c, args)
+    except BaseException:
+        for name in ["coordinator.log", "node-a.log", "node-b.log"]:
+            p = os.path.join(tmp, name)
+            if os.path.exists(p):
+                with open(p) as f:
+                    sys.stderr.write(f"--- {name} (tail) ---\n" + f.read()[-4000:] + "\n")
+        raise
+    finally:
+        for p in PROCS:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        for p in PROCS:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        kill_all(PROCS)
+    subprocess.run(["rm", "-rf", tmp])
+    print("control plane: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
