@@ -1,5 +1,5 @@
 # Two entry points for newcomers (see README.md):
-#   make demo   trains a tiny model on CPU with the embedded default configuration
+#   make demo   loom up (local coordinator + worker) and a tiny IHA pretraining job on CPU
 #   make test   builds everything and runs the whole ctest suite
 # Both install missing Debian packages and build what is missing first.
 
@@ -24,7 +24,7 @@ build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 demo: build
-	$(BUILD_DIR)/bin/loom-train train --preset tiny-cpu --steps 300
+	BUILD_DIR=$(BUILD_DIR) bash scripts/demo
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 900

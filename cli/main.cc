@@ -155,7 +155,7 @@ class Cli {
   // otherwise.
   absl::Status Follow(const std::string& id) {
     const bool tty = ::isatty(STDOUT_FILENO) != 0;
-    std::string last_line, last_state;
+    std::string last_line, last_state, last_reason;
     int64_t last_event = -1;
     for (;;) {
       LOOM_ASSIGN_OR_RETURN(v1::Job job, GetJob(id));
@@ -168,6 +168,12 @@ class Cli {
                     << ": " << e.reason() << "\n";
         }
       }
+      // A queued job says why it waits (no matching worker, not enough free slots, ...).
+      if (!json_ && job.state() == "queued" && job.reason() != last_reason) {
+        if (tty) std::cout << "\r\033[K";
+        std::cout << "waiting: " << job.reason() << "\n";
+      }
+      last_reason = job.reason();
       const std::string line = absl::StrCat(job.state(), "  ", ProgressBar(job));
       if (!json_ && line != last_line && job.progress().update_time_ms() > 0) {
         if (tty) {
@@ -295,7 +301,8 @@ class Cli {
                                  "PATH");
     for (const auto& c : r.checkpoints()) {
       std::cout << absl::StrFormat("%-22s %-9s %8d %-22s %s\n", c.id(), c.kind(), c.step(),
-                                   c.parent().empty() ? "-" : c.parent(), c.path());
+                                   c.parent().empty() ? "-" : c.parent(),
+                                   c.available() ? c.path() : "(deleted by retention)");
     }
     return absl::OkStatus();
   }

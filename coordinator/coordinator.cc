@@ -124,6 +124,7 @@ absl::Status Coordinator::Load() {
   checkpoints_ = std::move(state.checkpoints);
   request_ids_ = std::move(state.request_ids);
   next_job_ = state.next_job;
+  log_offsets_ = std::move(state.log_offsets);
   // Restarted: every known worker gets a fresh grace period to heartbeat again.
   const int64_t now = NowMs();
   for (auto& [id, w] : workers_) w.set_last_heartbeat_ms(now);
@@ -276,6 +277,12 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
                                      "' in the catalogue (GET /v1/checkpoints)"));
     }
     init_path = it->second.path();
+    std::error_code ec;
+    if (!fs::exists(fs::path(init_path) / "manifest.json", ec)) {
+      return FieldError(
+          "init_from", absl::StrCat("checkpoint '", request.init_from(), "' is no longer on disk (",
+                                    init_path, "); pick an available one"));
+    }
   }
   const std::string id = absl::StrFormat("job-%06d", next_job_);
   if (default_dir) spec.mutable_checkpoint()->clear_dir();
@@ -381,7 +388,12 @@ absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
   std::sort(list.begin(), list.end(), [](const auto* a, const auto* b) {
     return a->job_id() != b->job_id() ? a->job_id() < b->job_id() : a->step() < b->step();
   });
-  for (const auto* c : list) *out.add_checkpoints() = *c;
+  for (const auto* c : list) {
+    v1::CheckpointEntry* e = out.add_checkpoints();
+    *e = *c;
+    std::error_code ec;
+    e->set_available(fs::exists(fs::path(c->path()) / "manifest.json", ec));
+  }
   return out;
 }
 
@@ -513,23 +525,26 @@ int Coordinator::UsedSlots(const std::string& worker_id) const {
   return used;
 }
 
-std::string Coordinator::LogPath(const std::string& job_id, int attempt) const {
-  return (fs::path(options_.data_dir) / "logs" / job_id /
-          absl::StrFormat("attempt-%03d.log", attempt))
-      .string();
+std::string Coordinator::LogPath(const std::string& job_id) const {
+  return (fs::path(options_.data_dir) / "logs" / (job_id + ".log")).string();
 }
 
-void Coordinator::AppendLog(const v1::AttemptReport& report) {
-  if (report.log().empty() || report.attempt() < 1 || report.attempt() > 100000) return;
-  const std::string path = LogPath(report.job_id(), report.attempt());
-  std::error_code ec;
-  fs::create_directories(fs::path(path).parent_path(), ec);
-  const int64_t size = fs::exists(path, ec) ? static_cast<int64_t>(fs::file_size(path, ec)) : 0;
+// One log per job, in arrival order; each agent sends whole lines of its attempt's log by byte
+// offset, and the offsets received per (attempt, worker) drop resent chunks after a lost reply.
+void Coordinator::AppendLog(const v1::AttemptReport& report, const std::string& worker_id,
+                            StateStore::Batch& batch) {
+  if (report.log().empty() || report.attempt() < 1 || report.log_offset() < 0) return;
+  const std::string key = absl::StrCat(report.job_id(), "/", report.attempt(), "/", worker_id);
+  int64_t& have = log_offsets_[key];
   const int64_t end = report.log_offset() + static_cast<int64_t>(report.log().size());
-  if (end <= size) return;  // already have it (a resend after a lost reply)
-  const int64_t skip = std::max<int64_t>(0, size - report.log_offset());
-  std::ofstream out(path, std::ios::app | std::ios::binary);
+  if (end <= have) return;
+  const int64_t skip = std::max<int64_t>(0, have - report.log_offset());
+  std::ofstream out(LogPath(report.job_id()), std::ios::app | std::ios::binary);
   out.write(report.log().data() + skip, static_cast<std::streamsize>(report.log().size() - skip));
+  out.flush();
+  if (!out) return;  // not recorded: the agent resends it
+  have = end;
+  batch.PutLogOffset(key, end);
 }
 
 absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
@@ -555,7 +570,7 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   for (const v1::AttemptReport& r : request.attempts()) {
     if (!IsValidId(r.job_id())) continue;
     auto jit = jobs_.find(r.job_id());
-    AppendLog(r);
+    AppendLog(r, wid, progress_batch);
     int ranks_running = 0;
     for (const auto& rank : r.ranks()) ranks_running += rank.running() ? 1 : 0;
     if (jit == jobs_.end()) {
@@ -760,38 +775,27 @@ absl::StatusOr<Coordinator::LogChunk> Coordinator::ReadLog(const std::string& id
                                                            int64_t max) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("job id: malformed");
   if (offset < 0) return FieldError("offset", "must be >= 0");
-  int attempts = 0;
   bool terminal = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = jobs_.find(id);
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
-    attempts = it->second.attempt();
     terminal = IsTerminal(it->second.state());
   }
   LogChunk chunk;
-  int64_t base = 0;
+  const std::string path = LogPath(id);
   std::error_code ec;
-  for (int a = 1; a <= attempts && static_cast<int64_t>(chunk.data.size()) < max; ++a) {
-    const std::string path = LogPath(id, a);
-    const int64_t size = fs::exists(path, ec) ? static_cast<int64_t>(fs::file_size(path, ec)) : 0;
-    if (offset < base + size) {
-      const int64_t from = std::max<int64_t>(0, offset - base);
-      const int64_t want =
-          std::min<int64_t>(size - from, max - static_cast<int64_t>(chunk.data.size()));
-      std::ifstream in(path, std::ios::binary);
-      in.seekg(from);
-      std::string buf(static_cast<size_t>(want), '\0');
-      in.read(buf.data(), want);
-      buf.resize(static_cast<size_t>(in.gcount()));
-      chunk.data += buf;
-    }
-    base += size;
+  const int64_t size = fs::exists(path, ec) ? static_cast<int64_t>(fs::file_size(path, ec)) : 0;
+  if (offset < size) {
+    const int64_t want = std::min<int64_t>(size - offset, max);
+    std::ifstream in(path, std::ios::binary);
+    in.seekg(offset);
+    chunk.data.resize(static_cast<size_t>(want));
+    in.read(chunk.data.data(), want);
+    chunk.data.resize(static_cast<size_t>(in.gcount()));
   }
-  chunk.next_offset =
-      std::max(offset, static_cast<int64_t>(0)) + static_cast<int64_t>(chunk.data.size());
-  if (offset > base) chunk.next_offset = offset;
-  chunk.done = terminal && chunk.next_offset >= base;
+  chunk.next_offset = offset + static_cast<int64_t>(chunk.data.size());
+  chunk.done = terminal && chunk.next_offset >= size;
   return chunk;
 }
 

@@ -82,8 +82,9 @@ class Coordinator {
   void MarkWorkerLost(v1::Worker& worker, const std::string& reason, StateStore::Batch& batch);
   int UsedSlots(const std::string& worker_id) const;
   void ScheduleLocked(StateStore::Batch& batch);
-  void AppendLog(const v1::AttemptReport& report);
-  std::string LogPath(const std::string& job_id, int attempt) const;
+  void AppendLog(const v1::AttemptReport& report, const std::string& worker_id,
+                 StateStore::Batch& batch);
+  std::string LogPath(const std::string& job_id) const;
   absl::Status ResolvePaths(v1::JobSpec& spec, const std::string& job_id) const;
   absl::Status CommitLocked(StateStore::Batch& batch, bool sync);
 
@@ -98,6 +99,7 @@ class Coordinator {
   std::map<std::string, v1::CheckpointEntry> checkpoints_;
   std::map<std::string, std::string> request_ids_;
   int64_t next_job_ = 1;
+  std::map<std::string, int64_t> log_offsets_;  // "<job>/<attempt>/<worker>" -> bytes received
   std::map<std::string, std::string> waiting_reason_;  // not persisted: recomputed each pass
   // Per worker: attempts its last heartbeat reported as still running -> ranks running there.
   std::map<std::string, std::map<std::pair<std::string, int>, int>> reported_running_;

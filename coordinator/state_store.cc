@@ -53,6 +53,9 @@ void StateStore::Batch::PutRequestId(const std::string& key, const std::string& 
 void StateStore::Batch::PutNextJob(int64_t next) {
   batch_->Put("meta/next_job", std::to_string(next));
 }
+void StateStore::Batch::PutLogOffset(const std::string& key, int64_t offset) {
+  batch_->Put(absl::StrCat("logoff/", key), std::to_string(offset));
+}
 bool StateStore::Batch::empty() const { return batch_->Count() == 0; }
 
 absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& dir) {
@@ -92,6 +95,9 @@ absl::StatusOr<LoadedState> StateStore::Load() {
       state.checkpoints[c.id()] = std::move(c);
     } else if (key.rfind("request/", 0) == 0) {
       state.request_ids[key.substr(8)] = it->value().ToString();
+    } else if (key.rfind("logoff/", 0) == 0) {
+      int64_t v = 0;
+      if (absl::SimpleAtoi(it->value().ToString(), &v)) state.log_offsets[key.substr(7)] = v;
     } else if (key == "meta/next_job") {
       if (!absl::SimpleAtoi(it->value().ToString(), &state.next_job)) {
         return absl::DataLossError("state store: bad meta/next_job");

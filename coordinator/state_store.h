@@ -3,7 +3,7 @@
 // atomic WriteBatch written with sync, so a crash or kill -9 after a reply loses nothing.
 //
 // Keys: job/<id>, event/<job id>/<seq, 12 digits>, worker/<id>, ckpt/<id>, request/<key>,
-// meta/next_job.
+// logoff/<job>/<attempt>/<worker>, meta/next_job.
 #ifndef LOOM_COORDINATOR_STATE_STORE_H_
 #define LOOM_COORDINATOR_STATE_STORE_H_
 
@@ -29,6 +29,7 @@ struct LoadedState {
   std::map<std::string, v1::CheckpointEntry> checkpoints;
   std::map<std::string, std::string> request_ids;  // idempotency key -> job id
   int64_t next_job = 1;
+  std::map<std::string, int64_t> log_offsets;  // "<job>/<attempt>/<worker>" -> log bytes received
 };
 
 class StateStore {
@@ -43,6 +44,7 @@ class StateStore {
     void PutCheckpoint(const v1::CheckpointEntry& entry);
     void PutRequestId(const std::string& key, const std::string& job_id);
     void PutNextJob(int64_t next);
+    void PutLogOffset(const std::string& key, int64_t offset);
     bool empty() const;
 
    private:

@@ -252,6 +252,13 @@ def test_kill_rank(c):
     assert "resume: " in log and "attempt 2" in log, log[-3000:]
     steps = [int(x.split("/")[1]) for x in job["checkpoints"]]
     assert steps[-1] == 240, steps
+    # keep_last 2: the catalogue keeps every entry and says which are still on disk.
+    cat = api.ok("GET", f"/v1/checkpoints?job={job_id}")["checkpoints"]
+    assert [x["available"] for x in cat][-2:] == [True, True] and not cat[0]["available"], cat
+    body = micro(5)
+    body["init_from"] = cat[0]["id"]
+    status, parsed, _ = api.request("POST", "/v1/jobs", body)
+    assert status == 400 and "no longer on disk" in parsed["error"], parsed
     print(f"ok: kill -9 of rank 1 -> restarted from a checkpoint, finished at step 240 ({job_id})")
 
 
@@ -468,6 +475,50 @@ def test_openapi(c, args):
     print(f"ok: OpenAPI document valid (swagger-cli) and all {probes} documented operations served")
 
 
+def test_loom_up(args, tmp):
+    """`loom up`: a local-mode coordinator and two workers; the CLI submits and follows a job;
+    Ctrl-C (SIGINT) stops every process it started."""
+    from loom_testlib import free_port
+    port = free_port()
+    data = os.path.join(tmp, "up")
+    up = subprocess.Popen([args.loom, "up", "--workers", "2", "--slots", "1", "--port", str(port),
+                           "--data-dir", data], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    PROCS.append(up)
+    env = {**os.environ, "LOOM_COORDINATOR": f"http://127.0.0.1:{port}"}
+    deadline = time.time() + 30
+    while True:
+        r = subprocess.run([args.loom, "workers", "--json"], env=env, capture_output=True, text=True)
+        if r.returncode == 0 and sum(w["state"] == "alive" for w in json.loads(r.stdout).get("workers", [])) == 2:
+            break
+        assert up.poll() is None and time.time() < deadline, f"loom up did not come up: {r.stderr}"
+        time.sleep(0.2)
+    job = os.path.join(tmp, "up-job.json")
+    body = micro(20, world=2, interval=10)
+    del body["pool"]  # loom up's workers carry no labels
+    with open(job, "w") as f:
+        json.dump(body, f)
+    r = subprocess.run([args.loom, "submit", job, "--follow"], env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0 and "succeeded" in r.stdout and "20/20" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([args.loom, "logs", "job-000001"], env=env, capture_output=True, text=True, timeout=60)
+    # Both workers' lines (rank 0 on one, rank 1 on the other) arrive whole in the job's log.
+    assert "[rank 0] step 20/20" in r.stdout and "rank 1 exited 0" in r.stdout, r.stdout[-2000:]
+    assert all(line.startswith(("[rank ", "[agent ")) for line in r.stdout.splitlines()), r.stdout[-2000:]
+    up.send_signal(signal.SIGINT)
+    out, _ = up.communicate(timeout=30)
+    assert up.returncode == 0 and "loom up: stopped" in out, out
+    leftovers = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if data.encode() in f.read():
+                    leftovers.append(pid)
+        except OSError:
+            pass
+    assert not leftovers, f"processes left after loom up stopped: {leftovers}"
+    print("ok: loom up (local coordinator + 2 workers), CLI submit --follow, clean stop")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--coordinator", required=True)
@@ -491,6 +542,7 @@ def main():
         test_restart_coordinator(c)
         test_concurrent_submissions(c)
         test_openapi(c, args)
+        test_loom_up(args, tmp)
     except BaseException:
         for name in ["coordinator.log", "node-a.log", "node-b.log"]:
             p = os.path.join(tmp, name)

@@ -329,6 +329,8 @@ v1::HeartbeatRequest Agent::BuildHeartbeat(std::map<std::string, int64_t>* log_e
     for (const auto& e : a.evals) *r->add_evals() = e;
     r->set_master_port(a.master_port);
     std::string chunk = ReadFrom(a.combined_log, a.log_sent, options_.max_log_chunk);
+    // Whole lines only, so chunks from several workers interleave cleanly in the job's log.
+    if (const size_t nl = chunk.rfind('\n'); nl != std::string::npos) chunk.resize(nl + 1);
     r->set_log_offset(a.log_sent);
     (*log_ends)[key] = a.log_sent + static_cast<int64_t>(chunk.size());
     r->set_log(std::move(chunk));
