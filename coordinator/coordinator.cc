@@ -567,6 +567,8 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   v1::HeartbeatResponse response;
   auto& running = reported_running_[wid];
   running.clear();
+  std::set<std::pair<std::string, int>> reported;
+  for (const v1::AttemptReport& r : request.attempts()) reported.insert({r.job_id(), r.attempt()});
   for (const v1::AttemptReport& r : request.attempts()) {
     if (!IsValidId(r.job_id())) continue;
     auto jit = jobs_.find(r.job_id());
@@ -673,6 +675,7 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     if (!IsActive(job.state()) || Contains(job.finished_workers(), wid)) continue;
     const v1::Placement* p = PlacementOf(job, wid);
     if (p == nullptr) continue;
+    if (reported.count({id, job.attempt()})) continue;  // already running there
     const bool rank_zero = HostsRankZero(job, wid);
     if (!rank_zero && job.master_port() == 0) continue;  // wait for rank 0's rendezvous port
     v1::Assignment* a = response.add_assignments();
