@@ -631,12 +631,16 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
           batch.PutJob(job);
         }
       }
-      std::string failure;
+      // Every failed rank, the likely cause first: a rank killed by a signal makes its peers
+      // exit with a communication error right after.
+      std::vector<std::string> killed, exited;
       for (const auto& rank : r.ranks()) {
-        if (!rank.running() && rank.exit_code() != 0 && failure.empty()) {
-          failure = absl::StrCat("rank ", rank.rank(), " on ", wid, ": ", rank.detail());
-        }
+        if (rank.running() || rank.exit_code() == 0) continue;
+        (rank.exit_code() > 128 ? killed : exited)
+            .push_back(absl::StrCat("rank ", rank.rank(), " on ", wid, ": ", rank.detail()));
       }
+      killed.insert(killed.end(), exited.begin(), exited.end());
+      const std::string failure = absl::StrJoin(killed, "; ");
       if (!failure.empty()) {
         FailAttempt(job, failure, batch);
       } else {
@@ -689,8 +693,9 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     a->set_resume_from(job.resume_from());
     if (job.resume_from().empty()) a->set_init_from(job.init_from_path());
   }
-  LOOM_RETURN_IF_ERROR(CommitLocked(batch, true));
+  // Progress first: both batches may hold the same job, and the synced one has its final state.
   LOOM_RETURN_IF_ERROR(CommitLocked(progress_batch, false));
+  LOOM_RETURN_IF_ERROR(CommitLocked(batch, true));
   return response;
 }
 

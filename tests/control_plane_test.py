@@ -246,9 +246,13 @@ def test_kill_rank(c):
     assert job["restarts"] == 1 and job["attempt"] == 2, job
     assert int(job["progress"]["step"]) == 240
     reasons = " | ".join(e["reason"] for e in job["events"])
-    assert "rank 1" in reasons and "killed by signal 9" in reasons, reasons
+    # The retry reason names the failed rank(s): usually "rank 1 ...: killed by signal 9", or rank
+    # 0's communication error when the agent reaped that one first; the log always has the kill.
+    retry = [e["reason"] for e in job["events"] if e["state"] == "retrying"]
+    assert len(retry) == 1 and retry[0].startswith("rank "), retry
     assert "resuming from step" in reasons, reasons
     _, _, log = api.request("GET", f"/v1/jobs/{job_id}/logs")
+    assert "rank 1 killed by signal 9" in log, log[-3000:]
     assert "resume: " in log and "attempt 2" in log, log[-3000:]
     steps = [int(x.split("/")[1]) for x in job["checkpoints"]]
     assert steps[-1] == 240, steps
