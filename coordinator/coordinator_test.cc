@@ -80,6 +80,9 @@ class CoordinatorTest : public ::testing::Test {
       a->set_job_id(job);
       a->set_attempt(attempt);
       a->set_master_port(port);
+      // Every report carries fresh progress, as a running trainer's does.
+      a->mutable_progress()->set_step(static_cast<int64_t>(++beats_));
+      a->mutable_progress()->set_update_time_ms(1000 + beats_);
       bool finished = true;
       for (auto [rank, code] : ranks) {
         v1::RankStatus* s = a->add_ranks();
@@ -109,6 +112,7 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   fs::path dir_;
+  int beats_ = 0;
   CoordinatorOptions options_;
   std::unique_ptr<Coordinator> c_;
 };
@@ -239,6 +243,11 @@ TEST_F(CoordinatorTest, AttemptLifecycleRestartsFromTheNewestCheckpoint) {
   Beat(r0, id, 2, {{0, 0}}, {40});
   EXPECT_EQ(Job(id).state(), "running");  // one worker done, the other still running
   Beat(r1, id, 2, {{1, 0}});
+  job = Job(id);
+  EXPECT_EQ(job.state(), "succeeded");
+  // The success arrived with a progress update in the same heartbeat: both are on disk, and the
+  // final state wins.
+  Reopen();
   job = Job(id);
   EXPECT_EQ(job.state(), "succeeded");
   EXPECT_EQ(States(job), (std::vector<std::string>{"queued", "scheduled", "running", "retrying",
