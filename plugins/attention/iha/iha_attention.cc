@@ -1,6 +1,7 @@
 #include "iha_attention.h"
 
 #include "attention_common.h"
+#include "iha_fused.h"
 
 namespace loom::attention::iha {
 
@@ -24,6 +25,7 @@ IhaAttention::IhaAttention(const LoomAttentionSpecV1& spec) : ProjectedAttention
       ParseRopePhase(opts.GetChoice("rope_phase", "interleaved", {"interleaved", "token"}));
   options_.score = ParseScore(opts.GetChoice("score", "softmax", {"softmax", "linear"}));
   options_.scale = opts.GetDouble("scale", 0.0, 0.0, 1e6);
+  kernel_ = opts.GetChoice("kernel", "auto", {"auto", "reference", "fused"});
   const std::string init = opts.GetChoice("init", "near_mha", {"near_mha", "identity", "random"});
   const double noise = opts.GetDouble("init_noise", 0.02, 0.0, 10.0);
   opts.Finish();
@@ -73,8 +75,18 @@ torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInput
   if (!positions.defined() && options_.rope_theta > 0) {
     TORCH_CHECK(false, "iha: positions are required when RoPE is on");
   }
-  torch::Tensor heads = Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, options_);
+  torch::Tensor heads =
+      UsesFusedKernel(x.size(1), x.device())
+          ? FusedForward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, options_)
+          : Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, options_);
   return proj_.o->forward(heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
+}
+
+bool IhaAttention::UsesFusedKernel(int64_t n, const torch::Device& device) const {
+  if (kernel_ != "auto") return kernel_ == "fused";
+  // Below ~512 expanded positions the (N·P)² scores are small and one big GEMM wins (measured
+  // in docs/benchmarks.md); CUDA tensors keep the reference path until the CUDA kernels land.
+  return device.is_cpu() && n * options_.p >= 512;
 }
 
 double IhaAttention::ForwardFlopsPerToken(int64_t context) const {

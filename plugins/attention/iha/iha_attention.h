@@ -4,7 +4,9 @@
 //
 // Options (docs/iha.md): p (default H), mask (interleaved | block for decoders, default
 // interleaved; none for encoders), rope_phase (interleaved | token), init (near_mha | identity |
-// random), init_noise (default 0.02), score (softmax | linear), scale (default 1/sqrt(d)).
+// random), init_noise (default 0.02), score (softmax | linear), scale (default 1/sqrt(d)),
+// kernel (auto | reference | fused; auto = the fused kernel, iha_fused.h, for CPU tensors when
+// the expanded sequence N·P reaches 512, where it is faster, and the reference path otherwise).
 #ifndef LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
 #define LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
 
@@ -24,6 +26,8 @@ class IhaAttention : public ProjectedAttention {
   double ForwardFlopsPerToken(int64_t context) const override;
 
   const Options& options() const { return options_; }
+  // Which path forward() takes for a sequence of n tokens on `device`.
+  bool UsesFusedKernel(int64_t n, const torch::Device& device) const;
   // Per-head q, k, v [B, N, H, d] for x (what the core receives).
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Project(const torch::Tensor& x);
 
@@ -31,6 +35,7 @@ class IhaAttention : public ProjectedAttention {
 
  private:
   Options options_;
+  std::string kernel_ = "auto";
 };
 
 }  // namespace loom::attention::iha

@@ -166,29 +166,47 @@ std::shared_ptr<IhaAttention> MakeIha(int64_t d_model, int64_t h, int64_t d, boo
 }
 
 TEST(IhaAttention, ModuleIsProjectionsAroundTheCore) {
-  for (const char* mask : {"interleaved", "block"}) {
-    auto m = MakeIha(12, 3, 4, true, 0, 10000, {{"p", "2"}, {"mask", mask}, {"init", "random"}});
-    torch::Tensor x = torch::randn({2, 6, 12}, torch::kFloat64);
-    torch::Tensor y = m->forward(x, {torch::arange(6)});
-    auto [q, k, v] = m->Project(x);
-    torch::Tensor heads =
-        LoopIha(q, k, v, m->alpha_q, m->alpha_k, m->alpha_v, m->collapse, m->options());
-    auto params = m->named_parameters();
-    torch::Tensor want = torch::matmul(heads.reshape({2, 6, 12}), params["o_proj.weight"].t());
-    EXPECT_LT((y - want).abs().max().item<double>(), 1e-10) << mask;
+  for (const char* kernel : {"reference", "fused"}) {
+    for (const char* mask : {"interleaved", "block"}) {
+      auto m = MakeIha(12, 3, 4, true, 0, 10000,
+                       {{"p", "2"}, {"mask", mask}, {"init", "random"}, {"kernel", kernel}});
+      torch::Tensor x = torch::randn({2, 6, 12}, torch::kFloat64);
+      torch::Tensor y = m->forward(x, {torch::arange(6)});
+      auto [q, k, v] = m->Project(x);
+      torch::Tensor heads =
+          LoopIha(q, k, v, m->alpha_q, m->alpha_k, m->alpha_v, m->collapse, m->options());
+      auto params = m->named_parameters();
+      torch::Tensor want = torch::matmul(heads.reshape({2, 6, 12}), params["o_proj.weight"].t());
+      EXPECT_LT((y - want).abs().max().item<double>(), 1e-10) << mask << " " << kernel;
+    }
   }
 }
 
+TEST(IhaAttention, KernelSelection) {
+  auto automatic = MakeIha(12, 3, 4, true, 0, 0, {{"p", "4"}});
+  EXPECT_FALSE(automatic->UsesFusedKernel(64, torch::kCPU));  // 256 expanded positions
+  EXPECT_TRUE(automatic->UsesFusedKernel(128, torch::kCPU));  // 512
+  EXPECT_FALSE(automatic->UsesFusedKernel(4096, torch::Device(torch::kCUDA, 0)));
+  EXPECT_TRUE(
+      MakeIha(12, 3, 4, true, 0, 0, {{"kernel", "fused"}})->UsesFusedKernel(4, torch::kCPU));
+  EXPECT_FALSE(
+      MakeIha(12, 3, 4, true, 0, 0, {{"kernel", "reference"}})->UsesFusedKernel(4096, torch::kCPU));
+}
+
 TEST(IhaAttention, GradientsOfEveryParameterMatchFiniteDifferences) {
-  auto m = MakeIha(8, 2, 4, true, 2, 10000, {{"p", "2"}, {"init", "random"}});
-  torch::Tensor x = torch::randn({1, 4, 8}, torch::kFloat64);
-  torch::Tensor w = torch::randn({1, 4, 8}, torch::kFloat64);
-  AttentionInputs in{torch::arange(4)};
-  // Every alpha and R entry; every fifth projection weight.
-  const int64_t checked = ExpectGradientsMatchFiniteDifferences(
-      *m, [&] { return (m->forward(x, in) * w).sum(); },
-      [](const std::string& name) { return name.find("proj") == std::string::npos ? 1 : 5; }, 1e-6);
-  EXPECT_GT(checked, 3 * 2 * 2 * 2 + 2 * 4);  // all 3·H²·P alpha entries and H·H·P collapse entries
+  for (const char* kernel : {"reference", "fused"}) {
+    auto m = MakeIha(8, 2, 4, true, 2, 10000, {{"p", "2"}, {"init", "random"}, {"kernel", kernel}});
+    torch::Tensor x = torch::randn({1, 4, 8}, torch::kFloat64);
+    torch::Tensor w = torch::randn({1, 4, 8}, torch::kFloat64);
+    AttentionInputs in{torch::arange(4)};
+    // Every alpha and R entry; every fifth projection weight.
+    const int64_t checked = ExpectGradientsMatchFiniteDifferences(
+        *m, [&] { return (m->forward(x, in) * w).sum(); },
+        [](const std::string& name) { return name.find("proj") == std::string::npos ? 1 : 5; },
+        1e-6);
+    EXPECT_GT(checked,
+              3 * 2 * 2 * 2 + 2 * 4);  // all 3·H²·P alpha entries and H·H·P collapse entries
+  }
 }
 
 TEST(IhaAttention, ParameterOverheadIsFourHSquaredP) {
@@ -213,24 +231,29 @@ TEST(IhaAttention, CausalityAndWindowForBothMasks) {
   for (const char* mask : {"interleaved", "block"}) {
     for (int64_t window : {0, 2}) {
       for (int64_t p : {1, 3}) {
-        auto m = MakeIha(12, 3, 4, true, window, 10000,
-                         {{"p", std::to_string(p).c_str()}, {"mask", mask}, {"init", "random"}});
-        torch::Tensor x = torch::randn({1, N, 12}, torch::kFloat64);
-        AttentionInputs in{torch::arange(N)};
-        torch::Tensor y = m->forward(x, in);
-        for (int64_t t = 0; t < N; ++t) {
-          torch::Tensor x2 = x.clone();
-          x2.index_put_({0, t}, torch::randn({12}, torch::kFloat64) * 3);
-          torch::Tensor diff = (m->forward(x2, in) - y).abs().amax({0, 2});
-          for (int64_t i = 0; i < N; ++i) {
-            const int64_t reach = p == 1 ? window - 1 : window;  // tokens back that are visible
-            const bool visible = t <= i && (window == 0 || i - t <= reach);
-            if (visible) {
-              EXPECT_GT(diff[i].item<double>(), 1e-12)
-                  << mask << " W " << window << " P " << p << " t " << t << " i " << i;
-            } else {
-              EXPECT_EQ(diff[i].item<double>(), 0.0)
-                  << mask << " W " << window << " P " << p << " t " << t << " i " << i;
+        for (const char* kernel : {"reference", "fused"}) {
+          auto m = MakeIha(12, 3, 4, true, window, 10000,
+                           {{"p", std::to_string(p).c_str()},
+                            {"mask", mask},
+                            {"init", "random"},
+                            {"kernel", kernel}});
+          torch::Tensor x = torch::randn({1, N, 12}, torch::kFloat64);
+          AttentionInputs in{torch::arange(N)};
+          torch::Tensor y = m->forward(x, in);
+          for (int64_t t = 0; t < N; ++t) {
+            torch::Tensor x2 = x.clone();
+            x2.index_put_({0, t}, torch::randn({12}, torch::kFloat64) * 3);
+            torch::Tensor diff = (m->forward(x2, in) - y).abs().amax({0, 2});
+            for (int64_t i = 0; i < N; ++i) {
+              const int64_t reach = p == 1 ? window - 1 : window;  // tokens back that are visible
+              const bool visible = t <= i && (window == 0 || i - t <= reach);
+              if (visible) {
+                EXPECT_GT(diff[i].item<double>(), 1e-12)
+                    << mask << " W " << window << " P " << p << " t " << t << " i " << i;
+              } else {
+                EXPECT_EQ(diff[i].item<double>(), 0.0)
+                    << mask << " W " << window << " P " << p << " t " << t << " i " << i << kernel;
+              }
             }
           }
         }
@@ -332,6 +355,7 @@ TEST(IhaAttention, RejectsBadOptionsNamingTheField) {
   expect_error(true, {{"score", "relu"}}, "options.score");
   expect_error(true, {{"init_noise", "-1"}}, "options.init_noise");
   expect_error(true, {{"pseudo_heads", "2"}}, "options.pseudo_heads");
+  expect_error(true, {{"kernel", "cuda"}}, "options.kernel");
 }
 
 TEST(IhaAttention, NearMhaInitialisationIsDocumented) {
