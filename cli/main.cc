@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -38,6 +39,7 @@ commands:
   up                      run a local coordinator and workers on this box until Ctrl-C
                             --workers N (default 1) --slots S (default 2) --port P (default 8470)
                             --data-dir DIR (default runs/loom-up) --labels k=v,...
+                            --prometheus-dir DIR (file_sd targets; default DATA_DIR/prometheus-targets)
   submit FILE             submit a job: a job spec (docs/jobs.md) or {"spec": ..., "world_size": ...}
                             as JSON or YAML; --world-size N --priority P --pool k=v,...
                             --max-restarts N --init-from CHECKPOINT_ID --request-id KEY --name NAME
@@ -48,6 +50,8 @@ commands:
   cancel JOB
   checkpoints             the checkpoint catalogue with lineage (--job JOB)
   workers                 registered workers and their slots
+  plot JOB                the job's loss and tokens/s curves as a PNG (gnuplot)
+                            --output FILE (default JOB.png)
 
 common flags: --coordinator URL (default $LOOM_COORDINATOR, then http://127.0.0.1:8470)
               --token-file F (default $LOOM_TOKEN: a user token)   --json (machine-readable)
@@ -307,6 +311,52 @@ class Cli {
     return absl::OkStatus();
   }
 
+  // Loss and throughput over steps from the job's log (rank 0's progress lines), drawn by gnuplot.
+  absl::Status Plot(const std::string& id, const CliArgs& args) {
+    std::string log;
+    LOOM_RETURN_IF_ERROR(
+        client_->GetStream(absl::StrCat("/v1/jobs/", id, "/logs"), [&](const char* d, size_t n) {
+          log.append(d, n);
+          return true;
+        }));
+    // "[rank 0] step 120/300  loss 2.3456  lr 1.00e-03  grad_norm 0.812  1234 tok/s  ETA ..."
+    const std::regex line(
+        R"(\[rank 0\] step (\d+)/\d+\s+loss ([0-9.eE+-]+|nan|inf).*?\s([0-9.eE+-]+) tok/s)");
+    std::ostringstream data;
+    int points = 0;
+    std::istringstream in(log);
+    for (std::string l; std::getline(in, l);) {
+      std::smatch m;
+      if (std::regex_search(l, m, line)) {
+        data << m[1] << " " << m[2] << " " << m[3] << "\n";
+        ++points;
+      }
+    }
+    if (points == 0)
+      return absl::NotFoundError(absl::StrCat("job ", id, " has logged no training steps yet"));
+    const std::string out = args.Get("output", id + ".png");
+    const fs::path tmp = fs::temp_directory_path() / absl::StrCat("loom-plot-", ::getpid(), ".dat");
+    std::ofstream(tmp) << data.str();
+    const std::string script = absl::StrCat(
+        "set terminal pngcairo size 1000,700 font 'sans,10'\n", "set output '", out, "'\n",
+        "set multiplot layout 2,1 title 'Loom ", id, "'\n", "set grid\nset xlabel 'step'\n",
+        "set ylabel 'loss'\nplot '", tmp.string(),
+        "' using 1:2 with lines lw 2 title 'training loss'\n", "set ylabel 'tokens/s'\nplot '",
+        tmp.string(), "' using 1:3 with lines lw 2 title 'throughput'\n", "unset multiplot\n");
+    FILE* gp = ::popen("gnuplot", "w");
+    if (gp == nullptr)
+      return absl::UnavailableError("cannot run gnuplot (apt install gnuplot-nox)");
+    std::fwrite(script.data(), 1, script.size(), gp);
+    const int rc = ::pclose(gp);
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    if (rc != 0)
+      return absl::InternalError(
+          absl::StrCat("gnuplot failed (exit ", rc, "); is gnuplot-nox installed?"));
+    std::cout << "wrote " << out << " (" << points << " points)\n";
+    return absl::OkStatus();
+  }
+
   absl::Status Workers() {
     v1::ListWorkersResponse r;
     LOOM_RETURN_IF_ERROR(client_->Call("GET", "/v1/workers", nullptr, &r));
@@ -345,6 +395,11 @@ absl::Status Up(const CliArgs& args) {
   const fs::path bin = fs::read_symlink("/proc/self/exe", ec).parent_path();
   fs::create_directories(data, ec);
   const std::string port_file = (fs::path(data) / "coordinator.port").string();
+  // Prometheus file-based service discovery: one JSON file per process (deploy/prometheus).
+  const std::string sd_dir =
+      fs::absolute(args.Get("prometheus-dir", (fs::path(data) / "prometheus-targets").string()))
+          .string();
+  fs::create_directories(sd_dir, ec);
   fs::remove(port_file, ec);
 
   struct sigaction sa {};
@@ -369,10 +424,11 @@ absl::Status Up(const CliArgs& args) {
     for (auto it = children.rbegin(); it != children.rend(); ++it) ::kill(*it, SIGTERM);
     for (pid_t p : children) ::waitpid(p, nullptr, 0);
   };
-  const pid_t coordinator = spawn({(bin / "loom-coordinator").string(), "--local", "--data-dir",
-                                   (fs::path(data) / "coordinator").string(), "--storage-root",
-                                   (fs::path(data) / "storage").string(), "--port",
-                                   std::to_string(port), "--port-file", port_file});
+  const pid_t coordinator =
+      spawn({(bin / "loom-coordinator").string(), "--local", "--data-dir",
+             (fs::path(data) / "coordinator").string(), "--storage-root",
+             (fs::path(data) / "storage").string(), "--port", std::to_string(port), "--port-file",
+             port_file, "--prometheus-sd-file", (fs::path(sd_dir) / "coordinator.json").string()});
   children.push_back(coordinator);
   int bound = 0;
   for (int i = 0; i < 200 && bound == 0; ++i) {
@@ -390,15 +446,20 @@ absl::Status Up(const CliArgs& args) {
   }
   const std::string url = absl::StrCat("http://127.0.0.1:", bound);
   for (int i = 0; i < workers; ++i) {
-    std::vector<std::string> argv = {(bin / "loom-worker").string(),
-                                     "--coordinator",
-                                     url,
-                                     "--work-dir",
-                                     (fs::path(data) / absl::StrCat("worker-", i)).string(),
-                                     "--slots",
-                                     std::to_string(slots),
-                                     "--name",
-                                     absl::StrCat("local-", i)};
+    std::vector<std::string> argv = {
+        (bin / "loom-worker").string(),
+        "--coordinator",
+        url,
+        "--work-dir",
+        (fs::path(data) / absl::StrCat("worker-", i)).string(),
+        "--slots",
+        std::to_string(slots),
+        "--name",
+        absl::StrCat("local-", i),
+        "--metrics-port",
+        "-1",
+        "--prometheus-sd-file",
+        (fs::path(sd_dir) / absl::StrCat("worker-", i, ".json")).string()};
     if (args.Has("labels")) argv.insert(argv.end(), {"--labels", args.Get("labels")});
     children.push_back(spawn(argv));
   }
@@ -458,9 +519,10 @@ absl::Status Run(int argc, char** argv) {
   if (cmd == "up") {
     if (!positional.empty())
       return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", positional, "'"));
-    LOOM_ASSIGN_OR_RETURN(CliArgs args,
-                          CliArgs::Parse(static_cast<int>(rest.size()), rest.data(), 1,
-                                         {"workers", "slots", "port", "data-dir", "labels"}));
+    LOOM_ASSIGN_OR_RETURN(
+        CliArgs args,
+        CliArgs::Parse(static_cast<int>(rest.size()), rest.data(), 1,
+                       {"workers", "slots", "port", "data-dir", "labels", "prometheus-dir"}));
     return Up(args);
   }
   if (cmd == "submit") {
@@ -488,6 +550,12 @@ absl::Status Run(int argc, char** argv) {
     LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"job"}, {}));
     LOOM_RETURN_IF_ERROR(cli.Init(args));
     return cli.Checkpoints(args);
+  }
+  if (cmd == "plot") {
+    LOOM_RETURN_IF_ERROR(need_positional("job id"));
+    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"output"}, {}));
+    LOOM_RETURN_IF_ERROR(cli.Init(args));
+    return cli.Plot(positional, args);
   }
   if (cmd == "workers") {
     LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({}, {}));

@@ -111,6 +111,25 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
   r.DeclareCounter("loom_coordinator_workers_lost_total", "Workers marked lost");
   r.DeclareCounter("loom_coordinator_http_requests_total", "HTTP requests by route and status");
   r.DeclareCounter("loom_coordinator_store_errors_total", "Failed RocksDB writes");
+  // Label-less counters start at 0, so rate() and increase() see them from the first scrape.
+  for (const char* c :
+       {"loom_coordinator_jobs_submitted_total", "loom_coordinator_job_restarts_total",
+        "loom_coordinator_workers_lost_total", "loom_coordinator_store_errors_total"}) {
+    r.Increment(c, 0);
+  }
+  r.DeclareGauge("loom_coordinator_queue_depth", "Jobs waiting in the queue");
+  r.DeclareHistogram("loom_coordinator_http_request_duration_seconds",
+                     "REST request latency by route (logs streams excluded)",
+                     {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5});
+  r.DeclareHistogram("loom_coordinator_scheduling_delay_seconds",
+                     "Time a job waited in the queue before a placement",
+                     {0.1, 0.5, 1, 5, 10, 30, 60, 300, 1800, 7200});
+  // Per active job (scheduled or running) only: cardinality = jobs running now.
+  r.DeclareGauge("loom_coordinator_job_step", "Last reported optimizer step of an active job");
+  r.DeclareGauge("loom_coordinator_job_progress_age_seconds",
+                 "Seconds since an active job last reported progress (or started)");
+  r.DeclareGauge("loom_coordinator_job_checkpoint_age_seconds",
+                 "Seconds since an active job's newest checkpoint (or its start)");
   return c;
 }
 
@@ -755,6 +774,8 @@ void Coordinator::ScheduleLocked(StateStore::Batch& batch) {
       job.set_resume_from(newest->path());
       from = absl::StrCat("; resuming from step ", newest->step());
     }
+    registry_.Observe("loom_coordinator_scheduling_delay_seconds",
+                      static_cast<double>(now - job.queued_since_ms()) / 1000.0);
     SetState(job, "scheduled",
              absl::StrCat("attempt ", job.attempt(), " on ", absl::StrJoin(where, ", "), from),
              batch);
@@ -814,6 +835,28 @@ std::string Coordinator::RenderMetrics() {
     for (const char* s : kStates) by_state[s] = 0;
     for (const auto& [id, j] : jobs_) by_state[j.state()]++;
     for (const auto& [s, n] : by_state) registry_.Set("loom_coordinator_jobs", n, {{"state", s}});
+    registry_.Set("loom_coordinator_queue_depth", by_state["queued"]);
+    const int64_t now = NowMs();
+    for (const char* f : {"loom_coordinator_job_step", "loom_coordinator_job_progress_age_seconds",
+                          "loom_coordinator_job_checkpoint_age_seconds"}) {
+      registry_.Clear(f);
+    }
+    for (const auto& [id, j] : jobs_) {
+      if (!IsActive(j.state())) continue;
+      const metrics::Labels l = {{"job", id}};
+      const int64_t started = std::max(j.update_time_ms(), j.start_time_ms());
+      int64_t last_ckpt = 0;
+      for (const auto& cid : j.checkpoints()) {
+        auto c = checkpoints_.find(cid);
+        if (c != checkpoints_.end()) last_ckpt = std::max(last_ckpt, c->second.time_ms());
+      }
+      registry_.Set("loom_coordinator_job_step", static_cast<double>(j.progress().step()), l);
+      registry_.Set(
+          "loom_coordinator_job_progress_age_seconds",
+          static_cast<double>(now - std::max(j.progress().update_time_ms(), started)) / 1000.0, l);
+      registry_.Set("loom_coordinator_job_checkpoint_age_seconds",
+                    static_cast<double>(now - std::max(last_ckpt, started)) / 1000.0, l);
+    }
     int alive = 0, lost = 0, total = 0, used = 0;
     for (const auto& [id, w] : workers_) {
       if (w.state() == "alive") {
@@ -828,6 +871,7 @@ std::string Coordinator::RenderMetrics() {
     registry_.Set("loom_coordinator_workers", lost, {{"state", "lost"}});
     registry_.Set("loom_coordinator_slots", total, {{"kind", "total"}});
     registry_.Set("loom_coordinator_slots", used, {{"kind", "used"}});
+    registry_.Set("loom_coordinator_slots", total - used, {{"kind", "free"}});
   }
   return registry_.Render();
 }

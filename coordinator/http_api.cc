@@ -17,6 +17,8 @@
 namespace loom::coordinator {
 namespace {
 
+thread_local std::chrono::steady_clock::time_point t_request_start;
+
 int HttpCode(const absl::Status& s) {
   switch (s.code()) {
     case absl::StatusCode::kInvalidArgument:
@@ -398,10 +400,21 @@ void InstallRoutes(httplib::Server& server, Coordinator& coordinator, const ApiO
       }));
   server.set_exception_handler([](const httplib::Request&, httplib::Response& res,
                                   std::exception_ptr) { SendError(res, 500, "internal error"); });
+  // Latency: the pre-routing handler and the logger run on the request's thread.
+  server.set_pre_routing_handler([](const httplib::Request&, httplib::Response&) {
+    t_request_start = std::chrono::steady_clock::now();
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
   server.set_logger([c](const httplib::Request& req, const httplib::Response& res) {
-    c->registry().Increment(
-        "loom_coordinator_http_requests_total", 1,
-        {{"route", RouteLabel(req.method, req.path)}, {"code", std::to_string(res.status)}});
+    const std::string route = RouteLabel(req.method, req.path);
+    c->registry().Increment("loom_coordinator_http_requests_total", 1,
+                            {{"route", route}, {"code", std::to_string(res.status)}});
+    if (route != "/v1/jobs/{id}/logs") {
+      c->registry().Observe(
+          "loom_coordinator_http_request_duration_seconds",
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_request_start).count(),
+          {{"route", route}});
+    }
   });
 }
 

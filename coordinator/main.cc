@@ -31,6 +31,7 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --aging-seconds S       a queued job gains one priority point per S seconds (default 60)
   --reserve-after-s S     a blocked job reserves slots after waiting S seconds (default 300)
   --max-body-bytes N      request size limit (default 1048576)
+  --prometheus-sd-file F  write a Prometheus file_sd target list for this coordinator's /metrics
 )";
 
 bool IsLoopback(const std::string& addr) {
@@ -43,7 +44,7 @@ absl::Status Run(int argc, char** argv) {
       CliArgs::Parse(argc, argv, 1,
                      {"data-dir", "storage-root", "bind", "port", "port-file", "user-tokens",
                       "worker-token-file", "heartbeat-ms", "lost-after-ms", "aging-seconds",
-                      "reserve-after-s", "max-body-bytes"},
+                      "reserve-after-s", "max-body-bytes", "prometheus-sd-file"},
                      {"local", "help"}));
   if (args.Has("help")) {
     std::cout << kUsage;
@@ -103,6 +104,15 @@ absl::Status Run(int argc, char** argv) {
     const std::string tmp = args.Get("port-file") + ".tmp";
     std::ofstream(tmp) << bound << "\n";
     std::filesystem::rename(tmp, args.Get("port-file"));
+  }
+  if (args.Has("prometheus-sd-file")) {
+    char host[256] = "127.0.0.1";
+    if (bind == "0.0.0.0" || bind == "::") ::gethostname(host, sizeof(host) - 1);
+    const std::string sd = args.Get("prometheus-sd-file"), tmp = sd + ".tmp";
+    std::ofstream(tmp) << "[{\"targets\": [\"" << (bind == "0.0.0.0" || bind == "::" ? host : bind)
+                       << ":" << bound
+                       << "\"], \"labels\": {\"service\": \"loom-coordinator\"}}]\n";
+    std::filesystem::rename(tmp, sd);
   }
   coordinator->Start();
   std::cout << "loom-coordinator: listening on http://" << bind << ":" << bound

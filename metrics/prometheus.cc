@@ -127,6 +127,29 @@ void Registry::Set(const std::string& name, double value, const Labels& labels) 
   Get(name, Type::kGauge).series[labels].value = value;
 }
 
+void Registry::RemoveWhere(const std::string& label, const std::string& value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [name, family] : families_) {
+    for (auto it = family.series.begin(); it != family.series.end();) {
+      auto l = it->first.find(label);
+      it = (l != it->first.end() && l->second == value) ? family.series.erase(it) : std::next(it);
+    }
+  }
+}
+
+void Registry::Clear(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = families_.find(name);
+  if (it != families_.end()) it->second.series.clear();
+}
+
+std::vector<std::string> Registry::Names() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  for (const auto& [name, family] : families_) out.push_back(name);
+  return out;
+}
+
 void Registry::Observe(const std::string& name, double value, const Labels& labels) {
   std::lock_guard<std::mutex> lock(mu_);
   Family& f = Get(name, Type::kHistogram);

@@ -29,6 +29,14 @@ class Registry {
   void Set(const std::string& name, double value, const Labels& labels = {});
   void Observe(const std::string& name, double value, const Labels& labels = {});
 
+  // Drops every series of every family whose labels have label = value (a finished job's
+  // series, so per-job cardinality stays bounded by the jobs running now).
+  void RemoveWhere(const std::string& label, const std::string& value);
+  // Drops every series of one family (gauges rebuilt from scratch on each render).
+  void Clear(const std::string& name);
+  // Names of the declared families.
+  std::vector<std::string> Names() const;
+
   // The whole registry in the text exposition format.
   std::string Render() const;
 

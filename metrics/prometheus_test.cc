@@ -47,6 +47,23 @@ TEST(Prometheus, RendersTheTextFormat) {
   EXPECT_EQ(FormatValue(-INFINITY), "-Inf");
 }
 
+TEST(Prometheus, RemoveWhereAndClearDropSeries) {
+  Registry r;
+  r.DeclareGauge("g", "a gauge");
+  r.DeclareCounter("c_total", "a counter");
+  r.Set("g", 1, {{"job", "a"}, {"rank", "0"}});
+  r.Set("g", 2, {{"job", "b"}, {"rank", "0"}});
+  r.Increment("c_total", 3, {{"job", "a"}});
+  r.RemoveWhere("job", "a");
+  const std::string text = r.Render();
+  EXPECT_EQ(text.find("job=\"a\""), std::string::npos) << text;
+  EXPECT_NE(text.find("g{job=\"b\",rank=\"0\"} 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("# TYPE c_total counter"), std::string::npos);  // the family stays declared
+  r.Clear("g");
+  EXPECT_EQ(r.Render().find("g{"), std::string::npos);
+  EXPECT_EQ(r.Names(), (std::vector<std::string>{"c_total", "g"}));
+}
+
 TEST(Prometheus, MisuseThrows) {
   Registry r;
   EXPECT_THROW(r.DeclareGauge("bad-name", ""), std::invalid_argument);

@@ -76,7 +76,48 @@ void Log(const std::string& line) { std::cout << "loom-worker: " << line << std:
 
 }  // namespace
 
-Agent::Agent(AgentOptions options) : options_(std::move(options)) {}
+Agent::Agent(AgentOptions options) : options_(std::move(options)) { DeclareMetrics(); }
+
+// The trainer's own metric names and types (worker/trainer/trainer.cc), re-exported from rank
+// 0's JSON lines with labels {job, rank}: one scrape target per node sees every job it runs.
+// Series of a job disappear when its last attempt on this node is forgotten, so cardinality is
+// bounded by the jobs running here (at most --slots) times the ~16 families.
+void Agent::DeclareMetrics() {
+  auto& r = registry_;
+  r.DeclareGauge("loom_worker_slots", "Trainer ranks this node runs at once");
+  r.DeclareGauge("loom_worker_ranks_running", "Trainer ranks running now");
+  r.DeclareCounter("loom_worker_attempts_started_total", "Job attempts started on this node");
+  r.DeclareCounter("loom_worker_rank_exits_total",
+                   "Trainer rank exits by result (ok, failed, killed)");
+  r.DeclareCounter("loom_worker_heartbeat_failures_total",
+                   "Heartbeats that did not reach the coordinator");
+  r.DeclareHistogram("loom_worker_heartbeat_seconds", "Heartbeat round-trip time",
+                     {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5});
+  r.DeclareGauge("loom_train_loss", "Training loss of the last optimizer step.");
+  r.DeclareGauge("loom_train_learning_rate", "Learning rate of the last step.");
+  r.DeclareGauge("loom_train_grad_norm", "Global gradient norm before clipping.");
+  r.DeclareGauge("loom_train_tokens_per_second", "Training throughput of the last step.");
+  r.DeclareGauge("loom_train_mfu_ratio", "Model FLOP utilisation against metrics.peak_flops.");
+  r.DeclareGauge("loom_train_step", "Optimizer steps completed.");
+  r.DeclareGauge("loom_train_total_steps", "Optimizer steps the job will run.");
+  r.DeclareGauge("loom_train_eval_loss", "Held-out loss at the last evaluation.");
+  r.DeclareGauge("loom_train_eval_accuracy_ratio", "Held-out accuracy over scored positions.");
+  r.DeclareGauge("loom_train_eval_exact_match_ratio",
+                 "Held-out share of examples with every scored position right.");
+  r.DeclareCounter("loom_train_tokens_total", "Training tokens processed.");
+  r.DeclareCounter("loom_train_nan_skipped_steps_total",
+                   "Steps skipped for a non-finite loss or gradient.");
+  r.DeclareCounter("loom_train_checkpoint_bytes_total", "Bytes written to checkpoints.");
+  r.DeclareHistogram("loom_train_step_seconds", "Wall time of one optimizer step.",
+                     {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60});
+  r.DeclareHistogram("loom_train_checkpoint_write_seconds",
+                     "Wall time to write and commit a checkpoint.",
+                     {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});
+  r.Set("loom_worker_slots", options_.slots);
+  r.Increment("loom_worker_attempts_started_total", 0);
+  r.Increment("loom_worker_heartbeat_failures_total", 0);
+  r.Set("loom_worker_ranks_running", 0);
+}
 
 Agent::~Agent() = default;
 
@@ -127,6 +168,8 @@ void Agent::StartAttempt(const v1::Assignment& as) {
   a.combined_log = (fs::path(a.dir) / "combined.log").string();
   { std::ofstream(a.combined_log, std::ios::trunc); }
   a.metrics_path = (fs::path(a.dir) / "metrics.jsonl").string();
+  a.total_steps = as.spec().steps();
+  registry_.Increment("loom_worker_attempts_started_total");
   bool hosts_rank0 = false;
   for (int r : as.ranks()) hosts_rank0 |= r == 0;
   a.master_port = as.master_port();
@@ -223,6 +266,7 @@ void Agent::Cancel(Attempt& a, const std::string& why) {
 
 void Agent::Poll() {
   const int64_t now = NowMs();
+  int running_ranks = 0;
   for (auto& [key, a] : attempts_) {
     for (Rank& r : a.ranks) {
       // Log lines first, then the exit, so a rank's last words precede its exit line.
@@ -239,7 +283,10 @@ void Agent::Poll() {
           if (WIFEXITED(st)) {
             r.exit_code = WEXITSTATUS(st);
             r.detail = absl::StrCat("exited ", r.exit_code);
+            registry_.Increment("loom_worker_rank_exits_total", 1,
+                                {{"result", r.exit_code == 0 ? "ok" : "failed"}});
           } else if (WIFSIGNALED(st)) {
+            registry_.Increment("loom_worker_rank_exits_total", 1, {{"result", "killed"}});
             r.exit_code = 128 + WTERMSIG(st);
             r.detail =
                 absl::StrCat("killed by signal ", WTERMSIG(st), " (", strsignal(WTERMSIG(st)), ")");
@@ -278,7 +325,25 @@ void Agent::Poll() {
       auto num = [&](const char* k) {
         return j.contains(k) && j[k].is_number() ? j[k].get<double>() : 0.0;
       };
+      const metrics::Labels labels = {{"job", a.job_id}, {"rank", "0"}};
       if (event == "step") {
+        registry_.Set("loom_train_loss", num("loss"), labels);
+        registry_.Set("loom_train_learning_rate", num("lr"), labels);
+        registry_.Set("loom_train_grad_norm", num("grad_norm"), labels);
+        registry_.Set("loom_train_tokens_per_second", num("tokens_per_second"), labels);
+        registry_.Set("loom_train_mfu_ratio", num("mfu"), labels);
+        registry_.Set("loom_train_step", num("step"), labels);
+        registry_.Set("loom_train_total_steps", static_cast<double>(a.total_steps), labels);
+        registry_.Observe("loom_train_step_seconds", num("step_seconds"), labels);
+        const auto seen = static_cast<int64_t>(num("tokens_seen"));
+        if (a.tokens_seen >= 0 && seen > a.tokens_seen) {
+          registry_.Increment("loom_train_tokens_total", static_cast<double>(seen - a.tokens_seen),
+                              labels);
+        }
+        a.tokens_seen = seen;
+        if (j.contains("skipped") && j["skipped"].is_boolean() && j["skipped"].get<bool>()) {
+          registry_.Increment("loom_train_nan_skipped_steps_total", 1, labels);
+        }
         a.progress.set_step(static_cast<int64_t>(num("step")));
         a.progress.set_loss(num("loss"));
         a.progress.set_tokens_per_second(num("tokens_per_second"));
@@ -289,6 +354,8 @@ void Agent::Poll() {
         c.set_step(static_cast<int64_t>(num("step")));
         c.set_path(j["dir"].get<std::string>());
         a.checkpoints.push_back(c);
+        registry_.Observe("loom_train_checkpoint_write_seconds", num("seconds"), labels);
+        registry_.Increment("loom_train_checkpoint_bytes_total", num("bytes"), labels);
       } else if (event == "eval") {
         v1::EvalResult e;
         e.set_step(static_cast<int64_t>(num("step")));
@@ -296,15 +363,20 @@ void Agent::Poll() {
         e.set_accuracy(num("accuracy"));
         e.set_exact_match(num("exact_match"));
         a.evals.push_back(e);
+        registry_.Set("loom_train_eval_loss", num("eval_loss"), labels);
+        registry_.Set("loom_train_eval_accuracy_ratio", num("accuracy"), labels);
+        registry_.Set("loom_train_eval_exact_match_ratio", num("exact_match"), labels);
       }
     }
     a.metrics_partial.erase(0, start);
+    for (const Rank& r : a.ranks) running_ranks += r.running ? 1 : 0;
     if (a.kill_at_ms != 0 && now >= a.kill_at_ms) {
       for (Rank& r : a.ranks) {
         if (r.running) ::kill(-r.pid, SIGKILL);
       }
     }
   }
+  registry_.Set("loom_worker_ranks_running", running_ranks);
 }
 
 v1::HeartbeatRequest Agent::BuildHeartbeat(std::map<std::string, int64_t>* log_ends) {
@@ -351,6 +423,23 @@ absl::Status Agent::Run() {
   }
   LOOM_ASSIGN_OR_RETURN(client_,
                         client::RestClient::Create(options_.coordinator_url, options_.token, 5000));
+  if (options_.metrics_port != 0) {
+    LOOM_ASSIGN_OR_RETURN(exporter_,
+                          metrics::HttpExporter::Start(&registry_, options_.metrics_bind,
+                                                       std::max(0, options_.metrics_port)));
+    Log(absl::StrCat("metrics on http://", options_.metrics_bind, ":", exporter_->port(),
+                     "/metrics"));
+    if (!options_.prometheus_sd_file.empty()) {
+      // Prometheus file-based service discovery: one target, this node's exporter.
+      const std::string host =
+          options_.metrics_bind == "0.0.0.0" ? options_.address : options_.metrics_bind;
+      const std::string tmp = options_.prometheus_sd_file + ".tmp";
+      std::ofstream(tmp) << "[{\"targets\": [\"" << host << ":" << exporter_->port()
+                         << "\"], \"labels\": {\"service\": \"loom-worker\", \"worker\": \""
+                         << options_.name << "\"}}]\n";
+      fs::rename(tmp, options_.prometheus_sd_file, ec);
+    }
+  }
   bool registered = false;
   bool reachable = true;
   int64_t next_heartbeat = 0;
@@ -378,7 +467,15 @@ absl::Status Agent::Run() {
         std::map<std::string, int64_t> log_ends;
         v1::HeartbeatRequest req = BuildHeartbeat(&log_ends);
         v1::HeartbeatResponse resp;
+        const auto sent = std::chrono::steady_clock::now();
         absl::Status s = client_->Call("POST", "/v1/agent/heartbeat", &req, &resp);
+        if (s.ok()) {
+          registry_.Observe(
+              "loom_worker_heartbeat_seconds",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - sent).count());
+        } else {
+          registry_.Increment("loom_worker_heartbeat_failures_total");
+        }
         if (s.code() == absl::StatusCode::kNotFound) {
           registered = false;  // the coordinator forgot us (new state dir): register again
           next_heartbeat = 0;
@@ -408,7 +505,11 @@ absl::Status Agent::Run() {
             for (const Rank& r : it->second.ranks) finished &= !r.running;
             if (finished && it->second.log_sent >= it->second.log_written &&
                 it->second.checkpoints.empty()) {
+              const std::string job = it->second.job_id;
               attempts_.erase(it);
+              bool other = false;
+              for (const auto& [k, a] : attempts_) other |= a.job_id == job;
+              if (!other) registry_.RemoveWhere("job", job);  // keep cardinality bounded
             }
           }
           for (const auto& as : resp.assignments()) {

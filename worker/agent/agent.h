@@ -15,7 +15,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "http_exporter.h"
 #include "loom/v1/control.pb.h"
+#include "prometheus.h"
 #include "rest_client.h"
 
 namespace loom::agent {
@@ -32,6 +34,9 @@ struct AgentOptions {
   std::string plugin_dir;     // passed to the trainer as --plugin-dir ("" = its default)
   int term_grace_ms = 10000;  // SIGTERM -> SIGKILL
   int max_log_chunk = 256 << 10;
+  int metrics_port = 0;  // Prometheus /metrics: 0 = off, -1 = any free port
+  std::string metrics_bind = "127.0.0.1";
+  std::string prometheus_sd_file;  // write a file_sd target list here once serving
 };
 
 class Agent {
@@ -68,7 +73,9 @@ class Agent {
     std::string combined_log;                       // path of the combined log of all ranks
     int64_t log_written = 0;
     int64_t log_sent = 0;
-    int64_t kill_at_ms = 0;  // SIGKILL deadline after a cancel (0 = not cancelled)
+    int64_t kill_at_ms = 0;    // SIGKILL deadline after a cancel (0 = not cancelled)
+    int64_t tokens_seen = -1;  // for loom_train_tokens_total
+    int64_t total_steps = 0;
   };
 
   absl::Status Register();
@@ -79,7 +86,11 @@ class Agent {
   v1::HeartbeatRequest BuildHeartbeat(std::map<std::string, int64_t>* log_ends);
   static std::string Key(const std::string& job, int attempt);
 
+  void DeclareMetrics();
+
   AgentOptions options_;
+  metrics::Registry registry_;
+  std::unique_ptr<metrics::HttpExporter> exporter_;
   std::unique_ptr<client::RestClient> client_;
   std::string worker_id_;
   int heartbeat_ms_ = 1000;

@@ -28,6 +28,9 @@ constexpr char kUsage[] = R"(usage: loom-worker [flags]
   --loom-train PATH     trainer binary (default: next to loom-worker)
   --plugin-dir DIR      passed to the trainer
   --term-grace-ms N     SIGTERM -> SIGKILL delay when stopping ranks (default 10000)
+  --metrics-port P      Prometheus /metrics of this node and its jobs (0 = off (default), -1 = any free port)
+  --metrics-bind ADDR   (default 127.0.0.1)
+  --prometheus-sd-file F  write a Prometheus file_sd target list for this exporter
 )";
 
 Agent* g_agent = nullptr;
@@ -39,7 +42,8 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
       CliArgs args, CliArgs::Parse(argc, argv, 1,
                                    {"coordinator", "token-file", "work-dir", "slots", "labels",
-                                    "name", "address", "loom-train", "plugin-dir", "term-grace-ms"},
+                                    "name", "address", "loom-train", "plugin-dir", "term-grace-ms",
+                                    "metrics-port", "metrics-bind", "prometheus-sd-file"},
                                    {"help"}));
   if (args.Has("help")) {
     std::cout << kUsage;
@@ -63,6 +67,10 @@ absl::Status Run(int argc, char** argv) {
   o.slots = static_cast<int>(slots);
   LOOM_ASSIGN_OR_RETURN(int64_t grace, args.GetInt("term-grace-ms", 10000, 0, 3600000));
   o.term_grace_ms = static_cast<int>(grace);
+  LOOM_ASSIGN_OR_RETURN(int64_t metrics_port, args.GetInt("metrics-port", 0, -1, 65535));
+  o.metrics_port = static_cast<int>(metrics_port);
+  o.metrics_bind = args.Get("metrics-bind", "127.0.0.1");
+  o.prometheus_sd_file = args.Get("prometheus-sd-file");
   for (absl::string_view kv : absl::StrSplit(args.Get("labels"), ',', absl::SkipEmpty())) {
     std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
     if (p.first.empty() || p.second.empty()) {
