@@ -434,9 +434,14 @@ absl::Status Agent::Run() {
       const std::string host =
           options_.metrics_bind == "0.0.0.0" ? options_.address : options_.metrics_bind;
       const std::string tmp = options_.prometheus_sd_file + ".tmp";
-      std::ofstream(tmp) << "[{\"targets\": [\"" << host << ":" << exporter_->port()
-                         << "\"], \"labels\": {\"service\": \"loom-worker\", \"worker\": \""
-                         << options_.name << "\"}}]\n";
+      // Target labels: service, worker (the node's name) and its pool, the bounded labels the
+      // dashboards group by.
+      nlohmann::json target = {{"targets", {absl::StrCat(host, ":", exporter_->port())}},
+                               {"labels", {{"service", "loom-worker"}, {"worker", options_.name}}}};
+      if (auto pool = options_.labels.find("pool"); pool != options_.labels.end()) {
+        target["labels"]["pool"] = pool->second;
+      }
+      std::ofstream(tmp) << nlohmann::json::array({target}).dump() << "\n";
       fs::rename(tmp, options_.prometheus_sd_file, ec);
     }
   }
