@@ -80,16 +80,24 @@ def test_ranks_match_one_big_batch(loom, tmp):
     wait_all(launch(loom, 1, write_spec(tmp, "w1", 6)))
     ref_loss = losses(os.path.join(tmp, "w1.jsonl"))
     ref_w = weights(os.path.join(tmp, "w1", "step-00000006"))
-    for world, b in ((2, 3), (3, 2)):
+    # 2 ranks: 4 KiB buckets, so many all-reduces start while backward still runs. 3 ranks with
+    # micro-batch 1 and 2 accumulation steps: only the last micro-batch communicates.
+    for world, b, extra in ((2, 3, {"dist_bucket_bytes": 4096}), (3, 1, {"grad_accum": 2})):
         name = f"w{world}"
-        outs = wait_all(launch(loom, world, write_spec(tmp, name, b)))
+        outs = wait_all(launch(loom, world, write_spec(tmp, name, b, **extra)))
         assert f"{world} rank(s)" in outs[0], outs[0]
+        m = re.search(r"gradient all-reduce: (\d+) bucket\(s\) of <= (\d+) bytes, (\d+) started during backward",
+                      outs[0])
+        assert m, outs[0]
+        if world == 2:
+            assert int(m.group(1)) > 5 and int(m.group(3)) >= int(m.group(1)) // 2, m.group(0)
         got = losses(os.path.join(tmp, name + ".jsonl"))
         assert sorted(got) == sorted(ref_loss)
         for step in ref_loss:
             assert abs(got[step] - ref_loss[step]) < TOL, (world, step, got[step], ref_loss[step])
         assert_close(weights(os.path.join(tmp, name, "step-00000006")), ref_w, f"{world} ranks")
-        print(f"{world} gloo ranks x micro-batch {b} == 1 rank x 6: losses and weights within {TOL}")
+        print(f"{world} gloo ranks x micro-batch {b} {extra} == 1 rank x 6: losses and weights within {TOL} "
+              f"({m.group(0)})")
 
 
 def test_resume_on_other_world_sizes(loom, tmp):
@@ -153,6 +161,20 @@ def test_mpirun(loom, tmp):
     print(f"mpirun -np 2 x micro-batch 3 == 1 rank x 6: losses and weights within {TOL}")
 
 
+def test_nccl_without_gpu(loom, tmp):
+    """dist_backend nccl on a machine without a GPU: every rank refuses clearly and quickly
+    (the NCCL path is compiled in whenever the CUDA toolkit is; GPU runs: scripts/gpu-check)."""
+    spec = write_spec(tmp, "nccl", 3, dist_backend="nccl", dist_timeout_seconds=10)
+    start = time.time()
+    procs = launch(loom, 2, spec)
+    outs = [p.communicate(timeout=60) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode != 0, out
+        assert ("no CUDA device is visible" in err or "this build has no NCCL" in err), err
+    assert time.time() - start < 30
+    print("nccl without a GPU: both ranks refused with a clear error")
+
+
 def test_killed_rank_fails_the_other(loom, tmp):
     spec = write_spec(tmp, "kill", 2, steps=100000, dist_timeout_seconds=10, checkpoint={"dir": ""})
     r0, r1 = launch(loom, 2, spec)
@@ -184,6 +206,7 @@ def main():
         test_resume_on_other_world_sizes(args.loom_train, tmp)
         test_zero1_and_resharding(args.loom_train, tmp)
         test_mpirun(args.loom_train, tmp)
+        test_nccl_without_gpu(args.loom_train, tmp)
         test_killed_rank_fails_the_other(args.loom_train, tmp)
     finally:
         kill_all(PROCS)

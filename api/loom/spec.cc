@@ -476,10 +476,15 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   }
   if (j.dist_timeout_seconds() == 0) j.set_dist_timeout_seconds(60);
   if (j.zero_stage() != 0 && j.zero_stage() != 1) return SpecError("zero_stage", "must be 0 or 1");
+  if (j.dist_bucket_bytes() == 0) j.set_dist_bucket_bytes(25 << 20);
+  if (j.dist_bucket_bytes() < 1024 || j.dist_bucket_bytes() > (int64_t{1} << 32)) {
+    return SpecError("dist_bucket_bytes", "must be in 1024..4294967296 (0 = 25 MiB)");
+  }
   if (j.dist_backend().empty()) j.set_dist_backend("auto");
-  if (j.dist_backend() != "auto" && j.dist_backend() != "gloo" && j.dist_backend() != "mpi") {
+  if (j.dist_backend() != "auto" && j.dist_backend() != "gloo" && j.dist_backend() != "mpi" &&
+      j.dist_backend() != "nccl") {
     return SpecError("dist_backend",
-                     absl::StrCat("'", j.dist_backend(), "' is not auto | gloo | mpi"));
+                     absl::StrCat("'", j.dist_backend(), "' is not auto | gloo | nccl | mpi"));
   }
   return j;
 }

@@ -204,6 +204,10 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   for (const auto& p : model_->named_parameters()) params.emplace_back(p.key(), p.value());
   const auto& o = spec_.optimizer();
   zero_ = spec_.zero_stage() == 1 && comm_->world_size() > 1;
+  if (comm_->world_size() > 1) {
+    reducer_ = std::make_unique<GradientReducer>(comm_.get(), model_->parameters(),
+                                                 spec_.dist_bucket_bytes());
+  }
   std::function<bool(const std::string&)> owns;
   if (zero_) {
     // Greedy balance by size, in parameter order: deterministic, so every rank agrees.
@@ -653,6 +657,8 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       for (auto& p : params) p.mutable_grad() = torch::Tensor();
       double loss_sum = 0;
       for (int64_t micro = 0; micro < spec_.grad_accum(); ++micro) {
+        // Only the last micro-batch's backward communicates (no redundant all-reduces).
+        if (reducer_ && micro == spec_.grad_accum() - 1) reducer_->Arm();
         TrainBatch batch = NextLocalBatch();
         torch::Tensor loss = ScoreBatch(model_->forward(Inputs(batch)), batch, false).loss;
         (loss / static_cast<double>(spec_.grad_accum())).backward();
@@ -663,12 +669,14 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       r.lr = lr;
       r.loss = loss_sum / static_cast<double>(spec_.grad_accum());
       if (comm_->world_size() > 1) {
-        // One all-reduce per optimizer step, after accumulation: gradients become the global mean.
-        std::vector<torch::Tensor> grads;
-        for (auto& p : params) {
-          if (p.grad().defined()) grads.push_back(p.grad());
+        // The buckets started during the last backward; wait for them: gradients become the
+        // global mean.
+        LOOM_RETURN_IF_ERROR(reducer_->Finish());
+        if (step_ == first_step) {
+          LogLine(absl::StrFormat(
+              "gradient all-reduce: %d bucket(s) of <= %d bytes, %d started during backward",
+              reducer_->buckets(), spec_.dist_bucket_bytes(), reducer_->started_during_backward()));
         }
-        LOOM_RETURN_IF_ERROR(comm_->AllReduceMean(grads));
         LOOM_ASSIGN_OR_RETURN(r.loss, comm_->AllReduceMean(r.loss));
       }
       if (std::find(inject_nan_at_.begin(), inject_nan_at_.end(), r.step) != inject_nan_at_.end()) {

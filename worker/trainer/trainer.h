@@ -148,8 +148,9 @@ class Trainer {
   std::shared_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<Communicator> comm_;
-  bool zero_ = false;                 // ZeRO-1 active (zero_stage 1 and several ranks)
-  std::map<std::string, int> owner_;  // ZeRO-1: parameter name -> rank that updates it
+  std::unique_ptr<GradientReducer> reducer_;  // several ranks: all-reduce overlapped with backward
+  bool zero_ = false;                         // ZeRO-1 active (zero_stage 1 and several ranks)
+  std::map<std::string, int> owner_;          // ZeRO-1: parameter name -> rank that updates it
   std::unique_ptr<BatchSource> train_data_;
   std::function<std::unique_ptr<BatchSource>()> make_eval_data_;  // a fresh, fixed-seed source
   int64_t step_ = 0, tokens_seen_ = 0, consecutive_nan_ = 0;

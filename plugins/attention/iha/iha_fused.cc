@@ -64,6 +64,18 @@ struct Plan {
   // so row r is expanded index s = n0·P + r, column c is t = t0·P + c, and every mask allows one
   // contiguous column range per row: two fills per row.
   void Mask(Tensor& scores, int64_t n0, int64_t tq, int64_t t0, int64_t tk, double fill) const {
+    if (!scores.is_cpu()) {
+      // Other devices: the same rule as tensor ops (no host access to device memory).
+      auto idx = torch::TensorOptions().dtype(torch::kInt64).device(scores.device());
+      Tensor s = (torch::arange(tq * p, idx) + n0 * p).unsqueeze(1);
+      Tensor t = (torch::arange(tk * p, idx) + t0 * p).unsqueeze(0);
+      Tensor allowed = torch::ones({tq * p, tk * p}, idx.dtype(torch::kBool));
+      if (o.mask == Mask::kInterleaved) allowed &= t <= s;
+      if (o.mask == Mask::kBlock) allowed &= torch::div(t, p, "floor") <= torch::div(s, p, "floor");
+      if (o.window > 0) allowed &= (s - t).abs() < o.window * p;
+      scores.masked_fill_(allowed.logical_not(), fill);
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "iha_fused_mask", [&] {
       scalar_t* data = scores.data_ptr<scalar_t>();
       const int64_t cols = tk * p, base = t0 * p, wp = o.window * p;

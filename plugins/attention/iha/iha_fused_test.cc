@@ -123,3 +123,32 @@ TEST(IhaFusedTest, Float32AgreesWithFloat64) {
 
 }  // namespace
 }  // namespace loom::attention::iha
+
+namespace loom::attention::iha {
+namespace {
+
+// CUDA tensors through the same kernel (its tile operations are LibTorch ops): the result must
+// match the float64 reference computed on the CPU. Skips where no GPU is visible.
+TEST(IhaFusedTest, CudaTensorsMatchTheCpuReference) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  torch::manual_seed(5);
+  const int64_t b = 2, n = 37, h = 4, d = 8, p = 3;
+  torch::Tensor q = torch::randn({b, n, h, d}, torch::kFloat64), k = torch::randn_like(q),
+                v = torch::randn_like(q);
+  torch::Tensor a = torch::randn({h, h, p}, torch::kFloat64) / 2;
+  Options o;
+  o.p = p;
+  o.window = 5;
+  o.rope_theta = 10000;
+  torch::Tensor positions = torch::arange(n, torch::kInt64);
+  torch::Tensor ref = PseudoOutputs(q, k, v, a, a, a, positions, o);
+  auto cuda = [](const torch::Tensor& t) { return t.to(torch::kCUDA); };
+  FusedOptions f;
+  f.tile_tokens = 8;
+  torch::Tensor got =
+      FusedPseudoOutputs(cuda(q), cuda(k), cuda(v), cuda(a), cuda(a), cuda(a), positions, o, f);
+  EXPECT_LT((got.cpu() - ref).abs().max().item<double>(), 1e-10);
+}
+
+}  // namespace
+}  // namespace loom::attention::iha
