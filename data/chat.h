@@ -1,0 +1,119 @@
+// Conversations for reasoning SFT (issue: OpenThoughts SFT): reading OpenThoughts-style and
+// "messages"-style JSONL, the chat template with role markers as special tokens, the
+// assistant-only loss mask, the truncation policy, packing with segment ids, a built-in
+// generator of OpenThoughts-format reasoning data, answer extraction and majority voting.
+// No LibTorch: the trainer and the evaluation tools both use it.
+#ifndef LOOM_DATA_CHAT_H_
+#define LOOM_DATA_CHAT_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace loom::data {
+
+enum class Role { kSystem, kUser, kAssistant };
+
+struct Turn {
+  Role role;
+  std::string text;
+};
+
+struct Conversation {
+  std::vector<Turn> turns;
+  int64_t line = 0;  // 1-based line in its file (0 when generated)
+};
+
+// One JSONL line: {"system": "...", "conversations": [{"from": "user"|"assistant"|"human"|"gpt",
+// "value": "..."}]} (OpenThoughts) or {"messages": [{"role": "system"|"user"|"assistant",
+// "content": "..."}]}. Errors say what is wrong and carry the line number.
+absl::StatusOr<Conversation> ParseChatLine(std::string_view line, int64_t line_no);
+
+struct ChatReadReport {
+  int64_t lines = 0, conversations = 0, blank = 0, skipped = 0;
+  std::vector<std::string> errors;  // the first 20 skipped lines' errors
+};
+
+// Reads a JSONL file. skip_malformed: bad lines are counted and skipped; otherwise the first
+// one fails the read with its line number.
+absl::StatusOr<std::vector<Conversation>> ReadChatJsonl(const std::string& path,
+                                                        bool skip_malformed,
+                                                        ChatReadReport* report);
+
+// The chat template. Role markers are special tokens after the base vocabulary:
+//   <|system|> = base, <|user|> = base + 1, <|assistant|> = base + 2, <|end|> = base + 3.
+// A conversation renders as  [<|system|> text <|end|>] (<|user|> text <|end|> <|assistant|>
+// text <|end|>)...  The loss covers exactly the assistant's text tokens and its <|end|> (so the
+// model learns to stop); role markers, system and user tokens are never scored.
+struct ChatTemplate {
+  int64_t base_vocab = 256;
+  uint32_t system() const { return static_cast<uint32_t>(base_vocab); }
+  uint32_t user() const { return static_cast<uint32_t>(base_vocab + 1); }
+  uint32_t assistant() const { return static_cast<uint32_t>(base_vocab + 2); }
+  uint32_t end() const { return static_cast<uint32_t>(base_vocab + 3); }
+  int64_t vocab_size() const { return base_vocab + 4; }
+};
+
+struct EncodedChat {
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> loss_mask;  // 1 where the token is a training target
+};
+
+using TextEncoder = std::function<std::vector<uint32_t>(std::string_view)>;
+
+// Byte-level text encoder (ids 0..255), the default tokenizer.
+std::vector<uint32_t> EncodeBytes(std::string_view text);
+
+EncodedChat EncodeChat(const Conversation& c, const ChatTemplate& t, const TextEncoder& encode);
+
+// The prompt for generation: everything up to and including the last <|assistant|> marker
+// (a trailing assistant turn, if any, is dropped).
+std::vector<uint32_t> EncodePrompt(const Conversation& c, const ChatTemplate& t,
+                                   const TextEncoder& encode);
+
+// Truncation policy for sequences longer than max_len tokens: keep the first max_len tokens
+// (the prompt comes first, so the answer's tail is what is lost). An example whose scored
+// tokens all fall beyond max_len is dropped (nullopt): it would train on nothing.
+std::optional<EncodedChat> Truncate(EncodedChat e, int64_t max_len);
+
+// Packing: examples are laid end to end into rows of seq_len tokens; an example that does not
+// fit in the rest of a row starts the next one (the rest is padding with mask 0 and segment 0).
+// Segment ids (1, 2, ... per row) tell attention which tokens may see each other: block-diagonal
+// masking keeps packed examples from attending to each other.
+struct PackedRow {
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> loss_mask;
+  std::vector<int32_t> segment;  // 0 = padding
+};
+std::vector<PackedRow> Pack(const std::vector<EncodedChat>& examples, int64_t seq_len,
+                            uint32_t pad);
+
+// Built-in OpenThoughts-format reasoning data (no download): multi-step arithmetic ("Compute
+// ((3 + 4) * 2) - 5.") and relation chains ("a is the parent of b, ... Who is the grandparent
+// of d?"), with the assistant's answer as "<|begin_of_thought|> steps <|end_of_thought|>
+// <|begin_of_solution|> ... #### ANSWER <|end_of_solution|>". Deterministic for a seed.
+struct ReasoningExample {
+  Conversation conversation;
+  std::string answer;
+};
+std::vector<ReasoningExample> GenerateReasoning(const std::string& kind, int64_t count,
+                                                uint64_t seed);
+
+// Answer extraction. gsm8k: the text after the last "####" (commas removed, trimmed);
+// math: the content of the last \boxed{...} (nested braces kept); builtin: gsm8k's rule.
+// nullopt when the text has no answer (an unanswerable sample).
+std::optional<std::string> ExtractAnswer(std::string_view text, std::string_view style);
+
+// Majority vote over sampled answers: unanswerable samples (nullopt) do not vote; the most
+// frequent answer wins; a tie goes to the answer that reached the top count first in sample
+// order (deterministic). nullopt when no sample has an answer.
+std::optional<std::string> MajorityVote(const std::vector<std::optional<std::string>>& answers);
+
+}  // namespace loom::data
+
+#endif  // LOOM_DATA_CHAT_H_
