@@ -52,6 +52,10 @@ namespace loom {
 struct AttentionInputs {
   // int64 token positions, [N] or [B, N]. Required when the layer uses RoPE.
   torch::Tensor positions;
+  // Packed sequences: integer segment ids [B, N] (or undefined: one sequence per row). A token
+  // attends only to tokens of its own segment (on top of the layer's causal / window mask), so
+  // examples packed into one row cannot see each other; segments are contiguous runs.
+  torch::Tensor segments;
 };
 
 class AttentionLayer : public torch::nn::Module {

@@ -117,6 +117,7 @@ torch::Tensor Transformer::forward(const ModelInputs& in) {
       in.positions.defined()
           ? in.positions
           : torch::arange(length, torch::TensorOptions().dtype(torch::kInt64).device(h.device()));
+  attention_inputs.segments = in.segments;
   for (Block& block : blocks_) h = block(h, attention_inputs);
   h = final_norm_(h);
   if (head_) return head_(h);

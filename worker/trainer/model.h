@@ -64,6 +64,7 @@ struct ModelInputs {
   torch::Tensor positions;  // int64 [N] or [B, N]; undefined = 0..N-1
   torch::Tensor grid_rows;  // encoder grid tasks: int64 [B, N] row / column of each token
   torch::Tensor grid_cols;
+  torch::Tensor segments;  // packed examples: int [B, N] segment ids (attention stays inside one)
 };
 
 class Transformer : public torch::nn::Module {

@@ -223,6 +223,20 @@ double AverageAttendedKeys(int64_t length, bool causal, int64_t window) {
   return total / static_cast<double>(length);
 }
 
+torch::Tensor WithSegments(const torch::Tensor& allowed, const torch::Tensor& segments,
+                           int64_t batch, int64_t length, int64_t expand,
+                           const torch::Device& device) {
+  if (!segments.defined()) return allowed;
+  torch::Tensor s = segments.to(device, torch::kInt64);
+  if (s.dim() == 1) s = s.unsqueeze(0);
+  TORCH_CHECK(s.dim() == 2 && (s.size(0) == 1 || s.size(0) == batch) && s.size(1) == length,
+              "attention: segments must be [B, N] = [", batch, ", ", length, "], got ",
+              segments.sizes());
+  if (expand > 1) s = s.repeat_interleave(expand, 1);  // expanded index s -> token s / P
+  torch::Tensor same = (s.unsqueeze(2) == s.unsqueeze(1)).unsqueeze(1);  // [B, 1, L', L']
+  return allowed.defined() ? same & allowed : same;
+}
+
 torch::Tensor CheckedPositions(const torch::Tensor& positions, int64_t batch, int64_t length,
                                const torch::Device& device) {
   TORCH_CHECK(positions.defined(), "attention: positions are required when RoPE is on");

@@ -91,6 +91,13 @@ torch::Tensor ReferenceAttention(const torch::Tensor& q, const torch::Tensor& k,
 double AverageAttendedKeys(int64_t length, bool causal, int64_t window);
 
 // Positions as int64 [B or 1, N] on `device`, checked against the input shape.
+// The layer's mask (bool [L, L] or undefined) with packed-sequence segments applied: `expand`
+// positions per token (IHA's P pseudo-tokens share their token's segment). Returns `allowed`
+// unchanged without segments, else bool [B, 1, L·expand, L·expand].
+torch::Tensor WithSegments(const torch::Tensor& allowed, const torch::Tensor& segments,
+                           int64_t batch, int64_t length, int64_t expand,
+                           const torch::Device& device);
+
 torch::Tensor CheckedPositions(const torch::Tensor& positions, int64_t batch, int64_t length,
                                const torch::Device& device);
 

@@ -40,6 +40,7 @@ torch::Tensor DiffAttention::forward(const torch::Tensor& x, const AttentionInpu
   auto [q, k, v] = QueriesKeysValues(x, inputs, pairs);
   torch::Tensor allowed;
   if (causal_ || window_ > 0) allowed = AllowedMask(n, causal_, window_, x.device());
+  allowed = WithSegments(allowed, inputs.segments, b, n, 1, x.device());
   torch::Tensor scores =
       torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
   if (allowed.defined()) {

@@ -75,10 +75,12 @@ torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInput
   if (!positions.defined() && options_.rope_theta > 0) {
     TORCH_CHECK(false, "iha: positions are required when RoPE is on");
   }
+  Options call = options_;
+  call.segments = inputs.segments;
   torch::Tensor heads =
       UsesFusedKernel(x.size(1), x.device())
-          ? FusedForward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, options_)
-          : Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, options_);
+          ? FusedForward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, call)
+          : Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, call);
   return proj_.o->forward(heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
 }
 

@@ -110,6 +110,7 @@ torch::Tensor AttentionWeights(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& positions, const Options& o) {
   torch::Tensor scores = Scores(q, k, alpha_q, alpha_k, positions, o);
   torch::Tensor allowed = AllowedMask(q.size(1), o.p, o.mask, o.window, q.device());
+  allowed = WithSegments(allowed, o.segments, q.size(0), q.size(1), o.p, q.device());
   if (o.score == Score::kLinear) return scores * allowed.to(scores.dtype());
   return torch::softmax(
       scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity()), -1);

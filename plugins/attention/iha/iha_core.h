@@ -42,6 +42,9 @@ struct Options {
   RopePhase rope_phase = RopePhase::kInterleaved;
   Score score = Score::kSoftmax;
   double scale = 0;  // <= 0: 1/sqrt(dk)
+  // Per call, not configuration: packed-sequence segment ids [B, N] (AttentionInputs.segments);
+  // a pseudo-token attends only within its token's segment. Undefined: one sequence per row.
+  torch::Tensor segments;
 };
 
 Mask ParseMask(const std::string& name);            // "interleaved" | "block" | "none"

@@ -30,10 +30,24 @@ struct Plan {
   Tensor qt, kt, vt;  // [B, H, N, d]: heads-major copies, so a tile of one head is one GEMM operand
   Tensor aq, ak, av;  // [H(m), H(h), P]
   Tensor cos, sin;    // [B|1, N·P, d/2] RoPE tables by expanded index (undefined without RoPE)
+  // Packed sequences: for each token, the first and last token of its segment ([B|1, N] int64
+  // on the CPU; undefined without segments). Segments are contiguous runs.
+  Tensor seg_first, seg_last, segments;
 
   int64_t TileLen(int64_t t) const { return std::min(tile, n - t * tile); }
 
-  TileClass Classify(int64_t n0, int64_t tq, int64_t t0, int64_t tk) const {
+  TileClass Classify(int64_t bi, int64_t n0, int64_t tq, int64_t t0, int64_t tk) const {
+    TileClass c = ClassifyMask(n0, tq, t0, tk);
+    if (c == TileClass::kSkip || !seg_first.defined()) return c;
+    const int64_t row = seg_first.size(0) == 1 ? 0 : bi;
+    const int64_t* first = seg_first[row].data_ptr<int64_t>();
+    const int64_t* last = seg_last[row].data_ptr<int64_t>();
+    // The query tile's segments span [first[n0], last[n0 + tq - 1]]: no key in range, no work.
+    if (first[n0] > t0 + tk - 1 || last[n0 + tq - 1] < t0) return TileClass::kSkip;
+    return TileClass::kPartial;
+  }
+
+  TileClass ClassifyMask(int64_t n0, int64_t tq, int64_t t0, int64_t tk) const {
     const int64_t smin = n0 * p, smax = (n0 + tq) * p - 1;
     const int64_t tmin = t0 * p, tmax = (t0 + tk) * p - 1;
     const int64_t dmin = smin - tmax, dmax = smax - tmin;  // range of s - s'
@@ -63,7 +77,8 @@ struct Plan {
   // Disallowed entries of a [tq·P, tk·P] score tile := fill. Rows and columns are token-major,
   // so row r is expanded index s = n0·P + r, column c is t = t0·P + c, and every mask allows one
   // contiguous column range per row: two fills per row.
-  void Mask(Tensor& scores, int64_t n0, int64_t tq, int64_t t0, int64_t tk, double fill) const {
+  void Mask(Tensor& scores, int64_t bi, int64_t n0, int64_t tq, int64_t t0, int64_t tk,
+            double fill) const {
     if (!scores.is_cpu()) {
       // Other devices: the same rule as tensor ops (no host access to device memory).
       auto idx = torch::TensorOptions().dtype(torch::kInt64).device(scores.device());
@@ -73,12 +88,20 @@ struct Plan {
       if (o.mask == Mask::kInterleaved) allowed &= t <= s;
       if (o.mask == Mask::kBlock) allowed &= torch::div(t, p, "floor") <= torch::div(s, p, "floor");
       if (o.window > 0) allowed &= (s - t).abs() < o.window * p;
+      if (segments.defined()) {
+        Tensor seg = segments[segments.size(0) == 1 ? 0 : bi].to(scores.device());
+        allowed &= seg.index_select(0, torch::div(s.squeeze(1), p, "floor")).unsqueeze(1) ==
+                   seg.index_select(0, torch::div(t.squeeze(0), p, "floor")).unsqueeze(0);
+      }
       scores.masked_fill_(allowed.logical_not(), fill);
       return;
     }
     AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "iha_fused_mask", [&] {
       scalar_t* data = scores.data_ptr<scalar_t>();
       const int64_t cols = tk * p, base = t0 * p, wp = o.window * p;
+      const int64_t seg_row = seg_first.defined() && seg_first.size(0) > 1 ? bi : 0;
+      const int64_t* first = seg_first.defined() ? seg_first[seg_row].data_ptr<int64_t>() : nullptr;
+      const int64_t* last = seg_first.defined() ? seg_last[seg_row].data_ptr<int64_t>() : nullptr;
       const auto f = static_cast<scalar_t>(fill);
       for (int64_t r = 0; r < tq * p; ++r) {
         const int64_t s = n0 * p + r;
@@ -88,6 +111,10 @@ struct Plan {
         if (o.window > 0) {
           hi = std::min(hi, s + wp - 1 - base);
           lo = std::max(lo, s - wp + 1 - base);
+        }
+        if (first != nullptr) {  // only the token's own segment
+          lo = std::max(lo, first[s / p] * p - base);
+          hi = std::min(hi, (last[s / p] + 1) * p - 1 - base);
         }
         scalar_t* row = data + r * cols;
         if (lo > hi) {
@@ -142,11 +169,11 @@ struct Plan {
 
   // Probabilities (softmax, from the saved log-sum-exp) or masked coefficients (linear).
   Tensor Probabilities(const Tensor& q, const Tensor& k, const Tensor& lse_rows, TileClass cls,
-                       int64_t n0, int64_t tq, int64_t t0, int64_t tk) const {
+                       int64_t bi, int64_t n0, int64_t tq, int64_t t0, int64_t tk) const {
     Tensor s = q.mm(k.t());
     const bool softmax = o.score == Score::kSoftmax;
     if (cls == TileClass::kPartial) {
-      Mask(s, n0, tq, t0, tk, softmax ? -std::numeric_limits<double>::infinity() : 0.0);
+      Mask(s, bi, n0, tq, t0, tk, softmax ? -std::numeric_limits<double>::infinity() : 0.0);
     }
     if (softmax) s.sub_(lse_rows.unsqueeze(1)).exp_();
     return s;
@@ -155,7 +182,7 @@ struct Plan {
 
 Plan MakePlan(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& alpha_q,
               const Tensor& alpha_k, const Tensor& alpha_v, const Tensor& cos, const Tensor& sin,
-              const Options& o, int64_t tile) {
+              const Tensor& segments, const Options& o, int64_t tile) {
   Plan pl;
   pl.b = q.size(0);
   pl.n = q.size(1);
@@ -176,6 +203,22 @@ Plan MakePlan(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& a
   if (cos.numel() > 0) {
     pl.cos = cos;
     pl.sin = sin;
+  }
+  if (segments.numel() > 0) {
+    // First and last token of each token's segment run, per row.
+    pl.segments = segments;
+    Tensor seg = segments.to(torch::kCPU, torch::kInt64).contiguous();
+    pl.seg_first = torch::empty_like(seg);
+    pl.seg_last = torch::empty_like(seg);
+    for (int64_t r = 0; r < seg.size(0); ++r) {
+      const int64_t* id = seg[r].data_ptr<int64_t>();
+      int64_t* first = pl.seg_first[r].data_ptr<int64_t>();
+      int64_t* last = pl.seg_last[r].data_ptr<int64_t>();
+      const int64_t n = seg.size(1);
+      for (int64_t i = 0; i < n; ++i) first[i] = (i > 0 && id[i] == id[i - 1]) ? first[i - 1] : i;
+      for (int64_t i = n - 1; i >= 0; --i)
+        last[i] = (i + 1 < n && id[i] == id[i + 1]) ? last[i + 1] : i;
+    }
   }
   return pl;
 }
@@ -227,12 +270,12 @@ std::pair<Tensor, Tensor> Forward(const Plan& pl, bool poison) {
       Tensor l = torch::zeros({rows}, opts);
       for (int64_t ki = 0; ki < pl.tiles; ++ki) {
         const int64_t t0 = ki * pl.tile, tk = pl.TileLen(ki);
-        const TileClass cls = pl.Classify(n0, tq, t0, tk);
+        const TileClass cls = pl.Classify(bi, n0, tq, t0, tk);
         if (cls == TileClass::kSkip) continue;
         Tensor k = pl.Keys(bi, hi, t0, tk);
         Tensor v = pl.Values(bi, hi, t0, tk);
         Tensor s = q.mm(k.t());
-        if (cls == TileClass::kPartial) pl.Mask(s, n0, tq, t0, tk, softmax ? neg_inf : 0.0);
+        if (cls == TileClass::kPartial) pl.Mask(s, bi, n0, tq, t0, tk, softmax ? neg_inf : 0.0);
         if (!softmax) {
           acc.addmm_(s, v);
           continue;
@@ -282,10 +325,10 @@ Grads Backward(const Plan& pl, const Tensor& grad_out, const Tensor& out, const 
   };
   // dS from probabilities and dP = dO · Vᵀ.
   auto score_grad = [&](Tensor& prob, const Tensor& dp, const Tensor& delta_rows, TileClass cls,
-                        int64_t n0, int64_t tq, int64_t t0, int64_t tk) {
+                        int64_t bi, int64_t n0, int64_t tq, int64_t t0, int64_t tk) {
     if (softmax) return prob * (dp - delta_rows.unsqueeze(1));
     Tensor ds = dp.clone();
-    if (cls == TileClass::kPartial) pl.Mask(ds, n0, tq, t0, tk, 0.0);
+    if (cls == TileClass::kPartial) pl.Mask(ds, bi, n0, tq, t0, tk, 0.0);
     return ds;
   };
   // Un-mix a pseudo-row gradient of head h into x's gradient and alpha's gradient.
@@ -308,14 +351,14 @@ Grads Backward(const Plan& pl, const Tensor& grad_out, const Tensor& out, const 
              dv = torch::zeros({pl.p * tk, pl.dv}, opts);
       for (int64_t qi = 0; qi < pl.tiles; ++qi) {
         const int64_t n0 = qi * pl.tile, tq = pl.TileLen(qi);
-        const TileClass cls = pl.Classify(n0, tq, t0, tk);
+        const TileClass cls = pl.Classify(bi, n0, tq, t0, tk);
         if (cls == TileClass::kSkip) continue;
         Tensor q = pl.Queries(bi, hi, n0, tq);
-        Tensor prob = pl.Probabilities(q, k, rows_of(lse, bi, hi, n0, tq), cls, n0, tq, t0, tk);
+        Tensor prob = pl.Probabilities(q, k, rows_of(lse, bi, hi, n0, tq), cls, bi, n0, tq, t0, tk);
         Tensor dout = grad_rows(bi, hi, n0, tq);
         dv.addmm_(prob.t(), dout);
-        Tensor ds =
-            score_grad(prob, dout.mm(v.t()), rows_of(delta, bi, hi, n0, tq), cls, n0, tq, t0, tk);
+        Tensor ds = score_grad(prob, dout.mm(v.t()), rows_of(delta, bi, hi, n0, tq), cls, bi, n0,
+                               tq, t0, tk);
         dk.addmm_(ds.t(), q);
       }
       if (pl.cos.defined()) dk = Plan::RotateBackward(dk, pl.Rope(bi, t0, tk));
@@ -334,11 +377,11 @@ Grads Backward(const Plan& pl, const Tensor& grad_out, const Tensor& out, const 
       Tensor dq = torch::zeros({pl.p * tq, pl.dk}, opts);
       for (int64_t ki = 0; ki < pl.tiles; ++ki) {
         const int64_t t0 = ki * pl.tile, tk = pl.TileLen(ki);
-        const TileClass cls = pl.Classify(n0, tq, t0, tk);
+        const TileClass cls = pl.Classify(bi, n0, tq, t0, tk);
         if (cls == TileClass::kSkip) continue;
         Tensor k = pl.Keys(bi, hi, t0, tk), v = pl.Values(bi, hi, t0, tk);
-        Tensor prob = pl.Probabilities(q, k, lse_rows, cls, n0, tq, t0, tk);
-        Tensor ds = score_grad(prob, dout.mm(v.t()), delta_rows, cls, n0, tq, t0, tk);
+        Tensor prob = pl.Probabilities(q, k, lse_rows, cls, bi, n0, tq, t0, tk);
+        Tensor ds = score_grad(prob, dout.mm(v.t()), delta_rows, cls, bi, n0, tq, t0, tk);
         dq.addmm_(ds, k);
       }
       dq.mul_(pl.scale);
@@ -360,17 +403,17 @@ class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
  public:
   static Tensor forward(torch::autograd::AutogradContext* ctx, Tensor q, Tensor k, Tensor v,
                         Tensor alpha_q, Tensor alpha_k, Tensor alpha_v, Tensor cos, Tensor sin,
-                        int64_t mask, int64_t window, int64_t p, int64_t score, double scale,
-                        int64_t tile, bool poison) {
+                        Tensor segments, int64_t mask, int64_t window, int64_t p, int64_t score,
+                        double scale, int64_t tile, bool poison) {
     Options o;
     o.p = p;
     o.mask = static_cast<Mask>(mask);
     o.window = window;
     o.score = static_cast<Score>(score);
     o.scale = scale;
-    Plan pl = MakePlan(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, o, tile);
+    Plan pl = MakePlan(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, o, tile);
     auto [out, lse] = Forward(pl, poison);
-    ctx->save_for_backward({q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, out, lse});
+    ctx->save_for_backward({q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, out, lse});
     ctx->saved_data["mask"] = mask;
     ctx->saved_data["window"] = window;
     ctx->saved_data["p"] = p;
@@ -389,15 +432,16 @@ class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
     o.window = ctx->saved_data["window"].toInt();
     o.score = static_cast<Score>(ctx->saved_data["score"].toInt());
     o.scale = ctx->saved_data["scale"].toDouble();
-    Plan pl = MakePlan(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], o,
+    Plan pl = MakePlan(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], o,
                        ctx->saved_data["tile"].toInt());
-    Grads g = Backward(pl, grads[0].contiguous(), s[8], s[9]);
+    Grads g = Backward(pl, grads[0].contiguous(), s[9], s[10]);
     return {g.dq,
             g.dk,
             g.dv,
             g.daq.to(s[3].scalar_type()),
             g.dak.to(s[4].scalar_type()),
             g.dav.to(s[5].scalar_type()),
+            Tensor(),
             Tensor(),
             Tensor(),
             Tensor(),
@@ -446,7 +490,17 @@ torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
     cos = angles.cos().to(q.scalar_type()).contiguous();
     sin = angles.sin().to(q.scalar_type()).contiguous();
   }
-  return IhaFusedFunction::apply(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin,
+  torch::Tensor segments = torch::empty({0}, torch::kInt64);
+  if (o.segments.defined()) {
+    segments = o.segments.to(torch::kInt64);
+    if (segments.dim() == 1) segments = segments.unsqueeze(0);
+    TORCH_CHECK(segments.dim() == 2 && (segments.size(0) == 1 || segments.size(0) == q.size(0)) &&
+                    segments.size(1) == q.size(1),
+                "iha: segments must be [B, N] = [", q.size(0), ", ", q.size(1), "], got ",
+                o.segments.sizes());
+    segments = segments.contiguous();
+  }
+  return IhaFusedFunction::apply(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments,
                                  static_cast<int64_t>(o.mask), o.window, o.p,
                                  static_cast<int64_t>(o.score), o.scale, tile, fused.poison_output);
 }

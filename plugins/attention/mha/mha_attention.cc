@@ -23,7 +23,14 @@ torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const Attentio
   torch::Tensor out;
 #if LOOM_TORCH_HAS_SDPA
   // LibTorch 2.x: fused kernels (Flash / memory-efficient) where the backend has them.
-  if (window_ == 0) {
+  if (inputs.segments.defined()) {
+    torch::Tensor allowed = (causal_ || window_ > 0)
+                                ? AllowedMask(length, causal_, window_, x.device())
+                                : torch::Tensor();
+    out = at::scaled_dot_product_attention(
+        q, k, v, WithSegments(allowed, inputs.segments, x.size(0), length, 1, x.device()), 0.0,
+        false);
+  } else if (window_ == 0) {
     out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal_);
   } else {
     out = at::scaled_dot_product_attention(
@@ -32,6 +39,7 @@ torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const Attentio
 #else
   torch::Tensor allowed;
   if (causal_ || window_ > 0) allowed = AllowedMask(length, causal_, window_, x.device());
+  allowed = WithSegments(allowed, inputs.segments, x.size(0), length, 1, x.device());
   out = ReferenceAttention(q, k, v, allowed, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
 #endif
   return Output(out);

@@ -28,9 +28,11 @@ torch::Tensor TalkingHeadsAttention::forward(const torch::Tensor& x,
   torch::Tensor logits =
       torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
   logits = torch::einsum("bmqk,mh->bhqk", {logits, logit_mix.to(logits.dtype())});
-  if (causal_ || window_ > 0) {
+  torch::Tensor allowed;
+  if (causal_ || window_ > 0) allowed = AllowedMask(x.size(1), causal_, window_, x.device());
+  allowed = WithSegments(allowed, inputs.segments, x.size(0), x.size(1), 1, x.device());
+  if (allowed.defined()) {
     // Masked after mixing: mixing -inf logits would produce NaN.
-    torch::Tensor allowed = AllowedMask(x.size(1), causal_, window_, x.device());
     logits = logits.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
   }
   torch::Tensor weights =
