@@ -273,10 +273,6 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
     return absl::InvalidArgumentError(absl::StrCat("spec.", resolved.status().message()));
   }
   v1::JobSpec spec = *std::move(resolved);
-  if (spec.zero_stage() == 1 && world_size == 1) {
-    // Allowed, just pointless; the trainer accepts it.
-  }
-
   std::lock_guard<std::mutex> lock(mutex_);
   if (!request.request_id().empty()) {
     auto it = request_ids_.find(request.request_id());
@@ -591,26 +587,15 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   for (const v1::AttemptReport& r : request.attempts()) {
     if (!IsValidId(r.job_id())) continue;
     auto jit = jobs_.find(r.job_id());
-    AppendLog(r, wid, progress_batch);
+    if (jit != jobs_.end()) AppendLog(r, wid, progress_batch);
     int ranks_running = 0;
     for (const auto& rank : r.ranks()) ranks_running += rank.running() ? 1 : 0;
-    if (jit == jobs_.end()) {
-      if (!r.finished()) {
-        v1::AttemptRef* c = response.add_cancels();
-        c->set_job_id(r.job_id());
-        c->set_attempt(r.attempt());
-      }
-      if (r.finished()) {
-        v1::AttemptRef* f = response.add_forget();
-        f->set_job_id(r.job_id());
-        f->set_attempt(r.attempt());
-      }
-      continue;
-    }
-    v1::Job& job = jit->second;
-    const bool current =
-        IsActive(job.state()) && r.attempt() == job.attempt() && PlacementOf(job, wid) != nullptr;
+    // Reports of unknown jobs and of old attempts: stop what still runs, forget what ended.
+    const bool current = jit != jobs_.end() && IsActive(jit->second.state()) &&
+                         r.attempt() == jit->second.attempt() &&
+                         PlacementOf(jit->second, wid) != nullptr;
     if (current) {
+      v1::Job& job = jit->second;
       if (r.master_port() > 0 && job.master_port() == 0 && HostsRankZero(job, wid)) {
         job.set_master_port(r.master_port());
         batch.PutJob(job);
@@ -699,15 +684,15 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     const v1::Placement* p = PlacementOf(job, wid);
     if (p == nullptr) continue;
     if (reported.count({id, job.attempt()})) continue;  // already running there
-    const bool rank_zero = HostsRankZero(job, wid);
-    if (!rank_zero && job.master_port() == 0) continue;  // wait for rank 0's rendezvous port
+    // Other workers wait for the port rank 0's worker picks (0 tells rank 0's worker to pick).
+    if (job.master_port() == 0 && !HostsRankZero(job, wid)) continue;
     v1::Assignment* a = response.add_assignments();
     a->set_job_id(id);
     a->set_attempt(job.attempt());
     *a->mutable_ranks() = p->ranks();
     a->set_world_size(job.world_size());
     a->set_master_addr(job.master_addr());
-    a->set_master_port(rank_zero ? job.master_port() : job.master_port());
+    a->set_master_port(job.master_port());
     *a->mutable_spec() = job.spec();
     a->set_resume_from(job.resume_from());
     if (job.resume_from().empty()) a->set_init_from(job.init_from_path());

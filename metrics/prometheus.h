@@ -62,6 +62,10 @@ class Registry {
   std::map<std::string, Family> families_;
 };
 
+// The trainer's metric families (loom_train_*), declared once for the two places that export
+// them: trainer ranks and the worker agent that re-exports rank 0's numbers (docs/deploy.md).
+void DeclareTrainMetrics(Registry& r);
+
 // Formats a sample value the way Prometheus expects (+Inf, -Inf, NaN, shortest round-trip).
 std::string FormatValue(double v);
 // Escapes a label value (backslash, double quote, newline).

@@ -93,26 +93,7 @@ void Agent::DeclareMetrics() {
                    "Heartbeats that did not reach the coordinator");
   r.DeclareHistogram("loom_worker_heartbeat_seconds", "Heartbeat round-trip time",
                      {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5});
-  r.DeclareGauge("loom_train_loss", "Training loss of the last optimizer step.");
-  r.DeclareGauge("loom_train_learning_rate", "Learning rate of the last step.");
-  r.DeclareGauge("loom_train_grad_norm", "Global gradient norm before clipping.");
-  r.DeclareGauge("loom_train_tokens_per_second", "Training throughput of the last step.");
-  r.DeclareGauge("loom_train_mfu_ratio", "Model FLOP utilisation against metrics.peak_flops.");
-  r.DeclareGauge("loom_train_step", "Optimizer steps completed.");
-  r.DeclareGauge("loom_train_total_steps", "Optimizer steps the job will run.");
-  r.DeclareGauge("loom_train_eval_loss", "Held-out loss at the last evaluation.");
-  r.DeclareGauge("loom_train_eval_accuracy_ratio", "Held-out accuracy over scored positions.");
-  r.DeclareGauge("loom_train_eval_exact_match_ratio",
-                 "Held-out share of examples with every scored position right.");
-  r.DeclareCounter("loom_train_tokens_total", "Training tokens processed.");
-  r.DeclareCounter("loom_train_nan_skipped_steps_total",
-                   "Steps skipped for a non-finite loss or gradient.");
-  r.DeclareCounter("loom_train_checkpoint_bytes_total", "Bytes written to checkpoints.");
-  r.DeclareHistogram("loom_train_step_seconds", "Wall time of one optimizer step.",
-                     {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60});
-  r.DeclareHistogram("loom_train_checkpoint_write_seconds",
-                     "Wall time to write and commit a checkpoint.",
-                     {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});
+  metrics::DeclareTrainMetrics(r);
   r.Set("loom_worker_slots", options_.slots);
   r.Increment("loom_worker_attempts_started_total", 0);
   r.Increment("loom_worker_heartbeat_failures_total", 0);

@@ -96,6 +96,20 @@ absl::Status NcclComm::Stage(void* data, int64_t bytes, bool on_device, void** d
               "cudaMemcpy to device");
 }
 
+// Copies a staged result back to the host (unless it lives on the device) and waits.
+absl::Status NcclComm::Complete(void* data, void* dev, int64_t bytes, bool on_device,
+                                const char* what) {
+  if (!on_device) {
+    if (auto s = Cuda(cudaMemcpyAsync(data, dev, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost,
+                                      impl_->stream),
+                      "cudaMemcpy to host");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return Cuda(cudaStreamSynchronize(impl_->stream), what);
+}
+
 absl::Status NcclComm::AllReduceSum(void* data, int64_t count, bool float64, bool on_device) {
   const int64_t bytes = count * (float64 ? 8 : 4);
   void* dev = nullptr;
@@ -107,15 +121,7 @@ absl::Status NcclComm::AllReduceSum(void* data, int64_t count, bool float64, boo
       !s.ok()) {
     return absl::UnavailableError(absl::StrCat("rank ", rank_, ": ", s.message()));
   }
-  if (!on_device) {
-    if (auto s = Cuda(cudaMemcpyAsync(data, dev, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost,
-                                      impl_->stream),
-                      "cudaMemcpy to host");
-        !s.ok()) {
-      return s;
-    }
-  }
-  return Cuda(cudaStreamSynchronize(impl_->stream), "nccl all-reduce");
+  return Complete(data, dev, bytes, on_device, "nccl all-reduce");
 }
 
 absl::Status NcclComm::Broadcast(void* data, int64_t bytes, int root, bool on_device) {
@@ -127,15 +133,7 @@ absl::Status NcclComm::Broadcast(void* data, int64_t bytes, int root, bool on_de
       !s.ok()) {
     return absl::UnavailableError(absl::StrCat("rank ", rank_, ": ", s.message()));
   }
-  if (!on_device) {
-    if (auto s = Cuda(cudaMemcpyAsync(data, dev, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost,
-                                      impl_->stream),
-                      "cudaMemcpy to host");
-        !s.ok()) {
-      return s;
-    }
-  }
-  return Cuda(cudaStreamSynchronize(impl_->stream), "nccl broadcast");
+  return Complete(data, dev, bytes, on_device, "nccl broadcast");
 }
 
 }  // namespace loom::trainer

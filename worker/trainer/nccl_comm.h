@@ -35,6 +35,7 @@ class NcclComm {
  private:
   NcclComm() = default;
   absl::Status Stage(void* data, int64_t bytes, bool on_device, void** device_ptr);
+  absl::Status Complete(void* data, void* dev, int64_t bytes, bool on_device, const char* what);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   int rank_ = 0;

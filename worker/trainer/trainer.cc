@@ -237,31 +237,7 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
 
   labels_ = {{"job", spec_.name().empty() ? "standalone" : spec_.name()},
              {"rank", std::to_string(comm_->rank())}};
-  registry_.DeclareGauge("loom_train_loss", "Training loss of the last optimizer step.");
-  registry_.DeclareGauge("loom_train_eval_loss", "Held-out loss at the last evaluation.");
-  registry_.DeclareGauge("loom_train_eval_accuracy_ratio",
-                         "Held-out accuracy over scored positions.");
-  registry_.DeclareGauge("loom_train_eval_exact_match_ratio",
-                         "Held-out share of examples with every scored position right.");
-  registry_.DeclareGauge("loom_train_learning_rate", "Learning rate of the last step.");
-  registry_.DeclareGauge("loom_train_grad_norm", "Global gradient norm before clipping.");
-  registry_.DeclareGauge("loom_train_tokens_per_second", "Training throughput of the last step.");
-  registry_.DeclareGauge("loom_train_mfu_ratio",
-                         "Model FLOP utilisation against metrics.peak_flops.");
-  registry_.DeclareGauge("loom_train_step", "Optimizer steps completed.");
-  registry_.DeclareGauge("loom_train_total_steps", "Optimizer steps the job will run.");
-  registry_.DeclareCounter("loom_train_tokens_total", "Training tokens processed.");
-  registry_.DeclareCounter("loom_train_nan_skipped_steps_total",
-                           "Steps skipped for a non-finite loss or gradient.");
-  registry_.DeclareCounter("loom_train_checkpoint_bytes_total", "Bytes written to checkpoints.");
-  registry_.DeclareHistogram("loom_train_step_seconds", "Wall time of one optimizer step.",
-                             {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60});
-  registry_.DeclareHistogram("loom_train_checkpoint_write_seconds",
-                             "Wall time to write and commit a checkpoint.",
-                             {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});
-  registry_.DeclareHistogram("loom_train_checkpoint_load_seconds",
-                             "Wall time to load and verify a checkpoint.",
-                             {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});
+  metrics::DeclareTrainMetrics(registry_);
   registry_.Set("loom_train_total_steps", static_cast<double>(spec_.steps()), labels_);
   if (spec_.metrics().port() != 0) {
     LOOM_ASSIGN_OR_RETURN(exporter_,
