@@ -97,6 +97,12 @@ TEST(JobSpec, BadSpecsNameTheField) {
       {R"({"preset": "micro", "kind": "finetune"})", "kind"},
       {R"({"preset": "micro", "max_nan_skips": -1})", "max_nan_skips"},
       {R"({"preset": "micro", "dist_backend": "nccl2"})", "dist_backend"},
+      {R"({"preset": "micro", "kind": "sft"})", "kind"},  // sft needs chat data
+      {R"({"preset": "micro", "data": {"source": "chat"}})", "kind"},
+      {R"({"preset": "micro", "kind": "sft", "data": {"source": "chat"}})", "model.vocab_size"},
+      {R"({"preset": "micro", "kind": "sft", "model": {"vocab_size": 260}, "data": {"source": "chat", "task": "poetry"}})",
+       "data.task"},
+      {R"({"preset": "micro", "dist_bucket_bytes": 12})", "dist_bucket_bytes"},
       {R"({"preset": "micro", "model": {"mode": "encoder", "num_classes": 2, "tie_embeddings": false}})",
        "model.mode"},  // encoder without a task
       {R"({"preset": "micro", "model": {"ffn_activation": "relu"}})", "model.ffn_activation"},

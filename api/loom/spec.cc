@@ -355,8 +355,8 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     j.mutable_optimizer()->set_warmup_steps(PresetWarmup(j.optimizer().warmup_steps(), j.steps()));
   }
   if (j.kind().empty()) j.set_kind("pretrain");
-  if (j.kind() != "pretrain")
-    return SpecError("kind", absl::StrCat("'", j.kind(), "' is not pretrain"));
+  if (j.kind() != "pretrain" && j.kind() != "sft")
+    return SpecError("kind", absl::StrCat("'", j.kind(), "' is not pretrain | sft"));
   if (!j.has_model()) return SpecError("model", "is required (or set preset)");
   auto model = ResolveModelConfig(j.model());
   if (!model.ok()) return model.status();
@@ -397,11 +397,30 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
 
   v1::DataConfig* d = j.mutable_data();
   if (d->source().empty()) d->set_source("corpus");
-  if (d->source() != "corpus" && d->source() != "shards" && d->source() != "task") {
+  if (d->source() != "corpus" && d->source() != "shards" && d->source() != "task" &&
+      d->source() != "chat") {
     return SpecError("data.source",
-                     absl::StrCat("'", d->source(), "' is not corpus | shards | task"));
+                     absl::StrCat("'", d->source(), "' is not corpus | shards | task | chat"));
   }
-  if ((d->source() == "task") != !d->task().empty()) {
+  if ((j.kind() == "sft") != (d->source() == "chat")) {
+    return SpecError("kind", "sft jobs train on data.source chat, and chat data is for sft jobs");
+  }
+  if (d->source() == "chat") {
+    // Conversations from a JSONL file (data.path), or the built-in reasoning generator
+    // (data.task arithmetic | relation | mixed, default mixed). docs/tasks.md.
+    if (!d->path().empty() && !d->task().empty()) {
+      return SpecError("data.task", "is the built-in generator; leave it empty with data.path");
+    }
+    if (d->path().empty() && d->task().empty()) d->set_task("mixed");
+    if (!d->task().empty() && d->task() != "arithmetic" && d->task() != "relation" &&
+        d->task() != "mixed") {
+      return SpecError("data.task",
+                       absl::StrCat("'", d->task(), "' is not arithmetic | relation | mixed"));
+    }
+    if (m.vocab_size() < 260) {
+      return SpecError("model.vocab_size", "chat data needs 260 (256 bytes + 4 role tokens)");
+    }
+  } else if ((d->source() == "task") != !d->task().empty()) {
     return SpecError("data.task", d->source() == "task" ? "is required for source task"
                                                         : "is only for source task");
   }

@@ -3,6 +3,7 @@
 #include <google/protobuf/util/json_util.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -81,6 +82,30 @@ double LearningRateAt(const v1::OptimizerConfig& o, int64_t total_steps, int64_t
 TrainBatch WindowSampler::Next(int64_t batch) {
   auto [inputs, targets] = SampleWindows(*tokens_, batch, seq_len_, rng_);
   return {inputs, targets, {}, {}};
+}
+
+TrainBatch ChatSampler::Next(int64_t batch) {
+  const int64_t len = static_cast<int64_t>(rows_->front().tokens.size()) - 1;
+  TrainBatch out;
+  out.inputs = torch::empty({batch, len}, torch::kInt64);
+  out.targets = torch::empty({batch, len}, torch::kInt64);
+  out.positions = torch::empty({batch, len}, torch::kInt64);
+  out.segments = torch::empty({batch, len}, torch::kInt64);
+  std::uniform_int_distribution<size_t> pick(0, rows_->size() - 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    const data::PackedRow& row = (*rows_)[pick(rng_)];
+    int64_t* in = out.inputs[b].data_ptr<int64_t>();
+    int64_t* tg = out.targets[b].data_ptr<int64_t>();
+    int64_t* pos = out.positions[b].data_ptr<int64_t>();
+    int64_t* seg = out.segments[b].data_ptr<int64_t>();
+    for (int64_t i = 0; i < len; ++i) {
+      in[i] = row.tokens[i];
+      tg[i] = row.loss_mask[i + 1] ? static_cast<int64_t>(row.tokens[i + 1]) : -1;
+      seg[i] = row.segment[i];
+      pos[i] = (i > 0 && row.segment[i] == row.segment[i - 1]) ? pos[i - 1] + 1 : 0;
+    }
+  }
+  return out;
 }
 
 TrainBatch TaskSampler::Next(int64_t batch) {
@@ -292,6 +317,7 @@ absl::Status Trainer::SetupData() {
   if (spec_.model().mode() == "encoder" && d.source() != "task") {
     return absl::InvalidArgumentError("model.mode: encoder models train on built-in tasks only");
   }
+  if (d.source() == "chat") return SetupChatData();
   if (d.source() == "task") {
     LOOM_ASSIGN_OR_RETURN(auto options, OptionsAsText(d.task_options()));
     std::map<std::string, std::string> text(options.begin(), options.end());
@@ -362,6 +388,60 @@ absl::Status Trainer::SetupData() {
   return absl::OkStatus();
 }
 
+absl::Status Trainer::SetupChatData() {
+  const auto& d = spec_.data();
+  LOOM_ASSIGN_OR_RETURN(auto options, OptionsAsText(d.task_options()));
+  std::map<std::string, std::string> opt(options.begin(), options.end());
+  std::vector<data::Conversation> conversations;
+  if (!d.path().empty()) {
+    const bool skip = opt.count("skip_malformed") == 0 || opt["skip_malformed"] != "false";
+    data::ChatReadReport report;
+    LOOM_ASSIGN_OR_RETURN(conversations, data::ReadChatJsonl(d.path(), skip, &report));
+    LogLine(absl::StrCat("data: ", d.path(), ": ", report.conversations, " conversations from ",
+                         report.lines, " lines (", report.skipped, " malformed skipped, ",
+                         report.blank, " blank)"));
+    for (const std::string& e : report.errors) LogLine(absl::StrCat("data: skipped ", e));
+  } else {
+    int64_t count = 2000;
+    if (opt.count("count") &&
+        (!absl::SimpleAtoi(opt["count"], &count) || count < 10 || count > 10000000)) {
+      return absl::InvalidArgumentError("data.task_options.count: an integer in 10..10000000");
+    }
+    for (auto& ex : data::GenerateReasoning(d.task(), count, d.seed())) {
+      conversations.push_back(std::move(ex.conversation));
+    }
+  }
+  // Hold out the last 5% (at least one conversation) after a seeded shuffle.
+  std::mt19937_64 rng(d.seed());
+  std::shuffle(conversations.begin(), conversations.end(), rng);
+  const size_t held = std::max<size_t>(1, conversations.size() / 20);
+  if (conversations.size() < held + 1) {
+    return absl::InvalidArgumentError(
+        "data.path: too few conversations to train and hold some out");
+  }
+  const data::ChatTemplate chat;  // byte tokens + 4 role tokens
+  auto pack = [&](size_t from, size_t to) {
+    std::vector<data::EncodedChat> encoded;
+    for (size_t i = from; i < to; ++i)
+      encoded.push_back(data::EncodeChat(conversations[i], chat, data::EncodeBytes));
+    return std::make_shared<const std::vector<data::PackedRow>>(
+        data::Pack(encoded, spec_.seq_len() + 1, 0));
+  };
+  auto train = pack(0, conversations.size() - held);
+  auto eval = pack(conversations.size() - held, conversations.size());
+  if (train->empty() || eval->empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("seq_len: ", spec_.seq_len(), " leaves no conversation with a scored token"));
+  }
+  LogLine(absl::StrCat("data: ", conversations.size() - held, " conversations packed into ",
+                       train->size(), " rows of ", spec_.seq_len() + 1, " tokens; ", held,
+                       " held out (", eval->size(), " rows)"));
+  const uint64_t eval_seed = d.seed() ^ 0x9e3779b97f4a7c15ULL;
+  train_data_ = std::make_unique<ChatSampler>(train, d.seed());
+  make_eval_data_ = [eval, eval_seed] { return std::make_unique<ChatSampler>(eval, eval_seed); };
+  return absl::OkStatus();
+}
+
 TrainBatch Trainer::NextLocalBatch() {
   // Every rank draws the same global micro-batch (the sampler state is replicated) and keeps its
   // own rows, so W ranks with micro-batch b see exactly what one rank with W·b would.
@@ -371,7 +451,8 @@ TrainBatch Trainer::NextLocalBatch() {
   auto rows = [&](const torch::Tensor& t) {
     return t.defined() ? t.narrow(0, comm_->rank() * b, b).contiguous() : t;
   };
-  return {rows(global.inputs), rows(global.targets), rows(global.rows), rows(global.cols)};
+  return {rows(global.inputs), rows(global.targets),   rows(global.rows),
+          rows(global.cols),   rows(global.positions), rows(global.segments)};
 }
 
 ModelInputs Trainer::Inputs(const TrainBatch& batch) const {
@@ -380,6 +461,10 @@ ModelInputs Trainer::Inputs(const TrainBatch& batch) const {
   if (batch.rows.defined()) {
     in.grid_rows = batch.rows.to(device_);
     in.grid_cols = batch.cols.to(device_);
+  }
+  if (batch.segments.defined()) {
+    in.positions = batch.positions.to(device_);
+    in.segments = batch.segments.to(device_);
   }
   return in;
 }
@@ -611,7 +696,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       spec_.model().n_layers(), spec_.model().d_model(), spec_.model().n_heads(),
       model_->NumParameters(), total, tokens_per_step, device_.str(), spec_.precision(),
       torch::get_num_threads(), comm_->world_size(), forward_flops_per_token_));
-  const bool task = spec_.data().source() == "task";
+  const bool task = spec_.data().source() == "task" || spec_.data().source() == "chat";
   auto evaluate = [&]() {
     EvalResult e = Evaluate();
     summary.last_eval_loss = e.loss;

@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "adamw.h"
+#include "chat.h"
 #include "checkpoint.h"
 #include "corpus.h"
 #include "distributed.h"
@@ -38,6 +39,7 @@ double LearningRateAt(const v1::OptimizerConfig& o, int64_t total_steps, int64_t
 // rows/cols: grid coordinates for encoder grid tasks, else undefined.
 struct TrainBatch {
   torch::Tensor inputs, targets, rows, cols;
+  torch::Tensor positions, segments;  // packed chat rows: per-example positions and segment ids
 };
 
 // Where micro-batches come from. Its whole state is one RNG, saved in checkpoints as the data
@@ -75,6 +77,20 @@ class TaskSampler : public BatchSource {
 
  private:
   std::shared_ptr<const data::Task> task_;
+};
+
+// Packed conversations (data/chat.h) for SFT: rows of seq_len + 1 tokens holding whole
+// examples; inputs and targets are shifted by one, targets are -1 wherever the next token is
+// not scored (prompts, role markers, padding), positions restart at each example and segment
+// ids keep packed examples from attending to each other. Rows are drawn uniformly.
+class ChatSampler : public BatchSource {
+ public:
+  ChatSampler(std::shared_ptr<const std::vector<data::PackedRow>> rows, uint64_t seed)
+      : BatchSource(seed), rows_(std::move(rows)) {}
+  TrainBatch Next(int64_t batch) override;
+
+ private:
+  std::shared_ptr<const std::vector<data::PackedRow>> rows_;
 };
 
 // Loss and scores of one batch: mean cross-entropy (decoder, multi-class encoder) or binary
@@ -129,6 +145,7 @@ class Trainer {
       : spec_(std::move(spec)), options_(std::move(options)) {}
   absl::Status Setup(const PluginLoader& loader);
   absl::Status SetupData();
+  absl::Status SetupChatData();  // sft: packed conversations (data/chat.h)
   absl::Status Restore(const std::string& where, bool weights_only);
   absl::StatusOr<std::string> SaveCheckpoint();
   absl::Status BroadcastOwnedParameters();

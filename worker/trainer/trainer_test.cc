@@ -163,6 +163,50 @@ TEST_F(TrainerTest, CudaRequestWithoutCudaIsAClearError) {
   EXPECT_NE(t.status().message().find("device: cuda requested"), std::string::npos) << t.status();
 }
 
+// SFT on the built-in reasoning conversations (kind sft, data.source chat): packed rows with
+// only assistant tokens scored, and the held-out loss falls.
+TEST_F(TrainerTest, SftOnBuiltInReasoningLearns) {
+  auto t = Trainer::Create(Spec(R"({"preset": "micro", "kind": "sft", "model": {"vocab_size": 260},
+      "data": {"source": "chat", "task": "arithmetic", "task_options": {"count": "400"}},
+      "seq_len": 128, "steps": 60, "micro_batch": 8, "eval": {"batches": 4}})"),
+                           loader_, {});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto summary = (*t)->Run();
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_LT(summary->last_eval_loss, summary->first_eval_loss - 2.0)
+      << summary->first_eval_loss << " -> " << summary->last_eval_loss;
+}
+
+TEST(ChatSampler, ScoresOnlyAssistantTokensAndRestartsPositions) {
+  data::ChatTemplate chat;
+  data::Conversation a{{{data::Role::kUser, "q1"}, {data::Role::kAssistant, "a1"}}};
+  data::Conversation b{{{data::Role::kUser, "q22"}, {data::Role::kAssistant, "b"}}};
+  auto rows = std::make_shared<const std::vector<data::PackedRow>>(data::Pack(
+      {data::EncodeChat(a, chat, data::EncodeBytes), data::EncodeChat(b, chat, data::EncodeBytes)},
+      17, 0));
+  ASSERT_EQ(rows->size(), 1u);
+  ChatSampler sampler(rows, 1);
+  TrainBatch batch = sampler.Next(2);
+  ASSERT_EQ(batch.inputs.sizes(), (std::vector<int64_t>{2, 16}));
+  // a: <user> q 1 <end> <assistant> a 1 <end>  (8 tokens, the last 3 scored)
+  // b: <user> q 2 2 <end> <assistant> b <end>  (8 tokens, the last 2 scored); 1 padding token.
+  const std::vector<int64_t> targets = {-1, -1, -1, -1, 'a', '1', chat.end(), -1,
+                                        -1, -1, -1, -1, -1,  'b', chat.end(), -1};
+  const std::vector<int64_t> positions = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7};
+  const std::vector<int64_t> segments = {1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2};
+  for (int64_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(std::vector<int64_t>(batch.targets[r].data_ptr<int64_t>(),
+                                   batch.targets[r].data_ptr<int64_t>() + 16),
+              targets);
+    EXPECT_EQ(std::vector<int64_t>(batch.positions[r].data_ptr<int64_t>(),
+                                   batch.positions[r].data_ptr<int64_t>() + 16),
+              positions);
+    EXPECT_EQ(std::vector<int64_t>(batch.segments[r].data_ptr<int64_t>(),
+                                   batch.segments[r].data_ptr<int64_t>() + 16),
+              segments);
+  }
+}
+
 TEST(Schedule, WarmupThenCosine) {
   v1::OptimizerConfig o;
   o.set_lr(1e-3);
