@@ -1,5 +1,5 @@
 # Two entry points for newcomers (see README.md):
-#   make demo   loom up (local coordinator + worker) and a tiny IHA pretraining job on CPU
+#   make demo   loom up (local coordinator + worker): tiny IHA pretraining, then SFT from it, on CPU
 #   make test   builds everything and runs the whole ctest suite
 # Both install missing Debian packages and build what is missing first.
 
