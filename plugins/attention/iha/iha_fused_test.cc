@@ -102,51 +102,47 @@ TEST(IhaFusedTest, LinearScoresAndLongerSequences) {
                          11);
 }
 
-TEST(IhaFusedTest, Float32AgreesWithFloat64) {
-  torch::manual_seed(3);
-  const int64_t b = 2, n = 40, h = 4, d = 8, p = 2;
-  torch::Tensor q = torch::randn({b, n, h, d}, torch::kFloat64), k = torch::randn_like(q),
-                v = torch::randn_like(q);
-  torch::Tensor a = torch::randn({h, h, p}, torch::kFloat64) / 2;
+// Random float64 inputs for one head layout, shared alpha, windowed RoPE IHA.
+struct RandomInputs {
+  torch::Tensor q, k, v, a, positions;
   Options o;
-  o.p = p;
-  o.window = 6;
-  o.rope_theta = 10000;
-  torch::Tensor positions = torch::arange(n, torch::kInt64);
-  torch::Tensor ref = PseudoOutputs(q, k, v, a, a, a, positions, o);
-  torch::Tensor got = FusedPseudoOutputs(
-      q.to(torch::kFloat32), k.to(torch::kFloat32), v.to(torch::kFloat32), a.to(torch::kFloat32),
-      a.to(torch::kFloat32), a.to(torch::kFloat32), positions, o);
+};
+RandomInputs MakeInputs(uint64_t seed, int64_t n, int64_t p, int64_t window) {
+  torch::manual_seed(seed);
+  const int64_t b = 2, h = 4, d = 8;
+  RandomInputs in;
+  in.q = torch::randn({b, n, h, d}, torch::kFloat64);
+  in.k = torch::randn_like(in.q);
+  in.v = torch::randn_like(in.q);
+  in.a = torch::randn({h, h, p}, torch::kFloat64) / 2;
+  in.positions = torch::arange(n, torch::kInt64);
+  in.o.p = p;
+  in.o.window = window;
+  in.o.rope_theta = 10000;
+  return in;
+}
+
+TEST(IhaFusedTest, Float32AgreesWithFloat64) {
+  RandomInputs in = MakeInputs(3, 40, 2, 6);
+  torch::Tensor ref = PseudoOutputs(in.q, in.k, in.v, in.a, in.a, in.a, in.positions, in.o);
+  auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat32); };
+  torch::Tensor got = FusedPseudoOutputs(f32(in.q), f32(in.k), f32(in.v), f32(in.a), f32(in.a),
+                                         f32(in.a), in.positions, in.o);
   EXPECT_EQ(got.scalar_type(), torch::kFloat32);
   EXPECT_LT((got.to(torch::kFloat64) - ref).abs().max().item<double>(), 1e-4);
 }
-
-}  // namespace
-}  // namespace loom::attention::iha
-
-namespace loom::attention::iha {
-namespace {
 
 // CUDA tensors through the same kernel (its tile operations are LibTorch ops): the result must
 // match the float64 reference computed on the CPU. Skips where no GPU is visible.
 TEST(IhaFusedTest, CudaTensorsMatchTheCpuReference) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  torch::manual_seed(5);
-  const int64_t b = 2, n = 37, h = 4, d = 8, p = 3;
-  torch::Tensor q = torch::randn({b, n, h, d}, torch::kFloat64), k = torch::randn_like(q),
-                v = torch::randn_like(q);
-  torch::Tensor a = torch::randn({h, h, p}, torch::kFloat64) / 2;
-  Options o;
-  o.p = p;
-  o.window = 5;
-  o.rope_theta = 10000;
-  torch::Tensor positions = torch::arange(n, torch::kInt64);
-  torch::Tensor ref = PseudoOutputs(q, k, v, a, a, a, positions, o);
+  RandomInputs in = MakeInputs(5, 37, 3, 5);
+  torch::Tensor ref = PseudoOutputs(in.q, in.k, in.v, in.a, in.a, in.a, in.positions, in.o);
   auto cuda = [](const torch::Tensor& t) { return t.to(torch::kCUDA); };
   FusedOptions f;
   f.tile_tokens = 8;
-  torch::Tensor got =
-      FusedPseudoOutputs(cuda(q), cuda(k), cuda(v), cuda(a), cuda(a), cuda(a), positions, o, f);
+  torch::Tensor got = FusedPseudoOutputs(cuda(in.q), cuda(in.k), cuda(in.v), cuda(in.a), cuda(in.a),
+                                         cuda(in.a), in.positions, in.o, f);
   EXPECT_LT((got.cpu() - ref).abs().max().item<double>(), 1e-10);
 }
 
