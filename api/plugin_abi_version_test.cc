@@ -17,6 +17,7 @@ namespace {
 const std::map<unsigned, std::string> kDigests = {
     {1, "4095cc59aeb98f43"},
     {2, "55a1a3ceacf6c46a"},  // AttentionInputs.segments (packed sequences)
+    {3, "68f8e71e7a68cf30"},  // AttentionCache, NewCache / ForwardCached (KV-cache decoding)
 };
 
 // Drops // and /* */ comments, line continuations and all whitespace, so rewording a comment or

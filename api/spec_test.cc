@@ -107,6 +107,24 @@ TEST(JobSpec, BadSpecsNameTheField) {
        "model.mode"},  // encoder without a task
       {R"({"preset": "micro", "model": {"ffn_activation": "relu"}})", "model.ffn_activation"},
       {R"({"preset": "micro", "data": {"corpus_bytes": 10}})", "data.corpus_bytes"},
+      {R"({"kind": "eval"})", "model"},  // no model and no checkpoint to take it from
+      {R"({"preset": "micro", "kind": "eval", "steps": 5, "model": {"vocab_size": 260}})", "steps"},
+      {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "data": {"source": "corpus"}})",
+       "data"},
+      {R"({"preset": "micro", "kind": "eval"})", "model.vocab_size"},
+      {R"({"preset": "micro", "reasoning_eval": {}})", "reasoning_eval"},  // pretrain
+      {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "reasoning_eval": {"source": "gsm8k"}})",
+       "reasoning_eval.path"},
+      {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "reasoning_eval": {"source": "aime"}})",
+       "reasoning_eval.source"},
+      {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "reasoning_eval": {"samples": 5000}})",
+       "reasoning_eval.samples"},
+      {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "reasoning_eval": {"generation": {"top_p": 1.5}}})",
+       "reasoning_eval.generation.top_p"},
+      {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "reasoning_eval": {"generation": {"stop": [""]}}})",
+       "reasoning_eval.generation.stop"},
+      {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "reasoning_eval": {"when": "sometimes"}})",
+       "reasoning_eval.when"},
   };
   int rejected = 0;
   for (const Bad& b : cases) {
@@ -118,6 +136,40 @@ TEST(JobSpec, BadSpecsNameTheField) {
     ++rejected;
   }
   EXPECT_GE(rejected, 15);
+}
+
+TEST(JobSpec, EvalJobsAndReasoningEvalDefaults) {
+  auto eval = Resolve(R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}})");
+  ASSERT_TRUE(eval.ok()) << eval.status();
+  EXPECT_EQ(eval->steps(), 0);
+  const auto& r = eval->reasoning_eval();
+  EXPECT_EQ(r.source(), "builtin");
+  EXPECT_EQ(r.task(), "mixed");
+  EXPECT_EQ(r.problems(), 64);
+  EXPECT_EQ(r.samples(), 16);
+  EXPECT_EQ(r.answer_style(), "gsm8k");
+  EXPECT_DOUBLE_EQ(r.generation().temperature(), 0.6);  // the paper's evaluation
+  EXPECT_EQ(r.generation().seed(), eval->seed());
+  auto sft = Resolve(R"({"preset": "micro", "kind": "sft", "model": {"vocab_size": 260},
+      "data": {"source": "chat", "task": "arithmetic", "task_options": {"ops": 1}}})");
+  ASSERT_TRUE(sft.ok()) << sft.status();
+  EXPECT_EQ(sft->reasoning_eval().when(), "end");
+  EXPECT_EQ(sft->reasoning_eval().task(), "arithmetic");  // evaluates what it trained on
+  EXPECT_EQ(sft->reasoning_eval().ops(), "1");
+  auto math = Resolve(R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260},
+      "reasoning_eval": {"source": "math500", "path": "m.jsonl"}})");
+  ASSERT_TRUE(math.ok()) << math.status();
+  EXPECT_EQ(math->reasoning_eval().answer_style(), "math");
+  // The model of an eval job can come from a checkpoint manifest's recorded spec.
+  v1::JobSpec spec;
+  spec.set_kind("eval");
+  ASSERT_TRUE(
+      FillModelFromManifest(&spec, R"({"state": {"spec": "{\"model\": {\"d_model\": 64}}"}})", "m")
+          .ok());
+  EXPECT_EQ(spec.model().d_model(), 64);
+  v1::JobSpec other;
+  other.set_kind("eval");
+  EXPECT_FALSE(FillModelFromManifest(&other, R"({"state": {}})", "m").ok());
 }
 
 TEST(JobSpec, YamlIsTheSameSpec) {

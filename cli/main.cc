@@ -209,6 +209,15 @@ class Cli {
               << job.progress().total_steps() << ", loss "
               << absl::StrFormat("%.4f", job.progress().loss()) << "\n";
     for (const auto& e : job.evals()) {
+      if (e.kind() == "reasoning") {
+        std::cout << absl::StrFormat(
+            "  reasoning eval at step %d (%s, %d problems x %d samples): Pass@1 %.3f  Maj@%d %.3f  "
+            "answered %.3f\n",
+            e.step(), e.task(), e.problems(), e.samples(), e.pass_at_1(), e.samples(), e.maj_at_k(),
+            e.answered());
+        if (!e.details().empty()) std::cout << "    samples: " << e.details() << "\n";
+        continue;
+      }
       std::cout << absl::StrFormat(
           "  eval at step %d: loss %.4f  accuracy %.3f  exact match %.3f\n", e.step(),
           e.eval_loss(), e.accuracy(), e.exact_match());

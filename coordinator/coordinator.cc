@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -268,6 +269,26 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   v1::JobSpec unresolved = request.spec();
   const bool default_dir = unresolved.checkpoint().dir().empty();
   if (default_dir) unresolved.mutable_checkpoint()->set_dir("jobs/pending/checkpoints");
+  if (unresolved.kind() == "eval" && !unresolved.has_model() && !request.init_from().empty()) {
+    // An eval job that leaves the model out takes it from its checkpoint's recorded spec.
+    std::string path;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = checkpoints_.find(request.init_from());
+      if (it != checkpoints_.end()) path = it->second.path();
+    }
+    if (!path.empty()) {
+      std::ifstream in(fs::path(path) / "manifest.json");
+      std::stringstream text;
+      text << in.rdbuf();
+      if (in) {
+        if (absl::Status s = FillModelFromManifest(&unresolved, text.str(), "init_from manifest");
+            !s.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat("spec.", s.message()));
+        }
+      }
+    }
+  }
   auto resolved = ResolveJobSpec(unresolved);
   if (!resolved.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("spec.", resolved.status().message()));
@@ -627,7 +648,8 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
       for (const auto& ev : r.evals()) {
         bool seen = false;
         for (const auto& have : job.evals()) {
-          seen |= have.step() == ev.step() && have.attempt() == ev.attempt();
+          seen |=
+              have.step() == ev.step() && have.attempt() == r.attempt() && have.kind() == ev.kind();
         }
         if (!seen) {
           *job.add_evals() = ev;

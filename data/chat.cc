@@ -1,12 +1,16 @@
 #include "chat.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -201,8 +205,8 @@ std::string Thought(const std::vector<std::string>& steps, const std::string& an
                       answer, "\n<|end_of_solution|>");
 }
 
-ReasoningExample Arithmetic(std::mt19937_64& rng) {
-  std::uniform_int_distribution<int> ops(2, 4), num(1, 9), op(0, 2);
+ReasoningExample Arithmetic(std::mt19937_64& rng, const ReasoningOptions& o) {
+  std::uniform_int_distribution<int> ops(o.min_ops, o.max_ops), num(1, 9), op(0, 2);
   const int n = ops(rng);
   int64_t value = num(rng);
   std::string expr = std::to_string(value);
@@ -226,13 +230,15 @@ ReasoningExample Arithmetic(std::mt19937_64& rng) {
   return ex;
 }
 
-ReasoningExample RelationChain(std::mt19937_64& rng) {
+ReasoningExample RelationChain(std::mt19937_64& rng, const ReasoningOptions& o) {
   std::vector<std::string> names = {"ada", "bo",  "cy",  "di", "ed",  "flo",
                                     "gus", "hal", "ivy", "jo", "kim", "lu"};
   std::shuffle(names.begin(), names.end(), rng);
-  std::uniform_int_distribution<int> len(3, 6);
+  std::uniform_int_distribution<int> len(o.relation_hops_set ? std::max(3, o.min_ops + 1) : 3, 6);
   const int n = len(rng);  // chain names[0] -> names[1] -> ... (parent of the next)
-  std::uniform_int_distribution<int> hops_d(2, n - 1);
+  std::uniform_int_distribution<int> hops_d(
+      o.relation_hops_set ? o.min_ops : 2,
+      o.relation_hops_set ? std::min(o.max_ops, n - 1) : n - 1);
   const int hops = hops_d(rng);
   std::vector<std::string> facts;
   for (int i = 0; i + 1 < n; ++i)
@@ -259,13 +265,43 @@ ReasoningExample RelationChain(std::mt19937_64& rng) {
 
 }  // namespace
 
+bool IsHeldOutProblem(std::string_view prompt) {
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a
+  for (unsigned char c : prompt) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h % 8 == 0;
+}
+
+absl::StatusOr<ReasoningOptions> ParseReasoningOps(std::string_view text) {
+  ReasoningOptions o;
+  o.relation_hops_set = true;
+  const std::string s(text);
+  const size_t dash = s.find('-');
+  const bool ok = dash == std::string::npos
+                      ? absl::SimpleAtoi(s, &o.min_ops) && absl::SimpleAtoi(s, &o.max_ops)
+                      : absl::SimpleAtoi(s.substr(0, dash), &o.min_ops) &&
+                            absl::SimpleAtoi(s.substr(dash + 1), &o.max_ops);
+  if (!ok || o.min_ops < 1 || o.max_ops > 8 || o.min_ops > o.max_ops) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("task_options.ops: '", s, "' is not N or A-B with 1 <= A <= B <= 8"));
+  }
+  return o;
+}
+
 std::vector<ReasoningExample> GenerateReasoning(const std::string& kind, int64_t count,
-                                                uint64_t seed) {
+                                                uint64_t seed, ReasoningSplit split,
+                                                ReasoningOptions options) {
   std::mt19937_64 rng(seed);
   std::vector<ReasoningExample> out;
-  for (int64_t i = 0; i < count; ++i) {
-    const bool arithmetic = kind == "arithmetic" || (kind == "mixed" && i % 2 == 0);
-    out.push_back(arithmetic ? Arithmetic(rng) : RelationChain(rng));
+  const bool want_held_out = split == ReasoningSplit::kHeldOut;
+  for (int64_t i = 0; static_cast<int64_t>(out.size()) < count; ++i) {
+    const bool arithmetic =
+        kind == "arithmetic" || (kind == "mixed" && static_cast<int64_t>(out.size()) % 2 == 0);
+    ReasoningExample ex = arithmetic ? Arithmetic(rng, options) : RelationChain(rng, options);
+    if (IsHeldOutProblem(ex.conversation.turns.front().text) == want_held_out)
+      out.push_back(std::move(ex));
   }
   return out;
 }
@@ -300,16 +336,63 @@ std::optional<std::string> ExtractAnswer(std::string_view text, std::string_view
   return ans;
 }
 
+namespace {
+
+std::string NormaliseAnswer(std::string_view text) {
+  std::string s;
+  for (char c : text)
+    if (!std::isspace(static_cast<unsigned char>(c))) s += c;
+  if (s.size() >= 2 && s.front() == '$' && s.back() == '$') s = s.substr(1, s.size() - 2);
+  while (!s.empty() && s.back() == '.') s.pop_back();
+  // Thousands separators: "1,234" -> "1234" (a comma between digits only).
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    const bool between_digits = s[i] == ',' && i > 0 && i + 1 < s.size() &&
+                                std::isdigit(static_cast<unsigned char>(s[i - 1])) &&
+                                std::isdigit(static_cast<unsigned char>(s[i + 1]));
+    if (!between_digits) out += s[i];
+  }
+  return out;
+}
+
+std::optional<double> ParseNumber(const std::string& s) {
+  if (s.empty() || s.size() > 64) return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size() || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+}  // namespace
+
+bool AnswersMatch(std::string_view answer, std::string_view reference) {
+  const std::string a = NormaliseAnswer(answer), r = NormaliseAnswer(reference);
+  if (a.empty() || r.empty()) return false;
+  const auto x = ParseNumber(a), y = ParseNumber(r);
+  if (x && y) return std::abs(*x - *y) <= 1e-9 * std::max(1.0, std::abs(*y));
+  return a == r;
+}
+
 std::optional<std::string> MajorityVote(const std::vector<std::optional<std::string>>& answers) {
+  // Votes are counted per normalised answer ("42", "42.0" and " 42." are one answer); the winner
+  // is reported as its first spelling.
+  auto key = [](const std::string& a) {
+    const std::string n = NormaliseAnswer(a);
+    const auto v = ParseNumber(n);
+    return v ? absl::StrCat("#", *v) : n;
+  };
   std::map<std::string, int> counts;
+  std::map<std::string, std::string> spelling;
   std::optional<std::string> best;
   int best_count = 0;
   for (const auto& a : answers) {
     if (!a) continue;
-    const int c = ++counts[*a];
+    const std::string k = key(*a);
+    spelling.emplace(k, *a);
+    const int c = ++counts[k];
     if (c > best_count) {  // strictly more: the first to reach a count keeps a tie
       best_count = c;
-      best = *a;
+      best = spelling[k];
     }
   }
   return best;

@@ -101,15 +101,37 @@ struct ReasoningExample {
   Conversation conversation;
   std::string answer;
 };
+// Problems are split by a hash of their prompt text: one in eight belongs to the held-out split
+// that evaluation draws from, the rest to the training split, so no seed makes an evaluation
+// problem appear in training data.
+enum class ReasoningSplit { kTrain, kHeldOut };
+// Difficulty: arithmetic problems chain min_ops..max_ops operations (default 2..4); relation
+// questions go min_ops..max_ops generations up (default 2 .. chain length - 1) in chains of
+// 3..6 people.
+struct ReasoningOptions {
+  int min_ops = 2, max_ops = 4;
+  bool relation_hops_set = false;  // ParseReasoningOps sets it: ops also bounds relation hops
+};
+// "N" or "A-B" with 1 <= A <= B <= 8 (task option `ops`); errors name the option.
+absl::StatusOr<ReasoningOptions> ParseReasoningOps(std::string_view text);
 std::vector<ReasoningExample> GenerateReasoning(const std::string& kind, int64_t count,
-                                                uint64_t seed);
+                                                uint64_t seed,
+                                                ReasoningSplit split = ReasoningSplit::kTrain,
+                                                ReasoningOptions options = {});
+bool IsHeldOutProblem(std::string_view prompt);
 
 // Answer extraction. gsm8k: the text after the last "####" (commas removed, trimmed);
 // math: the content of the last \boxed{...} (nested braces kept); builtin: gsm8k's rule.
 // nullopt when the text has no answer (an unanswerable sample).
 std::optional<std::string> ExtractAnswer(std::string_view text, std::string_view style);
 
-// Majority vote over sampled answers: unanswerable samples (nullopt) do not vote; the most
+// Whether an extracted answer equals the reference: both are normalised (whitespace removed,
+// surrounding $...$ and a trailing period dropped, thousands commas removed); two numbers compare
+// numerically (relative 1e-9, so "42.0" = "42"), anything else as exact text.
+bool AnswersMatch(std::string_view answer, std::string_view reference);
+
+// Majority vote over sampled answers, counted per normalised answer (as AnswersMatch, so "42"
+// and "42.0" are one vote); unanswerable samples (nullopt) do not vote; the most
 // frequent answer wins; a tie goes to the answer that reached the top count first in sample
 // order (deterministic). nullopt when no sample has an answer.
 std::optional<std::string> MajorityVote(const std::vector<std::optional<std::string>>& answers);

@@ -149,6 +149,10 @@ void DeclareTrainMetrics(Registry& r) {
   r.DeclareGauge("loom_train_eval_accuracy_ratio", "Held-out accuracy over scored positions.");
   r.DeclareGauge("loom_train_eval_exact_match_ratio",
                  "Held-out share of examples with every scored position right.");
+  r.DeclareGauge("loom_train_reasoning_pass_at_1_ratio",
+                 "Reasoning eval: mean share of correct sampled answers per problem.");
+  r.DeclareGauge("loom_train_reasoning_maj_at_k_ratio",
+                 "Reasoning eval: share of problems whose majority answer is correct.");
   r.DeclareGauge("loom_train_learning_rate", "Learning rate of the last step.");
   r.DeclareGauge("loom_train_grad_norm", "Global gradient norm before clipping.");
   r.DeclareGauge("loom_train_tokens_per_second", "Training throughput of the last step.");

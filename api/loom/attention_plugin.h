@@ -58,12 +58,32 @@ struct AttentionInputs {
   torch::Tensor segments;
 };
 
+// What a layer keeps between incremental decoding calls (generation with a KV cache). Made by
+// the layer's NewCache(); only that layer knows its contents.
+class AttentionCache {
+ public:
+  virtual ~AttentionCache() = default;
+  // Tokens appended so far per row (sequence indices 0 .. tokens() - 1).
+  virtual int64_t tokens() const = 0;
+  // Bytes of tensor memory the cache holds now.
+  virtual int64_t bytes() const = 0;
+};
+
 class AttentionLayer : public torch::nn::Module {
  public:
   ~AttentionLayer() override = default;
 
   // x: [B, N, D] -> [B, N, D].
   virtual torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) = 0;
+
+  // Incremental decoding (causal layers only). An empty cache for any batch size.
+  virtual std::unique_ptr<AttentionCache> NewCache() const = 0;
+  // x: [B, T, D], the next T tokens of each row, at sequence indices cache.tokens() ..
+  // cache.tokens() + T - 1; inputs.positions [T] or [B, T]; inputs.segments [B, T] for all calls
+  // on a cache or none (left padding: pad tokens in their own segment). Returns what forward()
+  // over the whole sequence so far would return for these T rows, and appends them to the cache.
+  virtual torch::Tensor ForwardCached(const torch::Tensor& x, const AttentionInputs& inputs,
+                                      AttentionCache& cache) = 0;
 
   // Forward FLOPs per token (a multiply-add counts 2) for a sequence of `context` tokens,
   // averaged over the positions of that sequence: projections plus the score and value

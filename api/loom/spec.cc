@@ -339,6 +339,77 @@ absl::StatusOr<v1::JobSpec> ReadJobSpecFile(const std::string& path) {
   return spec;
 }
 
+namespace {
+
+absl::Status ResolveReasoningEval(v1::JobSpec& j) {
+  v1::ReasoningEvalConfig* r = j.mutable_reasoning_eval();
+  if (r->source().empty()) r->set_source("builtin");
+  const std::string& src = r->source();
+  if (src != "builtin" && src != "gsm8k" && src != "math500" && src != "chat") {
+    return SpecError("reasoning_eval.source",
+                     absl::StrCat("'", src, "' is not builtin | gsm8k | math500 | chat"));
+  }
+  if (src == "builtin") {
+    if (!r->path().empty())
+      return SpecError("reasoning_eval.path", "is for file sources (gsm8k | math500 | chat)");
+    if (r->task().empty()) {
+      const bool generated = j.kind() == "sft" && !j.data().task().empty();
+      r->set_task(generated ? j.data().task() : "mixed");
+    }
+    if (r->task() != "arithmetic" && r->task() != "relation" && r->task() != "mixed") {
+      return SpecError("reasoning_eval.task",
+                       absl::StrCat("'", r->task(), "' is not arithmetic | relation | mixed"));
+    }
+    if (r->problems() == 0) r->set_problems(64);
+    if (r->ops().empty() && j.kind() == "sft" && j.data().task_options().fields().count("ops")) {
+      const auto& v = j.data().task_options().fields().at("ops");
+      r->set_ops(v.has_number_value() ? absl::StrCat(static_cast<int64_t>(v.number_value()))
+                                      : v.string_value());
+    }
+  } else {
+    if (r->path().empty())
+      return SpecError("reasoning_eval.path", absl::StrCat("is required for source ", src));
+    if (!r->task().empty()) return SpecError("reasoning_eval.task", "is for source builtin");
+    if (!r->ops().empty()) return SpecError("reasoning_eval.ops", "is for source builtin");
+  }
+  if (r->problems() < 0 || r->problems() > 1000000)
+    return SpecError("reasoning_eval.problems", "must be in [0, 1000000] (0 = 64 or the file)");
+  if (r->samples() == 0) r->set_samples(16);
+  if (r->samples() < 1 || r->samples() > 1024)
+    return SpecError("reasoning_eval.samples", "must be in [1, 1024] (0 = 16)");
+  if (r->answer_style().empty()) r->set_answer_style(src == "math500" ? "math" : "gsm8k");
+  if (r->answer_style() != "gsm8k" && r->answer_style() != "math") {
+    return SpecError("reasoning_eval.answer_style",
+                     absl::StrCat("'", r->answer_style(), "' is not gsm8k | math"));
+  }
+  if (r->when().empty()) r->set_when("end");
+  if (r->when() != "end" && r->when() != "never") {
+    return SpecError("reasoning_eval.when", absl::StrCat("'", r->when(), "' is not end | never"));
+  }
+  v1::GenerationConfig* g = r->mutable_generation();
+  if (g->temperature() == 0) g->set_temperature(0.6);
+  if (!InRange(g->temperature(), 1e-6, 100))
+    return SpecError("reasoning_eval.generation.temperature", "must be in (0, 100] (0 = 0.6)");
+  if (g->top_p() == 0) g->set_top_p(1.0);
+  if (!InRange(g->top_p(), 1e-9, 1))
+    return SpecError("reasoning_eval.generation.top_p", "must be in (0, 1] (0 = 1)");
+  if (g->max_new_tokens() == 0) g->set_max_new_tokens(256);
+  if (g->max_new_tokens() < 1 || g->max_new_tokens() > (int64_t{1} << 20))
+    return SpecError("reasoning_eval.generation.max_new_tokens", "must be in [1, 2^20] (0 = 256)");
+  if (g->stop_size() > 16) return SpecError("reasoning_eval.generation.stop", "at most 16 strings");
+  for (const std::string& s : g->stop()) {
+    if (s.empty() || s.size() > 256)
+      return SpecError("reasoning_eval.generation.stop", "each string is 1..256 bytes");
+  }
+  if (g->seed() == 0) g->set_seed(j.seed());
+  if (g->batch() == 0) g->set_batch(16);
+  if (g->batch() < 1 || g->batch() > 4096)
+    return SpecError("reasoning_eval.generation.batch", "must be in [1, 4096] (0 = 16)");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   v1::JobSpec j;
   if (!in.preset().empty()) {
@@ -355,9 +426,26 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     j.mutable_optimizer()->set_warmup_steps(PresetWarmup(j.optimizer().warmup_steps(), j.steps()));
   }
   if (j.kind().empty()) j.set_kind("pretrain");
-  if (j.kind() != "pretrain" && j.kind() != "sft")
-    return SpecError("kind", absl::StrCat("'", j.kind(), "' is not pretrain | sft"));
-  if (!j.has_model()) return SpecError("model", "is required (or set preset)");
+  if (j.kind() != "pretrain" && j.kind() != "sft" && j.kind() != "eval")
+    return SpecError("kind", absl::StrCat("'", j.kind(), "' is not pretrain | sft | eval"));
+  const bool eval_job = j.kind() == "eval";
+  if (!j.has_model()) {
+    return SpecError("model", eval_job ? "is required (eval jobs take it from their init-from "
+                                         "checkpoint when it is left out)"
+                                       : "is required (or set preset)");
+  }
+  if (eval_job) {
+    // Eval jobs only generate: no steps; the training fields get harmless defaults.
+    if (in.steps() != 0) return SpecError("steps", "eval jobs do not train; leave steps at 0");
+    j.set_steps(0);
+    j.mutable_optimizer()->set_warmup_steps(0);
+    if (in.has_data()) return SpecError("data", "eval jobs read reasoning_eval, not data");
+    j.clear_data();
+    if (j.micro_batch() == 0) j.set_micro_batch(1);
+    if (j.seq_len() == 0) j.set_seq_len(std::max<int64_t>(1, j.model().max_seq_len()));
+    if (j.optimizer().lr() == 0) j.mutable_optimizer()->set_lr(1e-3);
+    if (!j.has_reasoning_eval()) j.mutable_reasoning_eval();
+  }
   auto model = ResolveModelConfig(j.model());
   if (!model.ok()) return model.status();
   if (model->mode() != "decoder" && in.data().source() != "task" && j.data().source() != "task") {
@@ -377,12 +465,13 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     return SpecError("seq_len",
                      absl::StrCat(j.seq_len(), " exceeds model.max_seq_len ", m.max_seq_len()));
   }
-  if (j.steps() <= 0 || j.steps() > 1000000000) return SpecError("steps", "must be in [1, 1e9]");
+  if (!eval_job && (j.steps() <= 0 || j.steps() > 1000000000))
+    return SpecError("steps", "must be in [1, 1e9]");
 
   v1::OptimizerConfig* o = j.mutable_optimizer();
   if (!InRange(o->lr(), 1e-12, 10)) return SpecError("optimizer.lr", "must be in (0, 10]");
   if (!InRange(o->min_lr(), 0, o->lr())) return SpecError("optimizer.min_lr", "must be in [0, lr]");
-  if (o->warmup_steps() < 0 || o->warmup_steps() > j.steps()) {
+  if (o->warmup_steps() < 0 || o->warmup_steps() > std::max<int64_t>(j.steps(), 0)) {
     return SpecError("optimizer.warmup_steps",
                      absl::StrCat("must be in [0, steps = ", j.steps(), "]"));
   }
@@ -402,7 +491,7 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     return SpecError("data.source",
                      absl::StrCat("'", d->source(), "' is not corpus | shards | task | chat"));
   }
-  if ((j.kind() == "sft") != (d->source() == "chat")) {
+  if (!eval_job && (j.kind() == "sft") != (d->source() == "chat")) {
     return SpecError("kind", "sft jobs train on data.source chat, and chat data is for sft jobs");
   }
   if (d->source() == "chat") {
@@ -499,6 +588,17 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (j.dist_bucket_bytes() < 1024 || j.dist_bucket_bytes() > (int64_t{1} << 32)) {
     return SpecError("dist_bucket_bytes", "must be in 1024..4294967296 (0 = 25 MiB)");
   }
+  if (j.kind() == "pretrain" && j.has_reasoning_eval()) {
+    return SpecError("reasoning_eval",
+                     "is for sft and eval jobs (pretrained models have no chat "
+                     "template yet)");
+  }
+  if (j.kind() != "pretrain") {
+    if (m.vocab_size() < 260) {
+      return SpecError("model.vocab_size", "chat models need 260 (256 bytes + 4 role tokens)");
+    }
+    LOOM_RETURN_IF_ERROR(ResolveReasoningEval(j));
+  }
   if (j.dist_backend().empty()) j.set_dist_backend("auto");
   if (j.dist_backend() != "auto" && j.dist_backend() != "gloo" && j.dist_backend() != "mpi" &&
       j.dist_backend() != "nccl") {
@@ -506,6 +606,24 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
                      absl::StrCat("'", j.dist_backend(), "' is not auto | gloo | nccl | mpi"));
   }
   return j;
+}
+
+absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifest_json,
+                                   const std::string& source) {
+  if (spec->kind() != "eval" || spec->has_model() || !spec->preset().empty())
+    return absl::OkStatus();
+  const nlohmann::json m =
+      nlohmann::json::parse(manifest_json, nullptr, /*allow_exceptions=*/false);
+  if (!m.is_object() || !m.contains("state") || !m["state"].is_object() ||
+      !m["state"].contains("spec") || !m["state"]["spec"].is_string()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: ", source, " records no job spec to take the model from; give model or preset"));
+  }
+  v1::JobSpec recorded;
+  LOOM_RETURN_IF_ERROR(
+      ParseJsonMessage(m["state"]["spec"].get<std::string>(), source + " (spec)", &recorded));
+  *spec->mutable_model() = recorded.model();
+  return absl::OkStatus();
 }
 
 std::string ModelHash(const v1::JobSpec& resolved) {

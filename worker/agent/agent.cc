@@ -347,6 +347,21 @@ void Agent::Poll() {
         registry_.Set("loom_train_eval_loss", num("eval_loss"), labels);
         registry_.Set("loom_train_eval_accuracy_ratio", num("accuracy"), labels);
         registry_.Set("loom_train_eval_exact_match_ratio", num("exact_match"), labels);
+      } else if (event == "reasoning_eval") {
+        v1::EvalResult e;
+        e.set_kind("reasoning");
+        e.set_step(static_cast<int64_t>(num("step")));
+        if (j.contains("task") && j["task"].is_string()) e.set_task(j["task"].get<std::string>());
+        e.set_problems(static_cast<int64_t>(num("problems")));
+        e.set_samples(static_cast<int32_t>(num("samples")));
+        e.set_pass_at_1(num("pass_at_1"));
+        e.set_maj_at_k(num("maj_at_k"));
+        e.set_answered(num("answered"));
+        if (j.contains("details") && j["details"].is_string())
+          e.set_details(j["details"].get<std::string>());
+        a.evals.push_back(e);
+        registry_.Set("loom_train_reasoning_pass_at_1_ratio", num("pass_at_1"), labels);
+        registry_.Set("loom_train_reasoning_maj_at_k_ratio", num("maj_at_k"), labels);
       }
     }
     a.metrics_partial.erase(0, start);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "attention_factory.h"
+#include "checkpoint.h"
 #include "corpus.h"
 #include "devices.h"
 #include "loom/cli_args.h"
@@ -178,6 +180,22 @@ absl::StatusOr<v1::JobSpec> JobFromArgs(const CliArgs& args) {
   }
   if (args.Has("metrics-jsonl")) spec.mutable_metrics()->set_jsonl(args.Get("metrics-jsonl"));
   if (args.Has("name")) spec.set_name(args.Get("name"));
+  if (spec.kind() == "eval" && !spec.has_model() && args.Has("init-from")) {
+    // The model of an eval job comes from the checkpoint when the spec leaves it out.
+    std::string dir = args.Get("init-from");
+    if (!std::filesystem::exists(std::filesystem::path(dir) / "manifest.json")) {
+      LOOM_ASSIGN_OR_RETURN(auto refs, storage::ListCheckpoints(dir));
+      if (refs.empty())
+        return absl::NotFoundError(absl::StrCat("--init-from: no checkpoint in ", dir));
+      dir = refs.back().dir;
+    }
+    const std::string manifest = (std::filesystem::path(dir) / "manifest.json").string();
+    std::ifstream in(manifest);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in) return absl::NotFoundError(absl::StrCat("--init-from: cannot read ", manifest));
+    LOOM_RETURN_IF_ERROR(FillModelFromManifest(&spec, text.str(), manifest));
+  }
   return ResolveJobSpec(spec);
 }
 

@@ -47,6 +47,18 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const AttentionInputs& 
   return h + ffn_(ffn_norm_(h));
 }
 
+torch::Tensor BlockImpl::ForwardCached(const torch::Tensor& x, const AttentionInputs& inputs,
+                                       AttentionCache& cache) {
+  torch::Tensor h = x + attention_->ForwardCached(attention_norm_(x), inputs, cache);
+  return h + ffn_(ffn_norm_(h));
+}
+
+int64_t DecodeState::bytes() const {
+  int64_t total = 0;
+  for (const auto& c : caches) total += c->bytes();
+  return total;
+}
+
 absl::StatusOr<std::shared_ptr<Transformer>> Transformer::Create(const v1::ModelConfig& config,
                                                                  const PluginLoader& loader) {
   LOOM_ASSIGN_OR_RETURN(v1::ModelConfig c, ResolveModelConfig(config));
@@ -122,6 +134,35 @@ torch::Tensor Transformer::forward(const ModelInputs& in) {
   h = final_norm_(h);
   if (head_) return head_(h);
   return torch::nn::functional::linear(h, embed_->weight);  // tied LM head
+}
+
+DecodeState Transformer::NewDecodeState() const {
+  DecodeState state;
+  for (const Block& block : blocks_) state.caches.push_back(block->attention().NewCache());
+  return state;
+}
+
+torch::Tensor Transformer::ForwardCached(const ModelInputs& in, DecodeState& state) {
+  TORCH_CHECK(config_.mode() == "decoder", "model: generation needs a decoder");
+  TORCH_CHECK(in.tokens.dim() == 2, "model: tokens must be [B, N], got ", in.tokens.sizes());
+  TORCH_CHECK(state.caches.size() == blocks_.size(), "model: decode state of ", state.caches.size(),
+              " layers for a model of ", blocks_.size());
+  const int64_t start = state.tokens(), length = in.tokens.size(1);
+  TORCH_CHECK(start + length <= config_.max_seq_len(), "model: ", start + length,
+              " tokens exceed max_seq_len ", config_.max_seq_len());
+  torch::Tensor h = embed_(in.tokens);
+  AttentionInputs attention_inputs;
+  attention_inputs.positions =
+      in.positions.defined()
+          ? in.positions
+          : torch::arange(start, start + length,
+                          torch::TensorOptions().dtype(torch::kInt64).device(h.device()));
+  attention_inputs.segments = in.segments;
+  for (size_t i = 0; i < blocks_.size(); ++i)
+    h = blocks_[i]->ForwardCached(h, attention_inputs, *state.caches[i]);
+  h = final_norm_(h);
+  if (head_) return head_(h);
+  return torch::nn::functional::linear(h, embed_->weight);
 }
 
 int64_t Transformer::NumParameters() const {

@@ -49,6 +49,8 @@ class BlockImpl : public torch::nn::Module {
   BlockImpl(int64_t d_model, int64_t ffn_hidden, bool swiglu, double eps,
             AttentionLayerPtr attention);
   torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs);
+  torch::Tensor ForwardCached(const torch::Tensor& x, const AttentionInputs& inputs,
+                              AttentionCache& cache);
   const AttentionLayer& attention() const { return *attention_; }
   const FeedForwardImpl& ffn() const { return *ffn_; }
 
@@ -67,6 +69,13 @@ struct ModelInputs {
   torch::Tensor segments;  // packed examples: int [B, N] segment ids (attention stays inside one)
 };
 
+// Incremental decoding state of a decoder: one attention cache per layer.
+struct DecodeState {
+  std::vector<std::unique_ptr<AttentionCache>> caches;
+  int64_t tokens() const { return caches.empty() ? 0 : caches.front()->tokens(); }
+  int64_t bytes() const;
+};
+
 class Transformer : public torch::nn::Module {
  public:
   // Builds the model, creating one attention layer per schedule entry from `loader`'s plugins.
@@ -76,6 +85,12 @@ class Transformer : public torch::nn::Module {
 
   // Returns logits [B, N, vocab] (decoder) or [B, N, num_classes] (encoder).
   torch::Tensor forward(const ModelInputs& inputs);
+
+  // Generation: an empty state, then logits [B, T, vocab] for the next T tokens of each row given
+  // the tokens the state has seen (equal to forward() over the whole prefix); appends them.
+  // inputs.positions default to the state's token count + 0..T-1.
+  DecodeState NewDecodeState() const;
+  torch::Tensor ForwardCached(const ModelInputs& inputs, DecodeState& state);
 
   const v1::ModelConfig& config() const { return config_; }
   int64_t NumParameters() const;

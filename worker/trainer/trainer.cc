@@ -247,7 +247,7 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   optimizer_ = std::make_unique<AdamW>(
       params, AdamWConfig{o.beta1(), o.beta2(), o.eps(), o.weight_decay()}, owns);
 
-  LOOM_RETURN_IF_ERROR(SetupData());
+  if (spec_.kind() != "eval") LOOM_RETURN_IF_ERROR(SetupData());  // eval jobs only generate
   model_hash_ = ModelHash(spec_);
   spec_hash_ = SpecHash(spec_);
   forward_flops_per_token_ = model_->ForwardFlopsPerToken(spec_.seq_len());
@@ -407,7 +407,12 @@ absl::Status Trainer::SetupChatData() {
         (!absl::SimpleAtoi(opt["count"], &count) || count < 10 || count > 10000000)) {
       return absl::InvalidArgumentError("data.task_options.count: an integer in 10..10000000");
     }
-    for (auto& ex : data::GenerateReasoning(d.task(), count, d.seed())) {
+    data::ReasoningOptions difficulty;
+    if (opt.count("ops")) {
+      LOOM_ASSIGN_OR_RETURN(difficulty, data::ParseReasoningOps(opt["ops"]));
+    }
+    for (auto& ex : data::GenerateReasoning(d.task(), count, d.seed(), data::ReasoningSplit::kTrain,
+                                            difficulty)) {
       conversations.push_back(std::move(ex.conversation));
     }
   }
@@ -668,8 +673,66 @@ void Trainer::WriteJsonl(const std::string& json) {
   if (jsonl_.is_open()) jsonl_ << json << "\n" << std::flush;
 }
 
+absl::Status Trainer::ReasoningEvaluate(TrainSummary* summary) {
+  if (comm_->rank() != 0) return absl::OkStatus();
+  const v1::ReasoningEvalConfig& c = spec_.reasoning_eval();
+  LOOM_ASSIGN_OR_RETURN(std::vector<EvalProblem> problems, LoadEvalProblems(c));
+  LogLine(absl::StrFormat(
+      "reasoning eval at step %d: %d problems (%s) x %d samples, %s, max %d new tokens", step_,
+      problems.size(), c.source() == "builtin" ? "builtin:" + c.task() : c.path(), c.samples(),
+      c.generation().greedy() ? std::string("greedy")
+                              : absl::StrFormat("T = %g, top-p %g", c.generation().temperature(),
+                                                c.generation().top_p()),
+      c.generation().max_new_tokens()));
+  LOOM_ASSIGN_OR_RETURN(ReasoningEvalSummary s, RunReasoningEval(*model_, problems, c));
+  summary->reasoning_pass_at_1 = s.pass_at_1;
+  summary->reasoning_maj_at_k = s.maj_at_k;
+  summary->reasoning_answered = s.answered;
+  // Every sample and vote, next to the checkpoints (or the metrics log) for inspection.
+  std::string dir = spec_.checkpoint().dir();
+  if (dir.empty() && !spec_.metrics().jsonl().empty())
+    dir = fs::path(spec_.metrics().jsonl()).parent_path().string();
+  if (!dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    const std::string path =
+        (fs::path(dir) / absl::StrFormat("reasoning-eval-step-%08d.json", step_)).string();
+    std::ofstream out(path, std::ios::trunc);
+    out << ReasoningEvalJson(s, step_, true) << "\n";
+    if (out.good()) summary->reasoning_details = path;
+  }
+  std::string line = ReasoningEvalJson(s, step_, false);
+  if (!summary->reasoning_details.empty()) {
+    line.pop_back();  // '}'
+    line += absl::StrCat(",\"details\":", JsonString(summary->reasoning_details), "}");
+  }
+  WriteJsonl(line);
+  registry_.Set("loom_train_reasoning_pass_at_1_ratio", s.pass_at_1, labels_);
+  registry_.Set("loom_train_reasoning_maj_at_k_ratio", s.maj_at_k, labels_);
+  LogLine(absl::StrFormat(
+      "reasoning eval at step %d: Pass@1 %.4f  Maj@%d %.4f  answered %.3f  (%d problems, %d "
+      "skipped; %d tokens in %.1f s, %.0f tok/s, KV cache peak %.1f MiB)%s",
+      step_, s.pass_at_1, s.samples, s.maj_at_k, s.answered, s.problems, s.skipped,
+      s.generation.generated_tokens, s.generation.seconds,
+      s.generation.generated_tokens / std::max(1e-9, s.generation.seconds),
+      s.generation.peak_cache_bytes / 1048576.0,
+      summary->reasoning_details.empty() ? "" : "; samples in " + summary->reasoning_details));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<TrainSummary> Trainer::Run() {
   TrainSummary summary;
+  if (spec_.kind() == "eval") {  // no training: score the init-from weights
+    if (options_.init_from.empty())
+      LogLine("reasoning eval: no --init-from; scoring freshly initialised weights");
+    try {
+      LOOM_RETURN_IF_ERROR(ReasoningEvaluate(&summary));
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("reasoning eval: ", e.what()));
+    }
+    summary.final_step = step_;
+    return summary;
+  }
   const int64_t total = spec_.steps();
   const int64_t tokens_per_step =
       spec_.micro_batch() * spec_.grad_accum() * spec_.seq_len() * comm_->world_size();
@@ -822,6 +885,13 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
   if (step_ >= total || (options_.stop_after > 0 && step_ >= options_.stop_after)) evaluate();
   if (checkpoints && last_saved != step_) LOOM_RETURN_IF_ERROR(save());
   summary.final_step = step_;
+  if (spec_.kind() == "sft" && spec_.reasoning_eval().when() == "end" && step_ >= total) {
+    try {
+      LOOM_RETURN_IF_ERROR(ReasoningEvaluate(&summary));
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("reasoning eval: ", e.what()));
+    }
+  }
   return summary;
 }
 

@@ -27,6 +27,7 @@
 #include "loom/v1/job.pb.h"
 #include "model.h"
 #include "prometheus.h"
+#include "reasoning_eval.h"
 #include "tasks.h"
 
 namespace loom::trainer {
@@ -123,6 +124,9 @@ struct TrainSummary {
   int64_t final_step = 0;
   std::string last_checkpoint;
   int64_t nan_skipped = 0;
+  // Reasoning evaluation (eval jobs; sft jobs after training): -1 when none ran.
+  double reasoning_pass_at_1 = -1, reasoning_maj_at_k = -1, reasoning_answered = -1;
+  std::string reasoning_details;  // JSON file with every sample ("" when not written)
 };
 
 class Trainer {
@@ -153,6 +157,7 @@ class Trainer {
     double loss = 0, accuracy = 0, exact_match = 0;
   };
   EvalResult Evaluate();
+  absl::Status ReasoningEvaluate(TrainSummary* summary);  // rank 0: reasoning_eval, logged
   ModelInputs Inputs(const TrainBatch& batch) const;
   TrainBatch NextLocalBatch();  // this rank's rows of the global micro-batch
   void LogLine(const std::string& line);

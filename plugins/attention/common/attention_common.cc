@@ -160,6 +160,77 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ProjectedAttention::Quer
   return {q, k, split(proj_.v->forward(x), v_heads)};
 }
 
+std::unique_ptr<AttentionCache> ProjectedAttention::NewCache() const {
+  return std::make_unique<KeyValueCache>(window_);
+}
+
+torch::Tensor ProjectedAttention::ForwardCached(const torch::Tensor& x,
+                                                const AttentionInputs& inputs,
+                                                AttentionCache& cache) {
+  TORCH_CHECK(causal_, plugin_, ": incremental decoding needs a causal (decoder) layer");
+  auto* kv = dynamic_cast<KeyValueCache*>(&cache);
+  TORCH_CHECK(kv != nullptr, plugin_, ": the cache was not made by this layer's NewCache()");
+  auto [q, k, v] = QueriesKeysValues(x, inputs, ValueHeads());
+  KeyValueCache::View view = kv->Append(k, v, inputs.segments);
+  return Output(Attend(q, view.k, view.v, view.allowed));
+}
+
+torch::Tensor CheckedSegments(const torch::Tensor& segments, int64_t batch, int64_t length,
+                              const torch::Device& device) {
+  if (!segments.defined()) return segments;
+  torch::Tensor s = segments.to(device, torch::kInt64);
+  if (s.dim() == 1) s = s.unsqueeze(0);
+  TORCH_CHECK(s.dim() == 2 && (s.size(0) == 1 || s.size(0) == batch) && s.size(1) == length,
+              "attention: segments must be [B, N] = [", batch, ", ", length, "], got ",
+              segments.sizes());
+  return s.expand({batch, length});
+}
+
+int64_t KeyValueCache::bytes() const {
+  int64_t total = 0;
+  for (const torch::Tensor* t : {&k_, &v_, &segments_})
+    if (t->defined()) total += t->numel() * static_cast<int64_t>(t->element_size());
+  return total;
+}
+
+KeyValueCache::View KeyValueCache::Append(const torch::Tensor& k, const torch::Tensor& v,
+                                          const torch::Tensor& segments) {
+  const int64_t b = k.size(0), t = k.size(2);
+  torch::Tensor seg = CheckedSegments(segments, b, t, k.device());
+  if (tokens_ > 0) {
+    TORCH_CHECK(k_.size(0) == b, "attention cache: batch of ", b, " rows, the cache holds ",
+                k_.size(0));
+    TORCH_CHECK(seg.defined() == segments_.defined(),
+                "attention cache: give segments on every call or on none");
+  }
+  View view;
+  view.k = tokens_ > 0 ? torch::cat({k_, k}, 2) : k;
+  view.v = tokens_ > 0 ? torch::cat({v_, v}, 2) : v;
+  torch::Tensor all_seg = seg.defined() && tokens_ > 0 ? torch::cat({segments_, seg}, 1) : seg;
+  const int64_t length = view.k.size(2), first = tokens_ + t - length;  // index of key 0
+  auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(k.device());
+  torch::Tensor qi = torch::arange(tokens_, tokens_ + t, i64).unsqueeze(1);
+  torch::Tensor ki = torch::arange(first, first + length, i64).unsqueeze(0);
+  torch::Tensor allowed = ki <= qi;  // causal
+  if (window_ > 0) allowed = allowed & (qi - ki < window_);
+  allowed = allowed.view({1, 1, t, length});
+  if (all_seg.defined())
+    allowed = allowed & (seg.unsqueeze(2) == all_seg.unsqueeze(1)).unsqueeze(1);
+  view.allowed = allowed;
+  tokens_ += t;
+  // Keep what later queries can still see: everything, or the last window - 1 tokens.
+  const int64_t keep = window_ > 0 ? std::min(length, window_ - 1) : length;
+  k_ = view.k.narrow(2, length - keep, keep);
+  v_ = view.v.narrow(2, length - keep, keep);
+  if (all_seg.defined()) segments_ = all_seg.narrow(1, length - keep, keep);
+  if (window_ > 0) {  // own the kept slice, so the full tensors can be freed
+    k_ = k_.contiguous().clone();
+    v_ = v_.contiguous().clone();
+    if (segments_.defined()) segments_ = segments_.clone();
+  }
+  return view;
+}
+
 torch::Tensor ProjectedAttention::Output(const torch::Tensor& heads) {
   return proj_.o->forward(
       heads.transpose(1, 2).reshape({heads.size(0), heads.size(2), n_heads_ * head_dim_}));

@@ -47,12 +47,51 @@ struct Projections {
 };
 Projections RegisterProjections(torch::nn::Module& module, const LoomAttentionSpecV1& spec);
 
+// The KV cache of plugins that attend with per-head keys and values: keys (RoPE applied) and
+// values of the tokens so far, their segment ids, and for sliding windows only the last
+// window - 1 tokens (older ones can never be attended again).
+class KeyValueCache : public AttentionCache {
+ public:
+  explicit KeyValueCache(int64_t window) : window_(window) {}
+  int64_t tokens() const override { return tokens_; }
+  int64_t bytes() const override;
+
+  struct View {
+    torch::Tensor k, v;     // [B, Hk, L, w]: cached then new
+    torch::Tensor allowed;  // bool [B|1, 1, T, L]: which keys each new query may attend
+  };
+  // Appends k [B, Hk, T, dk], v [B, Hv, T, dv] and segments [B, T] (or undefined) of the next T
+  // tokens of a causal layer; returns everything the new queries may attend to.
+  View Append(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& segments);
+
+ private:
+  int64_t window_, tokens_ = 0;
+  torch::Tensor k_, v_, segments_;
+};
+
+// Segment ids [B, T] (any integer dtype, [T] broadcast) as int64 [B, T]; undefined stays so.
+torch::Tensor CheckedSegments(const torch::Tensor& segments, int64_t batch, int64_t length,
+                              const torch::Device& device);
+
 // Base of plugins built on the four projections: validates the common spec (throws
 // InvalidAttentionSpec naming the field), keeps its shape fields and registers the projections
 // first, so parameter order (and seeded initialisation) is the same in every plugin.
 class ProjectedAttention : public AttentionLayer {
+ public:
+  // The generic KV-cached decoding step: projections, cache append, Attend(), Output().
+  std::unique_ptr<AttentionCache> NewCache() const override;
+  torch::Tensor ForwardCached(const torch::Tensor& x, const AttentionInputs& inputs,
+                              AttentionCache& cache) override;
+
  protected:
   ProjectedAttention(const LoomAttentionSpecV1& spec, const std::string& plugin);
+
+  // The plugin's attention between projections: q [B, H, T, d], k [B, H, L, d], v [B, Hv, L, w],
+  // allowed bool [B|1, 1, T, L] (or undefined: all) -> heads [B, Hv, T, w].
+  virtual torch::Tensor Attend(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, const torch::Tensor& allowed) = 0;
+  // Heads v is split into (QueriesKeysValues' v_heads).
+  virtual int64_t ValueHeads() const { return n_heads_; }
 
   // x [B, N, D] -> q, k [B, H, N, d] (RoPE applied when on) and v [B, v_heads, N, H·d / v_heads].
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> QueriesKeysValues(

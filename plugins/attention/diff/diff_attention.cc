@@ -41,17 +41,22 @@ torch::Tensor DiffAttention::forward(const torch::Tensor& x, const AttentionInpu
   torch::Tensor allowed;
   if (causal_ || window_ > 0) allowed = AllowedMask(n, causal_, window_, x.device());
   allowed = WithSegments(allowed, inputs.segments, b, n, 1, x.device());
+  return Output(Attend(q, k, v, allowed));
+}
+
+torch::Tensor DiffAttention::Attend(const torch::Tensor& q, const torch::Tensor& k,
+                                    const torch::Tensor& v, const torch::Tensor& allowed) {
+  const int64_t b = q.size(0), t = q.size(2), l = k.size(2), pairs = n_heads_ / 2;
   torch::Tensor scores =
       torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
   if (allowed.defined()) {
     scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
   }
-  torch::Tensor maps = torch::softmax(scores, -1).view({b, pairs, 2, n, n});
+  torch::Tensor maps = torch::softmax(scores, -1).view({b, pairs, 2, t, l});
   torch::Tensor attn = maps.select(2, 0) - Lambda().to(maps.dtype()) * maps.select(2, 1);
   torch::Tensor heads = torch::matmul(attn, v);  // [B, H/2, N, 2d]
   heads = heads * torch::rsqrt(heads.pow(2).mean(-1, true) + 1e-5) * subln_weight.to(heads.dtype());
-  heads = heads * (1.0 - lambda_init_);
-  return Output(heads);
+  return heads * (1.0 - lambda_init_);
 }
 
 double DiffAttention::ForwardFlopsPerToken(int64_t context) const {

@@ -30,6 +30,9 @@ class DiffAttention : public ProjectedAttention {
   explicit DiffAttention(const LoomAttentionSpecV1& spec);
   torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) override;
   double ForwardFlopsPerToken(int64_t context) const override;
+  torch::Tensor Attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& allowed) override;
+  int64_t ValueHeads() const override { return n_heads_ / 2; }
 
   double lambda_init() const { return lambda_init_; }
   torch::Tensor Lambda() const;  // the scalar λ (0-dim tensor, differentiable)

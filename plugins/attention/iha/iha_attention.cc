@@ -1,5 +1,7 @@
 #include "iha_attention.h"
 
+#include <limits>
+
 #include "attention_common.h"
 #include "iha_fused.h"
 
@@ -26,6 +28,7 @@ IhaAttention::IhaAttention(const LoomAttentionSpecV1& spec) : ProjectedAttention
   options_.score = ParseScore(opts.GetChoice("score", "softmax", {"softmax", "linear"}));
   options_.scale = opts.GetDouble("scale", 0.0, 0.0, 1e6);
   kernel_ = opts.GetChoice("kernel", "auto", {"auto", "reference", "fused"});
+  cache_heads_ = opts.GetChoice("kv_cache", "pseudo", {"pseudo", "heads"}) == "heads";
   const std::string init = opts.GetChoice("init", "near_mha", {"near_mha", "identity", "random"});
   const double noise = opts.GetDouble("init_noise", 0.02, 0.0, 10.0);
   opts.Finish();
@@ -82,6 +85,94 @@ torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInput
           ? FusedForward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, call)
           : Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, call);
   return proj_.o->forward(heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
+}
+
+int64_t IhaCache::bytes() const {
+  int64_t total = 0;
+  for (const torch::Tensor* t : {&keys, &values, &positions, &segments})
+    if (t->defined()) total += t->numel() * static_cast<int64_t>(t->element_size());
+  return total;
+}
+
+std::unique_ptr<AttentionCache> IhaAttention::NewCache() const {
+  return std::make_unique<IhaCache>();
+}
+
+torch::Tensor IhaAttention::ForwardCached(const torch::Tensor& x, const AttentionInputs& inputs,
+                                          AttentionCache& base) {
+  TORCH_CHECK(causal_, "iha: incremental decoding needs a causal (decoder) layer");
+  auto* cache = dynamic_cast<IhaCache*>(&base);
+  TORCH_CHECK(cache != nullptr, "iha: the cache was not made by this layer's NewCache()");
+  auto [q, k, v] = Project(x);  // [B, T, H, d]
+  const int64_t b = x.size(0), t = x.size(1), p = options_.p, start = cache->tokens_;
+  const bool rope = options_.rope_theta > 0;
+  torch::Tensor pos;
+  if (rope) pos = CheckedPositions(inputs.positions, b, t, x.device()).expand({b, t});
+  torch::Tensor seg = CheckedSegments(inputs.segments, b, t, x.device());
+  if (start > 0) {
+    TORCH_CHECK(cache->keys.size(0) == b, "iha cache: batch of ", b, " rows, the cache holds ",
+                cache->keys.size(0));
+    TORCH_CHECK(seg.defined() == cache->segments.defined(),
+                "iha cache: give segments on every call or on none");
+  }
+  auto rotate = [&](const torch::Tensor& mixed, const torch::Tensor& token_pos) {
+    return rope ? ApplyRope(mixed, ExpandedPositions(token_pos, p, options_.rope_phase),
+                            options_.rope_theta)
+                : mixed;
+  };
+  auto cat = [&](const torch::Tensor& old, const torch::Tensor& now, int64_t dim) {
+    return start > 0 && old.defined() ? torch::cat({old, now}, dim) : now;
+  };
+  torch::Tensor qi = rotate(MixAndInterleave(q, alpha_q), pos);  // [B, H, T·P, d]
+  torch::Tensor keys, values, all_pos;                           // as stored after this call
+  torch::Tensor ki, vi;                                          // pseudo keys / values attended
+  if (cache_heads_) {
+    keys = cat(cache->keys, k, 1);
+    values = cat(cache->values, v, 1);
+    if (rope) all_pos = cat(cache->positions, pos, 1);
+    ki = rotate(MixAndInterleave(keys, alpha_k), all_pos);
+    vi = MixAndInterleave(values, alpha_v);
+  } else {
+    keys = ki = cat(cache->keys, rotate(MixAndInterleave(k, alpha_k), pos), 2);
+    values = vi = cat(cache->values, MixAndInterleave(v, alpha_v), 2);
+  }
+  torch::Tensor all_seg = seg.defined() ? cat(cache->segments, seg, 1) : seg;
+  const int64_t length = ki.size(2) / p, first = start + t - length;  // tokens attended
+  auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(x.device());
+  torch::Tensor allowed = AllowedBetween(torch::arange(start * p, (start + t) * p, i64),
+                                         torch::arange(first * p, (first + length) * p, i64), p,
+                                         options_.mask, options_.window)
+                              .view({1, 1, t * p, length * p});
+  if (seg.defined()) {
+    torch::Tensor sq = seg.repeat_interleave(p, 1), sk = all_seg.repeat_interleave(p, 1);
+    allowed = allowed & (sq.unsqueeze(2) == sk.unsqueeze(1)).unsqueeze(1);
+  }
+  const double scale =
+      options_.scale > 0 ? options_.scale : 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  torch::Tensor scores = torch::matmul(qi, ki.transpose(-2, -1)) * scale;
+  torch::Tensor weights =
+      options_.score == Score::kLinear
+          ? scores * allowed.to(scores.dtype())
+          : torch::softmax(
+                scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity()),
+                -1);
+  torch::Tensor pseudo = torch::matmul(weights, vi)
+                             .view({b, n_heads_, t, p, head_dim_})
+                             .permute({0, 2, 1, 3, 4});  // [B, T, H, P, d]
+  torch::Tensor heads = Collapse(pseudo, collapse);
+  // Keep what later queries can still see: all tokens, or the last `window` of them.
+  const int64_t keep = options_.window > 0 ? std::min(length, options_.window) : length;
+  auto tail = [&](const torch::Tensor& tensor, int64_t dim, int64_t per_token) {
+    if (!tensor.defined() || keep == length) return tensor;
+    return tensor.narrow(dim, (length - keep) * per_token, keep * per_token).clone();
+  };
+  const int64_t token_dim = cache_heads_ ? 1 : 2, per_token = cache_heads_ ? 1 : p;
+  cache->keys = tail(keys, token_dim, per_token);
+  cache->values = tail(values, token_dim, per_token);
+  cache->positions = tail(all_pos, 1, 1);
+  cache->segments = tail(all_seg, 1, 1);
+  cache->tokens_ += t;
+  return proj_.o->forward(heads.reshape({b, t, n_heads_ * head_dim_}));
 }
 
 bool IhaAttention::UsesFusedKernel(int64_t n, const torch::Device& device) const {

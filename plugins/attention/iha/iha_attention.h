@@ -6,7 +6,8 @@
 // interleaved; none for encoders), rope_phase (interleaved | token), init (near_mha | identity |
 // random), init_noise (default 0.02), score (softmax | linear), scale (default 1/sqrt(d)),
 // kernel (auto | reference | fused; auto = the fused kernel, iha_fused.h, for CPU tensors when
-// the expanded sequence N·P reaches 512, where it is faster, and the reference path otherwise).
+// the expanded sequence N·P reaches 512, where it is faster, and the reference path otherwise),
+// kv_cache (pseudo | heads: what incremental decoding caches, see IhaCache).
 #ifndef LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
 #define LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
 
@@ -18,14 +19,42 @@
 
 namespace loom::attention::iha {
 
+// The KV cache of incremental decoding, in one of two layouts (option kv_cache):
+//   pseudo (default): the mixed, rotated pseudo-keys and mixed pseudo-values, [B, H, L·P, d]
+//     each: P times an MHA cache; a step mixes only its new tokens.
+//   heads: the H heads' keys and values as projected, [B, L, H, d] each (an MHA cache) plus
+//     their positions; every step re-mixes and re-rotates all L cached tokens (about H/P times
+//     the step's attention FLOPs more work). docs/benchmarks.md measures both.
+// Sliding-window layers keep only the last `window` tokens.
+class IhaCache : public AttentionCache {
+ public:
+  int64_t tokens() const override { return tokens_; }
+  int64_t bytes() const override;
+
+ private:
+  friend class IhaAttention;
+  int64_t tokens_ = 0;
+  torch::Tensor keys, values;  // pseudo: [B, H, L·P, d]; heads: [B, L, H, d]
+  torch::Tensor positions;     // heads: int64 [B, L]
+  torch::Tensor segments;      // int64 [B, L] or undefined
+};
+
 class IhaAttention : public ProjectedAttention {
  public:
   explicit IhaAttention(const LoomAttentionSpecV1& spec);
 
   torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) override;
+  std::unique_ptr<AttentionCache> NewCache() const override;
+  torch::Tensor ForwardCached(const torch::Tensor& x, const AttentionInputs& inputs,
+                              AttentionCache& cache) override;
   double ForwardFlopsPerToken(int64_t context) const override;
 
   const Options& options() const { return options_; }
+  // Not used: IHA overrides ForwardCached (its attention runs on pseudo-tokens).
+  torch::Tensor Attend(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                       const torch::Tensor&) override {
+    TORCH_CHECK(false, "iha: Attend is not used");
+  }
   // Which path forward() takes for a sequence of n tokens on `device`.
   bool UsesFusedKernel(int64_t n, const torch::Device& device) const;
   // Per-head q, k, v [B, N, H, d] for x (what the core receives).
@@ -36,6 +65,7 @@ class IhaAttention : public ProjectedAttention {
  private:
   Options options_;
   std::string kernel_ = "auto";
+  bool cache_heads_ = false;  // kv_cache: heads
 };
 
 }  // namespace loom::attention::iha

@@ -69,9 +69,15 @@ torch::Tensor MixAndInterleave(const torch::Tensor& x, const torch::Tensor& alph
 torch::Tensor AllowedMask(int64_t n, int64_t p, Mask mask, int64_t window,
                           const torch::Device& device) {
   auto idx = torch::arange(n * p, torch::TensorOptions().dtype(torch::kInt64).device(device));
-  torch::Tensor s = idx.unsqueeze(1), t = idx.unsqueeze(0);
+  return AllowedBetween(idx, idx, p, mask, window);
+}
+
+torch::Tensor AllowedBetween(const torch::Tensor& queries, const torch::Tensor& keys, int64_t p,
+                             Mask mask, int64_t window) {
+  torch::Tensor s = queries.unsqueeze(1), t = keys.unsqueeze(0);
   torch::Tensor allowed =
-      torch::ones({n * p, n * p}, torch::TensorOptions().dtype(torch::kBool).device(device));
+      torch::ones({queries.size(0), keys.size(0)},
+                  torch::TensorOptions().dtype(torch::kBool).device(s.device()));
   if (mask == Mask::kInterleaved) allowed = allowed & (t <= s);
   if (mask == Mask::kBlock)
     allowed = allowed & (torch::div(t, p, "floor") <= torch::div(s, p, "floor"));

@@ -59,6 +59,11 @@ torch::Tensor MixAndInterleave(const torch::Tensor& x, const torch::Tensor& alph
 torch::Tensor AllowedMask(int64_t n, int64_t p, Mask mask, int64_t window,
                           const torch::Device& device);
 
+// The same rule between arbitrary expanded query indices s [Tq] and key indices s' [Lk] (int64):
+// bool [Tq, Lk]. Incremental decoding uses it for new queries against cached keys.
+torch::Tensor AllowedBetween(const torch::Tensor& s, const torch::Tensor& t, int64_t p, Mask mask,
+                             int64_t window);
+
 // Mean number of pseudo-keys one pseudo-query attends to (exact, for FLOP accounting).
 double AverageAttendedKeys(int64_t n, int64_t p, Mask mask, int64_t window);
 

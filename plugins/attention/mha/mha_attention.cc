@@ -45,6 +45,15 @@ torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const Attentio
   return Output(out);
 }
 
+torch::Tensor MultiHeadAttention::Attend(const torch::Tensor& q, const torch::Tensor& k,
+                                         const torch::Tensor& v, const torch::Tensor& allowed) {
+#if LOOM_TORCH_HAS_SDPA
+  return at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false);
+#else
+  return ReferenceAttention(q, k, v, allowed, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
+#endif
+}
+
 double MultiHeadAttention::ForwardFlopsPerToken(int64_t context) const {
   const double keys = AverageAttendedKeys(context, causal_, window_);
   return ProjectionFlopsPerToken() +

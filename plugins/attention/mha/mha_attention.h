@@ -18,6 +18,8 @@ class MultiHeadAttention : public ProjectedAttention {
 
   torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) override;
   double ForwardFlopsPerToken(int64_t context) const override;
+  torch::Tensor Attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& allowed) override;
 };
 
 }  // namespace loom::attention

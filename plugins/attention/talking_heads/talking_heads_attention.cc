@@ -25,19 +25,24 @@ TalkingHeadsAttention::TalkingHeadsAttention(const LoomAttentionSpecV1& spec)
 torch::Tensor TalkingHeadsAttention::forward(const torch::Tensor& x,
                                              const AttentionInputs& inputs) {
   auto [q, k, v] = QueriesKeysValues(x, inputs, n_heads_);
-  torch::Tensor logits =
-      torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
-  logits = torch::einsum("bmqk,mh->bhqk", {logits, logit_mix.to(logits.dtype())});
   torch::Tensor allowed;
   if (causal_ || window_ > 0) allowed = AllowedMask(x.size(1), causal_, window_, x.device());
   allowed = WithSegments(allowed, inputs.segments, x.size(0), x.size(1), 1, x.device());
+  return Output(Attend(q, k, v, allowed));
+}
+
+torch::Tensor TalkingHeadsAttention::Attend(const torch::Tensor& q, const torch::Tensor& k,
+                                            const torch::Tensor& v, const torch::Tensor& allowed) {
+  torch::Tensor logits =
+      torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+  logits = torch::einsum("bmqk,mh->bhqk", {logits, logit_mix.to(logits.dtype())});
   if (allowed.defined()) {
     // Masked after mixing: mixing -inf logits would produce NaN.
     logits = logits.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
   }
   torch::Tensor weights =
       torch::einsum("bmqk,mh->bhqk", {torch::softmax(logits, -1), weight_mix.to(logits.dtype())});
-  return Output(torch::matmul(weights, v));
+  return torch::matmul(weights, v);
 }
 
 double TalkingHeadsAttention::ForwardFlopsPerToken(int64_t context) const {

@@ -24,6 +24,8 @@ class TalkingHeadsAttention : public ProjectedAttention {
   explicit TalkingHeadsAttention(const LoomAttentionSpecV1& spec);
   torch::Tensor forward(const torch::Tensor& x, const AttentionInputs& inputs) override;
   double ForwardFlopsPerToken(int64_t context) const override;
+  torch::Tensor Attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& allowed) override;
 
   torch::Tensor logit_mix, weight_mix;  // [H, H], indexed [source head m, target head h]
 };

@@ -1,0 +1,183 @@
+#include "generate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+
+namespace loom::trainer {
+namespace {
+
+// SplitMix64: decorrelates the per-sequence seeds.
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+double Uniform(std::mt19937_64& rng) {  // 53 random bits, the same on every platform
+  return static_cast<double>(rng() >> 11) * 0x1.0p-53;
+}
+
+}  // namespace
+
+uint32_t SampleToken(const torch::Tensor& logits, const SamplingOptions& o, std::mt19937_64& rng) {
+  torch::Tensor row = logits.detach().to(torch::kCPU, torch::kFloat64).contiguous();
+  const auto* l = row.data_ptr<double>();
+  const int64_t v = row.numel();
+  if (o.greedy) return static_cast<uint32_t>(std::max_element(l, l + v) - l);
+  const double max = *std::max_element(l, l + v);
+  std::vector<double> p(static_cast<size_t>(v));
+  double total = 0;
+  for (int64_t i = 0; i < v; ++i) total += p[i] = std::exp((l[i] - max) / o.temperature);
+  std::vector<int64_t> order(static_cast<size_t>(v));
+  std::iota(order.begin(), order.end(), 0);
+  // Descending probability, ties by token id: deterministic.
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+  size_t keep = order.size();
+  if (o.top_p < 1.0) {
+    double mass = 0;
+    for (size_t i = 0; i < order.size(); ++i) {
+      mass += p[order[i]] / total;
+      if (mass >= o.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  double kept = 0;
+  for (size_t i = 0; i < keep; ++i) kept += p[order[i]];
+  const double u = Uniform(rng) * kept;
+  double acc = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    acc += p[order[i]];
+    if (u < acc) return static_cast<uint32_t>(order[i]);
+  }
+  return static_cast<uint32_t>(order[keep - 1]);
+}
+
+absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
+                                                 const std::vector<GenerationRequest>& requests,
+                                                 const SamplingOptions& o,
+                                                 const TokenDecoder& decode,
+                                                 GenerationStats* stats) {
+  if (model.config().mode() != "decoder")
+    return absl::InvalidArgumentError("generation needs a decoder model");
+  if (o.batch < 1) return absl::InvalidArgumentError("generation: batch must be >= 1");
+  if (!o.greedy && !(o.temperature > 0))
+    return absl::InvalidArgumentError("generation: temperature must be > 0");
+  const int64_t vocab = model.config().vocab_size(), max_len = model.config().max_seq_len();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto& prompt = requests[i].prompt;
+    if (prompt.empty()) return absl::InvalidArgumentError(absl::StrCat("prompt ", i, " is empty"));
+    if (static_cast<int64_t>(prompt.size()) >= max_len) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt ", i, " has ", prompt.size(), " tokens; max_seq_len is ", max_len));
+    }
+    for (uint32_t t : prompt) {
+      if (t >= vocab)
+        return absl::InvalidArgumentError(
+            absl::StrCat("prompt ", i, ": token ", t, " is outside the vocabulary of ", vocab));
+    }
+  }
+  const auto start_time = std::chrono::steady_clock::now();
+  torch::NoGradGuard no_grad;
+  const torch::Tensor any_param = model.parameters().front();
+  const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  std::vector<Generation> out(requests.size());
+  GenerationStats local;
+  try {
+    for (size_t first = 0; first < requests.size(); first += static_cast<size_t>(o.batch)) {
+      const size_t last = std::min(requests.size(), first + static_cast<size_t>(o.batch));
+      const int64_t b = static_cast<int64_t>(last - first);
+      int64_t longest = 0;
+      for (size_t i = first; i < last; ++i)
+        longest = std::max<int64_t>(longest, static_cast<int64_t>(requests[i].prompt.size()));
+      // Left padding: real tokens at the right end, pads in segment 0 with position 0.
+      torch::Tensor tokens = torch::full({b, longest}, static_cast<int64_t>(o.pad), i64);
+      torch::Tensor positions = torch::zeros({b, longest}, i64);
+      torch::Tensor segments = torch::zeros({b, longest}, i64);
+      std::vector<int64_t> length(static_cast<size_t>(b));
+      std::vector<std::mt19937_64> rng;
+      bool padded = false;
+      for (int64_t r = 0; r < b; ++r) {
+        const auto& req = requests[first + static_cast<size_t>(r)];
+        const int64_t n = static_cast<int64_t>(req.prompt.size()), pad = longest - n;
+        padded |= pad > 0;
+        length[r] = n;
+        for (int64_t i = 0; i < n; ++i) {
+          tokens[r][pad + i] = static_cast<int64_t>(req.prompt[i]);
+          positions[r][pad + i] = i;
+          segments[r][pad + i] = 1;
+        }
+        rng.emplace_back(Mix(req.seed));
+      }
+      DecodeState state = model.NewDecodeState();
+      ModelInputs in;
+      in.tokens = tokens.to(any_param.device());
+      in.positions = positions.to(any_param.device());
+      if (padded) in.segments = segments.to(any_param.device());
+      torch::Tensor logits = model.ForwardCached(in, state).select(1, longest - 1);
+      const int64_t budget = std::min(o.max_new_tokens, max_len - longest);
+      std::vector<bool> done(static_cast<size_t>(b), false);
+      for (int64_t step = 0; step < budget; ++step) {
+        torch::Tensor next = torch::full({b, 1}, static_cast<int64_t>(o.pad), i64);
+        torch::Tensor next_pos = torch::zeros({b, 1}, i64);
+        bool any = false;
+        for (int64_t r = 0; r < b; ++r) {
+          next_pos[r][0] = length[r] + step;
+          if (done[r]) continue;
+          Generation& g = out[first + static_cast<size_t>(r)];
+          const uint32_t t = SampleToken(logits[r], o, rng[r]);
+          ++local.generated_tokens;
+          if (std::find(o.stop_tokens.begin(), o.stop_tokens.end(), t) != o.stop_tokens.end()) {
+            g.finish = "stop_token";
+            done[r] = true;
+            continue;
+          }
+          g.tokens.push_back(t);
+          next[r][0] = static_cast<int64_t>(t);
+          if (!o.stop.empty()) {
+            g.text = decode(g.tokens);
+            for (const std::string& s : o.stop) {
+              if (g.text.find(s) != std::string::npos) {
+                g.finish = "stop_string";
+                done[r] = true;
+              }
+            }
+          }
+          any |= !done[r];
+        }
+        if (!any) break;
+        ModelInputs step_in;
+        step_in.tokens = next.to(any_param.device());
+        step_in.positions = next_pos.to(any_param.device());
+        if (padded) step_in.segments = torch::ones({b, 1}, i64).to(any_param.device());
+        logits = model.ForwardCached(step_in, state).select(1, 0);
+        local.peak_cache_bytes = std::max(local.peak_cache_bytes, state.bytes());
+      }
+      for (int64_t r = 0; r < b; ++r) {
+        Generation& g = out[first + static_cast<size_t>(r)];
+        if (g.finish.empty()) g.finish = "length";
+        g.text = decode(g.tokens);
+        if (g.finish == "stop_string") {  // cut at the earliest stop string, drop its tokens' text
+          size_t cut = g.text.size();
+          for (const std::string& s : o.stop) cut = std::min(cut, g.text.find(s));
+          g.text.resize(cut);
+        }
+      }
+      local.sequences += b;
+    }
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("generation: ", e.what()));
+  }
+  local.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count();
+  if (stats) *stats = local;
+  return out;
+}
+
+}  // namespace loom::trainer
