@@ -298,11 +298,7 @@ torch::Tensor WithSegments(const torch::Tensor& allowed, const torch::Tensor& se
                            int64_t batch, int64_t length, int64_t expand,
                            const torch::Device& device) {
   if (!segments.defined()) return allowed;
-  torch::Tensor s = segments.to(device, torch::kInt64);
-  if (s.dim() == 1) s = s.unsqueeze(0);
-  TORCH_CHECK(s.dim() == 2 && (s.size(0) == 1 || s.size(0) == batch) && s.size(1) == length,
-              "attention: segments must be [B, N] = [", batch, ", ", length, "], got ",
-              segments.sizes());
+  torch::Tensor s = CheckedSegments(segments, batch, length, device);
   if (expand > 1) s = s.repeat_interleave(expand, 1);  // expanded index s -> token s / P
   torch::Tensor same = (s.unsqueeze(2) == s.unsqueeze(1)).unsqueeze(1);  // [B, 1, L', L']
   return allowed.defined() ? same & allowed : same;
