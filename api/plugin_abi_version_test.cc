@@ -18,6 +18,7 @@ const std::map<unsigned, std::string> kDigests = {
     {1, "4095cc59aeb98f43"},
     {2, "55a1a3ceacf6c46a"},  // AttentionInputs.segments (packed sequences)
     {3, "68f8e71e7a68cf30"},  // AttentionCache, NewCache / ForwardCached (KV-cache decoding)
+    {4, "e4f6e921edd4815f"},  // sft_plugin.h: SFT objective plugins (LOOM_PLUGIN_KIND_SFT)
 };
 
 // Drops // and /* */ comments, line continuations and all whitespace, so rewording a comment or

@@ -107,6 +107,9 @@ TEST(JobSpec, BadSpecsNameTheField) {
        "model.mode"},  // encoder without a task
       {R"({"preset": "micro", "model": {"ffn_activation": "relu"}})", "model.ffn_activation"},
       {R"({"preset": "micro", "data": {"corpus_bytes": 10}})", "data.corpus_bytes"},
+      {R"({"preset": "micro", "data": {"format": "openthoughts"}})", "data.format"},  // not chat
+      {R"({"preset": "micro", "kind": "sft", "model": {"vocab_size": 260}, "data": {"source": "chat", "format": "Open Thoughts"}})",
+       "data.format"},
       {R"({"kind": "eval"})", "model"},  // no model and no checkpoint to take it from
       {R"({"preset": "micro", "kind": "eval", "steps": 5, "model": {"vocab_size": 260}})", "steps"},
       {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "data": {"source": "corpus"}})",

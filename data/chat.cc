@@ -89,8 +89,8 @@ absl::StatusOr<Conversation> ParseChatLine(std::string_view line, int64_t line_n
 }
 
 absl::StatusOr<std::vector<Conversation>> ReadChatJsonl(const std::string& path,
-                                                        bool skip_malformed,
-                                                        ChatReadReport* report) {
+                                                        bool skip_malformed, ChatReadReport* report,
+                                                        const ChatLineParser& parse) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
   ChatReadReport local;
@@ -103,7 +103,7 @@ absl::StatusOr<std::vector<Conversation>> ReadChatJsonl(const std::string& path,
       ++r.blank;
       continue;
     }
-    auto c = ParseChatLine(line, r.lines);
+    auto c = parse ? parse(line, r.lines) : ParseChatLine(line, r.lines);
     if (!c.ok()) {
       if (!skip_malformed)
         return absl::InvalidArgumentError(absl::StrCat(path, ": ", c.status().message()));
@@ -234,7 +234,9 @@ ReasoningExample RelationChain(std::mt19937_64& rng, const ReasoningOptions& o) 
   std::vector<std::string> names = {"ada", "bo",  "cy",  "di", "ed",  "flo",
                                     "gus", "hal", "ivy", "jo", "kim", "lu"};
   std::shuffle(names.begin(), names.end(), rng);
-  std::uniform_int_distribution<int> len(o.relation_hops_set ? std::max(3, o.min_ops + 1) : 3, 6);
+  // Chains of 3..6 people, or with explicit hops just enough people for them (+0..1 distractor).
+  std::uniform_int_distribution<int> len(o.relation_hops_set ? o.min_ops + 1 : 3,
+                                         o.relation_hops_set ? std::min(6, o.max_ops + 2) : 6);
   const int n = len(rng);  // chain names[0] -> names[1] -> ... (parent of the next)
   std::uniform_int_distribution<int> hops_d(
       o.relation_hops_set ? o.min_ops : 2,

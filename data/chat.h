@@ -14,20 +14,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "loom/sft_plugin.h"
 
 namespace loom::data {
 
-enum class Role { kSystem, kUser, kAssistant };
-
-struct Turn {
-  Role role;
-  std::string text;
-};
-
-struct Conversation {
-  std::vector<Turn> turns;
-  int64_t line = 0;  // 1-based line in its file (0 when generated)
-};
+// The conversation types are the SFT plugin ABI's (loom/sft_plugin.h): the built-in objective
+// plugin (plugins/sft/openthoughts) is implemented with the functions below.
+using Role = ChatRole;
+using Turn = ChatTurn;
+using Conversation = ChatConversation;
+using EncodedChat = EncodedConversation;
+using loom::TextEncoder;
 
 // One JSONL line: {"system": "...", "conversations": [{"from": "user"|"assistant"|"human"|"gpt",
 // "value": "..."}]} (OpenThoughts) or {"messages": [{"role": "system"|"user"|"assistant",
@@ -39,11 +36,12 @@ struct ChatReadReport {
   std::vector<std::string> errors;  // the first 20 skipped lines' errors
 };
 
-// Reads a JSONL file. skip_malformed: bad lines are counted and skipped; otherwise the first
-// one fails the read with its line number.
+// Reads a JSONL file line by line with `parse` (default: ParseChatLine). skip_malformed: bad
+// lines are counted and skipped; otherwise the first one fails the read with its line number.
+using ChatLineParser = std::function<absl::StatusOr<Conversation>(std::string_view, int64_t)>;
 absl::StatusOr<std::vector<Conversation>> ReadChatJsonl(const std::string& path,
-                                                        bool skip_malformed,
-                                                        ChatReadReport* report);
+                                                        bool skip_malformed, ChatReadReport* report,
+                                                        const ChatLineParser& parse = {});
 
 // The chat template. Role markers are special tokens after the base vocabulary:
 //   <|system|> = base, <|user|> = base + 1, <|assistant|> = base + 2, <|end|> = base + 3.
@@ -58,13 +56,6 @@ struct ChatTemplate {
   uint32_t end() const { return static_cast<uint32_t>(base_vocab + 3); }
   int64_t vocab_size() const { return base_vocab + 4; }
 };
-
-struct EncodedChat {
-  std::vector<uint32_t> tokens;
-  std::vector<uint8_t> loss_mask;  // 1 where the token is a training target
-};
-
-using TextEncoder = std::function<std::vector<uint32_t>(std::string_view)>;
 
 // Byte-level text encoder (ids 0..255), the default tokenizer.
 std::vector<uint32_t> EncodeBytes(std::string_view text);
@@ -106,8 +97,8 @@ struct ReasoningExample {
 // problem appear in training data.
 enum class ReasoningSplit { kTrain, kHeldOut };
 // Difficulty: arithmetic problems chain min_ops..max_ops operations (default 2..4); relation
-// questions go min_ops..max_ops generations up (default 2 .. chain length - 1) in chains of
-// 3..6 people.
+// questions go min_ops..max_ops generations up in chains of min_ops + 1 .. max_ops + 2 people
+// (default: 2 .. chain length - 1 generations in chains of 3..6).
 struct ReasoningOptions {
   int min_ops = 2, max_ops = 4;
   bool relation_hops_set = false;  // ParseReasoningOps sets it: ops also bounds relation hops

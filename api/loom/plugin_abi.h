@@ -26,13 +26,13 @@
 extern "C" {
 #endif
 
-#define LOOM_PLUGIN_ABI_VERSION 3
+#define LOOM_PLUGIN_ABI_VERSION 4
 #define LOOM_PLUGIN_ENTRY_SYMBOL "loom_plugin_v1"
 
 typedef enum LoomPluginKind {
   LOOM_PLUGIN_KIND_ATTENTION =
       1,                     // factory spec: LoomAttentionSpecV1, object: see attention_plugin.h
-  LOOM_PLUGIN_KIND_SFT = 2,  // objectives and data formats (reserved)
+  LOOM_PLUGIN_KIND_SFT = 2,  // chat objectives: spec LoomSftSpecV1, object: see sft_plugin.h
 } LoomPluginKind;
 
 // Factory results. Anything but LOOM_OK comes with a message in the caller's buffer.

@@ -341,6 +341,13 @@ absl::StatusOr<v1::JobSpec> ReadJobSpecFile(const std::string& path) {
 
 namespace {
 
+bool IsPluginName(const std::string& s) {
+  if (s.empty() || s.size() > 64) return false;
+  for (char c : s)
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_')) return false;
+  return true;
+}
+
 absl::Status ResolveReasoningEval(v1::JobSpec& j) {
   v1::ReasoningEvalConfig* r = j.mutable_reasoning_eval();
   if (r->source().empty()) r->set_source("builtin");
@@ -382,6 +389,11 @@ absl::Status ResolveReasoningEval(v1::JobSpec& j) {
     return SpecError("reasoning_eval.answer_style",
                      absl::StrCat("'", r->answer_style(), "' is not gsm8k | math"));
   }
+  if (r->format().empty())
+    r->set_format(j.kind() == "sft" && !j.data().format().empty() ? j.data().format()
+                                                                  : "openthoughts");
+  if (!IsPluginName(r->format()))
+    return SpecError("reasoning_eval.format", "must be a plugin name, [a-z0-9_]+");
   if (r->when().empty()) r->set_when("end");
   if (r->when() != "end" && r->when() != "never") {
     return SpecError("reasoning_eval.when", absl::StrCat("'", r->when(), "' is not end | never"));
@@ -509,6 +521,11 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     if (m.vocab_size() < 260) {
       return SpecError("model.vocab_size", "chat data needs 260 (256 bytes + 4 role tokens)");
     }
+    if (d->format().empty()) d->set_format("openthoughts");
+    if (!IsPluginName(d->format()))
+      return SpecError("data.format", "must be a plugin name, [a-z0-9_]+");
+  } else if (!d->format().empty() || d->has_format_options()) {
+    return SpecError("data.format", "is for source chat");
   } else if ((d->source() == "task") != !d->task().empty()) {
     return SpecError("data.task", d->source() == "task" ? "is required for source task"
                                                         : "is only for source task");

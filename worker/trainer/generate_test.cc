@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "plugin_factory.h"
 #include "reasoning_eval.h"
 
 namespace loom::trainer {
@@ -219,7 +220,9 @@ TEST(ReasoningScore, PassAtOneAndMajorityVote) {
   EXPECT_DOUBLE_EQ(m.pass_at_1, 0.5);  // textual answers compare as text
 }
 
-TEST(ReasoningProblems, FilesAndHeldOutSplit) {
+TEST_F(GenerateTest, EvalProblemFilesAndHeldOutSplit) {
+  auto objective = CreateSftObjective(loader_, "openthoughts", {}, 256);
+  ASSERT_TRUE(objective.ok()) << objective.status();
   const auto dir =
       std::filesystem::temp_directory_path() / ("loom-eval-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
@@ -233,7 +236,7 @@ TEST(ReasoningProblems, FilesAndHeldOutSplit) {
   c.set_path(write("gsm8k.jsonl",
                    "{\"question\": \"2+2?\", \"answer\": \"2+2=4\\n#### 4\"}\n\n"
                    "{\"question\": \"3*3?\", \"answer\": \"#### 9\"}\n"));
-  auto gsm = LoadEvalProblems(c);
+  auto gsm = LoadEvalProblems(c, **objective);
   ASSERT_TRUE(gsm.ok()) << gsm.status();
   ASSERT_EQ(gsm->size(), 2u);
   EXPECT_EQ((*gsm)[0].reference, "4");
@@ -241,7 +244,7 @@ TEST(ReasoningProblems, FilesAndHeldOutSplit) {
   c.set_path(write("bad.jsonl",
                    "{\"question\": \"q\", \"answer\": \"#### 1\"}\n"
                    "{\"question\": \"q\", \"answer\": \"no marker\"}\n"));
-  auto bad = LoadEvalProblems(c);
+  auto bad = LoadEvalProblems(c, **objective);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find(":2:"), std::string::npos) << bad.status();
   c.set_source("math500");
@@ -249,11 +252,11 @@ TEST(ReasoningProblems, FilesAndHeldOutSplit) {
   c.set_path(write("math.jsonl",
                    "{\"problem\": \"p\", \"answer\": \"\\\\frac{1}{2}\", "
                    "\"unique_id\": \"test/algebra/1.json\"}\n{\"problem\": 3}\n"));
-  auto math = LoadEvalProblems(c);
+  auto math = LoadEvalProblems(c, **objective);
   ASSERT_FALSE(math.ok());
   EXPECT_NE(math.status().message().find(":2: \"problem\""), std::string::npos) << math.status();
   c.set_problems(1);  // only the first line is read
-  math = LoadEvalProblems(c);
+  math = LoadEvalProblems(c, **objective);
   ASSERT_TRUE(math.ok()) << math.status();
   EXPECT_EQ((*math)[0].id, "test/algebra/1.json");
   EXPECT_EQ((*math)[0].reference, "\\frac{1}{2}");
@@ -262,7 +265,7 @@ TEST(ReasoningProblems, FilesAndHeldOutSplit) {
   b.set_source("builtin");
   b.set_task("mixed");
   b.set_problems(40);
-  auto held = LoadEvalProblems(b);
+  auto held = LoadEvalProblems(b, **objective);
   ASSERT_TRUE(held.ok());
   std::set<std::string> train;
   for (const auto& ex : data::GenerateReasoning("mixed", 4000, 1))

@@ -3,9 +3,9 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "attention_factory.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
+#include "plugin_factory.h"
 
 namespace loom::trainer {
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {

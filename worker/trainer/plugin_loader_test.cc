@@ -7,7 +7,7 @@
 
 #include <cstdlib>
 
-#include "attention_factory.h"
+#include "plugin_factory.h"
 
 namespace loom::trainer {
 namespace {

@@ -21,7 +21,8 @@ std::string DecodeChatBytes(const std::vector<uint32_t>& tokens) {
   return text;
 }
 
-absl::StatusOr<std::vector<EvalProblem>> ReadProblemFile(const v1::ReasoningEvalConfig& c) {
+absl::StatusOr<std::vector<EvalProblem>> ReadProblemFile(const v1::ReasoningEvalConfig& c,
+                                                         const SftObjective& objective) {
   std::ifstream in(c.path());
   if (!in) return absl::NotFoundError(absl::StrCat("reasoning_eval.path: cannot open ", c.path()));
   std::vector<EvalProblem> out;
@@ -36,8 +37,11 @@ absl::StatusOr<std::vector<EvalProblem>> ReadProblemFile(const v1::ReasoningEval
     EvalProblem p;
     p.id = absl::StrCat("line-", line_no);
     if (c.source() == "chat") {
-      auto conv = data::ParseChatLine(line, line_no);
-      if (!conv.ok()) return conv.status();
+      data::Conversation parsed;
+      std::string error;
+      if (!objective.ParseLine(line, line_no, &parsed, &error))
+        return absl::InvalidArgumentError(absl::StrCat(c.path(), ": ", error));
+      std::optional<data::Conversation> conv = std::move(parsed);
       if (conv->turns.empty() || conv->turns.back().role != data::Role::kAssistant)
         return bad("the last turn must be the assistant's (it holds the reference answer)");
       auto ref = data::ExtractAnswer(conv->turns.back().text, c.answer_style());
@@ -77,8 +81,9 @@ absl::StatusOr<std::vector<EvalProblem>> ReadProblemFile(const v1::ReasoningEval
 
 }  // namespace
 
-absl::StatusOr<std::vector<EvalProblem>> LoadEvalProblems(const v1::ReasoningEvalConfig& c) {
-  if (c.source() != "builtin") return ReadProblemFile(c);
+absl::StatusOr<std::vector<EvalProblem>> LoadEvalProblems(const v1::ReasoningEvalConfig& c,
+                                                          const SftObjective& objective) {
+  if (c.source() != "builtin") return ReadProblemFile(c, objective);
   std::vector<EvalProblem> out;
   // A fixed seed: every checkpoint of every job is scored on the same held-out problems.
   data::ReasoningOptions difficulty;
@@ -103,13 +108,13 @@ absl::StatusOr<std::vector<EvalProblem>> LoadEvalProblems(const v1::ReasoningEva
 
 absl::StatusOr<ReasoningEvalSummary> RunReasoningEval(Transformer& model,
                                                       const std::vector<EvalProblem>& problems,
-                                                      const v1::ReasoningEvalConfig& c) {
+                                                      const v1::ReasoningEvalConfig& c,
+                                                      const SftObjective& objective) {
   const v1::GenerationConfig& g = c.generation();
-  const data::ChatTemplate chat;
-  if (model.config().vocab_size() < chat.vocab_size()) {
+  if (model.config().vocab_size() < objective.VocabSize()) {
     return absl::InvalidArgumentError(
         absl::StrCat("reasoning eval: model.vocab_size ", model.config().vocab_size(),
-                     " has no room for the chat template's ", chat.vocab_size(), " tokens"));
+                     " has no room for the chat template's ", objective.VocabSize(), " tokens"));
   }
   SamplingOptions o;
   o.greedy = g.greedy();
@@ -117,7 +122,7 @@ absl::StatusOr<ReasoningEvalSummary> RunReasoningEval(Transformer& model,
   o.top_p = g.top_p();
   o.max_new_tokens = g.max_new_tokens();
   o.stop.assign(g.stop().begin(), g.stop().end());
-  o.stop_tokens = {chat.end(), chat.system(), chat.user(), chat.assistant()};
+  o.stop_tokens = objective.StopTokens();
   o.batch = g.batch();
   ReasoningEvalSummary s;
   s.task = c.source() == "builtin" ? absl::StrCat("builtin:", c.task()) : c.source();
@@ -125,7 +130,7 @@ absl::StatusOr<ReasoningEvalSummary> RunReasoningEval(Transformer& model,
   std::vector<GenerationRequest> requests;
   std::vector<size_t> kept;  // problems whose prompt fits
   for (size_t i = 0; i < problems.size(); ++i) {
-    std::vector<uint32_t> prompt = data::EncodePrompt(problems[i].prompt, chat, data::EncodeBytes);
+    std::vector<uint32_t> prompt = objective.Prompt(problems[i].prompt, data::EncodeBytes);
     if (static_cast<int64_t>(prompt.size()) >= model.config().max_seq_len()) {
       ++s.skipped;
       continue;

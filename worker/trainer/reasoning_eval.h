@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "chat.h"
 #include "generate.h"
+#include "loom/sft_plugin.h"
 #include "loom/v1/job.pb.h"
 #include "model.h"
 
@@ -27,7 +28,9 @@ struct EvalProblem {
 // {"problem", "answer"}; chat (data/chat.h formats; the reference is extracted from the last
 // assistant turn with answer_style). A bad line fails with its line number. problems > 0 keeps
 // the first that many.
-absl::StatusOr<std::vector<EvalProblem>> LoadEvalProblems(const v1::ReasoningEvalConfig& config);
+// Chat files are parsed by the SFT objective plugin.
+absl::StatusOr<std::vector<EvalProblem>> LoadEvalProblems(const v1::ReasoningEvalConfig& config,
+                                                          const SftObjective& objective);
 
 struct ProblemOutcome {
   std::string id, reference;
@@ -54,9 +57,11 @@ ReasoningEvalSummary ScoreCompletions(const std::vector<EvalProblem>& problems,
                                       const std::vector<std::vector<std::string>>& completions,
                                       const std::string& answer_style);
 
+// Prompts and stop tokens come from the SFT objective plugin.
 absl::StatusOr<ReasoningEvalSummary> RunReasoningEval(Transformer& model,
                                                       const std::vector<EvalProblem>& problems,
-                                                      const v1::ReasoningEvalConfig& config);
+                                                      const v1::ReasoningEvalConfig& config,
+                                                      const SftObjective& objective);
 
 // The summary as one JSON object; with details, every problem's samples and votes.
 std::string ReasoningEvalJson(const ReasoningEvalSummary& s, int64_t step, bool details);

@@ -15,10 +15,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "attention_factory.h"
 #include "corpus.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
+#include "plugin_factory.h"
 #include "tensor_io.h"
 #include "token_shards.h"
 
@@ -247,6 +247,21 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   optimizer_ = std::make_unique<AdamW>(
       params, AdamWConfig{o.beta1(), o.beta2(), o.eps(), o.weight_decay()}, owns);
 
+  if (spec_.kind() != "pretrain") {
+    // The chat objective: data.format for sft training and its eval, reasoning_eval.format for
+    // eval jobs.
+    const bool sft = spec_.kind() == "sft";
+    const std::string& format = sft ? spec_.data().format() : spec_.reasoning_eval().format();
+    LOOM_ASSIGN_OR_RETURN(
+        objective_,
+        CreateSftObjective(loader, format,
+                           sft ? spec_.data().format_options() : google::protobuf::Struct(), 256));
+    if (spec_.model().vocab_size() < objective_->VocabSize()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.vocab_size: ", spec_.model().vocab_size(), " is smaller than the ",
+                       format, " objective's vocabulary of ", objective_->VocabSize()));
+    }
+  }
   if (spec_.kind() != "eval") LOOM_RETURN_IF_ERROR(SetupData());  // eval jobs only generate
   model_hash_ = ModelHash(spec_);
   spec_hash_ = SpecHash(spec_);
@@ -396,7 +411,15 @@ absl::Status Trainer::SetupChatData() {
   if (!d.path().empty()) {
     const bool skip = opt.count("skip_malformed") == 0 || opt["skip_malformed"] != "false";
     data::ChatReadReport report;
-    LOOM_ASSIGN_OR_RETURN(conversations, data::ReadChatJsonl(d.path(), skip, &report));
+    auto parse = [this](std::string_view line,
+                        int64_t line_no) -> absl::StatusOr<data::Conversation> {
+      data::Conversation c;
+      std::string error;
+      if (!objective_->ParseLine(line, line_no, &c, &error))
+        return absl::InvalidArgumentError(error);
+      return c;
+    };
+    LOOM_ASSIGN_OR_RETURN(conversations, data::ReadChatJsonl(d.path(), skip, &report, parse));
     LogLine(absl::StrCat("data: ", d.path(), ": ", report.conversations, " conversations from ",
                          report.lines, " lines (", report.skipped, " malformed skipped, ",
                          report.blank, " blank)"));
@@ -424,11 +447,12 @@ absl::Status Trainer::SetupChatData() {
     return absl::InvalidArgumentError(
         "data.path: too few conversations to train and hold some out");
   }
-  const data::ChatTemplate chat;  // byte tokens + 4 role tokens
   auto pack = [&](size_t from, size_t to) {
     std::vector<data::EncodedChat> encoded;
-    for (size_t i = from; i < to; ++i)
-      encoded.push_back(data::EncodeChat(conversations[i], chat, data::EncodeBytes));
+    for (size_t i = from; i < to; ++i) {
+      data::EncodedChat e = objective_->Encode(conversations[i], data::EncodeBytes);
+      if (objective_->Truncate(&e, spec_.seq_len() + 1)) encoded.push_back(std::move(e));
+    }
     return std::make_shared<const std::vector<data::PackedRow>>(
         data::Pack(encoded, spec_.seq_len() + 1, 0));
   };
@@ -676,7 +700,7 @@ void Trainer::WriteJsonl(const std::string& json) {
 absl::Status Trainer::ReasoningEvaluate(TrainSummary* summary) {
   if (comm_->rank() != 0) return absl::OkStatus();
   const v1::ReasoningEvalConfig& c = spec_.reasoning_eval();
-  LOOM_ASSIGN_OR_RETURN(std::vector<EvalProblem> problems, LoadEvalProblems(c));
+  LOOM_ASSIGN_OR_RETURN(std::vector<EvalProblem> problems, LoadEvalProblems(c, *objective_));
   LogLine(absl::StrFormat(
       "reasoning eval at step %d: %d problems (%s) x %d samples, %s, max %d new tokens", step_,
       problems.size(), c.source() == "builtin" ? "builtin:" + c.task() : c.path(), c.samples(),
@@ -684,7 +708,8 @@ absl::Status Trainer::ReasoningEvaluate(TrainSummary* summary) {
                               : absl::StrFormat("T = %g, top-p %g", c.generation().temperature(),
                                                 c.generation().top_p()),
       c.generation().max_new_tokens()));
-  LOOM_ASSIGN_OR_RETURN(ReasoningEvalSummary s, RunReasoningEval(*model_, problems, c));
+  LOOM_ASSIGN_OR_RETURN(ReasoningEvalSummary s,
+                        RunReasoningEval(*model_, problems, c, *objective_));
   summary->reasoning_pass_at_1 = s.pass_at_1;
   summary->reasoning_maj_at_k = s.maj_at_k;
   summary->reasoning_answered = s.answered;

@@ -24,6 +24,7 @@
 #include "corpus.h"
 #include "distributed.h"
 #include "http_exporter.h"
+#include "loom/sft_plugin.h"
 #include "loom/v1/job.pb.h"
 #include "model.h"
 #include "prometheus.h"
@@ -149,7 +150,7 @@ class Trainer {
       : spec_(std::move(spec)), options_(std::move(options)) {}
   absl::Status Setup(const PluginLoader& loader);
   absl::Status SetupData();
-  absl::Status SetupChatData();  // sft: packed conversations (data/chat.h)
+  absl::Status SetupChatData();  // sft: packed conversations of the SFT objective plugin
   absl::Status Restore(const std::string& where, bool weights_only);
   absl::StatusOr<std::string> SaveCheckpoint();
   absl::Status BroadcastOwnedParameters();
@@ -173,6 +174,7 @@ class Trainer {
   std::unique_ptr<GradientReducer> reducer_;  // several ranks: all-reduce overlapped with backward
   bool zero_ = false;                         // ZeRO-1 active (zero_stage 1 and several ranks)
   std::map<std::string, int> owner_;          // ZeRO-1: parameter name -> rank that updates it
+  SftObjectivePtr objective_;                 // sft and eval jobs: the chat objective plugin
   std::unique_ptr<BatchSource> train_data_;
   std::function<std::unique_ptr<BatchSource>()> make_eval_data_;  // a fresh, fixed-seed source
   int64_t step_ = 0, tokens_seen_ = 0, consecutive_nan_ = 0;

@@ -1,12 +1,14 @@
-// Builds attention layers from plugins: turns a layer's place in the model and its
-// AttentionConfig into the plugin's C spec and takes ownership of the module it returns.
-#ifndef LOOM_WORKER_TRAINER_ATTENTION_FACTORY_H_
-#define LOOM_WORKER_TRAINER_ATTENTION_FACTORY_H_
+// Builds objects from plugins: attention layers (a layer's place in the model and its
+// AttentionConfig become the plugin's C spec) and SFT chat objectives; takes ownership of what
+// the plugin returns.
+#ifndef LOOM_WORKER_TRAINER_PLUGIN_FACTORY_H_
+#define LOOM_WORKER_TRAINER_PLUGIN_FACTORY_H_
 
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "loom/attention_plugin.h"
+#include "loom/sft_plugin.h"
 #include "loom/v1/model.pb.h"
 #include "plugin_loader.h"
 
@@ -32,6 +34,13 @@ absl::StatusOr<AttentionLayerPtr> CreateAttentionLayer(const PluginLoader& loade
                                                        const v1::AttentionConfig& config,
                                                        const AttentionShape& shape);
 
+// The SFT objective plugin `name` (data.format) with its options (data.format_options), for a
+// text vocabulary of base_vocab tokens.
+absl::StatusOr<SftObjectivePtr> CreateSftObjective(const PluginLoader& loader,
+                                                   const std::string& name,
+                                                   const google::protobuf::Struct& options,
+                                                   int64_t base_vocab);
+
 }  // namespace loom::trainer
 
-#endif  // LOOM_WORKER_TRAINER_ATTENTION_FACTORY_H_
+#endif  // LOOM_WORKER_TRAINER_PLUGIN_FACTORY_H_

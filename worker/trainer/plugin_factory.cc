@@ -1,4 +1,4 @@
-#include "attention_factory.h"
+#include "plugin_factory.h"
 
 #include <cmath>
 #include <cstdio>
@@ -75,6 +75,34 @@ absl::StatusOr<AttentionLayerPtr> CreateAttentionLayer(const PluginLoader& loade
   plugin->plugin->destroy(object);
   if (!layer) return absl::InternalError(absl::StrCat(where, ": plugin returned an empty layer"));
   return layer;
+}
+
+absl::StatusOr<SftObjectivePtr> CreateSftObjective(const PluginLoader& loader,
+                                                   const std::string& name,
+                                                   const google::protobuf::Struct& options,
+                                                   int64_t base_vocab) {
+  LOOM_ASSIGN_OR_RETURN(const LoadedPlugin* plugin, loader.Find(name, LOOM_PLUGIN_KIND_SFT));
+  LOOM_ASSIGN_OR_RETURN(auto text, OptionsAsText(options));
+  std::vector<LoomOption> c_options;
+  for (const auto& [k, v] : text) c_options.push_back(LoomOption{k.c_str(), v.c_str()});
+  LoomSftSpecV1 spec{};
+  spec.base_vocab = base_vocab;
+  spec.options = c_options.data();
+  spec.num_options = c_options.size();
+  char error[1024] = {0};
+  void* object = nullptr;
+  const int32_t code = plugin->plugin->create(&spec, &object, error, sizeof(error));
+  if (code != LOOM_OK || object == nullptr) {
+    const std::string message =
+        absl::StrCat("data.format ", name, ": ", error[0] ? error : "create failed");
+    return code == LOOM_INVALID_ARGUMENT ? absl::InvalidArgumentError(message)
+                                         : absl::InternalError(message);
+  }
+  SftObjectivePtr objective = static_cast<SftObjectiveHolder*>(object)->objective;
+  plugin->plugin->destroy(object);
+  if (!objective)
+    return absl::InternalError(absl::StrCat("data.format ", name, ": plugin returned nothing"));
+  return objective;
 }
 
 }  // namespace loom::trainer

@@ -1,0 +1,154 @@
+// SFT plugins: the chat objective a reasoning-SFT job trains and evaluates with.
+//
+// A plugin of kind LOOM_PLUGIN_KIND_SFT turns one line of its file format into a conversation,
+// a conversation into training tokens with a loss mask (which tokens are targets), and into the
+// prompt a model answers at evaluation; it owns the chat template (role markers as special
+// tokens after the text vocabulary), the truncation policy and the tokens that end an answer.
+// The trainer owns files, packing, batching and the model. The job picks the plugin with
+// data.format (default "openthoughts") and passes data.format_options as plugin options.
+//
+// Objects are C++ and cross the boundary like attention modules (same build stamp); every
+// virtual is noexcept and reports errors through its return value.
+#ifndef LOOM_API_SFT_PLUGIN_H_
+#define LOOM_API_SFT_PLUGIN_H_
+
+#include "loom/plugin_abi.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct LoomSftSpecV1 {
+  int64_t base_vocab;  // text tokens are 0 .. base_vocab - 1 (the byte tokenizer: 256)
+  const LoomOption* options;
+  size_t num_options;
+} LoomSftSpecV1;
+
+#ifdef __cplusplus
+}  // extern "C"
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom {
+
+enum class ChatRole { kSystem, kUser, kAssistant };
+
+struct ChatTurn {
+  ChatRole role;
+  std::string text;
+};
+
+struct ChatConversation {
+  std::vector<ChatTurn> turns;
+  int64_t line = 0;  // 1-based line in its file (0 when generated)
+};
+
+struct EncodedConversation {
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> loss_mask;  // 1 where the token is a training target
+};
+
+using TextEncoder = std::function<std::vector<uint32_t>(std::string_view)>;
+
+class SftObjective {
+ public:
+  virtual ~SftObjective() = default;
+  // Vocabulary a model needs: the text vocabulary plus the template's special tokens.
+  virtual int64_t VocabSize() const noexcept = 0;
+  // One line of the file format. false: *error says what is wrong, with the line number.
+  virtual bool ParseLine(std::string_view line, int64_t line_no, ChatConversation* out,
+                         std::string* error) const noexcept = 0;
+  // Training tokens and targets of a whole conversation.
+  virtual EncodedConversation Encode(const ChatConversation& c,
+                                     const TextEncoder& encode) const noexcept = 0;
+  // The tokens a model continues to answer the conversation's last user turn (a trailing
+  // assistant turn is left out).
+  virtual std::vector<uint32_t> Prompt(const ChatConversation& c,
+                                       const TextEncoder& encode) const noexcept = 0;
+  // Tokens that end a generated answer.
+  virtual std::vector<uint32_t> StopTokens() const noexcept = 0;
+  // Fits an encoded conversation into max_len tokens; false: drop it (nothing left to learn).
+  virtual bool Truncate(EncodedConversation* e, int64_t max_len) const noexcept = 0;
+};
+
+using SftObjectivePtr = std::shared_ptr<SftObjective>;
+
+// What an SFT plugin's create() stores in *out.
+struct SftObjectiveHolder {
+  SftObjectivePtr objective;
+};
+
+// Thrown by SFT plugin factories for a bad option; becomes LOOM_INVALID_ARGUMENT at the boundary.
+// The message must name the field.
+class InvalidSftSpec : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace plugin_internal {
+
+// Runs a C++ factory and converts every outcome into the C contract: nothing escapes.
+template <typename Factory>
+int32_t CreateSft(Factory factory, const void* spec, void** out, char* error,
+                  size_t error_size) noexcept {
+  auto copy = [&](const char* message) {
+    if (error != nullptr && error_size > 0) std::snprintf(error, error_size, "%s", message);
+  };
+  try {
+    if (spec == nullptr || out == nullptr) {
+      copy("create: null spec or out pointer");
+      return LOOM_INVALID_ARGUMENT;
+    }
+    SftObjectivePtr objective = factory(*static_cast<const LoomSftSpecV1*>(spec));
+    if (!objective) {
+      copy("create: factory returned no objective");
+      return LOOM_INTERNAL;
+    }
+    *out = new SftObjectiveHolder{std::move(objective)};
+    return LOOM_OK;
+  } catch (const InvalidSftSpec& e) {
+    copy(e.what());
+    return LOOM_INVALID_ARGUMENT;
+  } catch (const std::exception& e) {
+    copy(e.what());
+    return LOOM_INTERNAL;
+  } catch (...) {
+    copy("create: unknown exception");
+    return LOOM_INTERNAL;
+  }
+}
+
+inline void DestroySft(void* object) noexcept { delete static_cast<SftObjectiveHolder*>(object); }
+
+}  // namespace plugin_internal
+}  // namespace loom
+
+// Defines the entry point of an SFT plugin. FACTORY: `loom::SftObjectivePtr(const
+// LoomSftSpecV1&)`, may throw loom::InvalidSftSpec.
+#define LOOM_SFT_PLUGIN(NAME, DESCRIPTION, FACTORY)                                        \
+  namespace {                                                                              \
+  int32_t LoomCreateSft(const void* spec, void** out, char* error, size_t size) {          \
+    return ::loom::plugin_internal::CreateSft(FACTORY, spec, out, error, size);            \
+  }                                                                                        \
+  const LoomPluginV1 kLoomPlugin = {LOOM_PLUGIN_ABI_VERSION,                               \
+                                    LOOM_BUILD_STAMP,                                      \
+                                    NAME,                                                  \
+                                    LOOM_PLUGIN_KIND_SFT,                                  \
+                                    DESCRIPTION,                                           \
+                                    &LoomCreateSft,                                        \
+                                    &::loom::plugin_internal::DestroySft};                 \
+  }                                                                                        \
+  extern "C" __attribute__((visibility("default"))) const LoomPluginV1* loom_plugin_v1() { \
+    return &kLoomPlugin;                                                                   \
+  }
+
+#endif  // __cplusplus
+
+#endif  // LOOM_API_SFT_PLUGIN_H_
