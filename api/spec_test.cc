@@ -112,7 +112,7 @@ TEST(JobSpec, BadSpecsNameTheField) {
        "data.format"},
       {R"({"kind": "eval"})", "model"},  // no model and no checkpoint to take it from
       {R"({"preset": "micro", "kind": "eval", "steps": 5, "model": {"vocab_size": 260}})", "steps"},
-      {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "data": {"source": "corpus"}})",
+      {R"({"preset": "micro", "kind": "eval", "model": {"vocab_size": 260}, "data": {"source": "chat"}})",
        "data"},
       {R"({"preset": "micro", "kind": "eval"})", "model.vocab_size"},
       {R"({"preset": "micro", "reasoning_eval": {}})", "reasoning_eval"},  // pretrain
@@ -153,6 +153,10 @@ TEST(JobSpec, EvalJobsAndReasoningEvalDefaults) {
   EXPECT_EQ(r.answer_style(), "gsm8k");
   EXPECT_DOUBLE_EQ(r.generation().temperature(), 0.6);  // the paper's evaluation
   EXPECT_EQ(r.generation().seed(), eval->seed());
+  // Resolving a resolved spec changes nothing (the coordinator resolves, then the worker does).
+  auto again = ResolveJobSpec(*eval);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->SerializeAsString(), eval->SerializeAsString());
   auto sft = Resolve(R"({"preset": "micro", "kind": "sft", "model": {"vocab_size": 260},
       "data": {"source": "chat", "task": "arithmetic", "task_options": {"ops": 1}}})");
   ASSERT_TRUE(sft.ok()) << sft.status();

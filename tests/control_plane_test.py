@@ -209,6 +209,34 @@ def test_submit_run_succeed(c):
     print(f"ok: submit -> run -> succeed ({job_id}), fine-tune lineage ({child})")
 
 
+def test_eval_job_results_stored_with_the_job(c):
+    """An eval job that names no model gets it from its init_from checkpoint (through the
+    catalogue); the worker forwards the reasoning eval and the job record keeps it."""
+    api = c.api
+    body = micro(10, world=1, interval=10, model={"vocab_size": 260})
+    pre = submit(api, body)
+    api.wait(pre, lambda j: j["state"] == "succeeded", "the vocab-260 pretrain to succeed")
+    ev = {"spec": {"kind": "eval", "threads": 1,
+                   "reasoning_eval": {"task": "arithmetic", "problems": 3, "samples": 2,
+                                      "generation": {"max_new_tokens": 8}}},
+          "world_size": 1, "pool": {"pool": "cpu"}, "init_from": f"{pre}/10"}
+    job_id = submit(api, ev)
+    job = api.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"), "the eval job")
+    assert job["state"] == "succeeded", job
+    assert job["spec"]["model"]["vocab_size"] == 260, job["spec"]["model"]  # from the manifest
+    reasoning = [e for e in job.get("evals", []) if e.get("kind") == "reasoning"]
+    assert len(reasoning) == 1, job.get("evals")
+    r = reasoning[0]
+    assert r["task"] == "builtin:arithmetic" and int(r["problems"]) == 3 and r["samples"] == 2, r
+    assert 0 <= r.get("pass_at_1", 0) <= 1 and os.path.isfile(r["details"]), r
+    out = c.cli("status", job_id).stdout
+    assert "reasoning eval at step 0 (builtin:arithmetic, 3 problems x 2 samples)" in out, out
+    # Without init_from and without a model there is nothing to evaluate: a 400 naming the field.
+    status, _, text = api.request("POST", "/v1/jobs", {**ev, "init_from": ""})
+    assert status == 400 and "spec.model" in text, (status, text)
+    print(f"ok: eval job {job_id} on {pre}/10 (model from the checkpoint), result stored")
+
+
 def test_cancel_mid_run(c):
     api = c.api
     job_id = submit(api, micro(100000, interval=0))
@@ -540,6 +568,7 @@ def main():
         c.wait_workers(2)
         test_hostile_requests(c)
         test_submit_run_succeed(c)
+        test_eval_job_results_stored_with_the_job(c)
         test_cancel_mid_run(c)
         test_kill_rank(c)
         test_kill_worker(c)

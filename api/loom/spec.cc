@@ -451,7 +451,12 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     if (in.steps() != 0) return SpecError("steps", "eval jobs do not train; leave steps at 0");
     j.set_steps(0);
     j.mutable_optimizer()->set_warmup_steps(0);
-    if (in.has_data()) return SpecError("data", "eval jobs read reasoning_eval, not data");
+    // (An already resolved spec carries the default corpus data: resolving stays idempotent.)
+    const v1::DataConfig& d = in.data();
+    if (!d.path().empty() || !d.task().empty() || !d.format().empty() ||
+        (!d.source().empty() && d.source() != "corpus")) {
+      return SpecError("data", "eval jobs read reasoning_eval, not data");
+    }
     j.clear_data();
     if (j.micro_batch() == 0) j.set_micro_batch(1);
     if (j.seq_len() == 0) j.set_seq_len(std::max<int64_t>(1, j.model().max_seq_len()));
