@@ -132,13 +132,15 @@ int main(int argc, char** argv) {
                                               {"reps", "2"},
                                               {"threads", "0"},
                                               {"naive-max-n", "2048"},
-                                              {"tile", "0"}};
+                                              {"tile", "0"},
+                                              {"peer", ""}};
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a.rfind("--", 0) != 0 || i + 1 >= argc || !flags.count(a.substr(2))) {
       std::fprintf(stderr,
                    "usage: loom-bench-attention [--n 256,512,...] [--heads H] [--dim d] [--p 2,4] "
-                   "[--batch B] [--reps R] [--threads T] [--naive-max-n N] [--tile TOKENS]\n");
+                   "[--batch B] [--reps R] [--threads T] [--naive-max-n N] [--tile TOKENS] "
+                   "[--peer plugins/attention/bench/naive_peer.py]\n");
       return a == "--help" ? 0 : 2;
     }
     flags[a.substr(2)] = argv[++i];
@@ -235,6 +237,28 @@ int main(int argc, char** argv) {
       Timing t_local_mha = Measure(mha(w), inputs, reps);
       row("local-mha", t_local_mha, local_mha_flops, false);
       if (n <= naive_max) row("iha-naive", Measure(naive, inputs, reps), iha_flops, true);
+      if (!flags["peer"].empty() && n <= naive_max) {
+        // The naive peer: a straightforward PyTorch IHA under Debian's python3-torch, run as a
+        // child process at the same shape; its time is compared with our MHA of this run.
+        const std::string command = flags["peer"] + " --n " + std::to_string(n) + " --p " +
+                                    std::to_string(p) + " --heads " + std::to_string(h) +
+                                    " --dim " + std::to_string(d) + " --batch " +
+                                    std::to_string(b) + " --reps " + std::to_string(reps);
+        Timing peer;
+        FILE* pipe = popen(command.c_str(), "r");
+        double fwd = 0, total = 0, bytes = 0;
+        const bool ok =
+            pipe != nullptr && std::fscanf(pipe, "%lf %lf %lf", &fwd, &total, &bytes) == 3;
+        if (pipe != nullptr) pclose(pipe);
+        if (ok) {
+          peer.forward_s = fwd;
+          peer.total_s = total;
+          peer.extra_bytes = bytes;  // peak RSS growth of the child
+          row("py-peer", peer, iha_flops, true);
+        } else {
+          std::fprintf(stderr, "loom-bench-attention: peer command failed: %s\n", command.c_str());
+        }
+      }
       row("iha-fused", Measure(fused(global), inputs, reps), iha_flops, true);
       Timing t_local = Measure(fused(local), inputs, reps);
       row("local-iha", t_local, local_flops, false);

@@ -207,6 +207,38 @@ TEST(ChatSampler, ScoresOnlyAssistantTokensAndRestartsPositions) {
   }
 }
 
+TEST(ChatSampler, PromptPositionsCannotChangeTheLoss) {
+  // The SFT loss is the mean cross-entropy over assistant targets only: whatever the logits (or
+  // the would-be labels) at prompt, marker and padding positions, the loss is the same and its
+  // gradient there is exactly zero. Checked against a float64 computation by hand.
+  data::ChatTemplate chat;
+  data::Conversation a{{{data::Role::kUser, "what?"}, {data::Role::kAssistant, "this"}}};
+  auto rows = std::make_shared<const std::vector<data::PackedRow>>(
+      data::Pack({data::EncodeChat(a, chat, data::EncodeBytes)}, 14, 0));
+  ChatSampler sampler(rows, 3);
+  TrainBatch batch = sampler.Next(1);
+  torch::manual_seed(2);
+  torch::Tensor logits = torch::randn({1, 13, 260}, torch::kFloat64).requires_grad_();
+  torch::Tensor loss = ScoreBatch(logits, batch, false).loss;
+  loss.backward();
+  torch::Tensor scored = batch.targets[0] >= 0;
+  ASSERT_EQ(scored.sum().item<int64_t>(), 5);  // "this" + <|end|>
+  double expected = 0;
+  for (int64_t i = 0; i < 13; ++i) {
+    const int64_t t = batch.targets[0][i].item<int64_t>();
+    if (t < 0) {
+      EXPECT_EQ(logits.grad()[0][i].abs().max().item<double>(), 0.0) << "position " << i;
+      continue;
+    }
+    expected -= torch::log_softmax(logits[0][i].detach(), -1)[t].item<double>();
+  }
+  EXPECT_NEAR(loss.item<double>(), expected / 5, 1e-12);
+  // Scrambling the logits at every unscored position leaves the loss bit for bit unchanged.
+  torch::Tensor other = logits.detach().clone();
+  other.index_put_({0, scored.logical_not()}, torch::randn({13 - 5, 260}, torch::kFloat64));
+  EXPECT_EQ(ScoreBatch(other, batch, false).loss.item<double>(), loss.item<double>());
+}
+
 TEST(Schedule, WarmupThenCosine) {
   v1::OptimizerConfig o;
   o.set_lr(1e-3);
