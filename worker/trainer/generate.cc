@@ -103,15 +103,17 @@ absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
       std::vector<int64_t> length(static_cast<size_t>(b));
       std::vector<std::mt19937_64> rng;
       bool padded = false;
+      auto tok = tokens.accessor<int64_t, 2>(), pos = positions.accessor<int64_t, 2>(),
+           seg = segments.accessor<int64_t, 2>();
       for (int64_t r = 0; r < b; ++r) {
         const auto& req = requests[first + static_cast<size_t>(r)];
         const int64_t n = static_cast<int64_t>(req.prompt.size()), pad = longest - n;
         padded |= pad > 0;
         length[r] = n;
         for (int64_t i = 0; i < n; ++i) {
-          tokens[r][pad + i] = static_cast<int64_t>(req.prompt[i]);
-          positions[r][pad + i] = i;
-          segments[r][pad + i] = 1;
+          tok[r][pad + i] = static_cast<int64_t>(req.prompt[i]);
+          pos[r][pad + i] = i;
+          seg[r][pad + i] = 1;
         }
         rng.emplace_back(Mix(req.seed));
       }
@@ -126,12 +128,15 @@ absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
       for (int64_t step = 0; step < budget; ++step) {
         torch::Tensor next = torch::full({b, 1}, static_cast<int64_t>(o.pad), i64);
         torch::Tensor next_pos = torch::zeros({b, 1}, i64);
+        auto next_tok = next.accessor<int64_t, 2>(), next_p = next_pos.accessor<int64_t, 2>();
+        // One device-to-host copy per step; rows are sampled on the host.
+        const torch::Tensor host_logits = logits.to(torch::kCPU, torch::kFloat64).contiguous();
         bool any = false;
         for (int64_t r = 0; r < b; ++r) {
-          next_pos[r][0] = length[r] + step;
+          next_p[r][0] = length[r] + step;
           if (done[r]) continue;
           Generation& g = out[first + static_cast<size_t>(r)];
-          const uint32_t t = SampleToken(logits[r], o, rng[r]);
+          const uint32_t t = SampleToken(host_logits[r], o, rng[r]);
           ++local.generated_tokens;
           if (std::find(o.stop_tokens.begin(), o.stop_tokens.end(), t) != o.stop_tokens.end()) {
             g.finish = "stop_token";
@@ -139,7 +144,7 @@ absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
             continue;
           }
           g.tokens.push_back(t);
-          next[r][0] = static_cast<int64_t>(t);
+          next_tok[r][0] = static_cast<int64_t>(t);
           if (!o.stop.empty()) {
             g.text = decode(g.tokens);
             for (const std::string& s : o.stop) {
