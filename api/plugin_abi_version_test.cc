@@ -19,6 +19,8 @@ const std::map<unsigned, std::string> kDigests = {
     {2, "55a1a3ceacf6c46a"},  // AttentionInputs.segments (packed sequences)
     {3, "68f8e71e7a68cf30"},  // AttentionCache, NewCache / ForwardCached (KV-cache decoding)
     {4, "e4f6e921edd4815f"},  // sft_plugin.h: SFT objective plugins (LOOM_PLUGIN_KIND_SFT)
+    {5, "69c822277ec55cdc"},  // one create wrapper and entry macro for every kind
+                              // (LOOM_DEFINE_PLUGIN)
 };
 
 // Drops // and /* */ comments, line continuations and all whitespace, so rewording a comment or

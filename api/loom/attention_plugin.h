@@ -111,65 +111,13 @@ class InvalidAttentionSpec : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-namespace plugin_internal {
-
-inline void CopyMessage(const char* message, char* error, size_t error_size) {
-  if (error != nullptr && error_size > 0) std::snprintf(error, error_size, "%s", message);
-}
-
-// Runs a C++ factory and converts every outcome into the C contract: nothing escapes.
-template <typename Factory>
-int32_t CreateAttention(Factory factory, const void* spec, void** out, char* error,
-                        size_t error_size) noexcept {
-  try {
-    if (spec == nullptr || out == nullptr) {
-      CopyMessage("create: null spec or out pointer", error, error_size);
-      return LOOM_INVALID_ARGUMENT;
-    }
-    AttentionLayerPtr layer = factory(*static_cast<const LoomAttentionSpecV1*>(spec));
-    if (!layer) {
-      CopyMessage("create: factory returned no layer", error, error_size);
-      return LOOM_INTERNAL;
-    }
-    *out = new AttentionLayerHolder{std::move(layer)};
-    return LOOM_OK;
-  } catch (const InvalidAttentionSpec& e) {
-    CopyMessage(e.what(), error, error_size);
-    return LOOM_INVALID_ARGUMENT;
-  } catch (const std::exception& e) {
-    CopyMessage(e.what(), error, error_size);
-    return LOOM_INTERNAL;
-  } catch (...) {
-    CopyMessage("create: unknown exception", error, error_size);
-    return LOOM_INTERNAL;
-  }
-}
-
-inline void DestroyAttention(void* object) noexcept {
-  delete static_cast<AttentionLayerHolder*>(object);
-}
-
-}  // namespace plugin_internal
 }  // namespace loom
 
 // Defines the plugin entry point for an attention plugin. FACTORY is a callable
 // `loom::AttentionLayerPtr(const LoomAttentionSpecV1&)` that may throw.
-#define LOOM_ATTENTION_PLUGIN(NAME, DESCRIPTION, FACTORY)                                  \
-  namespace {                                                                              \
-  int32_t LoomCreateAttention(const void* spec, void** out, char* error, size_t size) {    \
-    return ::loom::plugin_internal::CreateAttention(FACTORY, spec, out, error, size);      \
-  }                                                                                        \
-  const LoomPluginV1 kLoomPlugin = {LOOM_PLUGIN_ABI_VERSION,                               \
-                                    LOOM_BUILD_STAMP,                                      \
-                                    NAME,                                                  \
-                                    LOOM_PLUGIN_KIND_ATTENTION,                            \
-                                    DESCRIPTION,                                           \
-                                    &LoomCreateAttention,                                  \
-                                    &::loom::plugin_internal::DestroyAttention};           \
-  }                                                                                        \
-  extern "C" __attribute__((visibility("default"))) const LoomPluginV1* loom_plugin_v1() { \
-    return &kLoomPlugin;                                                                   \
-  }
+#define LOOM_ATTENTION_PLUGIN(NAME, DESCRIPTION, FACTORY)                                \
+  LOOM_DEFINE_PLUGIN(NAME, DESCRIPTION, LOOM_PLUGIN_KIND_ATTENTION, LoomAttentionSpecV1, \
+                     ::loom::AttentionLayerHolder, ::loom::InvalidAttentionSpec, FACTORY)
 
 #endif  // __cplusplus
 

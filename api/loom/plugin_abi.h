@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define LOOM_PLUGIN_ABI_VERSION 4
+#define LOOM_PLUGIN_ABI_VERSION 5
 #define LOOM_PLUGIN_ENTRY_SYMBOL "loom_plugin_v1"
 
 typedef enum LoomPluginKind {
@@ -86,5 +86,75 @@ typedef const LoomPluginV1* (*LoomPluginEntryFn)(void);
 #define LOOM_BUILD_STAMP                                                             \
   "abi=" LOOM_STAMP_STR(LOOM_PLUGIN_ABI_VERSION) ";torch=" LOOM_TORCH_VERSION_STRING \
                                                  ";" LOOM_STAMP_CXXABI
+
+#ifdef __cplusplus
+#include <cstdio>
+#include <exception>
+#include <utility>
+
+namespace loom::plugin_internal {
+
+inline void CopyMessage(const char* message, char* error, size_t error_size) {
+  if (error != nullptr && error_size > 0) std::snprintf(error, error_size, "%s", message);
+}
+
+// Runs a plugin kind's C++ factory and converts every outcome into the C contract: nothing
+// escapes. Spec: the kind's C spec struct; Holder: what *out owns ({object}); Invalid: the
+// exception type a factory throws for a bad spec or option (LOOM_INVALID_ARGUMENT).
+template <typename Spec, typename Holder, typename Invalid, typename Factory>
+int32_t Create(Factory factory, const void* spec, void** out, char* error,
+               size_t error_size) noexcept {
+  try {
+    if (spec == nullptr || out == nullptr) {
+      CopyMessage("create: null spec or out pointer", error, error_size);
+      return LOOM_INVALID_ARGUMENT;
+    }
+    auto object = factory(*static_cast<const Spec*>(spec));
+    if (!object) {
+      CopyMessage("create: the factory returned nothing", error, error_size);
+      return LOOM_INTERNAL;
+    }
+    *out = new Holder{std::move(object)};
+    return LOOM_OK;
+  } catch (const Invalid& e) {
+    CopyMessage(e.what(), error, error_size);
+    return LOOM_INVALID_ARGUMENT;
+  } catch (const std::exception& e) {
+    CopyMessage(e.what(), error, error_size);
+    return LOOM_INTERNAL;
+  } catch (...) {
+    CopyMessage("create: unknown exception", error, error_size);
+    return LOOM_INTERNAL;
+  }
+}
+
+template <typename Holder>
+void Destroy(void* object) noexcept {
+  delete static_cast<Holder*>(object);
+}
+
+}  // namespace loom::plugin_internal
+
+// The exported entry point of a plugin of KIND whose objects are made by FACTORY (a callable
+// taking the kind's Spec, returning a shared_ptr) and owned through Holder. The kinds' headers
+// wrap it (LOOM_ATTENTION_PLUGIN, LOOM_SFT_PLUGIN).
+#define LOOM_DEFINE_PLUGIN(NAME, DESCRIPTION, KIND, SPEC, HOLDER, INVALID, FACTORY)          \
+  namespace {                                                                                \
+  int32_t LoomCreatePlugin(const void* spec, void** out, char* error, size_t size) {         \
+    return ::loom::plugin_internal::Create<SPEC, HOLDER, INVALID>(FACTORY, spec, out, error, \
+                                                                  size);                     \
+  }                                                                                          \
+  const LoomPluginV1 kLoomPlugin = {LOOM_PLUGIN_ABI_VERSION,                                 \
+                                    LOOM_BUILD_STAMP,                                        \
+                                    NAME,                                                    \
+                                    KIND,                                                    \
+                                    DESCRIPTION,                                             \
+                                    &LoomCreatePlugin,                                       \
+                                    &::loom::plugin_internal::Destroy<HOLDER>};              \
+  }                                                                                          \
+  extern "C" __attribute__((visibility("default"))) const LoomPluginV1* loom_plugin_v1() {   \
+    return &kLoomPlugin;                                                                     \
+  }
+#endif  // __cplusplus
 
 #endif  // LOOM_API_PLUGIN_ABI_H_

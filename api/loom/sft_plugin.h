@@ -92,62 +92,13 @@ class InvalidSftSpec : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-namespace plugin_internal {
-
-// Runs a C++ factory and converts every outcome into the C contract: nothing escapes.
-template <typename Factory>
-int32_t CreateSft(Factory factory, const void* spec, void** out, char* error,
-                  size_t error_size) noexcept {
-  auto copy = [&](const char* message) {
-    if (error != nullptr && error_size > 0) std::snprintf(error, error_size, "%s", message);
-  };
-  try {
-    if (spec == nullptr || out == nullptr) {
-      copy("create: null spec or out pointer");
-      return LOOM_INVALID_ARGUMENT;
-    }
-    SftObjectivePtr objective = factory(*static_cast<const LoomSftSpecV1*>(spec));
-    if (!objective) {
-      copy("create: factory returned no objective");
-      return LOOM_INTERNAL;
-    }
-    *out = new SftObjectiveHolder{std::move(objective)};
-    return LOOM_OK;
-  } catch (const InvalidSftSpec& e) {
-    copy(e.what());
-    return LOOM_INVALID_ARGUMENT;
-  } catch (const std::exception& e) {
-    copy(e.what());
-    return LOOM_INTERNAL;
-  } catch (...) {
-    copy("create: unknown exception");
-    return LOOM_INTERNAL;
-  }
-}
-
-inline void DestroySft(void* object) noexcept { delete static_cast<SftObjectiveHolder*>(object); }
-
-}  // namespace plugin_internal
 }  // namespace loom
 
 // Defines the entry point of an SFT plugin. FACTORY: `loom::SftObjectivePtr(const
 // LoomSftSpecV1&)`, may throw loom::InvalidSftSpec.
-#define LOOM_SFT_PLUGIN(NAME, DESCRIPTION, FACTORY)                                        \
-  namespace {                                                                              \
-  int32_t LoomCreateSft(const void* spec, void** out, char* error, size_t size) {          \
-    return ::loom::plugin_internal::CreateSft(FACTORY, spec, out, error, size);            \
-  }                                                                                        \
-  const LoomPluginV1 kLoomPlugin = {LOOM_PLUGIN_ABI_VERSION,                               \
-                                    LOOM_BUILD_STAMP,                                      \
-                                    NAME,                                                  \
-                                    LOOM_PLUGIN_KIND_SFT,                                  \
-                                    DESCRIPTION,                                           \
-                                    &LoomCreateSft,                                        \
-                                    &::loom::plugin_internal::DestroySft};                 \
-  }                                                                                        \
-  extern "C" __attribute__((visibility("default"))) const LoomPluginV1* loom_plugin_v1() { \
-    return &kLoomPlugin;                                                                   \
-  }
+#define LOOM_SFT_PLUGIN(NAME, DESCRIPTION, FACTORY)                          \
+  LOOM_DEFINE_PLUGIN(NAME, DESCRIPTION, LOOM_PLUGIN_KIND_SFT, LoomSftSpecV1, \
+                     ::loom::SftObjectiveHolder, ::loom::InvalidSftSpec, FACTORY)
 
 #endif  // __cplusplus
 
