@@ -24,13 +24,6 @@ struct Case {
   Factory make;
 };
 
-std::vector<LoomOption>* Options(std::vector<std::pair<std::string, std::string>> kv) {
-  auto* store = new std::vector<std::pair<std::string, std::string>>(std::move(kv));  // kept alive
-  auto* list = new std::vector<LoomOption>();
-  for (auto& [k, v] : *store) list->push_back({k.c_str(), v.c_str()});
-  return list;
-}
-
 std::vector<Case> Cases() {
   std::vector<Case> cases;
   cases.push_back({"mha", [] {
@@ -46,7 +39,7 @@ std::vector<Case> Cases() {
        [] { return std::make_shared<TalkingHeadsAttention>(TestSpec(16, 4, 4, true, 0, 100)); }});
   cases.push_back({"talking_heads W=4", [] {
                      return std::make_shared<TalkingHeadsAttention>(
-                         TestSpec(16, 4, 4, true, 4, 100, Options({{"init", "random"}})));
+                         TestSpec(16, 4, 4, true, 4, 100, KeptOptions({{"init", "random"}})));
                    }});
   cases.push_back(
       {"diff", [] { return std::make_shared<DiffAttention>(TestSpec(16, 4, 4, true, 0, 100)); }});
@@ -54,11 +47,11 @@ std::vector<Case> Cases() {
     for (const char* mask : {"interleaved", "block"}) {
       for (int64_t window : {0, 2}) {
         for (const char* phase : {"interleaved", "token"}) {
-          auto* o = Options({{"p", "2"},
-                             {"init", "random"},
-                             {"kv_cache", cache},
-                             {"mask", mask},
-                             {"rope_phase", phase}});
+          auto* o = KeptOptions({{"p", "2"},
+                                 {"init", "random"},
+                                 {"kv_cache", cache},
+                                 {"mask", mask},
+                                 {"rope_phase", phase}});
           cases.push_back({std::string("iha ") + cache + " " + mask +
                                " W=" + std::to_string(window) + " rope " + phase,
                            [o, window] {
@@ -68,7 +61,8 @@ std::vector<Case> Cases() {
         }
       }
     }
-    auto* o = Options({{"p", "3"}, {"init", "random"}, {"kv_cache", cache}, {"score", "linear"}});
+    auto* o =
+        KeptOptions({{"p", "3"}, {"init", "random"}, {"kv_cache", cache}, {"score", "linear"}});
     cases.push_back(
         {std::string("iha linear P=3 ") + cache,
          [o] { return std::make_shared<iha::IhaAttention>(TestSpec(16, 4, 4, true, 0, 0, o)); }});
@@ -166,7 +160,7 @@ TEST(KvCache, IhaPseudoCacheHoldsPTimesTheHeadsCache) {
   int64_t bytes[2];
   int i = 0;
   for (const char* layout : {"pseudo", "heads"}) {
-    auto* o = Options({{"p", "4"}, {"kv_cache", layout}});
+    auto* o = KeptOptions({{"p", "4"}, {"kv_cache", layout}});
     iha::IhaAttention layer(TestSpec(16, 4, 4, true, 0, 0, o));
     layer.to(torch::kFloat64);
     auto cache = layer.NewCache();
@@ -192,7 +186,7 @@ TEST(KvCache, MisuseIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("causal"), std::string::npos) << e.what();
   }
   MultiHeadAttention decoder(TestSpec(16, 4, 4, true, 0, 0), "mha", false);
-  auto* o = Options({{"p", "2"}});
+  auto* o = KeptOptions({{"p", "2"}});
   iha::IhaAttention iha_layer(TestSpec(16, 4, 4, true, 0, 0, o));
   auto iha_cache = iha_layer.NewCache();
   try {

@@ -26,13 +26,6 @@ struct Case {
 
 std::vector<Case> Cases() {
   std::vector<Case> cases;
-  auto opts = [](std::vector<std::pair<std::string, std::string>> kv) {
-    auto* store =
-        new std::vector<std::pair<std::string, std::string>>(std::move(kv));  // kept alive
-    auto* list = new std::vector<LoomOption>();
-    for (auto& [k, v] : *store) list->push_back({k.c_str(), v.c_str()});
-    return list;
-  };
   cases.push_back({"mha", [] {
                      return std::make_shared<MultiHeadAttention>(TestSpec(16, 4, 4, true, 0, 100),
                                                                  "mha", false);
@@ -53,7 +46,7 @@ std::vector<Case> Cases() {
   for (const char* kernel : {"reference", "fused"}) {
     for (const char* mask : {"interleaved", "block"}) {
       for (int64_t window : {0, 2}) {
-        auto* o = opts({{"p", "2"}, {"init", "random"}, {"kernel", kernel}, {"mask", mask}});
+        auto* o = KeptOptions({{"p", "2"}, {"init", "random"}, {"kernel", kernel}, {"mask", mask}});
         cases.push_back({std::string("iha ") + kernel + " " + mask + " W=" + std::to_string(window),
                          [o, window] {
                            return std::make_shared<iha::IhaAttention>(
@@ -61,7 +54,7 @@ std::vector<Case> Cases() {
                          }});
       }
     }
-    auto* o = opts({{"p", "3"}, {"init", "random"}, {"kernel", kernel}, {"mask", "none"}});
+    auto* o = KeptOptions({{"p", "3"}, {"init", "random"}, {"kernel", kernel}, {"mask", "none"}});
     cases.push_back({std::string("iha encoder ") + kernel, [o] {
                        return std::make_shared<iha::IhaAttention>(
                            TestSpec(16, 4, 4, false, 0, 100, o));

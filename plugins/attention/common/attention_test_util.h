@@ -8,11 +8,21 @@
 
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/attention_plugin.h"
 
 namespace loom::attention {
+
+// Plugin options as the C spec wants them, for test cases built once and kept for the whole
+// test run (the strings and the list are deliberately never freed).
+inline std::vector<LoomOption>* KeptOptions(std::vector<std::pair<std::string, std::string>> kv) {
+  auto* store = new std::vector<std::pair<std::string, std::string>>(std::move(kv));
+  auto* list = new std::vector<LoomOption>();
+  for (auto& [k, v] : *store) list->push_back({k.c_str(), v.c_str()});
+  return list;
+}
 
 inline LoomAttentionSpecV1 TestSpec(int64_t d_model, int64_t heads, int64_t head_dim, bool causal,
                                     int64_t window, double theta,
