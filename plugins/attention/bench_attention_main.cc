@@ -23,6 +23,10 @@
 #include "iha_core.h"
 #include "iha_fused.h"
 
+// OpenBLAS (Debian's LibTorch BLAS) keeps its own thread count, which torch::set_num_threads
+// does not change: --threads sets both, so every variant runs on the same number of threads.
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
+
 namespace {
 
 using loom::attention::iha::Mask;
@@ -146,14 +150,18 @@ int main(int argc, char** argv) {
     flags[a.substr(2)] = argv[++i];
   }
   c10::SetCPUAllocator(&g_allocator, /*priority=*/100);
-  if (std::stoll(flags["threads"]) > 0)
+  if (std::stoll(flags["threads"]) > 0) {
     torch::set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
+    if (openblas_set_num_threads != nullptr) {
+      openblas_set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
+    }
+  }
   const int64_t h = std::stoll(flags["heads"]), d = std::stoll(flags["dim"]),
                 b = std::stoll(flags["batch"]);
   const int reps = static_cast<int>(std::stoll(flags["reps"]));
   const int64_t naive_max = std::stoll(flags["naive-max-n"]);
   torch::manual_seed(0);
-  const double ceiling = MatmulCeiling(torch::get_num_threads());
+  double ceiling = MatmulCeiling(torch::get_num_threads());
   std::printf(
       "loom-bench-attention: %d threads, fp32, B=%lld H=%lld d=%lld, causal; matmul ceiling %.1f "
       "GFLOP/s "
@@ -183,6 +191,11 @@ int main(int argc, char** argv) {
       torch::Tensor positions = torch::arange(n, torch::kInt64);
       const std::vector<torch::Tensor> inputs = {q, k, v, aq, ak, av, r};
       const int64_t w = std::max<int64_t>(1, n / (2 * p * p));  // the paper's local window
+      // Shared machines drift: each (N, P) group is compared with a ceiling measured just before
+      // it (the best of this and the previous measurement, so a busy moment cannot flatter).
+      ceiling = std::max(ceiling, MatmulCeiling(torch::get_num_threads()));
+      std::printf("# N=%lld P=%lld: matmul ceiling %.1f GFLOP/s\n", static_cast<long long>(n),
+                  static_cast<long long>(p), ceiling);
       const double scale = 1.0 / std::sqrt(static_cast<double>(d));
 
       auto mha = [&](int64_t window) {
@@ -234,6 +247,20 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       };
       row("mha", t_mha, mha_flops, false);
+      // The same FlashAttention kernel at P = 1 with identity mixing is plain causal MHA that
+      // skips the future: what MHA costs with IHA's kernel quality (a second yardstick).
+      Options flash_mha;
+      flash_mha.p = 1;
+      torch::Tensor eye = torch::eye(h).unsqueeze(-1);
+      torch::Tensor eye_r = torch::eye(h);
+      row("mha-fused",
+          Measure(
+              [&] {
+                return loom::attention::iha::FusedForward(q, k, v, eye, eye, eye, eye_r, positions,
+                                                          flash_mha);
+              },
+              inputs, reps),
+          mha_flops, false);
       Timing t_local_mha = Measure(mha(w), inputs, reps);
       row("local-mha", t_local_mha, local_mha_flops, false);
       if (n <= naive_max) row("iha-naive", Measure(naive, inputs, reps), iha_flops, true);

@@ -2,17 +2,30 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "attention_common.h"
 
 // OpenBLAS's own thread pool, when LibTorch uses OpenBLAS (Debian's libtorch does): tile GEMMs
 // run inside our parallel tasks and must not each fan out to every core. Weak, so builds against
 // MKL or other BLAS libraries simply do not find it.
+// The Fortran BLAS GEMMs, weak for the same reason: Debian's LibTorch calls them from libblas
+// (OpenBLAS), so they are in the process whenever LibTorch is; where they are not (LibTorch
+// with a statically linked MKL), the tile products go through LibTorch's mm instead.
 extern "C" {
 void openblas_set_num_threads(int) __attribute__((weak));
 int openblas_get_num_threads() __attribute__((weak));
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
+            const double* beta, double* c, const int* ldc) __attribute__((weak));
 }
 
 namespace loom::attention::iha {
@@ -20,37 +33,177 @@ namespace {
 
 using torch::Tensor;
 
+// ---- Row kernels. The float versions are compiled for AVX-512, AVX2 and baseline x86-64 and
+// picked at load time (GCC function multiversioning), so one binary runs everywhere and uses
+// the widest vectors the CPU has. Sums and maxima keep 16 independent lanes so the compiler can
+// vectorise them without reassociating floating-point additions on its own.
+
+constexpr int kLanes = 16;
+
+// exp(x) for float: 2^k · e^r with r = x − k·ln2 (Cody–Waite), |r| ≤ ln2/2, degree-6 polynomial
+// (relative error < 2e-7, about 2 ulp); x is clamped to [−87.3, 88.3], so masked scores must be
+// zeroed by the caller, not exponentiated. Branch-free, so loops over it vectorise.
+inline __attribute__((always_inline)) float ExpFloat(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  const float magic = 12582912.0f;  // 1.5·2^23: adding it rounds to an integer in the low bits
+  const float t = x * 1.44269504088896341f + magic;
+  const float kf = t - magic;
+  int32_t t_bits;
+  std::memcpy(&t_bits, &t, sizeof t_bits);
+  int32_t magic_bits;
+  std::memcpy(&magic_bits, &magic, sizeof magic_bits);
+  const int32_t ki = t_bits - magic_bits;
+  const float r = (x - kf * 0.693359375f) - kf * -2.12194440e-4f;
+  float poly = 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const int32_t bits = (ki + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return poly * scale;
+}
+
+#define LOOM_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+
+LOOM_MULTIVERSION float RowMax(const float* x, int64_t n) {
+  float lanes[kLanes];
+  for (float& l : lanes) l = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
+  }
+  for (; i < n; ++i) lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
+  float m = lanes[0];
+  for (int j = 1; j < kLanes; ++j) m = lanes[j] > m ? lanes[j] : m;
+  return m;
+}
+
+// x[i] := exp(x[i] − shift); returns the sum of the new values.
+LOOM_MULTIVERSION float ExpShiftSum(float* x, int64_t n, float shift) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      x[i + j] = ExpFloat(x[i + j] - shift);
+      lanes[j] += x[i + j];
+    }
+  }
+  for (; i < n; ++i) {
+    x[i] = ExpFloat(x[i] - shift);
+    lanes[0] += x[i];
+  }
+  float sum = 0;
+  for (float l : lanes) sum += l;
+  return sum;
+}
+
+// ds[i] := p[i] · (ds[i] − delta): the softmax backward of one score row.
+LOOM_MULTIVERSION void SoftmaxGradRow(const float* p, float* ds, int64_t n, float delta) {
+  for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - delta);
+}
+
+LOOM_MULTIVERSION void ExpShift(float* x, int64_t n, float shift) {
+  for (int64_t i = 0; i < n; ++i) x[i] = ExpFloat(x[i] - shift);
+}
+
+// y[i] += a · x[i]
+LOOM_MULTIVERSION void Axpy(float* y, const float* x, int64_t n, float a) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// float64 (tests and references): plain loops with the C library's exp.
+double RowMax(const double* x, int64_t n) {
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+double ExpShiftSum(double* x, int64_t n, double shift) {
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] - shift));
+  return sum;
+}
+void SoftmaxGradRow(const double* p, double* ds, int64_t n, double delta) {
+  for (int64_t i = 0; i < n; ++i) ds[i] = p[i] * (ds[i] - delta);
+}
+void ExpShift(double* x, int64_t n, double shift) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - shift);
+}
+void Axpy(double* y, const double* x, int64_t n, double a) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// Row-major C[m×n] = op(A)[m×k] · op(B)[k×n] + beta · C (beta 0 or 1) on raw buffers: no tensor
+// objects per tile. A is stored m×k (k×m when ta) with row stride lda; B likewise. The column-major
+// BLAS computes Cᵀ = op(B)ᵀ · op(A)ᵀ, which is the same memory.
+template <typename T>
+void BlasGemm(const char* ta, const char* tb, const int* m, const int* n, const int* k,
+              const T* alpha, const T* a, const int* lda, const T* b, const int* ldb, const T* beta,
+              T* c, const int* ldc) {
+  if constexpr (std::is_same_v<T, float>) {
+    sgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  } else {
+    dgemm_(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
+
+template <typename T>
+bool HaveBlas() {
+  if constexpr (std::is_same_v<T, float>) return sgemm_ != nullptr;
+  return dgemm_ != nullptr;
+}
+
+template <typename T>
+void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (HaveBlas<T>()) {
+    const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
+    const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+    const T one = 1;
+    BlasGemm<T>(tb ? "T" : "N", ta ? "T" : "N", &mi, &ni, &ki, &one, b, &la, a, &lb, &beta, c, &lc);
+    return;
+  }
+  auto opts = torch::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  auto view = [&](const T* x, int64_t rows, int64_t cols, int64_t ld, bool t) {
+    Tensor v = torch::from_blob(const_cast<T*>(x), {rows, cols}, {ld, 1}, opts);
+    return t ? v.t() : v;
+  };
+  Tensor out = torch::from_blob(c, {m, n}, {ldc, 1}, opts);
+  Tensor prod =
+      view(a, ta ? k : m, ta ? m : k, lda, ta).mm(view(b, tb ? n : k, tb ? k : n, ldb, tb));
+  if (beta == T(0)) {
+    out.copy_(prod);
+  } else {
+    out.add_(prod);
+  }
+}
+
 enum class TileClass { kSkip, kFull, kPartial };
 
-// Everything a task needs, shared read-only between tasks.
-struct Plan {
+// One call's shapes, masks and read-only inputs. in_t is the tensors' element type; T the
+// compute type (float for float/bf16/fp16 inputs, double for double).
+template <typename in_t, typename T>
+struct Kernel {
   int64_t b = 0, n = 0, h = 0, p = 1, dk = 0, dv = 0, tile = 0, tiles = 0;
   Options o;
-  double scale = 1;
-  Tensor qt, kt, vt;  // [B, H, N, d]: heads-major copies, so a tile of one head is one GEMM operand
-  Tensor aq, ak, av;  // [H(m), H(h), P]
-  Tensor cos, sin;    // [B|1, N·P, d/2] RoPE tables by expanded index (undefined without RoPE)
-  // Packed sequences: for each token, the first and last token of its segment ([B|1, N] int64
-  // on the CPU; undefined without segments). Segments are contiguous runs.
-  Tensor seg_first, seg_last, segments;
+  T scale = 1;
+  const in_t *q = nullptr, *k = nullptr, *v = nullptr;  // [B, N, H, d], contiguous
+  const T *aq = nullptr, *ak = nullptr, *av = nullptr;  // [H(m), H(h), P]
+  const T *cos = nullptr, *sin = nullptr;               // [B|1, N·P, dk/2] by expanded index
+  int64_t rope_stride = 0;                              // batch stride of the tables (0: shared)
+  // Packed sequences: first and last token of each token's segment ([B|1, N]; null: none).
+  const int64_t *seg_first = nullptr, *seg_last = nullptr;
+  int64_t seg_stride = 0;
 
   int64_t TileLen(int64_t t) const { return std::min(tile, n - t * tile); }
 
   TileClass Classify(int64_t bi, int64_t n0, int64_t tq, int64_t t0, int64_t tk) const {
-    TileClass c = ClassifyMask(n0, tq, t0, tk);
-    if (c == TileClass::kSkip || !seg_first.defined()) return c;
-    const int64_t row = seg_first.size(0) == 1 ? 0 : bi;
-    const int64_t* first = seg_first[row].data_ptr<int64_t>();
-    const int64_t* last = seg_last[row].data_ptr<int64_t>();
-    // The query tile's segments span [first[n0], last[n0 + tq - 1]]: no key in range, no work.
-    if (first[n0] > t0 + tk - 1 || last[n0 + tq - 1] < t0) return TileClass::kSkip;
-    return TileClass::kPartial;
-  }
-
-  TileClass ClassifyMask(int64_t n0, int64_t tq, int64_t t0, int64_t tk) const {
     const int64_t smin = n0 * p, smax = (n0 + tq) * p - 1;
     const int64_t tmin = t0 * p, tmax = (t0 + tk) * p - 1;
-    const int64_t dmin = smin - tmax, dmax = smax - tmin;  // range of s - s'
+    const int64_t dmin = smin - tmax, dmax = smax - tmin;  // range of s − s'
     bool any = true, all = true;
     if (o.mask == Mask::kInterleaved) {
       any &= dmax >= 0;
@@ -64,239 +217,423 @@ struct Plan {
       any &= dmin < wp && dmax > -wp;
       all &= dmax < wp && dmin > -wp;
     }
-    return !any ? TileClass::kSkip : (all ? TileClass::kFull : TileClass::kPartial);
-  }
-
-  bool Allowed(int64_t s, int64_t t) const {
-    if (o.mask == Mask::kInterleaved && t > s) return false;
-    if (o.mask == Mask::kBlock && t / p > s / p) return false;
-    if (o.window > 0 && std::abs(s - t) >= o.window * p) return false;
-    return true;
-  }
-
-  // Disallowed entries of a [tq·P, tk·P] score tile := fill. Rows and columns are token-major,
-  // so row r is expanded index s = n0·P + r, column c is t = t0·P + c, and every mask allows one
-  // contiguous column range per row: two fills per row.
-  void Mask(Tensor& scores, int64_t bi, int64_t n0, int64_t tq, int64_t t0, int64_t tk,
-            double fill) const {
-    if (!scores.is_cpu()) {
-      // Other devices: the same rule as tensor ops (no host access to device memory).
-      auto idx = torch::TensorOptions().dtype(torch::kInt64).device(scores.device());
-      Tensor s = (torch::arange(tq * p, idx) + n0 * p).unsqueeze(1);
-      Tensor t = (torch::arange(tk * p, idx) + t0 * p).unsqueeze(0);
-      Tensor allowed = torch::ones({tq * p, tk * p}, idx.dtype(torch::kBool));
-      if (o.mask == Mask::kInterleaved) allowed &= t <= s;
-      if (o.mask == Mask::kBlock) allowed &= torch::div(t, p, "floor") <= torch::div(s, p, "floor");
-      if (o.window > 0) allowed &= (s - t).abs() < o.window * p;
-      if (segments.defined()) {
-        Tensor seg = segments[segments.size(0) == 1 ? 0 : bi].to(scores.device());
-        allowed &= seg.index_select(0, torch::div(s.squeeze(1), p, "floor")).unsqueeze(1) ==
-                   seg.index_select(0, torch::div(t.squeeze(0), p, "floor")).unsqueeze(0);
-      }
-      scores.masked_fill_(allowed.logical_not(), fill);
-      return;
+    if (!any) return TileClass::kSkip;
+    if (seg_first != nullptr) {
+      const int64_t* first = seg_first + bi * seg_stride;
+      const int64_t* last = seg_last + bi * seg_stride;
+      // The query tile's segments span [first[n0], last[n0 + tq − 1]]: no key in range, no work.
+      if (first[n0] > t0 + tk - 1 || last[n0 + tq - 1] < t0) return TileClass::kSkip;
+      return TileClass::kPartial;
     }
-    AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "iha_fused_mask", [&] {
-      scalar_t* data = scores.data_ptr<scalar_t>();
-      const int64_t cols = tk * p, base = t0 * p, wp = o.window * p;
-      const int64_t seg_row = seg_first.defined() && seg_first.size(0) > 1 ? bi : 0;
-      const int64_t* first = seg_first.defined() ? seg_first[seg_row].data_ptr<int64_t>() : nullptr;
-      const int64_t* last = seg_first.defined() ? seg_last[seg_row].data_ptr<int64_t>() : nullptr;
-      const auto f = static_cast<scalar_t>(fill);
-      for (int64_t r = 0; r < tq * p; ++r) {
-        const int64_t s = n0 * p + r;
-        int64_t lo = 0, hi = cols - 1;  // allowed columns, inclusive
-        if (o.mask == Mask::kInterleaved) hi = std::min(hi, s - base);
-        if (o.mask == Mask::kBlock) hi = std::min(hi, (s / p + 1) * p - 1 - base);
-        if (o.window > 0) {
-          hi = std::min(hi, s + wp - 1 - base);
-          lo = std::max(lo, s - wp + 1 - base);
-        }
-        if (first != nullptr) {  // only the token's own segment
-          lo = std::max(lo, first[s / p] * p - base);
-          hi = std::min(hi, (last[s / p] + 1) * p - 1 - base);
-        }
-        scalar_t* row = data + r * cols;
-        if (lo > hi) {
-          std::fill(row, row + cols, f);
-          continue;
-        }
-        std::fill(row, row + lo, f);
-        std::fill(row + hi + 1, row + cols, f);
-      }
-    });
+    return all ? TileClass::kFull : TileClass::kPartial;
   }
 
-  // Pseudo rows of head h for tokens [n0, n0 + len): alpha[:, h, :]ᵀ · x[b, :, n0:n0+len, :] as
-  // one GEMM ([P, H] x [H, len·d]), then token-major: [len·P, d], row i·P + j.
-  Tensor Mix(const Tensor& xt, const Tensor& alpha, int64_t bi, int64_t hi, int64_t n0,
-             int64_t len) const {
-    const int64_t d = xt.size(3);
-    Tensor src = xt[bi].narrow(1, n0, len).view({h, len * d});
-    return alpha.select(1, hi).t().mm(src).view({p, len, d}).transpose(0, 1).reshape({len * p, d});
-  }
-
-  // RoPE tables for a tile: [P·len, d/2].
-  std::pair<Tensor, Tensor> Rope(int64_t bi, int64_t n0, int64_t len) const {
-    const int64_t row = cos.size(0) == 1 ? 0 : bi;
-    return {cos[row].narrow(0, n0 * p, len * p), sin[row].narrow(0, n0 * p, len * p)};
-  }
-
-  static Tensor RotateForward(const Tensor& x, const std::pair<Tensor, Tensor>& cs) {
-    const int64_t half = x.size(1) / 2;
-    Tensor x1 = x.narrow(1, 0, half), x2 = x.narrow(1, half, half);
-    return torch::cat({x1 * cs.first - x2 * cs.second, x2 * cs.first + x1 * cs.second}, 1);
-  }
-  static Tensor RotateBackward(const Tensor& g, const std::pair<Tensor, Tensor>& cs) {
-    const int64_t half = g.size(1) / 2;
-    Tensor g1 = g.narrow(1, 0, half), g2 = g.narrow(1, half, half);
-    return torch::cat({g1 * cs.first + g2 * cs.second, g2 * cs.first - g1 * cs.second}, 1);
-  }
-
-  // Pseudo-queries (scaled, rotated), pseudo-keys (rotated) and pseudo-values of one tile.
-  Tensor Queries(int64_t bi, int64_t hi, int64_t n0, int64_t len) const {
-    Tensor q = Mix(qt, aq, bi, hi, n0, len);
-    if (cos.defined()) q = RotateForward(q, Rope(bi, n0, len));
-    return q.mul_(scale);
-  }
-  Tensor Keys(int64_t bi, int64_t hi, int64_t n0, int64_t len) const {
-    Tensor k = Mix(kt, ak, bi, hi, n0, len);
-    return cos.defined() ? RotateForward(k, Rope(bi, n0, len)) : k;
-  }
-  Tensor Values(int64_t bi, int64_t hi, int64_t n0, int64_t len) const {
-    return Mix(vt, av, bi, hi, n0, len);
-  }
-
-  // Probabilities (softmax, from the saved log-sum-exp) or masked coefficients (linear).
-  Tensor Probabilities(const Tensor& q, const Tensor& k, const Tensor& lse_rows, TileClass cls,
-                       int64_t bi, int64_t n0, int64_t tq, int64_t t0, int64_t tk) const {
-    Tensor s = q.mm(k.t());
-    const bool softmax = o.score == Score::kSoftmax;
-    if (cls == TileClass::kPartial) {
-      Mask(s, bi, n0, tq, t0, tk, softmax ? -std::numeric_limits<double>::infinity() : 0.0);
+  // The allowed columns [lo, hi] (inclusive; lo > hi: none) of query row s in a key tile whose
+  // first expanded index is base and which has cols columns. Rows and columns are token-major,
+  // so every mask allows one contiguous range.
+  void Range(int64_t bi, int64_t s, int64_t base, int64_t cols, int64_t* lo, int64_t* hi) const {
+    int64_t a = 0, z = cols - 1;
+    if (o.mask == Mask::kInterleaved) z = std::min(z, s - base);
+    if (o.mask == Mask::kBlock) z = std::min(z, (s / p + 1) * p - 1 - base);
+    if (o.window > 0) {
+      const int64_t wp = o.window * p;
+      z = std::min(z, s + wp - 1 - base);
+      a = std::max(a, s - wp + 1 - base);
     }
-    if (softmax) s.sub_(lse_rows.unsqueeze(1)).exp_();
-    return s;
+    if (seg_first != nullptr) {  // only the token's own segment
+      a = std::max(a, seg_first[bi * seg_stride + s / p] * p - base);
+      z = std::min(z, (seg_last[bi * seg_stride + s / p] + 1) * p - 1 - base);
+    }
+    *lo = a;
+    *hi = z;
+  }
+
+  // Pseudo rows of head hd for tokens [n0, n0 + len), token-major: out[(i·P + j)·d + c] =
+  // Σ_m alpha[m, hd, j] · x[b, n0 + i, m, c]. Mixed inside the tile: no P-times tensor exists.
+  void Mix(const in_t* x, int64_t d, const T* alpha, int64_t bi, int64_t hd, int64_t n0,
+           int64_t len, T* out) const {
+    std::vector<T> src(d);
+    for (int64_t i = 0; i < len; ++i) {
+      const in_t* token = x + ((bi * n + n0 + i) * h) * d;
+      T* rows = out + i * p * d;
+      std::fill(rows, rows + p * d, T(0));
+      for (int64_t m = 0; m < h; ++m) {
+        for (int64_t c = 0; c < d; ++c) src[c] = static_cast<T>(token[m * d + c]);
+        for (int64_t j = 0; j < p; ++j)
+          Axpy(rows + j * d, src.data(), d, alpha[(m * h + hd) * p + j]);
+      }
+    }
+  }
+
+  // RoPE on count rows starting at expanded index s0 (inverse: the transposed rotation, for
+  // gradients).
+  void Rotate(T* rows, int64_t bi, int64_t s0, int64_t count, bool inverse) const {
+    const int64_t half = dk / 2;
+    const T sign = inverse ? T(-1) : T(1);
+    for (int64_t r = 0; r < count; ++r) {
+      const T* c = cos + bi * rope_stride + (s0 + r) * half;
+      const T* sn = sin + bi * rope_stride + (s0 + r) * half;
+      T* x = rows + r * dk;
+      for (int64_t i = 0; i < half; ++i) {
+        const T x1 = x[i], x2 = x[i + half], s = sign * sn[i];
+        x[i] = x1 * c[i] - x2 * s;
+        x[i + half] = x2 * c[i] + x1 * s;
+      }
+    }
+  }
+
+  // Pseudo-queries (rotated, scaled), pseudo-keys (rotated) and pseudo-values of one tile.
+  void Queries(int64_t bi, int64_t hd, int64_t n0, int64_t len, T* out) const {
+    Mix(q, dk, aq, bi, hd, n0, len, out);
+    if (cos != nullptr) Rotate(out, bi, n0 * p, len * p, false);
+    for (int64_t i = 0; i < len * p * dk; ++i) out[i] *= scale;
+  }
+  void Keys(int64_t bi, int64_t hd, int64_t n0, int64_t len, T* out) const {
+    Mix(k, dk, ak, bi, hd, n0, len, out);
+    if (cos != nullptr) Rotate(out, bi, n0 * p, len * p, false);
+  }
+  void Values(int64_t bi, int64_t hd, int64_t n0, int64_t len, T* out) const {
+    Mix(v, dv, av, bi, hd, n0, len, out);
+  }
+
+  // The transpose of Mix: pseudo-row gradients g of head hd (token-major rows) into x's
+  // gradient dx ([B, N, H, d], compute type) and alpha's (dalpha [H, H, P]).
+  void Unmix(const in_t* x, int64_t d, const T* alpha, int64_t bi, int64_t hd, int64_t n0,
+             int64_t len, const T* g, T* dx, T* dalpha) const {
+    for (int64_t i = 0; i < len; ++i) {
+      const int64_t token = ((bi * n + n0 + i) * h) * d;
+      for (int64_t m = 0; m < h; ++m) {
+        const in_t* src = x + token + m * d;
+        T* dst = dx + token + m * d;
+        for (int64_t j = 0; j < p; ++j) {
+          const T* row = g + (i * p + j) * d;
+          Axpy(dst, row, d, alpha[(m * h + hd) * p + j]);
+          T dot = 0;
+          for (int64_t c = 0; c < d; ++c) dot += static_cast<T>(src[c]) * row[c];
+          dalpha[(m * h + hd) * p + j] += dot;
+        }
+      }
+    }
   }
 };
 
-Plan MakePlan(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& alpha_q,
-              const Tensor& alpha_k, const Tensor& alpha_v, const Tensor& cos, const Tensor& sin,
-              const Tensor& segments, const Options& o, int64_t tile) {
-  Plan pl;
-  pl.b = q.size(0);
-  pl.n = q.size(1);
-  pl.h = q.size(2);
-  pl.dk = q.size(3);
-  pl.dv = v.size(3);
-  pl.p = o.p;
-  pl.o = o;
-  pl.scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(pl.dk));
-  pl.tile = tile;
-  pl.tiles = (pl.n + tile - 1) / tile;
-  pl.qt = q.permute({0, 2, 1, 3}).contiguous();
-  pl.kt = k.permute({0, 2, 1, 3}).contiguous();
-  pl.vt = v.permute({0, 2, 1, 3}).contiguous();
-  pl.aq = alpha_q.to(q.scalar_type()).contiguous();
-  pl.ak = alpha_k.to(q.scalar_type()).contiguous();
-  pl.av = alpha_v.to(q.scalar_type()).contiguous();
+// Scratch for one task, sized for the largest tile.
+template <typename T>
+struct Scratch {
+  std::vector<T> q, k, v, s, ds, acc, m, l;
+  Scratch(int64_t rows, int64_t dk, int64_t dv)
+      : q(rows * dk),
+        k(rows * dk),
+        v(rows * dv),
+        s(rows * rows),
+        ds(rows * rows),
+        acc(rows * dv),
+        m(rows),
+        l(rows) {}
+};
+
+// Runs fn(scratch, task) for task in [0, count) in parallel with autograd off. Worker w takes
+// tasks w, w + W, w + 2W, ... (callers order tasks so that this spreads heavy and light ones
+// evenly) and owns one scratch made by make_scratch() for all of them.
+template <typename MakeScratch, typename Fn>
+void ParallelTasks(int64_t count, MakeScratch make_scratch, Fn fn) {
+  // Tile GEMMs are small: BLAS threads would only add synchronisation, so each task runs its
+  // GEMMs on its own thread and parallelism comes from the tasks.
+  const bool pin_blas = openblas_set_num_threads != nullptr &&
+                        openblas_get_num_threads != nullptr && !at::in_parallel_region();
+  const int blas_threads = pin_blas ? openblas_get_num_threads() : 0;
+  if (pin_blas) openblas_set_num_threads(1);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    torch::NoGradGuard no_grad;
+    auto scratch = make_scratch();
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = t; i < count; i += threads) fn(scratch, i);
+    }
+  });
+  if (pin_blas) openblas_set_num_threads(blas_threads);
+}
+
+// Tile visiting order: t, T−1−t, ... (a zigzag), so neighbouring tasks pair heavy with light.
+std::vector<int64_t> Zigzag(int64_t tiles) {
+  std::vector<int64_t> order;
+  order.reserve(tiles);
+  for (int64_t lo = 0, hi = tiles - 1; lo <= hi; ++lo, --hi) {
+    order.push_back(lo);
+    if (hi != lo) order.push_back(hi);
+  }
+  return order;
+}
+
+// Forward: pseudo outputs out [B, N, H, P, dv] (input type) and the log-sum-exp lse [B, H, N·P]
+// (compute type). Tasks: (batch row, query tile, head).
+template <typename in_t, typename T>
+void Forward(const Kernel<in_t, T>& kn, in_t* out, T* lse) {
+  const bool softmax = kn.o.score == Score::kSoftmax;
+  const int64_t np = kn.n * kn.p, rows_max = kn.tile * kn.p;
+  const std::vector<int64_t> order = Zigzag(kn.tiles);
+  auto scratch = [&] { return Scratch<T>(rows_max, kn.dk, kn.dv); };
+  ParallelTasks(kn.b * kn.tiles * kn.h, scratch, [&](Scratch<T>& ws, int64_t task) {
+    const int64_t hd = task % kn.h, bi = task / (kn.h * kn.tiles);
+    const int64_t qi = order[(task / kn.h) % kn.tiles];
+    const int64_t n0 = qi * kn.tile, tq = kn.TileLen(qi), rows = kn.p * tq;
+    kn.Queries(bi, hd, n0, tq, ws.q.data());
+    std::fill(ws.acc.begin(), ws.acc.end(), T(0));
+    std::fill(ws.m.begin(), ws.m.end(), -std::numeric_limits<T>::infinity());
+    std::fill(ws.l.begin(), ws.l.end(), T(0));
+    for (int64_t ki = 0; ki < kn.tiles; ++ki) {
+      const int64_t t0 = ki * kn.tile, tk = kn.TileLen(ki), cols = kn.p * tk;
+      const TileClass cls = kn.Classify(bi, n0, tq, t0, tk);
+      if (cls == TileClass::kSkip) continue;
+      kn.Keys(bi, hd, t0, tk, ws.k.data());
+      kn.Values(bi, hd, t0, tk, ws.v.data());
+      T* s = ws.s.data();
+      Gemm<T>(false, true, rows, cols, kn.dk, ws.q.data(), kn.dk, ws.k.data(), kn.dk, 0, s, cols);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* row = s + r * cols;
+        int64_t lo = 0, hi = cols - 1;
+        if (cls == TileClass::kPartial) kn.Range(bi, n0 * kn.p + r, t0 * kn.p, cols, &lo, &hi);
+        if (lo > hi) {
+          std::fill(row, row + cols, T(0));
+          continue;
+        }
+        std::fill(row, row + lo, T(0));
+        std::fill(row + hi + 1, row + cols, T(0));
+        if (!softmax) continue;
+        const T m_new = std::max(ws.m[r], RowMax(row + lo, hi - lo + 1));
+        const T correction = std::exp(ws.m[r] - m_new);  // 0 while the row had no key yet
+        const T sum = ExpShiftSum(row + lo, hi - lo + 1, m_new);
+        ws.l[r] = ws.l[r] * correction + sum;
+        if (correction != T(1)) {
+          T* acc = ws.acc.data() + r * kn.dv;
+          for (int64_t c = 0; c < kn.dv; ++c) acc[c] *= correction;
+        }
+        ws.m[r] = m_new;
+      }
+      Gemm<T>(false, false, rows, kn.dv, cols, s, cols, ws.v.data(), kn.dv, 1, ws.acc.data(),
+              kn.dv);
+    }
+    T* lse_rows = lse + (bi * kn.h + hd) * np + n0 * kn.p;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / kn.p, j = r % kn.p;
+      in_t* dst = out + (((bi * kn.n + n0 + i) * kn.h + hd) * kn.p + j) * kn.dv;
+      const T* acc = ws.acc.data() + r * kn.dv;
+      T inv = 1;
+      if (softmax) {
+        // Every mask lets a pseudo-token see itself, so l > 0; guard anyway (no NaN, no grad).
+        inv = ws.l[r] > 0 ? T(1) / ws.l[r] : T(0);
+        lse_rows[r] =
+            ws.l[r] > 0 ? ws.m[r] + std::log(ws.l[r]) : std::numeric_limits<T>::infinity();
+      } else {
+        lse_rows[r] = 0;
+      }
+      for (int64_t c = 0; c < kn.dv; ++c) dst[c] = static_cast<in_t>(acc[c] * inv);
+    }
+  });
+}
+
+// Backward by recomputation (FlashAttention-2), one pass: a task owns one (batch row, head)
+// and walks key tiles × allowed query tiles, so it owns the pseudo gradients dQ̃, dK̃, dṼ of
+// that head outright (no atomics, no per-thread copies); a second parallel pass over (batch
+// row, token tile) un-mixes them into dq, dk, dv and the alpha gradients.
+//   go, delta: the upstream gradient heads-major [B, H, N·P, dv] and rowsum(dO ∘ O) [B, H, N·P].
+//   dq_pseudo, dk_pseudo [B, H, N·P, dk], dv_pseudo [B, H, N·P, dv]: zeroed outputs.
+template <typename in_t, typename T>
+void BackwardPseudo(const Kernel<in_t, T>& kn, const T* go, const T* lse, const T* delta,
+                    T* dq_pseudo, T* dk_pseudo, T* dv_pseudo) {
+  const bool softmax = kn.o.score == Score::kSoftmax;
+  const int64_t np = kn.n * kn.p, rows_max = kn.tile * kn.p;
+  auto scratch = [&] { return Scratch<T>(rows_max, kn.dk, kn.dv); };
+  ParallelTasks(kn.b * kn.h, scratch, [&](Scratch<T>& ws, int64_t task) {
+    const int64_t bi = task / kn.h, hd = task % kn.h;
+    const int64_t head = (bi * kn.h + hd) * np;  // first row of this head's pseudo sequence
+    for (int64_t ki = 0; ki < kn.tiles; ++ki) {
+      const int64_t t0 = ki * kn.tile, tk = kn.TileLen(ki), cols = kn.p * tk;
+      kn.Keys(bi, hd, t0, tk, ws.k.data());
+      kn.Values(bi, hd, t0, tk, ws.v.data());
+      T* dk = dk_pseudo + (head + t0 * kn.p) * kn.dk;
+      T* dv = dv_pseudo + (head + t0 * kn.p) * kn.dv;
+      for (int64_t qi = 0; qi < kn.tiles; ++qi) {
+        const int64_t n0 = qi * kn.tile, tq = kn.TileLen(qi), rows = kn.p * tq;
+        const TileClass cls = kn.Classify(bi, n0, tq, t0, tk);
+        if (cls == TileClass::kSkip) continue;
+        kn.Queries(bi, hd, n0, tq, ws.q.data());
+        const T* dout = go + (head + n0 * kn.p) * kn.dv;
+        const T* lse_rows = lse + head + n0 * kn.p;
+        const T* delta_rows = delta + head + n0 * kn.p;
+        T *s = ws.s.data(), *ds = ws.ds.data();
+        // Probabilities (or linear coefficients), zero outside the mask.
+        Gemm<T>(false, true, rows, cols, kn.dk, ws.q.data(), kn.dk, ws.k.data(), kn.dk, 0, s, cols);
+        std::vector<std::pair<int64_t, int64_t>> ranges(rows, {0, cols - 1});
+        for (int64_t r = 0; r < rows; ++r) {
+          auto& [lo, hi] = ranges[r];
+          if (cls == TileClass::kPartial) kn.Range(bi, n0 * kn.p + r, t0 * kn.p, cols, &lo, &hi);
+          T* row = s + r * cols;
+          if (lo > hi) {
+            std::fill(row, row + cols, T(0));
+            continue;
+          }
+          std::fill(row, row + lo, T(0));
+          std::fill(row + hi + 1, row + cols, T(0));
+          if (softmax) ExpShift(row + lo, hi - lo + 1, lse_rows[r]);
+        }
+        Gemm<T>(true, false, cols, kn.dv, rows, s, cols, dout, kn.dv, 1, dv, kn.dv);  // dV
+        Gemm<T>(false, true, rows, cols, kn.dv, dout, kn.dv, ws.v.data(), kn.dv, 0, ds,
+                cols);  // dP = dO · Vᵀ
+        for (int64_t r = 0; r < rows; ++r) {
+          const auto [lo, hi] = ranges[r];
+          T* row = ds + r * cols;
+          if (lo > hi) {
+            std::fill(row, row + cols, T(0));
+            continue;
+          }
+          if (softmax) {
+            SoftmaxGradRow(s + r * cols + lo, row + lo, hi - lo + 1, delta_rows[r]);
+          }
+          std::fill(row, row + lo, T(0));
+          std::fill(row + hi + 1, row + cols, T(0));
+        }
+        Gemm<T>(true, false, cols, kn.dk, rows, ds, cols, ws.q.data(), kn.dk, 1, dk,
+                kn.dk);  // dK̃ += dSᵀ · Q̃ (Q̃ carries the scale)
+        Gemm<T>(false, false, rows, kn.dk, cols, ds, cols, ws.k.data(), kn.dk, 1,
+                dq_pseudo + (head + n0 * kn.p) * kn.dk, kn.dk);  // dQ̃ += dS · K̃
+      }
+      if (kn.cos != nullptr) kn.Rotate(dk, bi, t0 * kn.p, cols, true);
+    }
+    // dQ̃ so far is with respect to the scaled, rotated pseudo-queries.
+    T* dq = dq_pseudo + head * kn.dk;
+    for (int64_t i = 0; i < np * kn.dk; ++i) dq[i] *= kn.scale;
+    if (kn.cos != nullptr) kn.Rotate(dq, bi, 0, np, true);
+  });
+}
+
+template <typename in_t, typename T>
+void Unmix(const Kernel<in_t, T>& kn, const T* dq_pseudo, const T* dk_pseudo, const T* dv_pseudo,
+           T* dq, T* dk, T* dv, T* daq, T* dak, T* dav) {
+  const int64_t np = kn.n * kn.p, per_task = kn.h * kn.h * kn.p;
+  ParallelTasks(
+      kn.b * kn.tiles, [] { return 0; },
+      [&](int, int64_t task) {
+        const int64_t bi = task / kn.tiles, ti = task % kn.tiles;
+        const int64_t n0 = ti * kn.tile, len = kn.TileLen(ti);
+        for (int64_t hd = 0; hd < kn.h; ++hd) {
+          const int64_t row = (bi * kn.h + hd) * np + n0 * kn.p;
+          kn.Unmix(kn.q, kn.dk, kn.aq, bi, hd, n0, len, dq_pseudo + row * kn.dk, dq,
+                   daq + task * per_task);
+          kn.Unmix(kn.k, kn.dk, kn.ak, bi, hd, n0, len, dk_pseudo + row * kn.dk, dk,
+                   dak + task * per_task);
+          kn.Unmix(kn.v, kn.dv, kn.av, bi, hd, n0, len, dv_pseudo + row * kn.dv, dv,
+                   dav + task * per_task);
+        }
+      });
+}
+
+// The tensors of one call, prepared for a Kernel.
+struct Prepared {
+  Tensor q, k, v, aq, ak, av, cos, sin, seg_first, seg_last;
+  Options o;
+  int64_t tile = 0;
+};
+
+Prepared Prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& alpha_q,
+                 const Tensor& alpha_k, const Tensor& alpha_v, const Tensor& cos, const Tensor& sin,
+                 const Tensor& segments, const Options& o, int64_t tile) {
+  Prepared pr;
+  const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  pr.q = q.contiguous();
+  pr.k = k.contiguous();
+  pr.v = v.contiguous();
+  pr.aq = alpha_q.to(compute).contiguous();
+  pr.ak = alpha_k.to(compute).contiguous();
+  pr.av = alpha_v.to(compute).contiguous();
   if (cos.numel() > 0) {
-    pl.cos = cos;
-    pl.sin = sin;
+    pr.cos = cos.to(compute).contiguous();
+    pr.sin = sin.to(compute).contiguous();
   }
   if (segments.numel() > 0) {
     // First and last token of each token's segment run, per row.
-    pl.segments = segments;
     Tensor seg = segments.to(torch::kCPU, torch::kInt64).contiguous();
-    pl.seg_first = torch::empty_like(seg);
-    pl.seg_last = torch::empty_like(seg);
+    pr.seg_first = torch::empty_like(seg);
+    pr.seg_last = torch::empty_like(seg);
     for (int64_t r = 0; r < seg.size(0); ++r) {
       const int64_t* id = seg[r].data_ptr<int64_t>();
-      int64_t* first = pl.seg_first[r].data_ptr<int64_t>();
-      int64_t* last = pl.seg_last[r].data_ptr<int64_t>();
+      int64_t* first = pr.seg_first[r].data_ptr<int64_t>();
+      int64_t* last = pr.seg_last[r].data_ptr<int64_t>();
       const int64_t n = seg.size(1);
       for (int64_t i = 0; i < n; ++i) first[i] = (i > 0 && id[i] == id[i - 1]) ? first[i - 1] : i;
       for (int64_t i = n - 1; i >= 0; --i)
         last[i] = (i + 1 < n && id[i] == id[i + 1]) ? last[i + 1] : i;
     }
   }
-  return pl;
+  pr.o = o;
+  pr.tile = tile;
+  return pr;
 }
 
-// Runs fn(batch row, tile index) for every pair, in parallel, with autograd off in each thread.
-template <typename Fn>
-void ForEachTile(const Plan& pl, Fn fn) {
-  const bool pin_blas = openblas_set_num_threads != nullptr &&
-                        openblas_get_num_threads != nullptr && at::get_num_threads() > 1 &&
-                        !at::in_parallel_region();
-  const int blas_threads = pin_blas ? openblas_get_num_threads() : 0;
-  if (pin_blas) openblas_set_num_threads(1);
-  // Causal and windowed masks make tiles unequal; threads take tasks round-robin in a zigzag
-  // order (t, T-1-t, ...) so heavy and light tiles spread evenly over threads.
-  const int64_t tasks = pl.b * pl.tiles;
-  std::vector<int64_t> order;
-  order.reserve(tasks);
-  for (int64_t lo = 0, hi = pl.tiles - 1; lo <= hi; ++lo, --hi) {
-    order.push_back(lo);
-    if (hi != lo) order.push_back(hi);
+template <typename in_t, typename T>
+Kernel<in_t, T> MakeKernel(const Prepared& pr) {
+  Kernel<in_t, T> kn;
+  kn.b = pr.q.size(0);
+  kn.n = pr.q.size(1);
+  kn.h = pr.q.size(2);
+  kn.dk = pr.q.size(3);
+  kn.dv = pr.v.size(3);
+  kn.p = pr.o.p;
+  kn.o = pr.o;
+  kn.scale =
+      static_cast<T>(pr.o.scale > 0 ? pr.o.scale : 1.0 / std::sqrt(static_cast<double>(kn.dk)));
+  kn.tile = pr.tile;
+  kn.tiles = (kn.n + pr.tile - 1) / pr.tile;
+  kn.q = pr.q.data_ptr<in_t>();
+  kn.k = pr.k.data_ptr<in_t>();
+  kn.v = pr.v.data_ptr<in_t>();
+  kn.aq = pr.aq.data_ptr<T>();
+  kn.ak = pr.ak.data_ptr<T>();
+  kn.av = pr.av.data_ptr<T>();
+  if (pr.cos.defined()) {
+    kn.cos = pr.cos.data_ptr<T>();
+    kn.sin = pr.sin.data_ptr<T>();
+    kn.rope_stride = pr.cos.size(0) == 1 ? 0 : pr.cos.stride(0);
   }
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    torch::NoGradGuard no_grad;
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = t; i < tasks; i += threads) fn(i / pl.tiles, order[i % pl.tiles]);
-    }
-  });
-  if (pin_blas) openblas_set_num_threads(blas_threads);
+  if (pr.seg_first.defined()) {
+    kn.seg_first = pr.seg_first.data_ptr<int64_t>();
+    kn.seg_last = pr.seg_last.data_ptr<int64_t>();
+    kn.seg_stride = pr.seg_first.size(0) == 1 ? 0 : pr.seg_first.stride(0);
+  }
+  return kn;
 }
 
-// Forward: pseudo outputs [B, N, H, P, dv] and log-sum-exp [B, H, P, N].
-std::pair<Tensor, Tensor> Forward(const Plan& pl, bool poison) {
-  auto opts = pl.qt.options();
-  Tensor out = torch::empty({pl.b, pl.n, pl.h, pl.p, pl.dv}, opts);
-  Tensor lse = torch::empty({pl.b, pl.h, pl.n * pl.p}, opts);
+// Calls fn.template operator()<in_t, T>() for the input's element type.
+template <typename Fn>
+auto Dispatch(torch::ScalarType type, Fn&& fn) {
+  switch (type) {
+    case torch::kFloat64:
+      return fn(double{}, double{});
+    case torch::kFloat32:
+      return fn(float{}, float{});
+    case torch::kBFloat16:
+      return fn(c10::BFloat16{}, float{});
+    case torch::kHalf:
+      return fn(c10::Half{}, float{});
+    default:
+      TORCH_CHECK(false, "iha fused kernel: unsupported dtype ", type,
+                  " (float64, float32, bfloat16, float16)");
+  }
+}
+
+std::pair<Tensor, Tensor> RunForward(const Prepared& pr, bool poison) {
+  const int64_t b = pr.q.size(0), n = pr.q.size(1), h = pr.q.size(2), p = pr.o.p, dv = pr.v.size(3);
+  const auto compute = pr.aq.scalar_type();
+  Tensor out = torch::empty({b, n, h, p, dv}, pr.q.options());
+  Tensor lse = torch::empty({b, h, n * p}, pr.q.options().dtype(compute));
   if (poison) {
     out.fill_(std::numeric_limits<double>::quiet_NaN());
     lse.fill_(std::numeric_limits<double>::quiet_NaN());
   }
-  const bool softmax = pl.o.score == Score::kSoftmax;
-  const double neg_inf = -std::numeric_limits<double>::infinity();
-  ForEachTile(pl, [&](int64_t bi, int64_t qi) {
-    const int64_t n0 = qi * pl.tile, tq = pl.TileLen(qi), rows = pl.p * tq;
-    for (int64_t hi = 0; hi < pl.h; ++hi) {
-      Tensor q = pl.Queries(bi, hi, n0, tq);
-      Tensor acc = torch::zeros({rows, pl.dv}, opts);
-      Tensor m = torch::full({rows}, neg_inf, opts);
-      Tensor l = torch::zeros({rows}, opts);
-      for (int64_t ki = 0; ki < pl.tiles; ++ki) {
-        const int64_t t0 = ki * pl.tile, tk = pl.TileLen(ki);
-        const TileClass cls = pl.Classify(bi, n0, tq, t0, tk);
-        if (cls == TileClass::kSkip) continue;
-        Tensor k = pl.Keys(bi, hi, t0, tk);
-        Tensor v = pl.Values(bi, hi, t0, tk);
-        Tensor s = q.mm(k.t());
-        if (cls == TileClass::kPartial) pl.Mask(s, bi, n0, tq, t0, tk, softmax ? neg_inf : 0.0);
-        if (!softmax) {
-          acc.addmm_(s, v);
-          continue;
-        }
-        Tensor m_new = torch::maximum(m, std::get<0>(s.max(1)));
-        // A row with no allowed key yet keeps -inf: shift it by 0 so exp gives 0, not NaN.
-        Tensor shift = m_new.masked_fill(m_new.isinf(), 0.0);
-        s.sub_(shift.unsqueeze(1)).exp_();
-        Tensor correction = (m - shift).exp_();
-        l.mul_(correction).add_(s.sum(1));
-        acc.mul_(correction.unsqueeze(1)).addmm_(s, v);
-        m = m_new;
-      }
-      if (softmax) {
-        acc.div_(l.unsqueeze(1));
-        lse[bi][hi].narrow(0, n0 * pl.p, rows).copy_(m + l.log());
-      } else {
-        lse[bi][hi].narrow(0, n0 * pl.p, rows).zero_();
-      }
-      out[bi].narrow(0, n0, tq).select(1, hi).copy_(acc.view({tq, pl.p, pl.dv}));
-    }
+  Dispatch(pr.q.scalar_type(), [&](auto in, auto acc) {
+    using in_t = decltype(in);
+    using T = decltype(acc);
+    Forward(MakeKernel<in_t, T>(pr), out.data_ptr<in_t>(), lse.data_ptr<T>());
   });
   return {out, lse};
 }
@@ -305,94 +642,42 @@ struct Grads {
   Tensor dq, dk, dv, daq, dak, dav;
 };
 
-// Backward by recomputation: grad_out [B, N, H, P, dv].
-Grads Backward(const Plan& pl, const Tensor& grad_out, const Tensor& out, const Tensor& lse) {
-  auto opts = pl.qt.options();
-  const bool softmax = pl.o.score == Score::kSoftmax;
-  // Heads-major copies, so a tile of one head is a contiguous block of expanded rows.
-  Tensor go = grad_out.permute({0, 2, 1, 3, 4}).reshape({pl.b, pl.h, pl.n * pl.p, pl.dv});
-  Tensor delta = (grad_out * out).sum(-1).permute({0, 2, 1, 3}).reshape({pl.b, pl.h, pl.n * pl.p});
-  Tensor dqt = torch::zeros_like(pl.qt), dkt = torch::zeros_like(pl.kt),
-         dvt = torch::zeros_like(pl.vt);
-  const int64_t tasks = pl.b * pl.tiles;
-  Tensor daq = torch::zeros({tasks, pl.h, pl.h, pl.p}, opts);
-  Tensor dak = torch::zeros_like(daq), dav = torch::zeros_like(daq);
-  auto rows_of = [&](const Tensor& t, int64_t bi, int64_t hi, int64_t n0, int64_t len) {
-    return t[bi][hi].narrow(0, n0 * pl.p, len * pl.p);
-  };
-  auto grad_rows = [&](int64_t bi, int64_t hi, int64_t n0, int64_t len) {
-    return go[bi][hi].narrow(0, n0 * pl.p, len * pl.p);
-  };
-  // dS from probabilities and dP = dO · Vᵀ.
-  auto score_grad = [&](Tensor& prob, const Tensor& dp, const Tensor& delta_rows, TileClass cls,
-                        int64_t bi, int64_t n0, int64_t tq, int64_t t0, int64_t tk) {
-    if (softmax) return prob * (dp - delta_rows.unsqueeze(1));
-    Tensor ds = dp.clone();
-    if (cls == TileClass::kPartial) pl.Mask(ds, bi, n0, tq, t0, tk, 0.0);
-    return ds;
-  };
-  // Un-mix a pseudo-row gradient of head h into x's gradient and alpha's gradient.
-  auto unmix = [&](const Tensor& xt, const Tensor& alpha, Tensor& dxt, Tensor& dalpha, int64_t bi,
-                   int64_t hi, int64_t n0, int64_t len, const Tensor& g) {
-    const int64_t d = xt.size(3);
-    Tensor gv = g.view({len, pl.p, d}).transpose(0, 1).reshape({pl.p, len * d});
-    Tensor src = xt[bi].narrow(1, n0, len).view({pl.h, len * d});
-    dxt[bi].narrow(1, n0, len).view({pl.h, len * d}).addmm_(alpha.select(1, hi), gv);
-    dalpha.select(1, hi).addmm_(src, gv.t());
-  };
-
-  // Pass 1: per key tile, dK and dV (and alpha_k, alpha_v gradients).
-  ForEachTile(pl, [&](int64_t bi, int64_t ki) {
-    const int64_t t0 = ki * pl.tile, tk = pl.TileLen(ki);
-    Tensor dak_task = dak[bi * pl.tiles + ki], dav_task = dav[bi * pl.tiles + ki];
-    for (int64_t hi = 0; hi < pl.h; ++hi) {
-      Tensor k = pl.Keys(bi, hi, t0, tk), v = pl.Values(bi, hi, t0, tk);
-      Tensor dk = torch::zeros({pl.p * tk, pl.dk}, opts),
-             dv = torch::zeros({pl.p * tk, pl.dv}, opts);
-      for (int64_t qi = 0; qi < pl.tiles; ++qi) {
-        const int64_t n0 = qi * pl.tile, tq = pl.TileLen(qi);
-        const TileClass cls = pl.Classify(bi, n0, tq, t0, tk);
-        if (cls == TileClass::kSkip) continue;
-        Tensor q = pl.Queries(bi, hi, n0, tq);
-        Tensor prob = pl.Probabilities(q, k, rows_of(lse, bi, hi, n0, tq), cls, bi, n0, tq, t0, tk);
-        Tensor dout = grad_rows(bi, hi, n0, tq);
-        dv.addmm_(prob.t(), dout);
-        Tensor ds = score_grad(prob, dout.mm(v.t()), rows_of(delta, bi, hi, n0, tq), cls, bi, n0,
-                               tq, t0, tk);
-        dk.addmm_(ds.t(), q);
-      }
-      if (pl.cos.defined()) dk = Plan::RotateBackward(dk, pl.Rope(bi, t0, tk));
-      unmix(pl.kt, pl.ak, dkt, dak_task, bi, hi, t0, tk, dk);
-      unmix(pl.vt, pl.av, dvt, dav_task, bi, hi, t0, tk, dv);
-    }
-  });
-  // Pass 2: per query tile, dQ (and alpha_q's gradient).
-  ForEachTile(pl, [&](int64_t bi, int64_t qi) {
-    const int64_t n0 = qi * pl.tile, tq = pl.TileLen(qi);
-    Tensor daq_task = daq[bi * pl.tiles + qi];
-    for (int64_t hi = 0; hi < pl.h; ++hi) {
-      Tensor q = pl.Queries(bi, hi, n0, tq);
-      Tensor lse_rows = rows_of(lse, bi, hi, n0, tq), delta_rows = rows_of(delta, bi, hi, n0, tq);
-      Tensor dout = grad_rows(bi, hi, n0, tq);
-      Tensor dq = torch::zeros({pl.p * tq, pl.dk}, opts);
-      for (int64_t ki = 0; ki < pl.tiles; ++ki) {
-        const int64_t t0 = ki * pl.tile, tk = pl.TileLen(ki);
-        const TileClass cls = pl.Classify(bi, n0, tq, t0, tk);
-        if (cls == TileClass::kSkip) continue;
-        Tensor k = pl.Keys(bi, hi, t0, tk), v = pl.Values(bi, hi, t0, tk);
-        Tensor prob = pl.Probabilities(q, k, lse_rows, cls, bi, n0, tq, t0, tk);
-        Tensor ds = score_grad(prob, dout.mm(v.t()), delta_rows, cls, bi, n0, tq, t0, tk);
-        dq.addmm_(ds, k);
-      }
-      dq.mul_(pl.scale);
-      if (pl.cos.defined()) dq = Plan::RotateBackward(dq, pl.Rope(bi, n0, tq));
-      unmix(pl.qt, pl.aq, dqt, daq_task, bi, hi, n0, tq, dq);
-    }
+Grads RunBackward(const Prepared& pr, const Tensor& grad_out, const Tensor& out,
+                  const Tensor& lse) {
+  const int64_t b = pr.q.size(0), n = pr.q.size(1), h = pr.q.size(2), p = pr.o.p, dk = pr.q.size(3),
+                dv = pr.v.size(3);
+  const auto compute = lse.scalar_type();
+  auto opts = pr.q.options().dtype(compute);
+  // Heads-major upstream gradient and rowsum(dO ∘ O), in the compute type.
+  Tensor go = grad_out.to(compute).permute({0, 2, 1, 3, 4}).reshape({b, h, n * p, dv}).contiguous();
+  Tensor delta = (grad_out.to(compute) * out.to(compute))
+                     .sum(-1)
+                     .permute({0, 2, 1, 3})
+                     .reshape({b, h, n * p})
+                     .contiguous();
+  Tensor dq_pseudo = torch::zeros({b, h, n * p, dk}, opts),
+         dk_pseudo = torch::zeros_like(dq_pseudo),
+         dv_pseudo = torch::zeros({b, h, n * p, dv}, opts);
+  Tensor dq = torch::zeros({b, n, h, dk}, opts), dkx = torch::zeros_like(dq),
+         dvx = torch::zeros({b, n, h, dv}, opts);
+  const int64_t tasks = b * ((n + pr.tile - 1) / pr.tile);
+  Tensor daq = torch::zeros({tasks, h, h, p}, opts), dak = torch::zeros_like(daq),
+         dav = torch::zeros_like(daq);
+  Dispatch(pr.q.scalar_type(), [&](auto in, auto acc) {
+    using in_t = decltype(in);
+    using T = decltype(acc);
+    const Kernel<in_t, T> kn = MakeKernel<in_t, T>(pr);
+    BackwardPseudo(kn, go.data_ptr<T>(), lse.data_ptr<T>(), delta.data_ptr<T>(),
+                   dq_pseudo.data_ptr<T>(), dk_pseudo.data_ptr<T>(), dv_pseudo.data_ptr<T>());
+    Unmix(kn, dq_pseudo.data_ptr<T>(), dk_pseudo.data_ptr<T>(), dv_pseudo.data_ptr<T>(),
+          dq.data_ptr<T>(), dkx.data_ptr<T>(), dvx.data_ptr<T>(), daq.data_ptr<T>(),
+          dak.data_ptr<T>(), dav.data_ptr<T>());
   });
   Grads g;
-  g.dq = dqt.permute({0, 2, 1, 3});
-  g.dk = dkt.permute({0, 2, 1, 3});
-  g.dv = dvt.permute({0, 2, 1, 3});
+  const auto type = pr.q.scalar_type();
+  g.dq = dq.to(type);
+  g.dk = dkx.to(type);
+  g.dv = dvx.to(type);
   g.daq = daq.sum(0);
   g.dak = dak.sum(0);
   g.dav = dav.sum(0);
@@ -411,8 +696,8 @@ class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
     o.window = window;
     o.score = static_cast<Score>(score);
     o.scale = scale;
-    Plan pl = MakePlan(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, o, tile);
-    auto [out, lse] = Forward(pl, poison);
+    Prepared pr = Prepare(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, o, tile);
+    auto [out, lse] = RunForward(pr, poison);
     ctx->save_for_backward({q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, out, lse});
     ctx->saved_data["mask"] = mask;
     ctx->saved_data["window"] = window;
@@ -432,9 +717,9 @@ class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
     o.window = ctx->saved_data["window"].toInt();
     o.score = static_cast<Score>(ctx->saved_data["score"].toInt());
     o.scale = ctx->saved_data["scale"].toDouble();
-    Plan pl = MakePlan(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], o,
-                       ctx->saved_data["tile"].toInt());
-    Grads g = Backward(pl, grads[0].contiguous(), s[9], s[10]);
+    Prepared pr = Prepare(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], o,
+                          ctx->saved_data["tile"].toInt());
+    Grads g = RunBackward(pr, grads[0], s[9], s[10]);
     return {g.dq,
             g.dk,
             g.dv,
@@ -456,6 +741,16 @@ class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
 
 }  // namespace
 
+int64_t DefaultTileTokens(int64_t p, int64_t window) {
+  // About 256 pseudo-tokens per tile: GEMMs large enough to run near the BLAS rate, small enough
+  // for the score tile (256² floats) to stay in L2. A sliding window of W tokens makes a query
+  // tile of T tokens compute about W + T keys per row for W useful ones, so windowed layers take
+  // T = W/4 (80% useful; measured best at W = 64, P = 4 in docs/benchmarks.md).
+  int64_t tile = std::max<int64_t>(8, 256 / std::max<int64_t>(1, p));
+  if (window > 0) tile = std::min(tile, std::max<int64_t>(8, window / 4));
+  return tile;
+}
+
 torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, const torch::Tensor& alpha_q,
                                  const torch::Tensor& alpha_k, const torch::Tensor& alpha_v,
@@ -465,14 +760,17 @@ torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
   TORCH_CHECK(
       v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
       "iha: v must be [B, N, H, dv] matching q");
+  TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(),
+              "iha fused kernel: CPU tensors only (CUDA tensors take the CUDA kernels)");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "iha fused kernel: q, k and v must share one dtype");
   const int64_t h = q.size(2);
   for (const torch::Tensor* a : {&alpha_q, &alpha_k, &alpha_v}) {
     TORCH_CHECK(a->dim() == 3 && a->size(0) == h && a->size(1) == h && a->size(2) == o.p,
                 "iha: alpha must be [H, H, P] = [", h, ", ", h, ", ", o.p, "], got ", a->sizes());
   }
   TORCH_CHECK(o.p >= 1 && o.window >= 0, "iha: bad p or window");
-  int64_t tile = fused.tile_tokens;
-  if (tile <= 0) tile = std::max<int64_t>(8, 256 / o.p);  // ~256 pseudo-tokens per tile
+  int64_t tile = fused.tile_tokens > 0 ? fused.tile_tokens : DefaultTileTokens(o.p, o.window);
   tile = std::min<int64_t>(tile, std::max<int64_t>(1, q.size(1)));
   torch::Tensor cos = torch::empty({0}, q.options()), sin = cos;
   if (o.rope_theta > 0) {
@@ -487,8 +785,9 @@ torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
     torch::Tensor inv_freq =
         torch::pow(o.rope_theta, -torch::arange(0, d / 2, f64) * 2.0 / static_cast<double>(d));
     torch::Tensor angles = expanded.unsqueeze(-1) * inv_freq;  // [B|1, N·P, d/2]
-    cos = angles.cos().to(q.scalar_type()).contiguous();
-    sin = angles.sin().to(q.scalar_type()).contiguous();
+    const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+    cos = angles.cos().to(compute).contiguous();
+    sin = angles.sin().to(compute).contiguous();
   }
   torch::Tensor segments = torch::empty({0}, torch::kInt64);
   if (o.segments.defined()) {

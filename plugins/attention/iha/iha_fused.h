@@ -1,21 +1,28 @@
-// Fused IHA attention (FlashAttention-style) that never materialises the P-times expanded
-// Q/K/V of the whole sequence nor the (N·P)×(N·P) scores.
+// Fused IHA attention for CPU tensors (FlashAttention-style) that never materialises the
+// P-times expanded Q/K/V of the whole sequence nor the (N·P)×(N·P) scores.
 //
-// Work is split into tiles of T tokens (T·P pseudo-tokens). For one batch row and one query
-// tile, each head h mixes its tile's pseudo-queries from the original H heads (one small GEMM:
-// alpha[:, h, :]ᵀ · q[tile]), applies RoPE on the fly, and walks the key tiles the mask allows,
-// mixing each key tile's pseudo-keys and pseudo-values the same way, with an online softmax
-// (running max and sum). Tiles wholly outside the mask (causal future, outside a sliding window)
-// are skipped; tiles wholly inside it skip the masking. Only the log-sum-exp per pseudo-query is
-// kept for the backward pass, which recomputes scores tile by tile (FlashAttention-2): one pass
-// over key tiles accumulates dK/dV and their alpha gradients, one over query tiles dQ. Work is
-// parallel over (batch row × tile); heads run inside a task, so each task owns its slice of the
-// gradient of q/k/v and no two tasks write the same memory.
+// Work is split into tiles of T tokens (T·P pseudo-tokens). For one batch row, head and query
+// tile, the tile's pseudo-queries are mixed from the original H heads (Σ_m alpha[m, h, j]·q[m]),
+// rotated (RoPE) and scaled on the fly; the kernel walks the key tiles the mask allows, mixing
+// each key tile's pseudo-keys and pseudo-values the same way, with an online softmax (running
+// max and sum). Tiles wholly outside the mask (causal future, outside a sliding window, another
+// packed segment) are skipped; tiles wholly inside it skip the masking; inside a tile every row
+// touches only its allowed column range. Score and value products are direct BLAS calls on
+// raw scratch buffers; exp, max and sums are vectorised row loops (AVX-512 / AVX2 / baseline
+// chosen at load time).
+//
+// Only the log-sum-exp per pseudo-query is kept for the backward pass, which recomputes scores
+// tile by tile (FlashAttention-2) in one pass: a task owns one (batch row, head), so it owns that
+// head's pseudo gradients dQ̃, dK̃, dṼ and needs no atomics; a second pass un-mixes them into
+// the gradients of q, k, v and the alpha tensors.
 //
 // Within a tile the pseudo-tokens are token-major (row i·P + j is token n0 + i, pseudo j: the
-// expanded index s = n·P + j of the reference, iha_core.h), so every mask allows one contiguous
-// column range per row.
-// Extra memory: O(T·P·d) per task plus the output and log-sum-exp, O(N·P·d) in all.
+// expanded index s = n·P + j of the reference, iha_core.h).
+// Dtypes: float32 and float64 compute in their own precision; bfloat16 and float16 inputs are
+// mixed into float32 tiles (fp32 accumulate) and the outputs rounded back.
+// Extra memory: O(T·P·(T·P + d)) scratch per thread; the forward keeps only the output and the
+// log-sum-exp; the backward holds the three pseudo gradients and the heads-major upstream
+// gradient, each [B, H, N·P, d]: O(N·P·d) in all, never O((N·P)²).
 #ifndef LOOM_PLUGINS_ATTENTION_IHA_IHA_FUSED_H_
 #define LOOM_PLUGINS_ATTENTION_IHA_IHA_FUSED_H_
 
@@ -26,14 +33,17 @@
 namespace loom::attention::iha {
 
 struct FusedOptions {
-  int64_t tile_tokens = 0;  // tokens per tile; 0 = chosen from P and the head width
+  int64_t tile_tokens = 0;  // tokens per tile; 0 = DefaultTileTokens(P, window)
   bool poison_output =
       false;  // tests: fill the output with NaN first (every element must be written)
 };
 
+// Tokens per tile when FusedOptions.tile_tokens is 0: about 256 pseudo-tokens, fewer for
+// sliding windows (measured in docs/benchmarks.md).
+int64_t DefaultTileTokens(int64_t p, int64_t window);
+
 // Same contract as PseudoOutputs (iha_core.h): [B, N, H, P, dv], differentiable with respect to
-// q, k, v and the three alpha tensors. CPU tensors (any floating type); other devices work but
-// are slow (many small kernels).
+// q, k, v and the three alpha tensors. CPU tensors only (float64, float32, bfloat16, float16).
 torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, const torch::Tensor& alpha_q,
                                  const torch::Tensor& alpha_k, const torch::Tensor& alpha_v,
