@@ -1,8 +1,11 @@
 #include "iha_attention.h"
 
+#include <atomic>
+#include <iostream>
 #include <limits>
 
 #include "attention_common.h"
+#include "iha_cuda.h"
 #include "iha_fused.h"
 
 namespace loom::attention::iha {
@@ -27,7 +30,7 @@ IhaAttention::IhaAttention(const LoomAttentionSpecV1& spec) : ProjectedAttention
       ParseRopePhase(opts.GetChoice("rope_phase", "interleaved", {"interleaved", "token"}));
   options_.score = ParseScore(opts.GetChoice("score", "softmax", {"softmax", "linear"}));
   options_.scale = opts.GetDouble("scale", 0.0, 0.0, 1e6);
-  kernel_ = opts.GetChoice("kernel", "auto", {"auto", "reference", "fused"});
+  kernel_ = opts.GetChoice("kernel", "auto", {"auto", "reference", "fused", "cuda", "stock"});
   cache_heads_ = opts.GetChoice("kv_cache", "pseudo", {"pseudo", "heads"}) == "heads";
   const std::string init = opts.GetChoice("init", "near_mha", {"near_mha", "identity", "random"});
   const double noise = opts.GetDouble("init_noise", 0.02, 0.0, 10.0);
@@ -80,10 +83,19 @@ torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInput
   }
   Options call = options_;
   call.segments = inputs.segments;
-  torch::Tensor heads =
-      UsesFusedKernel(x.size(1), x.device())
-          ? FusedForward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, call)
-          : Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, call);
+  const std::string accelerated = AcceleratedKernel(q, k, v, call);
+  torch::Tensor heads;
+  if (accelerated == "cuda") {
+    heads =
+        Collapse(CudaPseudoOutputs(q, k, v, alpha_q, alpha_k, alpha_v, positions, call), collapse);
+  } else if (accelerated == "stock") {
+    heads = Collapse(StockSdpaPseudoOutputs(q, k, v, alpha_q, alpha_k, alpha_v, positions, call),
+                     collapse);
+  } else if (UsesFusedKernel(x.size(1), x.device())) {
+    heads = FusedForward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, call);
+  } else {
+    heads = Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, call);
+  }
   return proj_.o->forward(heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
 }
 
@@ -178,8 +190,29 @@ torch::Tensor IhaAttention::ForwardCached(const torch::Tensor& x, const Attentio
 bool IhaAttention::UsesFusedKernel(int64_t n, const torch::Device& device) const {
   if (kernel_ != "auto") return kernel_ == "fused";
   // Below ~512 expanded positions the (N·P)² scores are small and one big GEMM wins (measured
-  // in docs/benchmarks.md); CUDA tensors keep the reference path until the CUDA kernels land.
+  // in docs/benchmarks.md). CUDA tensors take the CUDA kernels (AcceleratedKernel) or, where
+  // those cannot run, the reference path.
   return device.is_cpu() && n * options_.p >= 512;
+}
+
+std::string IhaAttention::AcceleratedKernel(const torch::Tensor& q, const torch::Tensor& k,
+                                            const torch::Tensor& v, const Options& call) const {
+  if (kernel_ == "cuda" || kernel_ == "stock") {
+    const std::string reason = kernel_ == "cuda" ? CudaKernelUnsupportedReason(q, k, v, call)
+                                                 : StockSdpaUnsupportedReason(q, call);
+    if (!reason.empty()) {
+      throw InvalidAttentionSpec("iha: options.kernel: '" + kernel_ + "' cannot run: " + reason);
+    }
+    return kernel_;
+  }
+  if (kernel_ != "auto" || !q.is_cuda()) return {};
+  const std::string reason = CudaKernelUnsupportedReason(q, k, v, call);
+  if (reason.empty()) return "cuda";
+  static std::atomic<bool> logged{false};
+  if (!logged.exchange(true)) {
+    std::cerr << "iha: CUDA kernels not used (" << reason << "); taking the reference path\n";
+  }
+  return {};
 }
 
 double IhaAttention::ForwardFlopsPerToken(int64_t context) const {

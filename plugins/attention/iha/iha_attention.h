@@ -5,8 +5,10 @@
 // Options (docs/iha.md): p (default H), mask (interleaved | block for decoders, default
 // interleaved; none for encoders), rope_phase (interleaved | token), init (near_mha | identity |
 // random), init_noise (default 0.02), score (softmax | linear), scale (default 1/sqrt(d)),
-// kernel (auto | reference | fused; auto = the fused kernel, iha_fused.h, for CPU tensors when
-// the expanded sequence N·P reaches 512, where it is faster, and the reference path otherwise),
+// kernel (auto | reference | fused | cuda | stock; auto = the CUDA kernels, cuda/iha_cuda.h,
+// for CUDA tensors they support, the fused kernel, iha_fused.h, for CPU tensors when the
+// expanded sequence N·P reaches 512, where it is faster, and the reference path otherwise;
+// stock = at::scaled_dot_product_attention on the expanded sequence, a baseline),
 // kv_cache (pseudo | heads: what incremental decoding caches, see IhaCache).
 #ifndef LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
 #define LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
@@ -57,6 +59,11 @@ class IhaAttention : public ProjectedAttention {
   }
   // Which path forward() takes for a sequence of n tokens on `device`.
   bool UsesFusedKernel(int64_t n, const torch::Device& device) const;
+  // "cuda" or "stock" when forward() takes that kernel for these inputs, else empty (then
+  // UsesFusedKernel decides). A forced kernel that cannot run throws InvalidAttentionSpec with
+  // the reason; auto on CUDA tensors the kernels cannot take logs the reason once.
+  std::string AcceleratedKernel(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const Options& call) const;
   // Per-head q, k, v [B, N, H, d] for x (what the core receives).
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Project(const torch::Tensor& x);
 

@@ -355,7 +355,7 @@ TEST(IhaAttention, RejectsBadOptionsNamingTheField) {
   expect_error(true, {{"score", "relu"}}, "options.score");
   expect_error(true, {{"init_noise", "-1"}}, "options.init_noise");
   expect_error(true, {{"pseudo_heads", "2"}}, "options.pseudo_heads");
-  expect_error(true, {{"kernel", "cuda"}}, "options.kernel");
+  expect_error(true, {{"kernel", "triton"}}, "options.kernel");
 }
 
 TEST(IhaAttention, NearMhaInitialisationIsDocumented) {
