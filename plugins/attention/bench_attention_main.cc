@@ -1,10 +1,11 @@
 // loom-bench-attention: wall-clock time and peak extra memory of one attention layer's core
-// (q, k, v -> heads; projections excluded) for own MHA, local MHA, the materialising IHA
-// reference path (iha-naive), the fused IHA kernel (iha-fused), local IHA at W = N/(2P²) and
-// the paper's hybrid 4:1 average (4 local IHA : 1 global MHA). Prints ratios to own MHA, to the
-// FLOP floor P² × MHA for global IHA, and achieved GFLOP/s against a matmul ceiling measured in
-// the same run. Builds from LibTorch alone (LOOM_ATTENTION_ONLY). A program, not a test:
-// results go to docs/benchmarks.md.
+// (q, k, v -> heads; projections excluded) for own MHA, MHA through the fused kernel at P = 1,
+// local MHA, the materialising IHA reference path (iha-naive), the stock SDPA route (LibTorch
+// >= 2.0), the fast IHA kernel of the device (iha-fused on the CPU, iha-cuda with --device
+// cuda), local IHA at W = N/(2P²) and the paper's hybrid 4:1 average (4 local IHA : 1 global
+// MHA). Prints ratios to own MHA, to the FLOP floor P² × MHA for global IHA, and achieved
+// GFLOP/s against a matmul ceiling measured in the same run. Builds from LibTorch alone
+// (LOOM_ATTENTION_ONLY). A program, not a test: results go to docs/benchmarks.md.
 #include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
@@ -21,7 +22,14 @@
 
 #include "attention_common.h"
 #include "iha_core.h"
+#include "iha_cuda.h"
 #include "iha_fused.h"
+#include "loom/torch_compat.h"
+
+#ifdef LOOM_TORCH_HAS_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+#include "loom/blas_core.h"
 
 // OpenBLAS (Debian's LibTorch BLAS) keeps its own thread count, which torch::set_num_threads
 // does not change: --threads sets both, so every variant runs on the same number of threads.
@@ -77,46 +85,98 @@ struct Timing {
   double extra_bytes = 0;             // peak bytes above the inputs during forward + backward
 };
 
-Timing Measure(const std::function<torch::Tensor()>& fn, const std::vector<torch::Tensor>& inputs,
-               int reps) {
+// Where the variants run: the CPU (bytes counted by TrackingAllocator) or a CUDA device
+// (timings synchronise the device; bytes from the CUDA caching allocator's peak statistics).
+struct Device {
+  torch::Device device = torch::kCPU;
+  torch::ScalarType dtype = torch::kFloat32;
+
+  bool cuda() const { return device.is_cuda(); }
+  void Sync() const {
+    if (cuda()) torch::cuda::synchronize();
+  }
+  int64_t LiveBytes() const {
+#ifdef LOOM_TORCH_HAS_CUDA
+    if (cuda()) {
+      // Index 0 is the aggregate over pool types in every LibTorch version.
+      return c10::cuda::CUDACachingAllocator::getDeviceStats(device.index())
+          .allocated_bytes[0]
+          .current;
+    }
+#endif
+    return TrackingAllocator::live();
+  }
+  void ResetPeak() const {
+#ifdef LOOM_TORCH_HAS_CUDA
+    if (cuda()) {
+      c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+      return;
+    }
+#endif
+    TrackingAllocator::ResetPeak();
+  }
+  int64_t PeakBytes() const {
+#ifdef LOOM_TORCH_HAS_CUDA
+    if (cuda()) {
+      return c10::cuda::CUDACachingAllocator::getDeviceStats(device.index())
+          .allocated_bytes[0]
+          .peak;
+    }
+#endif
+    return TrackingAllocator::peak();
+  }
+};
+
+double Seconds(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+Timing Measure(const Device& dev, const std::function<torch::Tensor()>& fn,
+               const std::vector<torch::Tensor>& inputs, int reps) {
   Timing t;
   t.forward_s = t.total_s = 1e30;
   for (int r = 0; r < reps + 1; ++r) {  // the first run warms up
     for (const auto& x : inputs) x.mutable_grad() = torch::Tensor();
-    const int64_t base = TrackingAllocator::live();
-    TrackingAllocator::ResetPeak();
+    dev.Sync();
+    const int64_t base = dev.LiveBytes();
+    dev.ResetPeak();
     auto start = std::chrono::steady_clock::now();
     torch::Tensor out;
     {
       torch::NoGradGuard no_grad;
       out = fn();
     }
-    const double fwd =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    dev.Sync();
+    const double fwd = Seconds(start);
     out = torch::Tensor();
     start = std::chrono::steady_clock::now();
     out = fn();
     out.backward(torch::ones_like(out));
-    const double total =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    dev.Sync();
+    const double total = Seconds(start);
     if (r == 0) continue;
     t.forward_s = std::min(t.forward_s, fwd);
     t.total_s = std::min(t.total_s, total);
-    t.extra_bytes = static_cast<double>(TrackingAllocator::peak() - base);
+    t.extra_bytes = static_cast<double>(dev.PeakBytes() - base);
   }
   return t;
 }
 
-double MatmulCeiling(int64_t threads) {
-  torch::Tensor a = torch::randn({2048, 2048}), b = torch::randn({2048, 2048});
+// Best of four square matmuls in the benchmark's dtype (2048³ on the CPU, 8192³ on a GPU).
+double MatmulCeiling(const Device& dev) {
+  const int64_t n = dev.cuda() ? 8192 : 2048;
+  auto opts = torch::TensorOptions().dtype(dev.dtype).device(dev.device);
+  torch::Tensor a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
+  a.mm(b);  // warm-up (kernel selection, BLAS threads)
   double best = 1e30;
   for (int r = 0; r < 4; ++r) {
+    dev.Sync();
     auto start = std::chrono::steady_clock::now();
     torch::Tensor c = a.mm(b);
-    best = std::min(
-        best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    dev.Sync();
+    best = std::min(best, Seconds(start));
   }
-  return 2.0 * 2048.0 * 2048.0 * 2048.0 / best / 1e9;
+  return 2.0 * n * n * n / best / 1e9;
 }
 
 std::string Mib(double bytes) {
@@ -128,6 +188,7 @@ std::string Mib(double bytes) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
   std::map<std::string, std::string> flags = {{"n", "256,512,1024,2048"},
                                               {"heads", "8"},
                                               {"dim", "64"},
@@ -137,6 +198,8 @@ int main(int argc, char** argv) {
                                               {"threads", "0"},
                                               {"naive-max-n", "2048"},
                                               {"tile", "0"},
+                                              {"device", "cpu"},
+                                              {"dtype", "fp32"},
                                               {"peer", ""}};
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -144,6 +207,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: loom-bench-attention [--n 256,512,...] [--heads H] [--dim d] [--p 2,4] "
                    "[--batch B] [--reps R] [--threads T] [--naive-max-n N] [--tile TOKENS] "
+                   "[--device cpu|cuda] [--dtype fp32|bf16] "
                    "[--peer plugins/attention/bench/naive_peer.py]\n");
       return a == "--help" ? 0 : 2;
     }
@@ -160,14 +224,32 @@ int main(int argc, char** argv) {
                 b = std::stoll(flags["batch"]);
   const int reps = static_cast<int>(std::stoll(flags["reps"]));
   const int64_t naive_max = std::stoll(flags["naive-max-n"]);
+  Device dev;
+  if (flags["device"] == "cuda") {
+    if (!torch::cuda::is_available()) {
+      std::fprintf(stderr, "loom-bench-attention: --device cuda: no CUDA device visible\n");
+      return 2;
+    }
+    dev.device = torch::Device(torch::kCUDA, 0);
+  } else if (flags["device"] != "cpu") {
+    std::fprintf(stderr, "loom-bench-attention: --device must be cpu or cuda\n");
+    return 2;
+  }
+  if (flags["dtype"] == "bf16") {
+    dev.dtype = torch::kBFloat16;
+  } else if (flags["dtype"] != "fp32") {
+    std::fprintf(stderr, "loom-bench-attention: --dtype must be fp32 or bf16\n");
+    return 2;
+  }
   torch::manual_seed(0);
-  double ceiling = MatmulCeiling(torch::get_num_threads());
+  double ceiling = MatmulCeiling(dev);
+  const char* blas = openblas_get_corename != nullptr ? openblas_get_corename() : "not OpenBLAS";
   std::printf(
-      "loom-bench-attention: %d threads, fp32, B=%lld H=%lld d=%lld, causal; matmul ceiling %.1f "
-      "GFLOP/s "
-      "(2048^3 sgemm)\n",
-      torch::get_num_threads(), static_cast<long long>(b), static_cast<long long>(h),
-      static_cast<long long>(d), ceiling);
+      "loom-bench-attention: %s, %d threads, %s, B=%lld H=%lld d=%lld, causal; BLAS core %s; "
+      "matmul ceiling %.1f GFLOP/s\n",
+      dev.cuda() ? "cuda" : "cpu", torch::get_num_threads(), flags["dtype"].c_str(),
+      static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(d),
+      dev.cuda() ? "-" : blas, ceiling);
   std::printf(
       "times: best of %d, seconds; fwd+bwd = forward and backward; extra = peak bytes allocated "
       "above the "
@@ -177,23 +259,25 @@ int main(int argc, char** argv) {
               "fwd+bwd s", "x MHA", "x P2*MHA", "GFLOP/s", "%ceil", "extra MiB");
   for (int64_t n : ParseList(flags["n"])) {
     for (int64_t p : ParseList(flags["p"])) {
-      auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+      // Activations in the benchmark's dtype; the mixing weights stay float32 (parameters).
+      auto opts = torch::TensorOptions().dtype(dev.dtype).device(dev.device);
+      auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(dev.device);
       torch::Tensor q = torch::randn({b, n, h, d}, opts).requires_grad_();
       torch::Tensor k = torch::randn({b, n, h, d}, opts).requires_grad_();
       torch::Tensor v = torch::randn({b, n, h, d}, opts).requires_grad_();
       torch::Tensor aq =
-          (torch::eye(h).unsqueeze(-1).repeat({1, 1, p}) + 0.02 * torch::randn({h, h, p}))
+          (torch::eye(h, f32).unsqueeze(-1).repeat({1, 1, p}) + 0.02 * torch::randn({h, h, p}, f32))
               .requires_grad_();
       torch::Tensor ak = aq.detach().clone().requires_grad_(),
                     av = aq.detach().clone().requires_grad_();
       torch::Tensor r =
-          (torch::randn({h, h * p}) / std::sqrt(static_cast<double>(h * p))).requires_grad_();
-      torch::Tensor positions = torch::arange(n, torch::kInt64);
+          (torch::randn({h, h * p}, f32) / std::sqrt(static_cast<double>(h * p))).requires_grad_();
+      torch::Tensor positions = torch::arange(n, f32.dtype(torch::kInt64));
       const std::vector<torch::Tensor> inputs = {q, k, v, aq, ak, av, r};
       const int64_t w = std::max<int64_t>(1, n / (2 * p * p));  // the paper's local window
       // Shared machines drift: each (N, P) group is compared with a ceiling measured just before
       // it (the best of this and the previous measurement, so a busy moment cannot flatter).
-      ceiling = std::max(ceiling, MatmulCeiling(torch::get_num_threads()));
+      ceiling = std::max(ceiling, MatmulCeiling(dev));
       std::printf("# N=%lld P=%lld: matmul ceiling %.1f GFLOP/s\n", static_cast<long long>(n),
                   static_cast<long long>(p), ceiling);
       const double scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -213,7 +297,14 @@ int main(int argc, char** argv) {
       auto naive = [&] {
         return loom::attention::iha::Forward(q, k, v, aq, ak, av, r, positions, global);
       };
-      auto fused = [&](const Options& o) {
+      // The fast IHA path of the device: the fused CPU kernel or the CUDA kernels.
+      auto fused = [&](const Options& o) -> std::function<torch::Tensor()> {
+        if (dev.cuda()) {
+          return [&, o] {
+            return loom::attention::iha::Collapse(
+                loom::attention::iha::CudaPseudoOutputs(q, k, v, aq, ak, av, positions, o), r);
+          };
+        }
         loom::attention::iha::FusedOptions f;
         f.tile_tokens = std::stoll(flags["tile"]);
         return [&, o, f] {
@@ -233,7 +324,7 @@ int main(int argc, char** argv) {
       const double local_mha_flops =
           4.0 * d * h * b * n * loom::attention::AverageAttendedKeys(n, true, w);
 
-      Timing t_mha = Measure(mha(0), inputs, reps);
+      Timing t_mha = Measure(dev, mha(0), inputs, reps);
       auto row = [&](const char* name, const Timing& t, double flops, bool global_iha) {
         const double gflops = 3.0 * flops / t.total_s / 1e9;
         char floor_ratio[16] = "-";
@@ -247,24 +338,39 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       };
       row("mha", t_mha, mha_flops, false);
-      // The same FlashAttention kernel at P = 1 with identity mixing is plain causal MHA that
-      // skips the future: what MHA costs with IHA's kernel quality (a second yardstick).
-      Options flash_mha;
-      flash_mha.p = 1;
-      torch::Tensor eye = torch::eye(h).unsqueeze(-1);
-      torch::Tensor eye_r = torch::eye(h);
-      row("mha-fused",
+      if (!dev.cuda()) {
+        // The same FlashAttention kernel at P = 1 with identity mixing is plain causal MHA that
+        // skips the future: what MHA costs with IHA's kernel quality (a second yardstick).
+        Options flash_mha;
+        flash_mha.p = 1;
+        torch::Tensor eye = torch::eye(h).unsqueeze(-1);
+        torch::Tensor eye_r = torch::eye(h);
+        row("mha-fused",
+            Measure(
+                dev,
+                [&] {
+                  return loom::attention::iha::FusedForward(q, k, v, eye, eye, eye, eye_r,
+                                                            positions, flash_mha);
+                },
+                inputs, reps),
+            mha_flops, false);
+      }
+#if LOOM_TORCH_HAS_SDPA
+      // LibTorch's own fused attention (FlashAttention on GPUs; a flash kernel on CPUs in 2.x).
+      row("mha-sdpa",
           Measure(
+              dev,
               [&] {
-                return loom::attention::iha::FusedForward(q, k, v, eye, eye, eye, eye_r, positions,
-                                                          flash_mha);
+                return at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                        v.transpose(1, 2), {}, 0.0, true);
               },
               inputs, reps),
           mha_flops, false);
-      Timing t_local_mha = Measure(mha(w), inputs, reps);
+#endif
+      Timing t_local_mha = Measure(dev, mha(w), inputs, reps);
       row("local-mha", t_local_mha, local_mha_flops, false);
-      if (n <= naive_max) row("iha-naive", Measure(naive, inputs, reps), iha_flops, true);
-      if (!flags["peer"].empty() && n <= naive_max) {
+      if (n <= naive_max) row("iha-naive", Measure(dev, naive, inputs, reps), iha_flops, true);
+      if (!flags["peer"].empty() && n <= naive_max && !dev.cuda()) {
         // The naive peer: a straightforward PyTorch IHA under Debian's python3-torch, run as a
         // child process at the same shape; its time is compared with our MHA of this run.
         const std::string command = flags["peer"] + " --n " + std::to_string(n) + " --p " +
@@ -286,8 +392,29 @@ int main(int argc, char** argv) {
           std::fprintf(stderr, "loom-bench-attention: peer command failed: %s\n", command.c_str());
         }
       }
-      row("iha-fused", Measure(fused(global), inputs, reps), iha_flops, true);
-      Timing t_local = Measure(fused(local), inputs, reps);
+      if (loom::attention::iha::StockSdpaUnsupportedReason(q, global).empty()) {
+        // The paper's "FlashAttention-compatible" route: mix, interleave, then stock SDPA.
+        row("iha-stock",
+            Measure(
+                dev,
+                [&] {
+                  return loom::attention::iha::Collapse(
+                      loom::attention::iha::StockSdpaPseudoOutputs(q, k, v, aq, ak, av, positions,
+                                                                   global),
+                      r);
+                },
+                inputs, reps),
+            iha_flops, true);
+      }
+      const std::string cuda_reason =
+          dev.cuda() ? loom::attention::iha::CudaKernelUnsupportedReason(q, k, v, global) : "";
+      if (!cuda_reason.empty()) {
+        std::printf("# iha-cuda skipped: %s\n", cuda_reason.c_str());
+        continue;
+      }
+      row(dev.cuda() ? "iha-cuda" : "iha-fused", Measure(dev, fused(global), inputs, reps),
+          iha_flops, true);
+      Timing t_local = Measure(dev, fused(local), inputs, reps);
       row("local-iha", t_local, local_flops, false);
       Timing hybrid;
       hybrid.forward_s = (4 * t_local.forward_s + t_mha.forward_s) / 5;

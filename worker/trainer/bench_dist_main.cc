@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "loom/blas_core.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 #include "trainer.h"
@@ -142,6 +143,7 @@ absl::Status RunParent(const char* self) {
 }  // namespace loom::trainer
 
 int main(int argc, char** argv) {
+  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
   const bool child = argc > 1 && std::string(argv[1]) == "--rank-child";
   absl::Status s;
   try {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "generate.h"
+#include "loom/blas_core.h"
 #include "loom/cli_args.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
@@ -84,6 +85,7 @@ absl::Status Run(int argc, char** argv) {
 }  // namespace loom::trainer
 
 int main(int argc, char** argv) {
+  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
   absl::Status s;
   try {
     s = loom::trainer::Run(argc, argv);

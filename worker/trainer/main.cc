@@ -19,6 +19,7 @@
 #include "checkpoint.h"
 #include "corpus.h"
 #include "devices.h"
+#include "loom/blas_core.h"
 #include "loom/cli_args.h"
 #include "loom/status_macros.h"
 #include "model.h"
@@ -399,6 +400,7 @@ absl::Status RunDevices(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   using namespace loom::trainer;
+  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
   if (argc < 2 || std::string(argv[1]) == "help" || std::string(argv[1]) == "--help") {
     std::cout << kUsage;
     return argc < 2 ? 2 : 0;

@@ -3,9 +3,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -332,50 +335,55 @@ struct Scratch {
         l(rows) {}
 };
 
-// Runs fn(scratch, task) for task in [0, count) in parallel with autograd off. Worker w takes
-// tasks w, w + W, w + 2W, ... (callers order tasks so that this spreads heavy and light ones
-// evenly) and owns one scratch made by make_scratch() for all of them.
+// Runs fn(scratch, task) for task in [0, count) on at::get_num_threads() threads with autograd
+// off. Tasks are handed out dynamically in index order (callers order them so that heavy ones
+// start first or alternate with light ones); each thread owns one scratch from make_scratch().
+// Plain threads, not at::parallel_for: its OpenMP body is a header template, which runs serially
+// unless the file including it is compiled with -fopenmp, and LibTorch's flags do not ask for it.
 template <typename MakeScratch, typename Fn>
 void ParallelTasks(int64_t count, MakeScratch make_scratch, Fn fn) {
   // Tile GEMMs are small: BLAS threads would only add synchronisation, so each task runs its
   // GEMMs on its own thread and parallelism comes from the tasks.
-  const bool pin_blas = openblas_set_num_threads != nullptr &&
-                        openblas_get_num_threads != nullptr && !at::in_parallel_region();
+  const bool nested = at::in_parallel_region();
+  const bool pin_blas =
+      openblas_set_num_threads != nullptr && openblas_get_num_threads != nullptr && !nested;
   const int blas_threads = pin_blas ? openblas_get_num_threads() : 0;
   if (pin_blas) openblas_set_num_threads(1);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    torch::NoGradGuard no_grad;
-    auto scratch = make_scratch();
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = t; i < count; i += threads) fn(scratch, i);
+  const int64_t threads =
+      nested ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::exception_ptr error;
+  auto worker = [&] {
+    try {
+      torch::NoGradGuard no_grad;
+      auto scratch = make_scratch();
+      for (int64_t i = next++; i < count; i = next++) fn(scratch, i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error) error = std::current_exception();
+      next = count;  // the others stop after their current task
     }
-  });
+  };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
   if (pin_blas) openblas_set_num_threads(blas_threads);
-}
-
-// Tile visiting order: t, T−1−t, ... (a zigzag), so neighbouring tasks pair heavy with light.
-std::vector<int64_t> Zigzag(int64_t tiles) {
-  std::vector<int64_t> order;
-  order.reserve(tiles);
-  for (int64_t lo = 0, hi = tiles - 1; lo <= hi; ++lo, --hi) {
-    order.push_back(lo);
-    if (hi != lo) order.push_back(hi);
-  }
-  return order;
+  if (error) std::rethrow_exception(error);
 }
 
 // Forward: pseudo outputs out [B, N, H, P, dv] (input type) and the log-sum-exp lse [B, H, N·P]
-// (compute type). Tasks: (batch row, query tile, head).
+// (compute type). Tasks: (query tile, batch row, head), last query tiles first: under causal
+// masks they see the most keys, so the heaviest tasks start first and the light ones fill in.
 template <typename in_t, typename T>
 void Forward(const Kernel<in_t, T>& kn, in_t* out, T* lse) {
   const bool softmax = kn.o.score == Score::kSoftmax;
   const int64_t np = kn.n * kn.p, rows_max = kn.tile * kn.p;
-  const std::vector<int64_t> order = Zigzag(kn.tiles);
   auto scratch = [&] { return Scratch<T>(rows_max, kn.dk, kn.dv); };
   ParallelTasks(kn.b * kn.tiles * kn.h, scratch, [&](Scratch<T>& ws, int64_t task) {
-    const int64_t hd = task % kn.h, bi = task / (kn.h * kn.tiles);
-    const int64_t qi = order[(task / kn.h) % kn.tiles];
+    const int64_t hd = task % kn.h, bi = (task / kn.h) % kn.b;
+    const int64_t qi = kn.tiles - 1 - task / (kn.h * kn.b);
     const int64_t n0 = qi * kn.tile, tq = kn.TileLen(qi), rows = kn.p * tq;
     kn.Queries(bi, hd, n0, tq, ws.q.data());
     std::fill(ws.acc.begin(), ws.acc.end(), T(0));
