@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace loom::attention::iha {
 
@@ -89,6 +90,21 @@ torch::Tensor PseudoOutputs(const torch::Tensor& q, const torch::Tensor& k, cons
                             const torch::Tensor& alpha_q, const torch::Tensor& alpha_k,
                             const torch::Tensor& alpha_v, const torch::Tensor& positions,
                             const Options& options);
+
+// What the fused kernels (CPU, iha_fused.h; CUDA, cuda/iha_cuda.h) take besides q, k, v:
+// CheckKernelInputs validates the shapes (TORCH_CHECK); ExpandedRopeTables gives cos and sin
+// [B|1, N·P, d/2] by expanded index in `type` on q's device (empty [0] tensors without RoPE);
+// KernelSegments gives options.segments as contiguous int64 [B|1, N] on `device` (empty [0]
+// without).
+void CheckKernelInputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& alpha_q, const torch::Tensor& alpha_k,
+                       const torch::Tensor& alpha_v, const Options& options);
+std::pair<torch::Tensor, torch::Tensor> ExpandedRopeTables(const torch::Tensor& q,
+                                                           const torch::Tensor& positions,
+                                                           const Options& options,
+                                                           torch::ScalarType type);
+torch::Tensor KernelSegments(const Options& options, int64_t batch, int64_t length,
+                             const torch::Device& device);
 
 // Collapse pseudo outputs [B, N, H, P, dv] with R [H, H·P] -> [B, N, H, dv].
 torch::Tensor Collapse(const torch::Tensor& pseudo, const torch::Tensor& collapse);

@@ -764,49 +764,16 @@ torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& alpha_k, const torch::Tensor& alpha_v,
                                  const torch::Tensor& positions, const Options& o,
                                  const FusedOptions& fused) {
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes(), "iha: q and k must be [B, N, H, d] alike");
-  TORCH_CHECK(
-      v.dim() == 4 && v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
-      "iha: v must be [B, N, H, dv] matching q");
+  CheckKernelInputs(q, k, v, alpha_q, alpha_k, alpha_v, o);
   TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(),
               "iha fused kernel: CPU tensors only (CUDA tensors take the CUDA kernels)");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "iha fused kernel: q, k and v must share one dtype");
-  const int64_t h = q.size(2);
-  for (const torch::Tensor* a : {&alpha_q, &alpha_k, &alpha_v}) {
-    TORCH_CHECK(a->dim() == 3 && a->size(0) == h && a->size(1) == h && a->size(2) == o.p,
-                "iha: alpha must be [H, H, P] = [", h, ", ", h, ", ", o.p, "], got ", a->sizes());
-  }
-  TORCH_CHECK(o.p >= 1 && o.window >= 0, "iha: bad p or window");
   int64_t tile = fused.tile_tokens > 0 ? fused.tile_tokens : DefaultTileTokens(o.p, o.window);
   tile = std::min<int64_t>(tile, std::max<int64_t>(1, q.size(1)));
-  torch::Tensor cos = torch::empty({0}, q.options()), sin = cos;
-  if (o.rope_theta > 0) {
-    // RoPE tables [B|1, N·P, d/2] for the expanded positions (iha_core.h).
-    torch::NoGradGuard no_grad;
-    const int64_t d = q.size(3);
-    TORCH_CHECK(d % 2 == 0, "iha: RoPE needs an even head width, got ", d);
-    torch::Tensor pos = CheckedPositions(positions, q.size(0), q.size(1), q.device());
-    torch::Tensor expanded =
-        ExpandedPositions(pos, o.p, o.rope_phase).to(torch::kFloat64);  // [B|1, N·P]
-    auto f64 = torch::TensorOptions().dtype(torch::kFloat64).device(q.device());
-    torch::Tensor inv_freq =
-        torch::pow(o.rope_theta, -torch::arange(0, d / 2, f64) * 2.0 / static_cast<double>(d));
-    torch::Tensor angles = expanded.unsqueeze(-1) * inv_freq;  // [B|1, N·P, d/2]
-    const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-    cos = angles.cos().to(compute).contiguous();
-    sin = angles.sin().to(compute).contiguous();
-  }
-  torch::Tensor segments = torch::empty({0}, torch::kInt64);
-  if (o.segments.defined()) {
-    segments = o.segments.to(torch::kInt64);
-    if (segments.dim() == 1) segments = segments.unsqueeze(0);
-    TORCH_CHECK(segments.dim() == 2 && (segments.size(0) == 1 || segments.size(0) == q.size(0)) &&
-                    segments.size(1) == q.size(1),
-                "iha: segments must be [B, N] = [", q.size(0), ", ", q.size(1), "], got ",
-                o.segments.sizes());
-    segments = segments.contiguous();
-  }
+  const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  auto [cos, sin] = ExpandedRopeTables(q, positions, o, compute);
+  torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), torch::kCPU);
   return IhaFusedFunction::apply(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments,
                                  static_cast<int64_t>(o.mask), o.window, o.p,
                                  static_cast<int64_t>(o.score), o.scale, tile, fused.poison_output);

@@ -325,44 +325,12 @@ torch::Tensor CudaPseudoOutputs(const torch::Tensor& q, const torch::Tensor& kk,
   const std::string reason =
       cuda.emulate ? InputsReason(q, kk, v, o) : CudaKernelUnsupportedReason(q, kk, v, o);
   TORCH_CHECK(reason.empty(), "iha cuda kernels: ", reason);
-  TORCH_CHECK(kk.sizes() == q.sizes(), "iha: q and k must be [B, N, H, d] alike");
-  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
-              "iha: v must be [B, N, H, dv] matching q");
-  const int64_t h = q.size(2);
-  for (const torch::Tensor* a : {&alpha_q, &alpha_k, &alpha_v}) {
-    TORCH_CHECK(a->dim() == 3 && a->size(0) == h && a->size(1) == h && a->size(2) == o.p,
-                "iha: alpha must be [H, H, P] = [", h, ", ", h, ", ", o.p, "], got ", a->sizes());
-  }
-  TORCH_CHECK(o.p >= 1 && o.window >= 0, "iha: bad p or window");
+  CheckKernelInputs(q, kk, v, alpha_q, alpha_k, alpha_v, o);
   TORCH_CHECK(cuda.tile == 0 || cuda.tile == 16 || cuda.tile == 32 || cuda.tile == 64,
               "iha cuda: tile must be 0, 16, 32 or 64");
   const double scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(q.device());
-  torch::Tensor cos = torch::empty({0}, f32), sin = cos;
-  if (o.rope_theta > 0) {
-    // RoPE tables [B|1, N·P, dk/2] by expanded index (as iha_fused.cc), float32.
-    torch::NoGradGuard no_grad;
-    const int64_t d = q.size(3);
-    torch::Tensor pos = CheckedPositions(positions, q.size(0), q.size(1), q.device());
-    torch::Tensor expanded = ExpandedPositions(pos, o.p, o.rope_phase).to(torch::kFloat64);
-    auto f64 = torch::TensorOptions().dtype(torch::kFloat64).device(q.device());
-    torch::Tensor inv_freq =
-        torch::pow(o.rope_theta, -torch::arange(0, d / 2, f64) * 2.0 / static_cast<double>(d));
-    torch::Tensor angles = expanded.unsqueeze(-1) * inv_freq;
-    cos = angles.cos().to(torch::kFloat32).contiguous();
-    sin = angles.sin().to(torch::kFloat32).contiguous();
-  }
-  torch::Tensor segments =
-      torch::empty({0}, torch::TensorOptions().dtype(torch::kInt64).device(q.device()));
-  if (o.segments.defined()) {
-    segments = o.segments.to(q.device(), torch::kInt64);
-    if (segments.dim() == 1) segments = segments.unsqueeze(0);
-    TORCH_CHECK(segments.dim() == 2 && (segments.size(0) == 1 || segments.size(0) == q.size(0)) &&
-                    segments.size(1) == q.size(1),
-                "iha: segments must be [B, N] = [", q.size(0), ", ", q.size(1), "], got ",
-                o.segments.sizes());
-    segments = segments.contiguous();
-  }
+  auto [cos, sin] = ExpandedRopeTables(q, positions, o, torch::kFloat32);
+  torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), q.device());
   return IhaCudaFunction::apply(q, kk, v, alpha_q, alpha_k, alpha_v, cos, sin, segments,
                                 static_cast<int64_t>(o.mask), o.window, o.p, scale, cuda.tile,
                                 cuda.poison_output, cuda.emulate);
