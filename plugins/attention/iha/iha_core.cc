@@ -200,4 +200,43 @@ torch::Tensor KernelSegments(const Options& o, int64_t batch, int64_t length,
   return segments.contiguous();
 }
 
+Options KernelOptions(int64_t p, int64_t mask, int64_t window, int64_t score, double scale) {
+  Options o;
+  o.p = p;
+  o.mask = static_cast<Mask>(mask);
+  o.window = window;
+  o.score = static_cast<Score>(score);
+  o.scale = scale;
+  return o;
+}
+
+void SaveKernelOptions(torch::autograd::AutogradContext* ctx, const Options& o) {
+  ctx->saved_data["p"] = o.p;
+  ctx->saved_data["mask"] = static_cast<int64_t>(o.mask);
+  ctx->saved_data["window"] = o.window;
+  ctx->saved_data["score"] = static_cast<int64_t>(o.score);
+  ctx->saved_data["scale"] = o.scale;
+}
+
+Options SavedKernelOptions(torch::autograd::AutogradContext* ctx) {
+  return KernelOptions(ctx->saved_data["p"].toInt(), ctx->saved_data["mask"].toInt(),
+                       ctx->saved_data["window"].toInt(), ctx->saved_data["score"].toInt(),
+                       ctx->saved_data["scale"].toDouble());
+}
+
+torch::autograd::variable_list LeadingGrads(torch::autograd::variable_list grads, size_t inputs) {
+  grads.resize(inputs);  // undefined tensors: no gradient for the rest
+  return grads;
+}
+
+torch::Tensor PseudoRowDelta(const torch::Tensor& grad_out, const torch::Tensor& out,
+                             torch::ScalarType type) {
+  const int64_t b = out.size(0), n = out.size(1), h = out.size(2), p = out.size(3);
+  return (grad_out.to(type) * out.to(type))
+      .sum(-1)                // [B, N, H, P]
+      .permute({0, 2, 1, 3})  // [B, H, N, P]
+      .reshape({b, h, n * p})
+      .contiguous();
+}
+
 }  // namespace loom::attention::iha

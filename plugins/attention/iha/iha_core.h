@@ -106,6 +106,19 @@ std::pair<torch::Tensor, torch::Tensor> ExpandedRopeTables(const torch::Tensor& 
 torch::Tensor KernelSegments(const Options& options, int64_t batch, int64_t length,
                              const torch::Device& device);
 
+// The fused kernels' autograd functions pass Options through apply() as scalars (segments and
+// RoPE travel as tensors) and keep them for the backward pass: KernelOptions rebuilds them,
+// SaveKernelOptions / SavedKernelOptions keep them in the context, LeadingGrads pads the
+// backward's gradients of the leading inputs with undefined ones for the rest of apply()'s
+// `inputs` arguments, and PseudoRowDelta is the softmax backward's per-row term rowsum(dO ∘ O)
+// of pseudo outputs [B, N, H, P, dv], as `type`, heads-major [B, H, N·P].
+Options KernelOptions(int64_t p, int64_t mask, int64_t window, int64_t score, double scale);
+void SaveKernelOptions(torch::autograd::AutogradContext* ctx, const Options& options);
+Options SavedKernelOptions(torch::autograd::AutogradContext* ctx);
+torch::autograd::variable_list LeadingGrads(torch::autograd::variable_list grads, size_t inputs);
+torch::Tensor PseudoRowDelta(const torch::Tensor& grad_out, const torch::Tensor& out,
+                             torch::ScalarType type);
+
 // Collapse pseudo outputs [B, N, H, P, dv] with R [H, H·P] -> [B, N, H, dv].
 torch::Tensor Collapse(const torch::Tensor& pseudo, const torch::Tensor& collapse);
 

@@ -658,11 +658,7 @@ Grads RunBackward(const Prepared& pr, const Tensor& grad_out, const Tensor& out,
   auto opts = pr.q.options().dtype(compute);
   // Heads-major upstream gradient and rowsum(dO ∘ O), in the compute type.
   Tensor go = grad_out.to(compute).permute({0, 2, 1, 3, 4}).reshape({b, h, n * p, dv}).contiguous();
-  Tensor delta = (grad_out.to(compute) * out.to(compute))
-                     .sum(-1)
-                     .permute({0, 2, 1, 3})
-                     .reshape({b, h, n * p})
-                     .contiguous();
+  Tensor delta = PseudoRowDelta(grad_out, out, compute);
   Tensor dq_pseudo = torch::zeros({b, h, n * p, dk}, opts),
          dk_pseudo = torch::zeros_like(dq_pseudo),
          dv_pseudo = torch::zeros({b, h, n * p, dv}, opts);
@@ -694,24 +690,17 @@ Grads RunBackward(const Prepared& pr, const Tensor& grad_out, const Tensor& out,
 
 class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
  public:
+  static constexpr size_t kInputs = 16;  // the arguments of forward() after ctx
+
   static Tensor forward(torch::autograd::AutogradContext* ctx, Tensor q, Tensor k, Tensor v,
                         Tensor alpha_q, Tensor alpha_k, Tensor alpha_v, Tensor cos, Tensor sin,
                         Tensor segments, int64_t mask, int64_t window, int64_t p, int64_t score,
                         double scale, int64_t tile, bool poison) {
-    Options o;
-    o.p = p;
-    o.mask = static_cast<Mask>(mask);
-    o.window = window;
-    o.score = static_cast<Score>(score);
-    o.scale = scale;
+    const Options o = KernelOptions(p, mask, window, score, scale);
     Prepared pr = Prepare(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, o, tile);
     auto [out, lse] = RunForward(pr, poison);
     ctx->save_for_backward({q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, out, lse});
-    ctx->saved_data["mask"] = mask;
-    ctx->saved_data["window"] = window;
-    ctx->saved_data["p"] = p;
-    ctx->saved_data["score"] = score;
-    ctx->saved_data["scale"] = scale;
+    SaveKernelOptions(ctx, o);
     ctx->saved_data["tile"] = tile;
     return out;
   }
@@ -719,31 +708,12 @@ class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto s = ctx->get_saved_variables();
-    Options o;
-    o.p = ctx->saved_data["p"].toInt();
-    o.mask = static_cast<Mask>(ctx->saved_data["mask"].toInt());
-    o.window = ctx->saved_data["window"].toInt();
-    o.score = static_cast<Score>(ctx->saved_data["score"].toInt());
-    o.scale = ctx->saved_data["scale"].toDouble();
-    Prepared pr = Prepare(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], o,
-                          ctx->saved_data["tile"].toInt());
+    Prepared pr = Prepare(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
+                          SavedKernelOptions(ctx), ctx->saved_data["tile"].toInt());
     Grads g = RunBackward(pr, grads[0], s[9], s[10]);
-    return {g.dq,
-            g.dk,
-            g.dv,
-            g.daq.to(s[3].scalar_type()),
-            g.dak.to(s[4].scalar_type()),
-            g.dav.to(s[5].scalar_type()),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor()};
+    return LeadingGrads({g.dq, g.dk, g.dv, g.daq.to(s[3].scalar_type()),
+                         g.dak.to(s[4].scalar_type()), g.dav.to(s[5].scalar_type())},
+                        kInputs);
   }
 };
 

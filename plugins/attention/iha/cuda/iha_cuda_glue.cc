@@ -115,7 +115,7 @@ struct Call {
 
 Call MakeCall(const Tensor& q, const Tensor& kk, const Tensor& v, const Tensor& alpha_q,
               const Tensor& alpha_k, const Tensor& alpha_v, const Tensor& cos, const Tensor& sin,
-              const Tensor& segments, int64_t mask, int64_t window, int64_t p, double scale) {
+              const Tensor& segments, const Options& o) {
   Call c;
   c.q = q.contiguous();
   c.k = kk.contiguous();
@@ -128,7 +128,7 @@ Call MakeCall(const Tensor& q, const Tensor& kk, const Tensor& v, const Tensor& 
   pr.b = q.size(0);
   pr.n = q.size(1);
   pr.h = q.size(2);
-  pr.p = p;
+  pr.p = o.p;
   pr.dk = q.size(3);
   pr.dv = v.size(3);
   pr.q = c.q.data_ptr();
@@ -158,9 +158,9 @@ Call MakeCall(const Tensor& q, const Tensor& kk, const Tensor& v, const Tensor& 
     pr.segments = c.segments.data_ptr<int64_t>();
     pr.segments_stride_b = c.segments.size(0) == 1 ? 0 : c.segments.stride(0);
   }
-  pr.mask = static_cast<int>(mask);
-  pr.window = window;
-  pr.scale = static_cast<float>(scale);
+  pr.mask = static_cast<int>(o.mask);
+  pr.window = o.window;
+  pr.scale = static_cast<float>(o.scale);
   return c;
 }
 
@@ -211,12 +211,15 @@ void RunBackward(const Call& c, int64_t tile, bool emulate) {
 
 class IhaCudaFunction : public torch::autograd::Function<IhaCudaFunction> {
  public:
+  static constexpr size_t kInputs = 16;  // the arguments of forward() after ctx
+
+  // scale is the resolved one (1/sqrt(dk) already applied when options.scale was 0).
   static Tensor forward(torch::autograd::AutogradContext* ctx, Tensor q, Tensor kk, Tensor v,
                         Tensor alpha_q, Tensor alpha_k, Tensor alpha_v, Tensor cos, Tensor sin,
                         Tensor segments, int64_t mask, int64_t window, int64_t p, double scale,
                         int64_t tile, bool poison, bool emulate) {
-    Call c =
-        MakeCall(q, kk, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, mask, window, p, scale);
+    const Options o = KernelOptions(p, mask, window, static_cast<int64_t>(Score::kSoftmax), scale);
+    Call c = MakeCall(q, kk, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, o);
     const int64_t b = q.size(0), n = q.size(1), h = q.size(2), dv = v.size(3);
     Tensor out = torch::empty({b, n, h, p, dv}, q.options());
     Tensor lse = torch::empty({b, h, n * p}, q.options().dtype(torch::kFloat32));
@@ -228,10 +231,7 @@ class IhaCudaFunction : public torch::autograd::Function<IhaCudaFunction> {
     c.params.lse = lse.data_ptr<float>();
     RunForward(c, tile, emulate);
     ctx->save_for_backward({q, kk, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, out, lse});
-    ctx->saved_data["mask"] = mask;
-    ctx->saved_data["window"] = window;
-    ctx->saved_data["p"] = p;
-    ctx->saved_data["scale"] = scale;
+    SaveKernelOptions(ctx, o);
     ctx->saved_data["tile"] = tile;
     ctx->saved_data["poison"] = poison;
     ctx->saved_data["emulate"] = emulate;
@@ -242,18 +242,14 @@ class IhaCudaFunction : public torch::autograd::Function<IhaCudaFunction> {
                                                  torch::autograd::variable_list grads) {
     auto s = ctx->get_saved_variables();
     const Tensor &q = s[0], &kk = s[1], &v = s[2], &out = s[9], &lse = s[10];
-    const int64_t p = ctx->saved_data["p"].toInt();
+    const Options o = SavedKernelOptions(ctx);
     const bool poison = ctx->saved_data["poison"].toBool();
     const bool emulate = ctx->saved_data["emulate"].toBool();
-    Call c = MakeCall(q, kk, v, s[3], s[4], s[5], s[6], s[7], s[8], ctx->saved_data["mask"].toInt(),
-                      ctx->saved_data["window"].toInt(), p, ctx->saved_data["scale"].toDouble());
-    const int64_t b = q.size(0), n = q.size(1), h = q.size(2), dk = q.size(3), dv = v.size(3);
+    Call c = MakeCall(q, kk, v, s[3], s[4], s[5], s[6], s[7], s[8], o);
+    const int64_t b = q.size(0), n = q.size(1), h = q.size(2), dk = q.size(3), dv = v.size(3),
+                  p = o.p;
     Tensor go = grads[0].to(torch::kFloat32).contiguous();  // [B, N, H, P, dv]
-    Tensor delta = (go * out.to(torch::kFloat32))
-                       .sum(-1)                // [B, N, H, P]
-                       .permute({0, 2, 1, 3})  // [B, H, N, P]
-                       .reshape({b, h, n * p})
-                       .contiguous();
+    Tensor delta = PseudoRowDelta(go, out, torch::kFloat32);
     auto f32 = q.options().dtype(torch::kFloat32);
     Tensor dq = torch::empty({b, h, n * p, dk}, f32), dkp = torch::empty({b, h, n * p, dk}, f32),
            dvp = torch::empty({b, h, n * p, dv}, f32);
@@ -271,22 +267,9 @@ class IhaCudaFunction : public torch::autograd::Function<IhaCudaFunction> {
     auto [gq, gaq] = UnmixPseudoGradient(q, s[3], dq);
     auto [gk, gak] = UnmixPseudoGradient(kk, s[4], dkp);
     auto [gv, gav] = UnmixPseudoGradient(v, s[5], dvp);
-    return {gq.to(q.scalar_type()),
-            gk.to(kk.scalar_type()),
-            gv.to(v.scalar_type()),
-            gaq.to(s[3].options()),
-            gak.to(s[4].options()),
-            gav.to(s[5].options()),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor(),
-            Tensor()};
+    return LeadingGrads({gq.to(q.scalar_type()), gk.to(kk.scalar_type()), gv.to(v.scalar_type()),
+                         gaq.to(s[3].options()), gak.to(s[4].options()), gav.to(s[5].options())},
+                        kInputs);
   }
 };
 
