@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "loom/blas_core.h"
+#include "bench_main.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 #include "trainer.h"
@@ -143,17 +143,8 @@ absl::Status RunParent(const char* self) {
 }  // namespace loom::trainer
 
 int main(int argc, char** argv) {
-  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
   const bool child = argc > 1 && std::string(argv[1]) == "--rank-child";
-  absl::Status s;
-  try {
-    s = child ? loom::trainer::RunRank() : loom::trainer::RunParent("/proc/self/exe");
-  } catch (const std::exception& e) {
-    s = absl::InternalError(e.what());
-  }
-  if (!s.ok()) {
-    std::cerr << "loom-bench-dist: " << s.message() << "\n";
-    return 1;
-  }
-  return 0;
+  return loom::trainer::BenchmarkMain("loom-bench-dist", argv, [&] {
+    return child ? loom::trainer::RunRank() : loom::trainer::RunParent("/proc/self/exe");
+  });
 }

@@ -9,8 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "bench_main.h"
 #include "generate.h"
-#include "loom/blas_core.h"
 #include "loom/cli_args.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
@@ -85,16 +85,6 @@ absl::Status Run(int argc, char** argv) {
 }  // namespace loom::trainer
 
 int main(int argc, char** argv) {
-  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
-  absl::Status s;
-  try {
-    s = loom::trainer::Run(argc, argv);
-  } catch (const std::exception& e) {
-    s = absl::InternalError(e.what());
-  }
-  if (!s.ok()) {
-    std::cerr << "loom-bench-generate: " << s.message() << "\n";
-    return 1;
-  }
-  return 0;
+  return loom::trainer::BenchmarkMain("loom-bench-generate", argv,
+                                      [&] { return loom::trainer::Run(argc, argv); });
 }

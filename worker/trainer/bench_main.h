@@ -1,0 +1,34 @@
+// main() of the loom-bench-* trainer programs: OpenBLAS's wide kernels first
+// (api/loom/blas_core.h), then the benchmark; a failed Status or an escaping exception is
+// reported as "<program>: <message>" with exit code 1.
+#ifndef LOOM_WORKER_TRAINER_BENCH_MAIN_H_
+#define LOOM_WORKER_TRAINER_BENCH_MAIN_H_
+
+#include <exception>
+#include <functional>
+#include <iostream>
+
+#include "absl/status/status.h"
+#include "loom/blas_core.h"
+
+namespace loom::trainer {
+
+inline int BenchmarkMain(const char* program, char** argv,
+                         const std::function<absl::Status()>& run) {
+  ReexecWithBestBlasCore(argv);  // before any matmul
+  absl::Status s;
+  try {
+    s = run();
+  } catch (const std::exception& e) {
+    s = absl::InternalError(e.what());
+  }
+  if (!s.ok()) {
+    std::cerr << program << ": " << s.message() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace loom::trainer
+
+#endif  // LOOM_WORKER_TRAINER_BENCH_MAIN_H_
