@@ -26,6 +26,7 @@
 
 #include "iha_core.h"
 #include "iha_cuda.h"
+#include "iha_cuda_test_util.h"
 #include "iha_cuda_tiles.h"
 
 namespace loom::attention::iha {
@@ -50,76 +51,34 @@ std::string Name(const Case& c, torch::ScalarType t) {
          " segments=" + std::to_string(c.segments);
 }
 
-double RelativeError(const torch::Tensor& got, const torch::Tensor& ref) {
-  const double scale = std::max(1.0, ref.abs().max().item<double>());
-  return (got.to(torch::kFloat64) - ref).abs().max().item<double>() / scale;
-}
-
 // Returns the worst relative error over the output and the six gradients (and fails the test
 // above `tol`).
 double ExpectMatchesReference(const Case& c, torch::ScalarType dtype, uint64_t seed, double tol) {
   torch::manual_seed(seed);
-  const int64_t b = 2, h = 3, dk = 6, dv = 5;
-  auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
-  // Kernel inputs in `dtype` (alphas float32), the reference on the same values in float64.
-  auto make = [&](std::vector<int64_t> shape, torch::ScalarType t) {
-    torch::Tensor in = torch::randn(shape, f64).to(t).requires_grad_();
-    torch::Tensor ref = in.detach().to(torch::kFloat64).requires_grad_();
-    return std::pair{in, ref};
-  };
-  auto [q, q_ref] = make({b, c.n, h, dk}, dtype);
-  auto [k, k_ref] = make({b, c.n, h, dk}, dtype);
-  auto [v, v_ref] = make({b, c.n, h, dv}, dtype);
-  auto [aq, aq_ref] = make({h, h, c.p}, torch::kFloat32);
-  auto [ak, ak_ref] = make({h, h, c.p}, torch::kFloat32);
-  auto [av, av_ref] = make({h, h, c.p}, torch::kFloat32);
-  torch::Tensor positions = torch::arange(c.n, torch::kInt64).unsqueeze(0).repeat({b, 1});
-  positions[1] += 5;
-  Options o;
-  o.p = c.p;
-  o.mask = c.mask;
-  o.window = c.window;
-  o.rope_theta = c.rope;
-  o.rope_phase = c.phase;
+  CudaKernelCheck check;
+  check.n = c.n;
+  check.h = 3;
+  check.dk = 6;
+  check.dv = 5;
+  check.position_offset = 5;
+  check.dtype = dtype;
+  check.options.p = c.p;
+  check.options.mask = c.mask;
+  check.options.window = c.window;
+  check.options.rope_theta = c.rope;
+  check.options.rope_phase = c.phase;
   if (c.segments) {
     // Two segments per row, split at different tokens; row 1 uses other ids.
-    torch::Tensor seg = torch::zeros({b, c.n}, torch::kInt64);
+    torch::Tensor seg = torch::zeros({check.b, c.n}, torch::kInt64);
     seg[0].narrow(0, c.n / 3, c.n - c.n / 3).fill_(1);
     seg[1].fill_(4);
     seg[1].narrow(0, (2 * c.n) / 3, c.n - (2 * c.n) / 3).fill_(9);
-    o.segments = seg;
+    check.options.segments = seg;
   }
-  torch::Tensor upstream = torch::randn({b, c.n, h, c.p, dv}, f64);
-
-  torch::Tensor ref = PseudoOutputs(q_ref, k_ref, v_ref, aq_ref, ak_ref, av_ref, positions, o);
-  auto ref_grads = torch::autograd::grad({(ref * upstream).sum()},
-                                         {q_ref, k_ref, v_ref, aq_ref, ak_ref, av_ref});
-  CudaOptions emu;
-  emu.emulate = true;
-  emu.poison_output = true;
-  emu.tile = c.tile;
-  torch::Tensor got = CudaPseudoOutputs(q, k, v, aq, ak, av, positions, o, emu);
-  EXPECT_EQ(got.scalar_type(), dtype);
-  EXPECT_EQ(got.sizes(), ref.sizes()) << Name(c, dtype);
-  EXPECT_TRUE(torch::isfinite(got).all().item<bool>())
-      << "unwritten output elements: " << Name(c, dtype);
-  double worst = RelativeError(got, ref);
-  EXPECT_LE(worst, tol) << "output: " << Name(c, dtype);
-  auto got_grads =
-      torch::autograd::grad({(got.to(torch::kFloat64) * upstream).sum()}, {q, k, v, aq, ak, av});
-  const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v"};
-  const torch::Tensor* inputs[] = {&q, &k, &v, &aq, &ak, &av};
-  for (int i = 0; i < 6; ++i) {
-    EXPECT_TRUE(got_grads[i].defined()) << names[i];
-    if (!got_grads[i].defined()) continue;
-    EXPECT_EQ(got_grads[i].scalar_type(), inputs[i]->scalar_type()) << names[i];
-    EXPECT_TRUE(torch::isfinite(got_grads[i]).all().item<bool>())
-        << "non-finite gradient of " << names[i] << ": " << Name(c, dtype);
-    const double err = RelativeError(got_grads[i], ref_grads[i]);
-    EXPECT_LE(err, tol) << "gradient of " << names[i] << ": " << Name(c, dtype);
-    worst = std::max(worst, err);
-  }
-  return worst;
+  check.cuda.emulate = true;
+  check.cuda.poison_output = true;
+  check.cuda.tile = c.tile;
+  return ExpectCudaKernelMatchesReference(check, tol, Name(c, dtype));
 }
 
 TEST(IhaCudaEmulationTest, Float32MatchesTheReferenceEverywhere) {

@@ -15,6 +15,7 @@
 #include "attention_test_util.h"
 #include "iha_attention.h"
 #include "iha_core.h"
+#include "iha_cuda_test_util.h"
 
 namespace loom::attention::iha {
 namespace {
@@ -27,11 +28,6 @@ struct GpuCase {
   bool segments;
 };
 
-double RelativeError(const torch::Tensor& got, const torch::Tensor& ref) {
-  const double scale = std::max(1.0, ref.abs().max().item<double>());
-  return (got.cpu().to(torch::kFloat64) - ref).abs().max().item<double>() / scale;
-}
-
 std::string SkipReason() {
   if (!torch::cuda::is_available()) return "no CUDA device visible to LibTorch";
   torch::Tensor probe = torch::zeros({1, 1, 1, 8}, torch::TensorOptions().device(torch::kCUDA));
@@ -40,51 +36,26 @@ std::string SkipReason() {
 
 void ExpectGpuMatchesReference(const GpuCase& c, torch::ScalarType dtype, double tol) {
   torch::manual_seed(c.n * 7 + c.p);
-  const int64_t b = 2;
-  auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
-  auto make = [&](std::vector<int64_t> shape, torch::ScalarType t, double scale) {
-    torch::Tensor base = (torch::randn(shape, f64) * scale).to(t);
-    torch::Tensor ref = base.to(torch::kFloat64).requires_grad_();
-    torch::Tensor gpu = base.to(torch::kCUDA).requires_grad_();
-    return std::pair{gpu, ref};
-  };
-  auto [q, qr] = make({b, c.n, c.h, c.d}, dtype, 1.0);
-  auto [k, kr] = make({b, c.n, c.h, c.d}, dtype, 1.0);
-  auto [v, vr] = make({b, c.n, c.h, c.d}, dtype, 1.0);
-  auto [aq, aqr] = make({c.h, c.h, c.p}, torch::kFloat32, 0.5);
-  auto [ak, akr] = make({c.h, c.h, c.p}, torch::kFloat32, 0.5);
-  auto [av, avr] = make({c.h, c.h, c.p}, torch::kFloat32, 0.5);
-  torch::Tensor positions = torch::arange(c.n, torch::kInt64).unsqueeze(0).repeat({b, 1});
-  positions[1] += 3;
-  Options o;
-  o.p = c.p;
-  o.mask = c.mask;
-  o.window = c.window;
-  o.rope_theta = c.rope;
+  CudaKernelCheck check;
+  check.n = c.n;
+  check.h = c.h;
+  check.dk = check.dv = c.d;
+  check.alpha_scale = 0.5;
+  check.position_offset = 3;
+  check.dtype = dtype;
+  check.device = torch::kCUDA;
+  check.options.p = c.p;
+  check.options.mask = c.mask;
+  check.options.window = c.window;
+  check.options.rope_theta = c.rope;
   if (c.segments) {
-    torch::Tensor seg = torch::zeros({b, c.n}, torch::kInt64);
+    torch::Tensor seg = torch::zeros({check.b, c.n}, torch::kInt64);
     seg[0].narrow(0, c.n / 2, c.n - c.n / 2).fill_(1);
     seg[1].narrow(0, c.n / 5, c.n - c.n / 5).fill_(2);
-    o.segments = seg;
+    check.options.segments = seg;
   }
-  torch::Tensor up = torch::randn({b, c.n, c.h, c.p, c.d}, f64);
-  torch::Tensor ref = PseudoOutputs(qr, kr, vr, aqr, akr, avr, positions, o);
-  auto rg = torch::autograd::grad({(ref * up).sum()}, {qr, kr, vr, aqr, akr, avr});
-
-  Options og = o;
-  if (c.segments) og.segments = o.segments.to(torch::kCUDA);
-  CudaOptions cuda;
-  cuda.poison_output = true;
-  torch::Tensor got = CudaPseudoOutputs(q, k, v, aq, ak, av, positions.to(torch::kCUDA), og, cuda);
-  ASSERT_EQ(got.scalar_type(), dtype);
-  ASSERT_TRUE(torch::isfinite(got).all().item<bool>()) << "unwritten output elements";
-  EXPECT_LE(RelativeError(got, ref), tol) << "output";
-  auto gg = torch::autograd::grad({(got.to(torch::kFloat64) * up.to(torch::kCUDA)).sum()},
-                                  {q, k, v, aq, ak, av});
-  const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v"};
-  for (int i = 0; i < 6; ++i) {
-    EXPECT_LE(RelativeError(gg[i], rg[i]), tol) << "gradient of " << names[i];
-  }
+  check.cuda.poison_output = true;
+  ExpectCudaKernelMatchesReference(check, tol, c10::toString(dtype));
 }
 
 TEST(IhaCudaTest, GpuMatchesTheFloat64Reference) {
