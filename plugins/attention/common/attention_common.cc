@@ -186,22 +186,32 @@ torch::Tensor CheckedSegments(const torch::Tensor& segments, int64_t batch, int6
   return s.expand({batch, length});
 }
 
-int64_t KeyValueCache::bytes() const {
+void CheckCacheContinues(const char* who, int64_t cached_rows, bool cached_segments, int64_t batch,
+                         bool segments) {
+  TORCH_CHECK(cached_rows == batch, who, ": batch of ", batch, " rows, the cache holds ",
+              cached_rows);
+  TORCH_CHECK(segments == cached_segments, who, ": give segments on every call or on none");
+}
+
+torch::Tensor SameSegment(const torch::Tensor& query_segments, const torch::Tensor& key_segments) {
+  return (query_segments.unsqueeze(2) == key_segments.unsqueeze(1)).unsqueeze(1);
+}
+
+int64_t DefinedBytes(std::initializer_list<const torch::Tensor*> tensors) {
   int64_t total = 0;
-  for (const torch::Tensor* t : {&k_, &v_, &segments_})
+  for (const torch::Tensor* t : tensors)
     if (t->defined()) total += t->numel() * static_cast<int64_t>(t->element_size());
   return total;
 }
+
+int64_t KeyValueCache::bytes() const { return DefinedBytes({&k_, &v_, &segments_}); }
 
 KeyValueCache::View KeyValueCache::Append(const torch::Tensor& k, const torch::Tensor& v,
                                           const torch::Tensor& segments) {
   const int64_t b = k.size(0), t = k.size(2);
   torch::Tensor seg = CheckedSegments(segments, b, t, k.device());
   if (tokens_ > 0) {
-    TORCH_CHECK(k_.size(0) == b, "attention cache: batch of ", b, " rows, the cache holds ",
-                k_.size(0));
-    TORCH_CHECK(seg.defined() == segments_.defined(),
-                "attention cache: give segments on every call or on none");
+    CheckCacheContinues("attention cache", k_.size(0), segments_.defined(), b, seg.defined());
   }
   View view;
   view.k = tokens_ > 0 ? torch::cat({k_, k}, 2) : k;
@@ -214,8 +224,7 @@ KeyValueCache::View KeyValueCache::Append(const torch::Tensor& k, const torch::T
   torch::Tensor allowed = ki <= qi;  // causal
   if (window_ > 0) allowed = allowed & (qi - ki < window_);
   allowed = allowed.view({1, 1, t, length});
-  if (all_seg.defined())
-    allowed = allowed & (seg.unsqueeze(2) == all_seg.unsqueeze(1)).unsqueeze(1);
+  if (all_seg.defined()) allowed = allowed & SameSegment(seg, all_seg);
   view.allowed = allowed;
   tokens_ += t;
   // Keep what later queries can still see: everything, or the last window - 1 tokens.

@@ -73,6 +73,16 @@ class KeyValueCache : public AttentionCache {
 torch::Tensor CheckedSegments(const torch::Tensor& segments, int64_t batch, int64_t length,
                               const torch::Device& device);
 
+// Pieces every decoding cache shares (KeyValueCache, the IHA cache):
+// CheckCacheContinues fails (TORCH_CHECK, messages prefixed by `who`) unless a call with `batch`
+// rows and segments given or not continues a cache holding `cached_rows` rows with segments or
+// not; SameSegment is the bool [B, 1, T, L] mask of queries and keys in the same packed segment
+// (segment ids [B, T] and [B, L]); DefinedBytes sums the bytes of the defined tensors.
+void CheckCacheContinues(const char* who, int64_t cached_rows, bool cached_segments, int64_t batch,
+                         bool segments);
+torch::Tensor SameSegment(const torch::Tensor& query_segments, const torch::Tensor& key_segments);
+int64_t DefinedBytes(std::initializer_list<const torch::Tensor*> tensors);
+
 // Base of plugins built on the four projections: validates the common spec (throws
 // InvalidAttentionSpec naming the field), keeps its shape fields and registers the projections
 // first, so parameter order (and seeded initialisation) is the same in every plugin.

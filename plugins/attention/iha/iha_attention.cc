@@ -99,12 +99,7 @@ torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInput
   return proj_.o->forward(heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
 }
 
-int64_t IhaCache::bytes() const {
-  int64_t total = 0;
-  for (const torch::Tensor* t : {&keys, &values, &positions, &segments})
-    if (t->defined()) total += t->numel() * static_cast<int64_t>(t->element_size());
-  return total;
-}
+int64_t IhaCache::bytes() const { return DefinedBytes({&keys, &values, &positions, &segments}); }
 
 std::unique_ptr<AttentionCache> IhaAttention::NewCache() const {
   return std::make_unique<IhaCache>();
@@ -122,10 +117,8 @@ torch::Tensor IhaAttention::ForwardCached(const torch::Tensor& x, const Attentio
   if (rope) pos = CheckedPositions(inputs.positions, b, t, x.device()).expand({b, t});
   torch::Tensor seg = CheckedSegments(inputs.segments, b, t, x.device());
   if (start > 0) {
-    TORCH_CHECK(cache->keys.size(0) == b, "iha cache: batch of ", b, " rows, the cache holds ",
-                cache->keys.size(0));
-    TORCH_CHECK(seg.defined() == cache->segments.defined(),
-                "iha cache: give segments on every call or on none");
+    CheckCacheContinues("iha cache", cache->keys.size(0), cache->segments.defined(), b,
+                        seg.defined());
   }
   auto rotate = [&](const torch::Tensor& mixed, const torch::Tensor& token_pos) {
     return rope ? ApplyRope(mixed, ExpandedPositions(token_pos, p, options_.rope_phase),
@@ -156,8 +149,7 @@ torch::Tensor IhaAttention::ForwardCached(const torch::Tensor& x, const Attentio
                                          options_.mask, options_.window)
                               .view({1, 1, t * p, length * p});
   if (seg.defined()) {
-    torch::Tensor sq = seg.repeat_interleave(p, 1), sk = all_seg.repeat_interleave(p, 1);
-    allowed = allowed & (sq.unsqueeze(2) == sk.unsqueeze(1)).unsqueeze(1);
+    allowed = allowed & SameSegment(seg.repeat_interleave(p, 1), all_seg.repeat_interleave(p, 1));
   }
   const double scale =
       options_.scale > 0 ? options_.scale : 1.0 / std::sqrt(static_cast<double>(head_dim_));
