@@ -20,7 +20,13 @@
 #include <cstdlib>
 #include <string>
 
-extern "C" char* openblas_get_corename(void) __attribute__((weak));
+// OpenBLAS's entry points, weak: null where LibTorch's BLAS is not OpenBLAS (MKL in the PyTorch
+// wheels). The thread count is OpenBLAS's own; torch::set_num_threads does not change it.
+extern "C" {
+char* openblas_get_corename(void) __attribute__((weak));
+void openblas_set_num_threads(int) __attribute__((weak));
+int openblas_get_num_threads(void) __attribute__((weak));
+}
 
 namespace loom {
 

@@ -31,10 +31,6 @@
 #endif
 #include "loom/blas_core.h"
 
-// OpenBLAS (Debian's LibTorch BLAS) keeps its own thread count, which torch::set_num_threads
-// does not change: --threads sets both, so every variant runs on the same number of threads.
-extern "C" void openblas_set_num_threads(int) __attribute__((weak));
-
 namespace {
 
 using loom::attention::iha::Mask;
@@ -216,6 +212,7 @@ int main(int argc, char** argv) {
   c10::SetCPUAllocator(&g_allocator, /*priority=*/100);
   if (std::stoll(flags["threads"]) > 0) {
     torch::set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
+    // OpenBLAS keeps its own thread count: set both, so every variant runs on as many threads.
     if (openblas_set_num_threads != nullptr) {
       openblas_set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
     }

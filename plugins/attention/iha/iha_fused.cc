@@ -13,16 +13,12 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "loom/blas_core.h"
 
-// OpenBLAS's own thread pool, when LibTorch uses OpenBLAS (Debian's libtorch does): tile GEMMs
-// run inside our parallel tasks and must not each fan out to every core. Weak, so builds against
-// MKL or other BLAS libraries simply do not find it.
-// The Fortran BLAS GEMMs, weak for the same reason: Debian's LibTorch calls them from libblas
-// (OpenBLAS), so they are in the process whenever LibTorch is; where they are not (LibTorch
-// with a statically linked MKL), the tile products go through LibTorch's mm instead.
+// The Fortran BLAS GEMMs, weak: Debian's LibTorch calls them from libblas (OpenBLAS), so they
+// are in the process whenever LibTorch is; where they are not (LibTorch with a statically linked
+// MKL), the tile products go through LibTorch's mm instead.
 extern "C" {
-void openblas_set_num_threads(int) __attribute__((weak));
-int openblas_get_num_threads() __attribute__((weak));
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
             const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
             const float* beta, float* c, const int* ldc) __attribute__((weak));
