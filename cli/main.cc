@@ -1,6 +1,8 @@
 // loom: the command-line client of the coordinator, and `loom up` (a local coordinator plus
 // workers on one box). docs/control-plane.md.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -54,8 +56,62 @@ commands:
                             --output FILE (default JOB.png)
 
 common flags: --coordinator URL (default $LOOM_COORDINATOR, then http://127.0.0.1:8470)
-              --token-file F (default $LOOM_TOKEN: a user token)   --json (machine-readable)
+              --token-file F (default $LOOM_TOKEN: a user token; for a loopback coordinator
+              started by `loom up`, the token it wrote)   --json (machine-readable)
 )";
+
+// Where `loom up` leaves the user token of a local coordinator for the CLI to find:
+// ${XDG_CONFIG_HOME:-$HOME/.config}/loom/local-<port>.token (mode 0600). "" without a home.
+std::string LocalTokenPath(const std::string& port) {
+  const char* xdg = std::getenv("XDG_CONFIG_HOME");
+  const char* home = std::getenv("HOME");
+  std::string base;
+  if (xdg != nullptr && *xdg != '\0') {
+    base = xdg;
+  } else if (home != nullptr && *home != '\0') {
+    base = (fs::path(home) / ".config").string();
+  } else {
+    return "";
+  }
+  return (fs::path(base) / "loom" / absl::StrCat("local-", port, ".token")).string();
+}
+
+// The token loom up wrote for a coordinator URL on this box ("" when none).
+std::string LocalToken(const std::string& url) {
+  static const std::regex local(R"(^http://(127\.0\.0\.1|localhost|\[::1\]):(\d+)/?$)");
+  std::smatch m;
+  if (!std::regex_match(url, m, local)) return "";
+  std::ifstream in(LocalTokenPath(m[2].str()));
+  std::string token;
+  std::getline(in, token);
+  return std::string(absl::StripAsciiWhitespace(token));
+}
+
+// 32 random bytes as hex: the tokens `loom up` generates.
+std::string RandomToken() {
+  std::ifstream in("/dev/urandom", std::ios::binary);
+  unsigned char bytes[32] = {};
+  in.read(reinterpret_cast<char*>(bytes), sizeof(bytes));
+  std::string out;
+  for (unsigned char b : bytes) absl::StrAppendFormat(&out, "%02x", b);
+  return out;
+}
+
+// Creates (or replaces) a file readable by this user only.
+absl::Status WritePrivateFile(const std::string& path, const std::string& text) {
+  std::error_code ec;
+  fs::create_directories(fs::path(path).parent_path(), ec);
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("cannot write ", path));
+  const bool ok = ::fchmod(fd, 0600) == 0 &&
+                  ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot write ", path));
+  }
+  return absl::OkStatus();
+}
 
 std::string FormatTime(int64_t ms) {
   if (ms <= 0) return "-";
@@ -92,6 +148,8 @@ class Cli {
       token = std::string(absl::StripAsciiWhitespace(token));
     } else if (const char* t = std::getenv("LOOM_TOKEN")) {
       token = t;
+    } else {
+      token = LocalToken(url);
     }
     json_ = args.Has("json");
     LOOM_ASSIGN_OR_RETURN(client_, client::RestClient::Create(url, token, 15000));
@@ -433,32 +491,50 @@ absl::Status Up(const CliArgs& args) {
     for (auto it = children.rbegin(); it != children.rend(); ++it) ::kill(*it, SIGTERM);
     for (pid_t p : children) ::waitpid(p, nullptr, 0);
   };
-  const pid_t coordinator =
-      spawn({(bin / "loom-coordinator").string(), "--local", "--data-dir",
-             (fs::path(data) / "coordinator").string(), "--storage-root",
-             (fs::path(data) / "storage").string(), "--port", std::to_string(port), "--port-file",
-             port_file, "--prometheus-sd-file", (fs::path(sd_dir) / "coordinator.json").string()});
+  // Tokens even on one box: any web page the user opens can reach a loopback port.
+  const fs::path tokens = fs::path(data) / "tokens";
+  const std::string user_token = RandomToken(), enrolment_token = RandomToken();
+  const std::string users_file = (tokens / "users").string();
+  const std::string worker_token_file = (tokens / "worker-token").string();
+  LOOM_RETURN_IF_ERROR(WritePrivateFile(users_file, absl::StrCat("local ", user_token, "\n")));
+  LOOM_RETURN_IF_ERROR(WritePrivateFile(worker_token_file, enrolment_token + "\n"));
+  LOOM_RETURN_IF_ERROR(WritePrivateFile((tokens / "user-token").string(), user_token + "\n"));
+  const std::string agent_port_file = (fs::path(data) / "coordinator.agent-port").string();
+  fs::remove(agent_port_file, ec);
+  const pid_t coordinator = spawn(
+      {(bin / "loom-coordinator").string(), "--data-dir", (fs::path(data) / "coordinator").string(),
+       "--storage-root", (fs::path(data) / "storage").string(), "--port", std::to_string(port),
+       "--port-file", port_file, "--agent-port", "0", "--agent-port-file", agent_port_file,
+       "--user-tokens", users_file, "--worker-token-file", worker_token_file,
+       "--prometheus-sd-file", (fs::path(sd_dir) / "coordinator.json").string()});
   children.push_back(coordinator);
-  int bound = 0;
-  for (int i = 0; i < 200 && bound == 0; ++i) {
-    std::ifstream in(port_file);
-    in >> bound;
+  int bound = 0, agent_bound = 0;
+  for (int i = 0; i < 200 && (bound == 0 || agent_bound == 0); ++i) {
+    std::ifstream(port_file) >> bound;
+    std::ifstream(agent_port_file) >> agent_bound;
     int st;
     if (::waitpid(coordinator, &st, WNOHANG) == coordinator) {
       return absl::UnavailableError("loom-coordinator exited during start-up (see above)");
     }
-    if (bound == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (bound == 0 || agent_bound == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  if (bound == 0) {
+  if (bound == 0 || agent_bound == 0) {
     stop_all();
     return absl::UnavailableError("loom-coordinator did not start within 10 s");
+  }
+  // The CLI finds the token here for this port (LocalToken).
+  const std::string cli_token_file = LocalTokenPath(std::to_string(bound));
+  if (!cli_token_file.empty()) {
+    LOOM_RETURN_IF_ERROR(WritePrivateFile(cli_token_file, user_token + "\n"));
   }
   const std::string url = absl::StrCat("http://127.0.0.1:", bound);
   for (int i = 0; i < workers; ++i) {
     std::vector<std::string> argv = {
         (bin / "loom-worker").string(),
         "--coordinator",
-        url,
+        absl::StrCat("http://127.0.0.1:", agent_bound),
+        "--token-file",
+        worker_token_file,
         "--work-dir",
         (fs::path(data) / absl::StrCat("worker-", i)).string(),
         "--slots",
@@ -475,6 +551,8 @@ absl::Status Up(const CliArgs& args) {
   std::cout << "loom up: coordinator " << url << " with " << workers << " worker(s) x " << slots
             << " slot(s); state in " << data << "\n"
             << "  try: LOOM_COORDINATOR=" << url << " loom submit examples/tiny-iha.yaml --follow\n"
+            << "  the user token is in " << (tokens / "user-token").string()
+            << (cli_token_file.empty() ? "" : " (the loom CLI finds it by itself)") << "\n"
             << "  Ctrl-C stops everything" << std::endl;
   while (!g_stop) {
     int st;
@@ -483,6 +561,7 @@ absl::Status Up(const CliArgs& args) {
       children.erase(std::remove(children.begin(), children.end(), done), children.end());
       if (done == coordinator) {
         stop_all();
+        if (!cli_token_file.empty()) fs::remove(cli_token_file, ec);
         return absl::UnavailableError("loom-coordinator exited");
       }
       std::cerr << "loom up: a worker (pid " << done << ") exited\n";
@@ -490,6 +569,7 @@ absl::Status Up(const CliArgs& args) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   stop_all();
+  if (!cli_token_file.empty()) fs::remove(cli_token_file, ec);
   std::cout << "loom up: stopped" << std::endl;
   return absl::OkStatus();
 }

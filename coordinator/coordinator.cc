@@ -1,5 +1,7 @@
 #include "coordinator.h"
 
+#include <google/protobuf/util/json_util.h>
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 
@@ -136,6 +139,35 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
 
 Coordinator::~Coordinator() { Stop(); }
 
+namespace {
+
+// 32 random bytes from the kernel as 64 hex digits: a worker's heartbeat credential.
+std::string RandomToken() {
+  std::ifstream in("/dev/urandom", std::ios::binary);
+  unsigned char bytes[32] = {};
+  in.read(reinterpret_cast<char*>(bytes), sizeof(bytes));
+  if (!in) {  // no /dev/urandom: std::random_device is the kernel's generator on Linux too
+    std::random_device rd;
+    for (auto& b : bytes) b = static_cast<unsigned char>(rd());
+  }
+  std::string out;
+  for (unsigned char b : bytes) absl::StrAppendFormat(&out, "%02x", b);
+  return out;
+}
+
+const v1::AttemptRecord* HistoryOf(const v1::Job& job, int attempt) {
+  for (const auto& h : job.history()) {
+    if (h.attempt() == attempt) return &h;
+  }
+  return nullptr;
+}
+
+std::string ParentJob(const std::string& checkpoint_id) {
+  return checkpoint_id.substr(0, checkpoint_id.find('/'));
+}
+
+}  // namespace
+
 absl::Status Coordinator::Load() {
   LOOM_ASSIGN_OR_RETURN(LoadedState state, store_->Load());
   jobs_ = std::move(state.jobs);
@@ -145,9 +177,16 @@ absl::Status Coordinator::Load() {
   request_ids_ = std::move(state.request_ids);
   next_job_ = state.next_job;
   log_offsets_ = std::move(state.log_offsets);
+  credentials_ = std::move(state.credentials);
+  for (const auto& [worker, token] : credentials_) credential_owner_[token] = worker;
   // Restarted: every known worker gets a fresh grace period to heartbeat again.
   const int64_t now = NowMs();
   for (auto& [id, w] : workers_) w.set_last_heartbeat_ms(now);
+  // Retention decided before a crash but not carried out yet.
+  for (const auto& [id, c] : checkpoints_) {
+    std::error_code ec;
+    if (c.deleted() && fs::exists(c.path(), ec)) pending_deletes_.push_back(c.path());
+  }
   return absl::OkStatus();
 }
 
@@ -174,63 +213,142 @@ void Coordinator::Stop() {
   if (loop_.joinable()) loop_.join();
 }
 
-absl::Status Coordinator::CommitLocked(StateStore::Batch& batch, bool sync) {
-  if (batch.empty()) return absl::OkStatus();
-  return store_->Commit(batch, sync);
+void Coordinator::Save(Txn& txn, const v1::Job& job) {
+  if (txn.jobs.count(job.id())) return;
+  auto it = jobs_.find(job.id());
+  txn.jobs[job.id()] = it == jobs_.end() ? std::nullopt : std::optional<v1::Job>(it->second);
+  if (!txn.event_counts.count(job.id())) txn.event_counts[job.id()] = event_counts_[job.id()];
 }
 
-void Coordinator::AddEvent(v1::Job& job, const std::string& state, const std::string& reason,
-                           StateStore::Batch& batch) {
+void Coordinator::Save(Txn& txn, const std::string& worker_id) {
+  if (txn.workers.count(worker_id)) return;
+  auto it = workers_.find(worker_id);
+  txn.workers[worker_id] =
+      it == workers_.end() ? std::nullopt : std::optional<v1::Worker>(it->second);
+}
+
+void Coordinator::SaveCheckpoint(Txn& txn, const std::string& id) {
+  if (txn.checkpoints.count(id)) return;
+  auto it = checkpoints_.find(id);
+  txn.checkpoints[id] =
+      it == checkpoints_.end() ? std::nullopt : std::optional<v1::CheckpointEntry>(it->second);
+}
+
+void Coordinator::SaveCredential(Txn& txn, const std::string& worker_id) {
+  if (txn.credentials.count(worker_id)) return;
+  auto it = credentials_.find(worker_id);
+  txn.credentials[worker_id] =
+      it == credentials_.end() ? std::nullopt : std::optional<std::string>(it->second);
+}
+
+absl::Status Coordinator::Commit(Txn& txn) {
+  absl::Status s = txn.progress.empty() ? absl::OkStatus() : store_->Commit(txn.progress, false);
+  if (s.ok() && !txn.batch.empty()) s = store_->Commit(txn.batch, true);
+  if (s.ok()) {
+    pending_deletes_.insert(pending_deletes_.end(), txn.deletes.begin(), txn.deletes.end());
+    return s;
+  }
+  // Not on disk, so not in effect: put back everything the change touched.
+  registry_.Increment("loom_coordinator_store_errors_total");
+  auto restore = [](auto& live, auto& saved) {
+    for (auto& [id, before] : saved) {
+      if (before) {
+        live[id] = *before;
+      } else {
+        live.erase(id);
+      }
+    }
+  };
+  restore(jobs_, txn.jobs);
+  restore(workers_, txn.workers);
+  restore(checkpoints_, txn.checkpoints);
+  for (auto& [worker, before] : txn.credentials) {
+    auto now = credentials_.find(worker);
+    if (now != credentials_.end()) credential_owner_.erase(now->second);
+    if (before) {
+      credentials_[worker] = *before;
+      credential_owner_[*before] = worker;
+    } else {
+      credentials_.erase(worker);
+    }
+  }
+  for (auto& [id, n] : txn.event_counts) event_counts_[id] = n;
+  return s;
+}
+
+void Coordinator::AddEvent(Txn& txn, v1::Job& job, const std::string& state,
+                           const std::string& reason) {
+  Save(txn, job);
   v1::JobEvent e;
   e.set_seq(event_counts_[job.id()]++);
   e.set_time_ms(NowMs());
   e.set_state(state);
   e.set_reason(reason);
   e.set_attempt(job.attempt());
-  batch.PutEvent(job.id(), e);
+  txn.batch.PutEvent(job.id(), e);
 }
 
-void Coordinator::SetState(v1::Job& job, const std::string& state, const std::string& reason,
-                           StateStore::Batch& batch) {
+void Coordinator::SetState(Txn& txn, v1::Job& job, const std::string& state,
+                           const std::string& reason) {
+  Save(txn, job);
   job.set_state(state);
   job.set_reason(reason);
   job.set_update_time_ms(NowMs());
   if (IsTerminal(state)) {
     job.set_end_time_ms(job.update_time_ms());
     job.clear_placement();
+    if (job.history_size() > 0 && job.history().rbegin()->end_reason().empty()) {
+      job.mutable_history()->rbegin()->set_end_reason(absl::StrCat(state, ": ", reason));
+    }
   }
-  AddEvent(job, state, reason, batch);
-  batch.PutJob(job);
+  AddEvent(txn, job, state, reason);
+  txn.batch.PutJob(job);
+  // A finished child no longer pins its parent's checkpoint.
+  if (IsTerminal(state) && !job.request().init_from().empty()) {
+    ApplyRetention(txn, ParentJob(job.request().init_from()));
+  }
 }
 
-absl::Status Coordinator::ResolvePaths(v1::JobSpec& spec, const std::string& job_id) const {
+absl::StatusOr<std::string> Coordinator::InsideRoot(const std::string& field,
+                                                    const std::string& value) const {
   const fs::path root(options_.storage_root);
-  // A client path: relative to the storage root, or absolute inside it; never escaping it.
-  auto inside_root = [&](const std::string& field,
-                         const std::string& value) -> absl::StatusOr<std::string> {
-    if (value.find('\0') != std::string::npos) return FieldError(field, "contains a NUL byte");
-    fs::path p(value);
-    for (const auto& part : p) {
-      if (part == "..")
-        return FieldError(field, absl::StrCat("'", value, "' must not contain '..'"));
-    }
-    fs::path full = p.is_absolute() ? p.lexically_normal() : (root / p).lexically_normal();
-    const std::string f = full.string(), r = root.string();
-    if (!(f == r || absl::StartsWith(f, r + "/"))) {
-      return FieldError(field, absl::StrCat("'", value, "' is outside the storage root ", r));
-    }
-    return f;
-  };
-  if (spec.checkpoint().dir().empty()) {
-    spec.mutable_checkpoint()->set_dir((root / "jobs" / job_id / "checkpoints").string());
-  } else {
-    LOOM_ASSIGN_OR_RETURN(std::string dir,
-                          inside_root("spec.checkpoint.dir", spec.checkpoint().dir()));
-    spec.mutable_checkpoint()->set_dir(dir);
+  if (value.find('\0') != std::string::npos) return FieldError(field, "contains a NUL byte");
+  fs::path p(value);
+  for (const auto& part : p) {
+    if (part == "..") return FieldError(field, absl::StrCat("'", value, "' must not contain '..'"));
   }
+  const fs::path full = p.is_absolute() ? p.lexically_normal() : (root / p).lexically_normal();
+  // Symlinks resolved: a link inside the root may point anywhere.
+  std::error_code ec;
+  const fs::path real = fs::weakly_canonical(full, ec);
+  const std::string r = root.string();
+  for (const std::string& f : {full.string(), ec ? full.string() : real.string()}) {
+    if (!(f == r || absl::StartsWith(f, r + "/"))) {
+      return FieldError(field, absl::StrCat("'", value, "' is outside the storage root ", r,
+                                            f == full.string() ? "" : " (through a symlink)"));
+    }
+  }
+  return full.string();
+}
+
+// The coordinator owns where things go: a job's checkpoints live in its own directory, every
+// client path stays inside the storage root (symlinks resolved).
+absl::Status Coordinator::ResolvePaths(v1::JobSpec& spec, const std::string& job_id) const {
+  if (!spec.checkpoint().dir().empty()) {
+    return FieldError("spec.checkpoint.dir",
+                      "is chosen by the coordinator (<storage root>/jobs/<id>/checkpoints); "
+                      "leave it empty");
+  }
+  spec.mutable_checkpoint()->set_dir(
+      (fs::path(options_.storage_root) / "jobs" / job_id / "checkpoints").string());
   if (!spec.data().path().empty()) {
-    LOOM_ASSIGN_OR_RETURN(std::string path, inside_root("spec.data.path", spec.data().path()));
+    LOOM_ASSIGN_OR_RETURN(std::string path, InsideRoot("spec.data.path", spec.data().path()));
     spec.mutable_data()->set_path(path);
+  }
+  if (!spec.reasoning_eval().path().empty()) {
+    LOOM_ASSIGN_OR_RETURN(std::string path,
+                          InsideRoot("spec.reasoning_eval.path", spec.reasoning_eval().path()));
+    spec.mutable_reasoning_eval()->set_path(path);
   }
   if (!spec.metrics().jsonl().empty()) {
     return FieldError("spec.metrics.jsonl",
@@ -240,6 +358,22 @@ absl::Status Coordinator::ResolvePaths(v1::JobSpec& spec, const std::string& job
     return FieldError(
         "spec.metrics.port",
         "a fixed port would collide between ranks; use -1 (any free port) or 0 (off)");
+  }
+  return absl::OkStatus();
+}
+
+// A stored job must print and parse back: agents and every GET depend on it.
+static absl::Status CheckPrintable(const v1::Job& job) {
+  google::protobuf::util::JsonPrintOptions print;
+  print.preserve_proto_field_names = true;
+  print.always_print_primitive_fields = true;
+  std::string json;
+  auto s = google::protobuf::util::MessageToJsonString(job, &json, print);
+  v1::Job back;
+  if (s.ok()) s = google::protobuf::util::JsonStringToMessage(json, &back);
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec: cannot be stored (it would not print as JSON: ", s.ToString(), ")"));
   }
   return absl::OkStatus();
 }
@@ -264,11 +398,15 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   if (!request.request_id().empty() && !IsToken(request.request_id(), 128)) {
     return FieldError("request_id", "1..128 characters of [A-Za-z0-9._:/-]");
   }
-  // Checkpoints are what restarts resume from: a job without a directory gets one under the
-  // storage root (its id is not known yet; ResolvePaths fills it in).
+  if (!request.spec().checkpoint().dir().empty()) {
+    return FieldError("spec.checkpoint.dir",
+                      "is chosen by the coordinator (<storage root>/jobs/<id>/checkpoints); "
+                      "leave it empty");
+  }
+  // Checkpoints are what restarts resume from: the job's own directory (its id is not known
+  // yet; ResolvePaths fills it in).
   v1::JobSpec unresolved = request.spec();
-  const bool default_dir = unresolved.checkpoint().dir().empty();
-  if (default_dir) unresolved.mutable_checkpoint()->set_dir("jobs/pending/checkpoints");
+  unresolved.mutable_checkpoint()->set_dir("jobs/pending/checkpoints");
   if (unresolved.kind() == "eval" && !unresolved.has_model() && !request.init_from().empty()) {
     // An eval job that leaves the model out takes it from its checkpoint's recorded spec.
     std::string path;
@@ -294,6 +432,7 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
     return absl::InvalidArgumentError(absl::StrCat("spec.", resolved.status().message()));
   }
   v1::JobSpec spec = *std::move(resolved);
+  spec.mutable_checkpoint()->clear_dir();
   std::lock_guard<std::mutex> lock(mutex_);
   if (!request.request_id().empty()) {
     auto it = request_ids_.find(request.request_id());
@@ -306,6 +445,7 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   }
   std::string init_path;
   if (!request.init_from().empty()) {
+    // Checked under the lock that retention holds too: once accepted, the checkpoint is pinned.
     auto it = checkpoints_.find(request.init_from());
     if (it == checkpoints_.end()) {
       return FieldError("init_from",
@@ -314,14 +454,17 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
     }
     init_path = it->second.path();
     std::error_code ec;
-    if (!fs::exists(fs::path(init_path) / "manifest.json", ec)) {
+    if (it->second.deleted() || !fs::exists(fs::path(init_path) / "manifest.json", ec)) {
       return FieldError(
           "init_from", absl::StrCat("checkpoint '", request.init_from(), "' is no longer on disk (",
                                     init_path, "); pick an available one"));
     }
+    if (!it->second.damaged().empty()) {
+      return FieldError("init_from", absl::StrCat("checkpoint '", request.init_from(),
+                                                  "' is damaged: ", it->second.damaged()));
+    }
   }
   const std::string id = absl::StrFormat("job-%06d", next_job_);
-  if (default_dir) spec.mutable_checkpoint()->clear_dir();
   LOOM_RETURN_IF_ERROR(ResolvePaths(spec, id));
   v1::Job job;
   job.set_id(id);
@@ -337,14 +480,26 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   job.set_submit_time_ms(now);
   job.set_queued_since_ms(now);
   job.mutable_progress()->set_total_steps(spec.steps());
+  LOOM_RETURN_IF_ERROR(CheckPrintable(job));
+  // A directory left by an earlier coordinator state under this id must not be resumed from.
+  const fs::path job_dir = fs::path(options_.storage_root) / "jobs" / id;
+  std::error_code ec;
+  if (fs::exists(job_dir, ec)) {
+    fs::create_directories(fs::path(options_.storage_root) / "stale", ec);
+    fs::rename(job_dir, fs::path(options_.storage_root) / "stale" / absl::StrCat(id, "-", now), ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot move the stale directory ", job_dir.string(), ": ", ec.message()));
+    }
+  }
 
-  StateStore::Batch batch;
-  SetState(job, "queued", absl::StrCat("submitted by ", user), batch);
-  batch.PutNextJob(next_job_ + 1);
-  if (!request.request_id().empty()) batch.PutRequestId(request.request_id(), id);
-  LOOM_RETURN_IF_ERROR(CommitLocked(batch, true));
-  ++next_job_;
+  Txn txn;
+  SetState(txn, job, "queued", absl::StrCat("submitted by ", user));
+  txn.batch.PutNextJob(next_job_ + 1);
+  if (!request.request_id().empty()) txn.batch.PutRequestId(request.request_id(), id);
   jobs_[id] = job;
+  LOOM_RETURN_IF_ERROR(Commit(txn));
+  ++next_job_;
   if (!request.request_id().empty()) request_ids_[request.request_id()] = id;
   registry_.Increment("loom_coordinator_jobs_submitted_total");
   wake_.notify_all();
@@ -397,19 +552,27 @@ absl::StatusOr<v1::Job> Coordinator::Cancel(const std::string& id, const std::st
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = jobs_.find(id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
-  v1::Job job = it->second;
+  v1::Job& job = it->second;
   if (IsTerminal(job.state())) {
     return absl::FailedPreconditionError(absl::StrCat("job ", id, " is already ", job.state()));
   }
   // The attempt's ranks get SIGTERM through their agents' next heartbeat; their slots stay
   // counted until the agents report them gone.
+  Txn txn;
+  Save(txn, job);
   job.set_cancel_requested(true);
-  StateStore::Batch batch;
-  SetState(job, "cancelled", absl::StrCat("cancelled by ", user), batch);
-  LOOM_RETURN_IF_ERROR(CommitLocked(batch, true));
-  it->second = job;
+  SetState(txn, job, "cancelled", absl::StrCat("cancelled by ", user));
+  LOOM_RETURN_IF_ERROR(Commit(txn));
   wake_.notify_all();
-  return job;
+  return jobs_[id];
+}
+
+std::vector<std::string> Coordinator::PinnedBy(const std::string& checkpoint_id) const {
+  std::vector<std::string> out;
+  for (const auto& [id, job] : jobs_) {
+    if (!IsTerminal(job.state()) && job.request().init_from() == checkpoint_id) out.push_back(id);
+  }
+  return out;
 }
 
 absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
@@ -428,7 +591,8 @@ absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
     v1::CheckpointEntry* e = out.add_checkpoints();
     *e = *c;
     std::error_code ec;
-    e->set_available(fs::exists(fs::path(c->path()) / "manifest.json", ec));
+    e->set_available(!c->deleted() && fs::exists(fs::path(c->path()) / "manifest.json", ec));
+    for (const std::string& j : PinnedBy(c->id())) e->add_pinned_by(j);
   }
   return out;
 }
@@ -442,6 +606,25 @@ v1::ListWorkersResponse Coordinator::ListWorkers() {
     o->set_used_slots(UsedSlots(id));
   }
   return out;
+}
+
+absl::StatusOr<std::string> Coordinator::WorkerForCredential(const std::string& credential) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = credential_owner_.find(credential);
+  if (it == credential_owner_.end()) {
+    return absl::UnauthenticatedError(
+        "invalid or revoked worker credential: register again with the enrolment token");
+  }
+  return it->second;
+}
+
+void Coordinator::RevokeCredential(Txn& txn, const std::string& worker_id) {
+  auto it = credentials_.find(worker_id);
+  if (it == credentials_.end()) return;
+  SaveCredential(txn, worker_id);
+  credential_owner_.erase(it->second);
+  credentials_.erase(it);
+  txn.batch.DeleteCredential(worker_id);
 }
 
 absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
@@ -460,7 +643,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
     return FieldError("worker_id", "malformed");
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  StateStore::Batch batch;
+  Txn txn;
   std::string id = request.worker_id();
   auto existing = workers_.find(id);
   if (id.empty() || existing == workers_.end()) {
@@ -471,15 +654,24 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
       } while (workers_.count(id));
     }
   } else {
+    // A live worker's id is taken over only by the holder of its credential (its own agent
+    // after a restart); a lost worker's credential is already revoked.
+    auto cred = credentials_.find(id);
+    if (existing->second.state() == "alive" && cred != credentials_.end() &&
+        request.credential() != cred->second) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "worker id '", id, "' belongs to a live worker; re-registering it needs its credential"));
+    }
     // An agent that restarted lost its ranks (they die with it): their attempts failed.
     for (auto& [job_id, job] : jobs_) {
       if (IsActive(job.state()) && PlacementOf(job, id) != nullptr &&
           !Contains(job.finished_workers(), id)) {
-        FailAttempt(job, absl::StrCat("worker ", id, " restarted"), batch);
+        FailAttempt(txn, job, absl::StrCat("worker ", id, " restarted"), Failure::kInfra);
       }
     }
     reported_running_[id].clear();
   }
+  Save(txn, id);
   v1::Worker& w = workers_[id];
   const int64_t now = NowMs();
   if (w.register_time_ms() == 0) w.set_register_time_ms(now);
@@ -490,54 +682,91 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
   *w.mutable_labels() = request.labels();
   w.set_state("alive");
   w.set_last_heartbeat_ms(now);
-  batch.PutWorker(w);
-  LOOM_RETURN_IF_ERROR(CommitLocked(batch, true));
+  txn.batch.PutWorker(w);
+  RevokeCredential(txn, id);
+  const std::string credential = RandomToken();
+  SaveCredential(txn, id);
+  credentials_[id] = credential;
+  credential_owner_[credential] = id;
+  txn.batch.PutCredential(id, credential);
+  LOOM_RETURN_IF_ERROR(Commit(txn));
+  heard_since_start_.insert(id);
   wake_.notify_all();
   v1::RegisterWorkerResponse r;
   r.set_worker_id(id);
   r.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  r.set_credential(credential);
+  r.set_lease_ms(options_.lost_after_ms / 2);
+  r.set_max_body_bytes(options_.max_body_bytes);
   return r;
 }
 
-void Coordinator::FailAttempt(v1::Job& job, const std::string& reason, StateStore::Batch& batch) {
-  if (job.restarts() < job.max_restarts()) {
-    job.set_restarts(job.restarts() + 1);
-    SetState(job, "retrying", reason, batch);
-    std::string from = "the start";
-    for (auto it = job.checkpoints().rbegin(); it != job.checkpoints().rend(); ++it) {
-      auto c = checkpoints_.find(*it);
-      if (c != checkpoints_.end()) {
-        from = absl::StrCat("step ", c->second.step());
-        break;
-      }
-    }
-    job.clear_placement();
-    job.set_master_port(0);
-    job.clear_finished_workers();
-    job.set_queued_since_ms(NowMs());
-    SetState(job, "queued",
-             absl::StrCat("restart ", job.restarts(), " of ", job.max_restarts(), " from ", from),
-             batch);
-    registry_.Increment("loom_coordinator_job_restarts_total");
-  } else {
-    SetState(job, "failed",
-             job.max_restarts() > 0
-                 ? absl::StrCat(reason, " (no restarts left of ", job.max_restarts(), ")")
-                 : reason,
-             batch);
+void Coordinator::FailAttempt(Txn& txn, v1::Job& job, const std::string& reason, Failure kind,
+                              int64_t not_before_ms) {
+  Save(txn, job);
+  if (job.history_size() > 0) job.mutable_history()->rbegin()->set_end_reason(reason);
+  if (kind == Failure::kBadInput) {
+    SetState(txn, job, "failed",
+             absl::StrCat(reason,
+                          " (bad input: the trainer refused the spec or its data; "
+                          "not restarted)"));
+    return;
   }
+  const bool infra = kind == Failure::kInfra;
+  const bool left = infra ? job.infra_restarts() < options_.max_infra_restarts
+                          : job.restarts() < job.max_restarts();
+  if (!left) {
+    SetState(txn, job, "failed",
+             infra ? absl::StrCat(reason, " (", options_.max_infra_restarts,
+                                  " attempts lost to infrastructure)")
+             : job.max_restarts() > 0
+                 ? absl::StrCat(reason, " (no restarts left of ", job.max_restarts(), ")")
+                 : reason);
+    return;
+  }
+  if (infra) {
+    job.set_infra_restarts(job.infra_restarts() + 1);
+  } else {
+    job.set_restarts(job.restarts() + 1);
+  }
+  SetState(txn, job, "retrying", reason);
+  std::string from = "the start";
+  for (auto it = job.checkpoints().rbegin(); it != job.checkpoints().rend(); ++it) {
+    auto c = checkpoints_.find(*it);
+    if (c != checkpoints_.end() && !c->second.deleted() && c->second.damaged().empty()) {
+      from = absl::StrCat("step ", c->second.step());
+      break;
+    }
+  }
+  job.clear_placement();
+  job.set_master_port(0);
+  job.clear_finished_workers();
+  job.set_not_before_ms(not_before_ms);
+  // The job keeps its original queue time: aging and reservations count from the submission.
+  SetState(
+      txn, job, "queued",
+      infra ? absl::StrCat("requeued from ", from, " (infrastructure failure ",
+                           job.infra_restarts(), " of ", options_.max_infra_restarts,
+                           "; does not count against max_restarts)")
+            : absl::StrCat("restart ", job.restarts(), " of ", job.max_restarts(), " from ", from));
+  registry_.Increment("loom_coordinator_job_restarts_total");
 }
 
-void Coordinator::MarkWorkerLost(v1::Worker& worker, const std::string& reason,
-                                 StateStore::Batch& batch) {
+void Coordinator::MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string& reason) {
+  Save(txn, worker.id());
   worker.set_state("lost");
-  batch.PutWorker(worker);
+  txn.batch.PutWorker(worker);
   registry_.Increment("loom_coordinator_workers_lost_total");
   reported_running_[worker.id()].clear();
+  RevokeCredential(txn, worker.id());
+  // Its ranks stopped themselves when their lease ran out (lost-after / 2 after the last
+  // heartbeat); the termination grace covers a rank that was slow to die.
+  const int64_t fence = NowMs() + options_.term_grace_ms;
   for (auto& [id, job] : jobs_) {
     if (IsActive(job.state()) && PlacementOf(job, worker.id()) != nullptr &&
         !Contains(job.finished_workers(), worker.id())) {
-      FailAttempt(job, absl::StrCat("worker ", worker.id(), " ", reason), batch);
+      FailAttempt(txn, job, absl::StrCat("worker ", worker.id(), " ", reason), Failure::kInfra,
+                  fence);
     }
   }
 }
@@ -561,14 +790,24 @@ int Coordinator::UsedSlots(const std::string& worker_id) const {
   return used;
 }
 
+// Some live worker still reports ranks of an earlier attempt of this job.
+bool Coordinator::OldAttemptRunning(const v1::Job& job) const {
+  for (const auto& [worker, attempts] : reported_running_) {
+    for (const auto& [key, ranks] : attempts) {
+      if (key.first == job.id() && key.second <= job.attempt() && ranks > 0) return true;
+    }
+  }
+  return false;
+}
+
 std::string Coordinator::LogPath(const std::string& job_id) const {
   return (fs::path(options_.data_dir) / "logs" / (job_id + ".log")).string();
 }
 
 // One log per job, in arrival order; each agent sends whole lines of its attempt's log by byte
 // offset, and the offsets received per (attempt, worker) drop resent chunks after a lost reply.
-void Coordinator::AppendLog(const v1::AttemptReport& report, const std::string& worker_id,
-                            StateStore::Batch& batch) {
+void Coordinator::AppendLog(Txn& txn, const v1::AttemptReport& report,
+                            const std::string& worker_id) {
   if (report.log().empty() || report.attempt() < 1 || report.log_offset() < 0) return;
   const std::string key = absl::StrCat(report.job_id(), "/", report.attempt(), "/", worker_id);
   int64_t& have = log_offsets_[key];
@@ -580,115 +819,301 @@ void Coordinator::AppendLog(const v1::AttemptReport& report, const std::string& 
   out.flush();
   if (!out) return;  // not recorded: the agent resends it
   have = end;
-  batch.PutLogOffset(key, end);
+  txn.progress.PutLogOffset(key, end);
 }
 
-absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
-  if (!IsValidId(request.worker_id())) return FieldError("worker_id", "malformed");
+// A report is refused whole (nothing applied) when it names an attempt the worker was not given
+// or a checkpoint outside the job's own directory: a forged or broken agent changes nothing.
+absl::Status Coordinator::ValidateReport(const v1::AttemptReport& r,
+                                         const std::string& worker_id) const {
+  if (!IsValidId(r.job_id())) return FieldError("attempts.job_id", "malformed");
+  auto jit = jobs_.find(r.job_id());
+  if (jit == jobs_.end()) return absl::OkStatus();  // unknown job: the agent is told to stop it
+  const v1::Job& job = jit->second;
+  if (r.attempt() < 1 || r.attempt() > job.attempt()) {
+    return FieldError("attempts.attempt",
+                      absl::StrCat("job ", job.id(), " has no attempt ", r.attempt()));
+  }
+  const v1::AttemptRecord* h = HistoryOf(job, r.attempt());
+  const bool placed = h != nullptr
+                          ? std::find(h->worker_ids().begin(), h->worker_ids().end(), worker_id) !=
+                                h->worker_ids().end()
+                          : r.attempt() == job.attempt() && PlacementOf(job, worker_id) != nullptr;
+  if (!placed) {
+    return absl::PermissionDeniedError(absl::StrCat("attempt ", r.attempt(), " of job ", job.id(),
+                                                    " was not placed on worker ", worker_id));
+  }
+  auto check_path = [&](int64_t step, const std::string& path, const char* field) {
+    const std::string want =
+        (fs::path(CheckpointDir(job)) / storage::CheckpointDirName(step)).string();
+    if (step < 0 || path != want) {
+      return FieldError(field, absl::StrCat("checkpoint path '", path.substr(0, 200),
+                                            "' is not the job's checkpoint directory for step ",
+                                            step, " (", want, ")"));
+    }
+    return absl::OkStatus();
+  };
+  for (const auto& c : r.checkpoints()) {
+    LOOM_RETURN_IF_ERROR(check_path(c.step(), c.path(), "attempts.checkpoints"));
+  }
+  for (const auto& s : r.skipped()) {
+    LOOM_RETURN_IF_ERROR(check_path(s.step(), s.path(), "attempts.skipped"));
+  }
+  if (r.resumed().restored() && !r.resumed().path().empty()) {
+    LOOM_RETURN_IF_ERROR(check_path(r.resumed().step(), r.resumed().path(), "attempts.resumed"));
+  }
+  if (const v1::Placement* p = PlacementOf(job, worker_id);
+      p != nullptr && r.attempt() == job.attempt()) {
+    for (const auto& rank : r.ranks()) {
+      if (std::find(p->ranks().begin(), p->ranks().end(), rank.rank()) == p->ranks().end()) {
+        return FieldError("attempts.ranks", absl::StrCat("rank ", rank.rank(), " of job ", job.id(),
+                                                         " is not placed on ", worker_id));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Coordinator::CatalogueCheckpoint(Txn& txn, v1::Job& job, int64_t step,
+                                      const std::string& path) {
+  const std::string cid = absl::StrCat(job.id(), "/", step);
+  if (checkpoints_.count(cid)) return;
+  Save(txn, job);
+  SaveCheckpoint(txn, cid);
+  v1::CheckpointEntry e;
+  e.set_id(cid);
+  e.set_job_id(job.id());
+  e.set_job_name(job.name());
+  e.set_kind(job.spec().kind());
+  e.set_step(step);
+  e.set_path(path);
+  e.set_parent(job.request().init_from());
+  e.set_time_ms(NowMs());
+  e.set_world_size(job.world_size());
+  checkpoints_[cid] = e;
+  txn.batch.PutCheckpoint(e);
+  // Oldest first by step: a checkpoint catalogued late (found at resume) goes in its place.
+  job.add_checkpoints(cid);
+  std::sort(job.mutable_checkpoints()->begin(), job.mutable_checkpoints()->end(),
+            [this](const std::string& a, const std::string& b) {
+              return checkpoints_[a].step() < checkpoints_[b].step();
+            });
+  AddEvent(txn, job, "", absl::StrCat("checkpoint at step ", step, ": ", path));
+  txn.batch.PutJob(job);
+}
+
+// What the attempt's trainer restored from: skipped (damaged) checkpoints are marked in the
+// catalogue, newer catalogued ones that vanished from disk too, so no later attempt picks them.
+void Coordinator::ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r) {
+  auto mark = [&](int64_t step, const std::string& why) {
+    const std::string cid = absl::StrCat(job.id(), "/", step);
+    auto it = checkpoints_.find(cid);
+    if (it != checkpoints_.end() && !it->second.damaged().empty()) return;
+    AddEvent(txn, job, "", absl::StrCat("checkpoint at step ", step, " skipped: ", why));
+    if (it == checkpoints_.end()) return;
+    SaveCheckpoint(txn, cid);
+    it->second.set_damaged(why);
+    txn.batch.PutCheckpoint(it->second);
+  };
+  for (const auto& s : r.skipped()) mark(s.step(), s.reason().substr(0, 1000));
+  if (!r.resumed().restored()) return;
+  // Once per attempt: the record remembers that the resume was reported.
+  v1::AttemptRecord* rec = nullptr;
+  for (auto& hh : *job.mutable_history()) {
+    if (hh.attempt() == r.attempt()) rec = &hh;
+  }
+  if (rec == nullptr || !rec->resumed_from().empty()) return;
+  Save(txn, job);
+  const int64_t step = r.resumed().path().empty() ? 0 : r.resumed().step();
+  rec->set_resumed_from(r.resumed().path().empty() ? "start" : r.resumed().path());
+  for (const std::string& cid : job.checkpoints()) {
+    auto it = checkpoints_.find(cid);
+    std::error_code ec;
+    if (it != checkpoints_.end() && it->second.step() > step && !it->second.deleted() &&
+        it->second.damaged().empty() &&
+        !fs::exists(fs::path(it->second.path()) / "manifest.json", ec)) {
+      mark(it->second.step(), absl::StrCat("missing: ", it->second.path(), " is gone"));
+    }
+  }
+  if (!r.resumed().path().empty()) CatalogueCheckpoint(txn, job, step, r.resumed().path());
+  AddEvent(txn, job, "",
+           r.resumed().path().empty() ? std::string("resumed from the start")
+                                      : absl::StrCat("resumed from step ", step));
+  txn.batch.PutJob(job);
+}
+
+// The job's spec.checkpoint.keep_last newest intact checkpoints and every keep_every-th stay;
+// so does any checkpoint a non-terminal job starts from (init_from). The rest are marked
+// deleted now (no new job can pin them) and removed from disk after the commit.
+void Coordinator::ApplyRetention(Txn& txn, const std::string& job_id) {
+  auto jit = jobs_.find(job_id);
+  if (jit == jobs_.end()) return;
+  const v1::CheckpointConfig& cfg = jit->second.spec().checkpoint();
+  const int keep_last = cfg.keep_last() > 0 ? cfg.keep_last() : 3;
+  std::vector<v1::CheckpointEntry*> intact;
+  for (const std::string& cid : jit->second.checkpoints()) {
+    auto it = checkpoints_.find(cid);
+    if (it != checkpoints_.end() && !it->second.deleted() && it->second.damaged().empty()) {
+      intact.push_back(&it->second);
+    }
+  }
+  std::sort(intact.begin(), intact.end(),
+            [](const auto* a, const auto* b) { return a->step() < b->step(); });
+  std::set<std::string> keep;
+  const size_t first_kept =
+      intact.size() > static_cast<size_t>(keep_last) ? intact.size() - keep_last : 0;
+  for (size_t i = first_kept; i < intact.size(); ++i) keep.insert(intact[i]->id());
+  for (const std::string& cid : jit->second.checkpoints()) {
+    auto it = checkpoints_.find(cid);
+    if (it == checkpoints_.end() || it->second.deleted() || keep.count(cid)) continue;
+    v1::CheckpointEntry& e = it->second;
+    if (cfg.keep_every() > 0 && e.step() % cfg.keep_every() == 0) continue;
+    if (!PinnedBy(cid).empty()) continue;
+    const std::string jobs_root = (fs::path(options_.storage_root) / "jobs").string() + "/";
+    if (!absl::StartsWith(e.path(), jobs_root)) continue;  // never delete outside jobs/
+    SaveCheckpoint(txn, cid);
+    e.set_deleted(true);
+    txn.batch.PutCheckpoint(e);
+    txn.deletes.push_back(e.path());
+  }
+  // Steps a fenced attempt committed but never reported, older than what is kept: garbage.
+  if (intact.empty()) return;
+  const int64_t oldest_kept = intact[first_kept]->step();
+  auto on_disk = storage::ListCheckpoints(cfg.dir());
+  if (!on_disk.ok()) return;
+  for (const storage::CheckpointRef& ref : *on_disk) {
+    if (ref.step < oldest_kept && !checkpoints_.count(absl::StrCat(job_id, "/", ref.step)) &&
+        (cfg.keep_every() == 0 || ref.step % cfg.keep_every() != 0)) {
+      txn.deletes.push_back(ref.dir);
+    }
+  }
+}
+
+void Coordinator::DeleteDirectories(std::vector<std::string> dirs) {
+  for (const std::string& d : dirs) {
+    std::error_code ec;
+    fs::remove_all(d, ec);
+  }
+}
+
+void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r,
+                              const std::string& wid) {
+  Save(txn, job);
+  if (r.master_port() > 0 && job.master_port() == 0 && HostsRankZero(job, wid)) {
+    job.set_master_port(r.master_port());
+    txn.batch.PutJob(job);
+  }
+  if (r.progress().update_time_ms() > job.progress().update_time_ms()) {
+    *job.mutable_progress() = r.progress();
+    job.mutable_progress()->set_total_steps(job.spec().steps());
+    txn.progress.PutJob(job);
+  }
+  ApplyResumeReport(txn, job, r);
+  const size_t before = job.checkpoints_size();
+  for (const auto& c : r.checkpoints()) CatalogueCheckpoint(txn, job, c.step(), c.path());
+  if (static_cast<size_t>(job.checkpoints_size()) != before) ApplyRetention(txn, job.id());
+  for (const auto& ev : r.evals()) {
+    bool seen = false;
+    for (const auto& have : job.evals()) {
+      seen |= have.step() == ev.step() && have.attempt() == r.attempt() && have.kind() == ev.kind();
+    }
+    if (!seen) {
+      *job.add_evals() = ev;
+      job.mutable_evals()->rbegin()->set_attempt(r.attempt());
+      txn.batch.PutJob(job);
+    }
+  }
+  // Every failed rank, the likely cause first: a rank killed by a signal makes its peers exit
+  // with a communication error right after.
+  std::vector<std::string> killed, exited;
+  bool bad_input = false, lease = false;
+  for (const auto& rank : r.ranks()) {
+    if (rank.running() || rank.exit_code() == 0) continue;
+    bad_input |= rank.exit_code() == kExitBadInput;
+    lease |= rank.exit_code() == kExitLeaseExpired;
+    (rank.exit_code() > 128 ? killed : exited)
+        .push_back(
+            absl::StrCat("rank ", rank.rank(), " on ", wid, ": ", rank.detail().substr(0, 200)));
+  }
+  killed.insert(killed.end(), exited.begin(), exited.end());
+  if (!killed.empty()) {
+    const std::string failure = absl::StrJoin(killed, "; ");
+    FailAttempt(txn, job, failure,
+                bad_input ? Failure::kBadInput
+                : lease   ? Failure::kInfra
+                          : Failure::kJob);
+    return;
+  }
+  int ranks_running = 0;
+  for (const auto& rank : r.ranks()) ranks_running += rank.running() ? 1 : 0;
+  if (ranks_running > 0 && job.state() == "scheduled") {
+    if (job.start_time_ms() == 0) job.set_start_time_ms(NowMs());
+    SetState(txn, job, "running", absl::StrCat("ranks started on ", wid));
+  }
+  // Success of a worker's share: every rank placed on it reported, exited 0.
+  const v1::Placement* p = PlacementOf(job, wid);
+  if (!r.finished() || p == nullptr || Contains(job.finished_workers(), wid)) return;
+  int exited_ok = 0;
+  for (int placed : p->ranks()) {
+    for (const auto& rank : r.ranks()) {
+      exited_ok += rank.rank() == placed && !rank.running() && rank.exit_code() == 0 ? 1 : 0;
+    }
+  }
+  if (exited_ok != p->ranks_size()) return;
+  job.add_finished_workers(wid);
+  txn.batch.PutJob(job);
+  bool all = true;
+  for (const auto& pl : job.placement()) all &= Contains(job.finished_workers(), pl.worker_id());
+  if (all) {
+    SetState(
+        txn, job, "succeeded",
+        absl::StrCat("all ", job.world_size(), " ranks exited 0 at step ", job.progress().step()));
+  }
+}
+
+absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::HeartbeatRequest& request,
+                                                             const std::string& worker) {
+  if (request.worker_id() != worker) {
+    return absl::PermissionDeniedError(absl::StrCat("this credential belongs to worker ", worker,
+                                                    ", not '", request.worker_id().substr(0, 64),
+                                                    "'"));
+  }
   if (request.attempts_size() > 4096) return FieldError("attempts", "too many");
   std::lock_guard<std::mutex> lock(mutex_);
-  auto wit = workers_.find(request.worker_id());
+  auto wit = workers_.find(worker);
   if (wit == workers_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("worker '", request.worker_id(), "' is not registered"));
+    return absl::NotFoundError(absl::StrCat("worker '", worker, "' is not registered"));
   }
-  v1::Worker& worker = wit->second;
-  const std::string& wid = worker.id();
-  StateStore::Batch batch, progress_batch;
-  worker.set_last_heartbeat_ms(NowMs());
-  if (worker.state() != "alive") {
-    worker.set_state("alive");
-    batch.PutWorker(worker);
-  }
-  v1::HeartbeatResponse response;
-  auto& running = reported_running_[wid];
-  running.clear();
-  std::set<std::pair<std::string, int>> reported;
-  for (const v1::AttemptReport& r : request.attempts()) reported.insert({r.job_id(), r.attempt()});
   for (const v1::AttemptReport& r : request.attempts()) {
-    if (!IsValidId(r.job_id())) continue;
+    LOOM_RETURN_IF_ERROR(ValidateReport(r, worker));
+  }
+  Txn txn;
+  v1::Worker& w = wit->second;
+  Save(txn, worker);
+  w.set_last_heartbeat_ms(NowMs());
+  heard_since_start_.insert(worker);
+  v1::HeartbeatResponse response;
+  std::map<std::pair<std::string, int>, int> running;
+  std::set<std::pair<std::string, int>> reported;
+  for (const v1::AttemptReport& r : request.attempts()) {
+    reported.insert({r.job_id(), r.attempt()});
     auto jit = jobs_.find(r.job_id());
-    if (jit != jobs_.end()) AppendLog(r, wid, progress_batch);
+    if (jit != jobs_.end()) AppendLog(txn, r, worker);
     int ranks_running = 0;
     for (const auto& rank : r.ranks()) ranks_running += rank.running() ? 1 : 0;
-    // Reports of unknown jobs and of old attempts: stop what still runs, forget what ended.
     const bool current = jit != jobs_.end() && IsActive(jit->second.state()) &&
                          r.attempt() == jit->second.attempt() &&
-                         PlacementOf(jit->second, wid) != nullptr;
+                         PlacementOf(jit->second, worker) != nullptr;
     if (current) {
-      v1::Job& job = jit->second;
-      if (r.master_port() > 0 && job.master_port() == 0 && HostsRankZero(job, wid)) {
-        job.set_master_port(r.master_port());
-        batch.PutJob(job);
-      }
-      if (r.progress().update_time_ms() > job.progress().update_time_ms()) {
-        *job.mutable_progress() = r.progress();
-        job.mutable_progress()->set_total_steps(job.spec().steps());
-        progress_batch.PutJob(job);
-      }
-      for (const auto& c : r.checkpoints()) {
-        const std::string cid = absl::StrCat(job.id(), "/", c.step());
-        if (checkpoints_.count(cid) || c.step() < 0) continue;
-        v1::CheckpointEntry e;
-        e.set_id(cid);
-        e.set_job_id(job.id());
-        e.set_job_name(job.name());
-        e.set_kind(job.spec().kind());
-        e.set_step(c.step());
-        e.set_path(c.path());
-        e.set_parent(job.request().init_from());
-        e.set_time_ms(NowMs());
-        e.set_world_size(job.world_size());
-        checkpoints_[cid] = e;
-        batch.PutCheckpoint(e);
-        job.add_checkpoints(cid);
-        AddEvent(job, "", absl::StrCat("checkpoint at step ", c.step(), ": ", c.path()), batch);
-        batch.PutJob(job);
-      }
-      for (const auto& ev : r.evals()) {
-        bool seen = false;
-        for (const auto& have : job.evals()) {
-          seen |=
-              have.step() == ev.step() && have.attempt() == r.attempt() && have.kind() == ev.kind();
-        }
-        if (!seen) {
-          *job.add_evals() = ev;
-          job.mutable_evals()->rbegin()->set_attempt(r.attempt());
-          batch.PutJob(job);
-        }
-      }
-      // Every failed rank, the likely cause first: a rank killed by a signal makes its peers
-      // exit with a communication error right after.
-      std::vector<std::string> killed, exited;
-      for (const auto& rank : r.ranks()) {
-        if (rank.running() || rank.exit_code() == 0) continue;
-        (rank.exit_code() > 128 ? killed : exited)
-            .push_back(absl::StrCat("rank ", rank.rank(), " on ", wid, ": ", rank.detail()));
-      }
-      killed.insert(killed.end(), exited.begin(), exited.end());
-      const std::string failure = absl::StrJoin(killed, "; ");
-      if (!failure.empty()) {
-        FailAttempt(job, failure, batch);
-      } else {
-        if (ranks_running > 0 && job.state() == "scheduled") {
-          if (job.start_time_ms() == 0) job.set_start_time_ms(NowMs());
-          SetState(job, "running", absl::StrCat("ranks started on ", wid), batch);
-        }
-        if (r.finished() && !Contains(job.finished_workers(), wid)) {
-          job.add_finished_workers(wid);
-          batch.PutJob(job);
-          bool all = true;
-          for (const auto& p : job.placement())
-            all &= Contains(job.finished_workers(), p.worker_id());
-          if (all) {
-            SetState(job, "succeeded",
-                     absl::StrCat("all ", job.world_size(), " ranks exited 0 at step ",
-                                  job.progress().step()),
-                     batch);
-          }
-        }
-      }
-    } else if (!r.finished()) {
+      ApplyReport(txn, jit->second, r, worker);
+    } else if (jit != jobs_.end() && HistoryOf(jit->second, r.attempt()) != nullptr &&
+               !r.skipped().empty()) {
+      ApplyResumeReport(txn, jit->second, r);  // what an old attempt found is still true
+    }
+    // Reports of unknown jobs and of old attempts: stop what still runs, forget what ended.
+    const bool live =
+        jit != jobs_.end() && IsActive(jit->second.state()) && r.attempt() == jit->second.attempt();
+    if (!live && !r.finished()) {
       v1::AttemptRef* c = response.add_cancels();
       c->set_job_id(r.job_id());
       c->set_attempt(r.attempt());
@@ -702,12 +1127,12 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     }
   }
   for (const auto& [id, job] : jobs_) {
-    if (!IsActive(job.state()) || Contains(job.finished_workers(), wid)) continue;
-    const v1::Placement* p = PlacementOf(job, wid);
+    if (!IsActive(job.state()) || Contains(job.finished_workers(), worker)) continue;
+    const v1::Placement* p = PlacementOf(job, worker);
     if (p == nullptr) continue;
     if (reported.count({id, job.attempt()})) continue;  // already running there
     // Other workers wait for the port rank 0's worker picks (0 tells rank 0's worker to pick).
-    if (job.master_port() == 0 && !HostsRankZero(job, wid)) continue;
+    if (job.master_port() == 0 && !HostsRankZero(job, worker)) continue;
     v1::Assignment* a = response.add_assignments();
     a->set_job_id(id);
     a->set_attempt(job.attempt());
@@ -716,20 +1141,37 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
     a->set_master_addr(job.master_addr());
     a->set_master_port(job.master_port());
     *a->mutable_spec() = job.spec();
-    a->set_resume_from(job.resume_from());
-    if (job.resume_from().empty()) a->set_init_from(job.init_from_path());
+    a->set_resume_from(CheckpointDir(job));
+    a->set_init_from(job.init_from_path());
   }
-  // Progress first: both batches may hold the same job, and the synced one has its final state.
-  LOOM_RETURN_IF_ERROR(CommitLocked(progress_batch, false));
-  LOOM_RETURN_IF_ERROR(CommitLocked(batch, true));
+  if (w.state() != "alive") {
+    w.set_state("alive");
+    txn.batch.PutWorker(w);
+  } else {
+    txn.progress.PutWorker(w);
+  }
+  LOOM_RETURN_IF_ERROR(Commit(txn));
+  reported_running_[worker] = std::move(running);
   return response;
 }
 
-void Coordinator::ScheduleLocked(StateStore::Batch& batch) {
+void Coordinator::ScheduleLocked(Txn& txn) {
   const int64_t now = NowMs();
   std::vector<QueuedJob> queue;
+  std::map<std::string, std::string> held;  // queued jobs that wait for their last attempt
   for (const auto& [id, job] : jobs_) {
     if (job.state() != "queued") continue;
+    if (job.not_before_ms() > now) {
+      held[id] = absl::StrFormat(
+          "fenced: the previous attempt's worker was lost; placing again in %.1f s (lost-after "
+          "+ termination grace)",
+          static_cast<double>(job.not_before_ms() - now) / 1000.0);
+      continue;
+    }
+    if (OldAttemptRunning(job)) {
+      held[id] = absl::StrCat("waiting for attempt ", job.attempt(), "'s ranks to stop");
+      continue;
+    }
     QueuedJob q;
     q.id = id;
     q.world_size = job.world_size();
@@ -738,8 +1180,16 @@ void Coordinator::ScheduleLocked(StateStore::Batch& batch) {
     q.queued_since_ms = job.queued_since_ms();
     queue.push_back(std::move(q));
   }
+  // After a restart: nothing is placed until every live worker has said what it runs.
+  for (const auto& [id, w] : workers_) {
+    if (w.state() == "alive" && !heard_since_start_.count(id)) {
+      for (const auto& q : queue) held[q.id] = "waiting for every worker to report after a restart";
+      queue.clear();
+      break;
+    }
+  }
   if (queue.empty()) {
-    waiting_reason_.clear();
+    waiting_reason_ = std::move(held);
     return;
   }
   std::vector<FreeWorker> free;
@@ -754,16 +1204,22 @@ void Coordinator::ScheduleLocked(StateStore::Batch& batch) {
   }
   ScheduleResult result = Schedule(std::move(queue), std::move(free), options_.scheduler, now);
   waiting_reason_ = std::move(result.waiting);
+  waiting_reason_.insert(held.begin(), held.end());
   for (const GangPlacement& g : result.placed) {
     v1::Job& job = jobs_[g.job_id];
+    Save(txn, job);
     job.set_attempt(job.attempt() + 1);
     job.clear_placement();
     job.clear_finished_workers();
+    v1::AttemptRecord* record = job.add_history();
+    record->set_attempt(job.attempt());
+    record->set_start_time_ms(now);
     std::vector<std::string> where;
     for (const auto& [wid, ranks] : g.workers) {
       v1::Placement* p = job.add_placement();
       p->set_worker_id(wid);
       for (int r : ranks) p->add_ranks(r);
+      record->add_worker_ids(wid);
       where.push_back(absl::StrCat(wid, " (", RankText(ranks), ")"));
     }
     job.set_master_addr(workers_[g.workers.front().first].address());
@@ -773,38 +1229,41 @@ void Coordinator::ScheduleLocked(StateStore::Batch& batch) {
     const v1::CheckpointEntry* newest = nullptr;
     for (const std::string& cid : job.checkpoints()) {
       auto c = checkpoints_.find(cid);
-      if (c != checkpoints_.end() && (newest == nullptr || c->second.step() > newest->step())) {
+      if (c != checkpoints_.end() && !c->second.deleted() && c->second.damaged().empty() &&
+          (newest == nullptr || c->second.step() > newest->step())) {
         newest = &c->second;
       }
     }
     if (newest != nullptr) {
       job.set_resume_from(newest->path());
-      from = absl::StrCat("; resuming from step ", newest->step());
+      from = absl::StrCat("; resuming from step ", newest->step(),
+                          " (or the newest intact checkpoint)");
     }
     registry_.Observe("loom_coordinator_scheduling_delay_seconds",
                       static_cast<double>(now - job.queued_since_ms()) / 1000.0);
-    SetState(job, "scheduled",
-             absl::StrCat("attempt ", job.attempt(), " on ", absl::StrJoin(where, ", "), from),
-             batch);
+    SetState(txn, job, "scheduled",
+             absl::StrCat("attempt ", job.attempt(), " on ", absl::StrJoin(where, ", "), from));
   }
 }
 
 void Coordinator::Tick() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const int64_t now = NowMs();
-  StateStore::Batch batch;
-  for (auto& [id, w] : workers_) {
-    if (w.state() == "alive" && now - w.last_heartbeat_ms() > options_.lost_after_ms) {
-      MarkWorkerLost(
-          w, absl::StrCat("lost: no heartbeat for ", (now - w.last_heartbeat_ms()) / 1000, " s"),
-          batch);
+  std::vector<std::string> deletes;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t now = NowMs();
+    Txn txn;
+    for (auto& [id, w] : workers_) {
+      if (w.state() == "alive" && now - w.last_heartbeat_ms() > options_.lost_after_ms) {
+        MarkWorkerLost(
+            txn, w,
+            absl::StrCat("lost: no heartbeat for ", (now - w.last_heartbeat_ms()) / 1000, " s"));
+      }
     }
+    ScheduleLocked(txn);
+    (void)Commit(txn);  // on failure memory is restored; the next tick tries again
+    deletes.swap(pending_deletes_);
   }
-  ScheduleLocked(batch);
-  if (auto s = CommitLocked(batch, true); !s.ok()) {
-    // The in-memory state is ahead of the disk: the next successful write carries the jobs again.
-    registry_.Increment("loom_coordinator_store_errors_total");
-  }
+  DeleteDirectories(std::move(deletes));  // retention, without holding the lock
 }
 
 absl::StatusOr<Coordinator::LogChunk> Coordinator::ReadLog(const std::string& id, int64_t offset,

@@ -10,11 +10,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "loom/exit_codes.h"
 #include "loom/v1/control.pb.h"
 #include "prometheus.h"
 #include "scheduler.h"
@@ -27,6 +29,11 @@ struct CoordinatorOptions {
   std::string storage_root;  // checkpoints and datasets; client paths must stay inside it
   int heartbeat_interval_ms = 1000;
   int lost_after_ms = 10000;  // a worker silent this long is lost and its jobs rescheduled
+  // Fencing: a lost worker's jobs are placed again only this long after it was declared lost.
+  // Its ranks stopped themselves earlier, when their lease (lost_after_ms / 2) ran out.
+  int term_grace_ms = 5000;
+  int max_infra_restarts = 20;       // attempts a job may lose to lost or restarted workers
+  int64_t max_body_bytes = 1 << 20;  // told to agents: heartbeats must fit
   SchedulerOptions scheduler;
 };
 
@@ -52,7 +59,11 @@ class Coordinator {
   v1::ListWorkersResponse ListWorkers();
 
   absl::StatusOr<v1::RegisterWorkerResponse> Register(const v1::RegisterWorkerRequest& request);
-  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
+  // The worker a heartbeat credential is bound to; Unauthenticated when unknown or revoked.
+  absl::StatusOr<std::string> WorkerForCredential(const std::string& credential);
+  // `worker` is the id the request's credential is bound to.
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request,
+                                                  const std::string& worker);
 
   // Log bytes [offset, offset + max) of a job (its attempts' logs in order). `done` is true when
   // the job is terminal and no more bytes will come.
@@ -70,23 +81,50 @@ class Coordinator {
   void Tick();
 
  private:
+  // One change of the state: the RocksDB batches and the prior values of everything it touched,
+  // so that a failed write leaves memory as it was (transitions are persisted, then in effect).
+  struct Txn {
+    StateStore::Batch batch;     // synced: state transitions
+    StateStore::Batch progress;  // not synced: progress, log offsets
+    std::map<std::string, std::optional<v1::Job>> jobs;
+    std::map<std::string, std::optional<v1::Worker>> workers;
+    std::map<std::string, std::optional<v1::CheckpointEntry>> checkpoints;
+    std::map<std::string, std::optional<std::string>> credentials;
+    std::map<std::string, int64_t> event_counts;
+    std::vector<std::string> deletes;  // checkpoint directories to remove once committed
+  };
+  enum class Failure { kJob, kInfra, kBadInput };
+
   explicit Coordinator(const CoordinatorOptions& options) : options_(options) {}
   absl::Status Load();
 
   // All below: mutex_ held.
-  void AddEvent(v1::Job& job, const std::string& state, const std::string& reason,
-                StateStore::Batch& batch);
-  void SetState(v1::Job& job, const std::string& state, const std::string& reason,
-                StateStore::Batch& batch);
-  void FailAttempt(v1::Job& job, const std::string& reason, StateStore::Batch& batch);
-  void MarkWorkerLost(v1::Worker& worker, const std::string& reason, StateStore::Batch& batch);
+  void Save(Txn& txn, const v1::Job& job);
+  void Save(Txn& txn, const std::string& worker_id);
+  void SaveCheckpoint(Txn& txn, const std::string& id);
+  void SaveCredential(Txn& txn, const std::string& worker_id);
+  absl::Status Commit(Txn& txn);  // writes both batches; on failure restores memory
+  void AddEvent(Txn& txn, v1::Job& job, const std::string& state, const std::string& reason);
+  void SetState(Txn& txn, v1::Job& job, const std::string& state, const std::string& reason);
+  void FailAttempt(Txn& txn, v1::Job& job, const std::string& reason, Failure kind,
+                   int64_t not_before_ms = 0);
+  void MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string& reason);
+  void RevokeCredential(Txn& txn, const std::string& worker_id);
   int UsedSlots(const std::string& worker_id) const;
-  void ScheduleLocked(StateStore::Batch& batch);
-  void AppendLog(const v1::AttemptReport& report, const std::string& worker_id,
-                 StateStore::Batch& batch);
+  bool OldAttemptRunning(const v1::Job& job) const;
+  void ScheduleLocked(Txn& txn);
+  void AppendLog(Txn& txn, const v1::AttemptReport& report, const std::string& worker_id);
   std::string LogPath(const std::string& job_id) const;
   absl::Status ResolvePaths(v1::JobSpec& spec, const std::string& job_id) const;
-  absl::Status CommitLocked(StateStore::Batch& batch, bool sync);
+  absl::StatusOr<std::string> InsideRoot(const std::string& field, const std::string& value) const;
+  std::string CheckpointDir(const v1::Job& job) const { return job.spec().checkpoint().dir(); }
+  absl::Status ValidateReport(const v1::AttemptReport& r, const std::string& worker_id) const;
+  void ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r, const std::string& wid);
+  void CatalogueCheckpoint(Txn& txn, v1::Job& job, int64_t step, const std::string& path);
+  void ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r);
+  void ApplyRetention(Txn& txn, const std::string& job_id);
+  std::vector<std::string> PinnedBy(const std::string& checkpoint_id) const;
+  void DeleteDirectories(std::vector<std::string> dirs);
 
   CoordinatorOptions options_;
   std::unique_ptr<StateStore> store_;
@@ -98,11 +136,17 @@ class Coordinator {
   std::map<std::string, v1::Worker> workers_;
   std::map<std::string, v1::CheckpointEntry> checkpoints_;
   std::map<std::string, std::string> request_ids_;
+  std::map<std::string, std::string> credentials_;       // worker id -> credential
+  std::map<std::string, std::string> credential_owner_;  // credential -> worker id
   int64_t next_job_ = 1;
   std::map<std::string, int64_t> log_offsets_;  // "<job>/<attempt>/<worker>" -> bytes received
   std::map<std::string, std::string> waiting_reason_;  // not persisted: recomputed each pass
   // Per worker: attempts its last heartbeat reported as still running -> ranks running there.
   std::map<std::string, std::map<std::pair<std::string, int>, int>> reported_running_;
+  // After a restart nothing is placed until every live worker has reported what it runs (or
+  // been declared lost), so an old attempt still running is known before a new one starts.
+  std::set<std::string> heard_since_start_;
+  std::vector<std::string> pending_deletes_;  // retention: directories to remove (no lock held)
 
   std::condition_variable wake_;
   bool stop_ = false;

@@ -4,13 +4,16 @@
 // workers, cancellation; and api/openapi.yaml against the served route table.
 #include "coordinator.h"
 
+#include <google/protobuf/struct.pb.h>
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
 
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <thread>
 
+#include "checkpoint.h"
 #include "http_api.h"
 
 namespace fs = std::filesystem;
@@ -96,12 +99,22 @@ class CoordinatorTest : public ::testing::Test {
       for (int64_t step : checkpoints) {
         v1::CheckpointReport* c = a->add_checkpoints();
         c->set_step(step);
-        c->set_path("/ckpt/step-" + std::to_string(step));
+        c->set_path(CheckpointPath(job, step));
       }
     }
-    auto r = c_->Heartbeat(req);
+    auto r = c_->Heartbeat(req, worker);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *r : v1::HeartbeatResponse();
+  }
+  // Where the trainer of `job` writes its checkpoint of `step`.
+  std::string CheckpointPath(const std::string& job, int64_t step) {
+    return (fs::path(Job(job).spec().checkpoint().dir()) / storage::CheckpointDirName(step))
+        .string();
+  }
+  // A committed-looking checkpoint on disk (a manifest is what the coordinator checks).
+  void WriteCheckpointDir(const std::string& job, int64_t step) {
+    fs::create_directories(CheckpointPath(job, step));
+    std::ofstream(fs::path(CheckpointPath(job, step)) / "manifest.json") << "{}";
   }
   std::vector<std::string> States(const v1::Job& job) {
     std::vector<std::string> s;
@@ -160,13 +173,39 @@ TEST_F(CoordinatorTest, RejectsBadSubmissionsNamingTheField) {
 }
 
 TEST_F(CoordinatorTest, PathsStayInsideTheStorageRoot) {
-  v1::SubmitJobRequest r = MicroJob();
-  r.mutable_spec()->mutable_checkpoint()->set_dir("team/ckpt");
-  const std::string id = Submit(r);
   const std::string root = fs::weakly_canonical(options_.storage_root).string();
-  EXPECT_EQ(Job(id).spec().checkpoint().dir(), root + "/team/ckpt");
-  const std::string id2 = Submit(MicroJob());
-  EXPECT_EQ(Job(id2).spec().checkpoint().dir(), root + "/jobs/" + id2 + "/checkpoints");
+  // Checkpoints always go to the job's own directory; a client may not choose one (another
+  // job's directory would let it run retention there).
+  v1::SubmitJobRequest r = MicroJob();
+  r.mutable_spec()->mutable_checkpoint()->set_dir("jobs/job-000001/checkpoints");
+  auto refused = c_->Submit(r, "alice");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("spec.checkpoint.dir"), std::string::npos);
+  const std::string id = Submit(MicroJob());
+  EXPECT_EQ(Job(id).spec().checkpoint().dir(), root + "/jobs/" + id + "/checkpoints");
+  // Relative data paths resolve inside the root; a symlink inside it that leads out is refused.
+  fs::create_directories(fs::path(root) / "data" / "set");
+  fs::create_symlink("/etc", fs::path(root) / "data" / "escape");
+  r = MicroJob();
+  r.mutable_spec()->mutable_data()->set_source("shards");
+  r.mutable_spec()->mutable_data()->set_path("data/set");
+  EXPECT_EQ(Job(Submit(r)).spec().data().path(), root + "/data/set");
+  for (const std::string path : {"data/escape/passwd", "data/escape", "../outside", "/etc"}) {
+    r.mutable_spec()->mutable_data()->set_path(path);
+    auto s = c_->Submit(r, "alice");
+    ASSERT_FALSE(s.ok()) << path;
+    EXPECT_NE(s.status().message().find("spec.data.path"), std::string::npos) << s.status();
+  }
+  v1::SubmitJobRequest eval = MicroJob();
+  eval.mutable_spec()->set_kind("eval");
+  eval.mutable_spec()->set_steps(0);
+  eval.mutable_spec()->clear_checkpoint();
+  eval.mutable_spec()->mutable_model()->set_vocab_size(260);
+  eval.mutable_spec()->mutable_reasoning_eval()->set_source("gsm8k");
+  eval.mutable_spec()->mutable_reasoning_eval()->set_path("/etc/passwd");
+  auto s = c_->Submit(eval, "alice");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("spec.reasoning_eval.path"), std::string::npos) << s.status();
 }
 
 TEST_F(CoordinatorTest, StateSurvivesAReopen) {
@@ -236,7 +275,7 @@ TEST_F(CoordinatorTest, AttemptLifecycleRestartsFromTheNewestCheckpoint) {
   job = Job(id);
   ASSERT_EQ(job.state(), "scheduled");
   EXPECT_EQ(job.attempt(), 2);
-  EXPECT_EQ(job.resume_from(), "/ckpt/step-20");
+  EXPECT_EQ(job.resume_from(), CheckpointPath(id, 20));
   const std::string r0 = job.placement(0).worker_id(), r1 = job.placement(1).worker_id();
   Beat(r0, id, 2, {{0, -1}}, {}, 29600);
   Beat(r1, id, 2, {{1, -1}});
@@ -256,9 +295,14 @@ TEST_F(CoordinatorTest, AttemptLifecycleRestartsFromTheNewestCheckpoint) {
   ASSERT_TRUE(cat.ok());
   ASSERT_EQ(cat->checkpoints_size(), 3);
   EXPECT_EQ(cat->checkpoints(2).step(), 40);
-  // A second failure with no restarts left fails the job.
+  // After a reopen nothing is placed until every live worker has reported what it runs.
   const std::string id2 = Submit(MicroJob(1));
   c_->Tick();
+  EXPECT_EQ(Job(id2).state(), "queued");
+  Beat(w1, "", 0, {});
+  Beat(w2, "", 0, {});
+  c_->Tick();
+  ASSERT_EQ(Job(id2).state(), "scheduled");
   const std::string w = Job(id2).placement(0).worker_id();
   r = MicroJob(1);
   Beat(w, id2, 1, {{0, 1}});
@@ -270,6 +314,7 @@ TEST_F(CoordinatorTest, AttemptLifecycleRestartsFromTheNewestCheckpoint) {
 
 TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
   options_.lost_after_ms = 300;
+  options_.term_grace_ms = 400;
   Reopen();
   const std::string w1 = RegisterWorker("a", 1);
   const std::string id = Submit(MicroJob(1));
@@ -277,17 +322,33 @@ TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
   ASSERT_EQ(Job(id).placement(0).worker_id(), w1);
   Beat(w1, id, 1, {{0, -1}}, {10}, 30000);
   const std::string w2 = RegisterWorker("b", 1);
-  // w2 keeps beating, w1 goes silent.
-  for (int i = 0; i < 8; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // w2 keeps beating, w1 goes silent: lost after 300 ms, but the job is fenced for the
+  // termination grace (w1's ranks stop themselves when their lease runs out).
+  const auto silent = std::chrono::steady_clock::now();
+  while (Job(id).state() != "queued") {
+    ASSERT_LT(std::chrono::steady_clock::now() - silent, std::chrono::seconds(3));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
     Beat(w2, "", 0, {});
     c_->Tick();
   }
+  const auto lost = std::chrono::steady_clock::now();
+  EXPECT_GT(Job(id).not_before_ms(), 0);
+  while (Job(id).state() == "queued") {
+    ASSERT_LT(std::chrono::steady_clock::now() - lost, std::chrono::seconds(3));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    Beat(w2, "", 0, {});
+    c_->Tick();
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - lost, std::chrono::milliseconds(350))
+      << "placed again before lost-after + termination grace";
   v1::Job job = Job(id);
   EXPECT_EQ(job.state(), "scheduled");
   ASSERT_EQ(job.placement_size(), 1);
   EXPECT_EQ(job.placement(0).worker_id(), w2);
-  EXPECT_EQ(job.resume_from(), "/ckpt/step-10");
+  EXPECT_EQ(job.resume_from(), CheckpointPath(id, 10));
+  // Losing a worker is not the job's failure: it does not use up max_restarts.
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_EQ(job.infra_restarts(), 1);
   bool lost_event = false;
   for (const auto& e : job.events())
     lost_event |= e.reason().find("worker " + w1 + " lost") != std::string::npos;
@@ -320,6 +381,220 @@ TEST_F(CoordinatorTest, CancelStopsRanksAndRejectsTerminalJobs) {
   Beat(w, id, 1, {{0, 143}, {1, 143}});
   workers = c_->ListWorkers();
   EXPECT_EQ(workers.workers(0).used_slots(), 0);
+}
+
+TEST_F(CoordinatorTest, ForgedReportsAreRefusedAndChangeNothing) {
+  const std::string a = RegisterWorker("a", 1), b = RegisterWorker("b", 1);
+  const std::string id = Submit(MicroJob(1));
+  c_->Tick();
+  const std::string host = Job(id).placement(0).worker_id();
+  const std::string other = host == a ? b : a;
+  Beat(host, id, 1, {{0, -1}}, {}, 30100);
+  const v1::Job before = Job(id);
+  auto forge = [&](const std::string& worker, std::function<void(v1::AttemptReport&)> edit) {
+    v1::HeartbeatRequest req;
+    req.set_worker_id(worker);
+    v1::AttemptReport* r = req.add_attempts();
+    r->set_job_id(id);
+    r->set_attempt(1);
+    v1::RankStatus* rank = r->add_ranks();
+    rank->set_rank(0);
+    rank->set_exit_code(0);
+    r->set_finished(true);
+    edit(*r);
+    return c_->Heartbeat(req, worker).status();
+  };
+  // Another worker claims the attempt finished: not placed there.
+  absl::Status s = forge(other, [](auto&) {});
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_NE(s.message().find("not placed on worker"), std::string::npos) << s;
+  // A credential bound to one worker cannot speak for another.
+  v1::HeartbeatRequest as_other;
+  as_other.set_worker_id(host);
+  EXPECT_EQ(c_->Heartbeat(as_other, other).status().code(), absl::StatusCode::kPermissionDenied);
+  // The host itself: checkpoints outside the job's directory, a step that does not match.
+  for (const std::string path :
+       {std::string("/etc"), CheckpointPath(id, 5) + "/../../../../job-000009/checkpoints",
+        CheckpointPath(id, 6)}) {
+    s = forge(host, [&](v1::AttemptReport& r) {
+      r.set_finished(false);
+      r.mutable_ranks(0)->set_running(true);
+      v1::CheckpointReport* c = r.add_checkpoints();
+      c->set_step(5);
+      c->set_path(path);
+    });
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << path;
+  }
+  // A future attempt, a rank that is not placed there.
+  EXPECT_EQ(forge(host, [](auto& r) { r.set_attempt(7); }).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(forge(host, [](auto& r) { r.mutable_ranks(0)->set_rank(3); }).code(),
+            absl::StatusCode::kInvalidArgument);
+  // "Finished" with no rank reported is not a success.
+  EXPECT_TRUE(forge(host, [](auto& r) { r.clear_ranks(); }).ok());
+  const v1::Job after = Job(id);
+  EXPECT_EQ(after.state(), "running");
+  EXPECT_EQ(after.checkpoints_size(), before.checkpoints_size());
+  auto cat = c_->ListCheckpoints("");
+  ASSERT_TRUE(cat.ok());
+  EXPECT_EQ(cat->checkpoints_size(), 0);
+}
+
+TEST_F(CoordinatorTest, BadInputFailsAtOnceAndLeaseExpiryIsInfrastructure) {
+  const std::string w = RegisterWorker("a", 2);
+  const std::string id = Submit(MicroJob(1));
+  c_->Tick();
+  Beat(w, id, 1, {{0, kExitLeaseExpired}});
+  v1::Job job = Job(id);
+  EXPECT_EQ(job.state(), "queued");
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_EQ(job.infra_restarts(), 1);
+  c_->Tick();
+  ASSERT_EQ(Job(id).state(), "scheduled");
+  Beat(w, id, 2, {{0, kExitBadInput}});
+  job = Job(id);
+  EXPECT_EQ(job.state(), "failed");
+  EXPECT_NE(job.reason().find("bad input"), std::string::npos) << job.reason();
+  EXPECT_EQ(job.restarts(), 0);
+  ASSERT_EQ(job.history_size(), 2);
+  EXPECT_FALSE(job.history(1).end_reason().empty());
+}
+
+TEST_F(CoordinatorTest, RetentionKeepsWhatQueuedJobsStartFrom) {
+  const std::string w = RegisterWorker("a", 1);
+  v1::SubmitJobRequest r = MicroJob(1);
+  r.mutable_spec()->mutable_checkpoint()->set_keep_last(1);
+  const std::string parent = Submit(r);
+  c_->Tick();
+  WriteCheckpointDir(parent, 10);
+  Beat(w, parent, 1, {{0, -1}}, {10}, 30200);
+  // A fine-tune from step 10 waits in the queue (the only slot is busy).
+  v1::SubmitJobRequest child = MicroJob(1);
+  child.set_init_from(parent + "/10");
+  const std::string child_id = Submit(child);
+  for (int64_t step : {20, 30}) {
+    WriteCheckpointDir(parent, step);
+    Beat(w, parent, 1, {{0, -1}}, {step}, 30200);
+    c_->Tick();  // deletes outside the lock
+  }
+  auto cat = c_->ListCheckpoints(parent);
+  ASSERT_TRUE(cat.ok());
+  ASSERT_EQ(cat->checkpoints_size(), 3);
+  EXPECT_TRUE(cat->checkpoints(0).available()) << "the queued child's init_from was deleted";
+  ASSERT_EQ(cat->checkpoints(0).pinned_by_size(), 1);
+  EXPECT_EQ(cat->checkpoints(0).pinned_by(0), child_id);
+  EXPECT_TRUE(cat->checkpoints(1).deleted());
+  EXPECT_FALSE(fs::exists(CheckpointPath(parent, 20)));
+  EXPECT_TRUE(cat->checkpoints(2).available());
+  // Once the child is over, the pin goes and retention removes step 10 too.
+  ASSERT_TRUE(c_->Cancel(child_id, "x").ok());
+  c_->Tick();
+  EXPECT_FALSE(fs::exists(CheckpointPath(parent, 10)));
+  // A deleted checkpoint cannot be started from.
+  auto again = c_->Submit(child, "alice");
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CoordinatorTest, DamagedCheckpointsAreMarkedAndSkipped) {
+  const std::string w = RegisterWorker("a", 1);
+  const std::string id = Submit(MicroJob(1));
+  c_->Tick();
+  Beat(w, id, 1, {{0, -1}}, {10, 20}, 30300);
+  Beat(w, id, 1, {{0, 137}});
+  c_->Tick();
+  ASSERT_EQ(Job(id).state(), "scheduled");
+  // Attempt 2's trainer found step 20 damaged and resumed from step 10.
+  v1::HeartbeatRequest req;
+  req.set_worker_id(w);
+  v1::AttemptReport* a = req.add_attempts();
+  a->set_job_id(id);
+  a->set_attempt(2);
+  a->add_ranks()->set_running(true);
+  v1::SkippedCheckpoint* skip = a->add_skipped();
+  skip->set_step(20);
+  skip->set_path(CheckpointPath(id, 20));
+  skip->set_reason("shard-00000-of-00001.safetensors: CRC-32C mismatch");
+  a->mutable_resumed()->set_restored(true);
+  a->mutable_resumed()->set_step(10);
+  a->mutable_resumed()->set_path(CheckpointPath(id, 10));
+  ASSERT_TRUE(c_->Heartbeat(req, w).ok());
+  auto cat = c_->ListCheckpoints(id);
+  ASSERT_TRUE(cat.ok());
+  ASSERT_EQ(cat->checkpoints_size(), 2);
+  EXPECT_NE(cat->checkpoints(1).damaged().find("CRC-32C"), std::string::npos);
+  v1::Job job = Job(id);
+  std::string reasons;
+  for (const auto& e : job.events()) reasons += e.reason() + "\n";
+  EXPECT_NE(reasons.find("checkpoint at step 20 skipped"), std::string::npos) << reasons;
+  EXPECT_NE(reasons.find("resumed from step 10"), std::string::npos) << reasons;
+  // The next attempt is announced as resuming from step 10, not the damaged 20.
+  Beat(w, id, 2, {{0, 1}});
+  c_->Tick();
+  EXPECT_EQ(Job(id).resume_from(), CheckpointPath(id, 10));
+}
+
+TEST_F(CoordinatorTest, WorkerCredentialsAreBoundAndRevoked) {
+  options_.lost_after_ms = 200;
+  Reopen();
+  v1::RegisterWorkerRequest r;
+  r.set_name("a");
+  r.set_address("127.0.0.1");
+  r.set_slots(1);
+  auto reg = c_->Register(r);
+  ASSERT_TRUE(reg.ok());
+  EXPECT_EQ(reg->credential().size(), 64u);
+  EXPECT_EQ(reg->lease_ms(), 100);
+  auto who = c_->WorkerForCredential(reg->credential());
+  ASSERT_TRUE(who.ok());
+  EXPECT_EQ(*who, reg->worker_id());
+  // Taking over a live worker's id needs its credential.
+  r.set_worker_id(reg->worker_id());
+  EXPECT_EQ(c_->Register(r).status().code(), absl::StatusCode::kFailedPrecondition);
+  r.set_credential(reg->credential());
+  auto again = c_->Register(r);
+  ASSERT_TRUE(again.ok());
+  EXPECT_NE(again->credential(), reg->credential());
+  EXPECT_EQ(c_->WorkerForCredential(reg->credential()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  // Credentials survive a restart; a lost worker's stops working.
+  Reopen();
+  ASSERT_TRUE(c_->WorkerForCredential(again->credential()).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  c_->Tick();
+  EXPECT_EQ(c_->WorkerForCredential(again->credential()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  r.clear_credential();
+  EXPECT_TRUE(c_->Register(r).ok()) << "a lost worker's id can be registered again";
+}
+
+TEST_F(CoordinatorTest, SubmittedJobsAlwaysPrint) {
+  // Free-form options nested deeper than the limit are refused at the API; what is accepted
+  // prints and parses back (agents and GET depend on it).
+  v1::SubmitJobRequest r = MicroJob();
+  google::protobuf::Struct* opts = r.mutable_spec()->mutable_data()->mutable_task_options();
+  for (int i = 0; i < 7; ++i) {
+    opts = (*opts->mutable_fields())["k"].mutable_struct_value();
+  }
+  EXPECT_TRUE(CheckMessageLimits(r).ok());
+  const std::string id = Submit(r);
+  auto list = c_->ListJobs("", 10, "");
+  ASSERT_TRUE(list.ok());
+  (*opts->mutable_fields())["k"].mutable_struct_value();
+  (*opts->mutable_fields())["k"].mutable_struct_value()->mutable_fields();
+  auto deep = r;
+  google::protobuf::Struct* d = deep.mutable_spec()->mutable_data()->mutable_task_options();
+  for (int i = 0; i < 9; ++i) d = (*d->mutable_fields())["k"].mutable_struct_value();
+  absl::Status s = CheckMessageLimits(deep);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("spec.data.task_options"), std::string::npos) << s;
+  v1::SubmitJobRequest long_name = MicroJob();
+  long_name.mutable_spec()->set_name(std::string(5000, 'x'));
+  s = CheckMessageLimits(long_name);
+  EXPECT_NE(s.message().find("spec.name: longer than"), std::string::npos) << s;
+  EXPECT_TRUE(CheckJsonDepth(std::string(32, '[') + std::string(32, ']'), 32).ok());
+  EXPECT_FALSE(CheckJsonDepth(std::string(33, '[') + std::string(33, ']'), 32).ok());
+  EXPECT_TRUE(CheckJsonDepth("\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\"", 2).ok());
+  (void)id;
 }
 
 TEST_F(CoordinatorTest, ListsPaginateAndFilter) {

@@ -1,13 +1,17 @@
 #include "http_api.h"
 
+#include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
-#include <httplib.h>
 
 #include <chrono>
 #include <fstream>
+#include <memory>
+#include <mutex>
 #include <regex>
 #include <thread>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -17,7 +21,10 @@
 namespace loom::coordinator {
 namespace {
 
-thread_local std::chrono::steady_clock::time_point t_request_start;
+using google::protobuf::Descriptor;
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+using google::protobuf::Reflection;
 
 int HttpCode(const absl::Status& s) {
   switch (s.code()) {
@@ -42,72 +49,47 @@ int HttpCode(const absl::Status& s) {
   }
 }
 
-std::string JsonEscape(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out;
+void SendStatus(HttpResponse& res, const absl::Status& s) {
+  SetJsonError(res, HttpCode(s), s.message());
 }
 
-void SendError(httplib::Response& res, int code, const std::string& message) {
-  res.status = code;
-  res.set_content(absl::StrCat("{\"error\":\"", JsonEscape(message), "\"}\n"), "application/json");
-}
-
-void SendStatus(httplib::Response& res, const absl::Status& s) {
-  SendError(res, HttpCode(s), std::string(s.message()));
-}
-
-void SendMessage(httplib::Response& res, const google::protobuf::Message& m, int code = 200) {
+// A message as JSON; a message that cannot be printed is a 500 that says so, never an empty 200.
+void SendMessage(HttpResponse& res, const Message& m, int code = 200) {
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
   options.always_print_primitive_fields = true;
   std::string json;
-  (void)google::protobuf::util::MessageToJsonString(m, &json, options);
+  if (auto s = google::protobuf::util::MessageToJsonString(m, &json, options); !s.ok()) {
+    SetJsonError(res, 500,
+                 absl::StrCat("cannot serialise the ", m.GetDescriptor()->name(),
+                              " response: ", s.ToString()));
+    return;
+  }
   res.status = code;
-  res.set_content(json + "\n", "application/json");
+  res.content_type = "application/json";
+  res.body = json + "\n";
 }
 
-// The body as a message: 400 naming the field for bad JSON, unknown fields or wrong types.
-bool ParseBody(const httplib::Request& req, httplib::Response& res,
-               google::protobuf::Message* out) {
-  if (req.body.empty()) {
-    SendError(res, 400, "request body: expected a JSON object");
-    return false;
-  }
-  const std::string type = req.get_header_value("Content-Type");
-  if (!type.empty() && type.find("application/json") == std::string::npos) {
-    SendError(
+// The body as a message: 415 unless JSON, 400 naming the field for bad JSON, unknown fields,
+// wrong types, too deep nesting or too long strings.
+bool ParseBody(const HttpRequest& req, HttpResponse& res, Message* out) {
+  const std::string type = req.Header("content-type");
+  const std::string media = absl::AsciiStrToLower(
+      absl::StripAsciiWhitespace(absl::string_view(type).substr(0, type.find(';'))));
+  if (media != "application/json") {
+    SetJsonError(
         res, 415,
         absl::StrCat("Content-Type: expected application/json, got '", type.substr(0, 80), "'"));
     return false;
   }
-  if (auto s = ParseJsonMessage(req.body, "request body", out); !s.ok()) {
+  if (req.body.empty()) {
+    SetJsonError(res, 400, "request body: expected a JSON object");
+    return false;
+  }
+  absl::Status s = CheckJsonDepth(req.body, kMaxJsonDepth);
+  if (s.ok()) s = ParseJsonMessage(req.body, "request body", out);
+  if (s.ok()) s = CheckMessageLimits(*out);
+  if (!s.ok()) {
     SendStatus(res, s);
     return false;
   }
@@ -120,86 +102,337 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
   return diff == 0 && !b.empty();
 }
 
-struct Caller {
-  bool ok = false;
-  std::string user;
-};
-
-// Checks the bearer token for a route's audience; answers 401/403 itself when it fails.
-Caller Authenticate(const httplib::Request& req, httplib::Response& res, const ApiOptions& options,
-                    const std::string& audience) {
-  Caller c;
-  if (audience == "none") {
-    c.ok = true;
-    return c;
-  }
-  if (options.local_mode) {
-    c.ok = true;
-    c.user = audience == "worker" ? "local-worker" : "local";
-    return c;
-  }
-  const std::string header = req.get_header_value("Authorization");
+std::string BearerToken(const HttpRequest& req) {
+  const std::string header = req.Header("authorization");
   absl::string_view token(header);
-  if (!absl::ConsumePrefix(&token, "Bearer ") || token.empty()) {
-    res.set_header("WWW-Authenticate", "Bearer");
-    SendError(res, 401, "missing bearer token (Authorization: Bearer <token>)");
-    return c;
-  }
-  const std::string t(token);
-  bool is_worker = ConstantTimeEquals(t, options.worker_token);
+  if (!absl::ConsumePrefix(&token, "Bearer ")) return "";
+  return std::string(token);
+}
+
+bool MissingToken(const HttpRequest& req, HttpResponse& res, std::string* token) {
+  *token = BearerToken(req);
+  if (!token->empty()) return false;
+  res.SetHeader("WWW-Authenticate", "Bearer");
+  SetJsonError(res, 401, "missing bearer token (Authorization: Bearer <token>)");
+  return true;
+}
+
+std::string UserOf(const ApiOptions& options, const std::string& token) {
   std::string user;
   for (const auto& [tok, name] : options.user_tokens) {
-    if (ConstantTimeEquals(t, tok)) user = name;
+    if (ConstantTimeEquals(token, tok)) user = name;
   }
-  if (!is_worker && user.empty()) {
-    res.set_header("WWW-Authenticate", "Bearer error=\"invalid_token\"");
-    SendError(res, 401, "invalid token");
-    return c;
+  return user;
+}
+
+// A user route: the caller's user name, or "" after answering 401/403.
+std::string AuthenticateUser(const HttpRequest& req, HttpResponse& res, const ApiOptions& options) {
+  std::string token;
+  if (MissingToken(req, res, &token)) return "";
+  std::string user = UserOf(options, token);
+  if (!user.empty()) return user;
+  if (ConstantTimeEquals(token, options.enrolment_token)) {
+    SetJsonError(res, 403, "this route needs a user token (that is the worker enrolment token)");
+    return "";
   }
-  if (audience == "worker" && !is_worker) {
-    SendError(res, 403, "this route needs the worker token");
-    return c;
+  res.SetHeader("WWW-Authenticate", "Bearer error=\"invalid_token\"");
+  SetJsonError(res, 401, "invalid token");
+  return "";
+}
+
+// POST /v1/agent/register: the enrolment token only.
+bool AuthenticateEnrolment(const HttpRequest& req, HttpResponse& res, const ApiOptions& options) {
+  std::string token;
+  if (MissingToken(req, res, &token)) return false;
+  if (ConstantTimeEquals(token, options.enrolment_token)) return true;
+  if (!UserOf(options, token).empty()) {
+    SetJsonError(res, 403, "this route needs the worker enrolment token, not a user token");
+  } else {
+    SetJsonError(res, 401, "invalid token");
   }
-  if (audience == "user" && user.empty()) {
-    SendError(res, 403, "this route needs a user token");
-    return c;
+  return false;
+}
+
+// POST /v1/agent/heartbeat: a worker's own credential; returns the worker id it is bound to.
+std::string AuthenticateWorker(const HttpRequest& req, HttpResponse& res, const ApiOptions& options,
+                               Coordinator& c) {
+  std::string token;
+  if (MissingToken(req, res, &token)) return "";
+  if (ConstantTimeEquals(token, options.enrolment_token)) {
+    SetJsonError(res, 403,
+                 "heartbeats need the worker's own credential (from POST /v1/agent/register), "
+                 "not the enrolment token");
+    return "";
   }
-  c.ok = true;
-  c.user = audience == "worker" ? "worker" : user;
-  return c;
+  if (!UserOf(options, token).empty()) {
+    SetJsonError(res, 403, "this route needs a worker credential, not a user token");
+    return "";
+  }
+  auto worker = c.WorkerForCredential(token);
+  if (!worker.ok()) {
+    SendStatus(res, worker.status());
+    return "";
+  }
+  return *worker;
 }
 
 // Query parameters: only the named ones, each at most once.
-bool CheckParams(const httplib::Request& req, httplib::Response& res,
+bool CheckParams(const HttpRequest& req, HttpResponse& res,
                  std::initializer_list<const char*> allowed) {
   for (const auto& [k, v] : req.params) {
     bool ok = false;
     for (const char* a : allowed) ok |= k == a;
     if (!ok) {
-      SendError(res, 400, absl::StrCat("unknown query parameter '", k.substr(0, 60), "'"));
+      SetJsonError(res, 400, absl::StrCat("unknown query parameter '", k.substr(0, 60), "'"));
       return false;
     }
-    if (req.get_param_value_count(k) > 1) {
-      SendError(res, 400, absl::StrCat("query parameter '", k, "' given more than once"));
+    if (req.ParamCount(k) > 1) {
+      SetJsonError(res, 400,
+                   absl::StrCat("query parameter '", k.substr(0, 60), "' given more than once"));
       return false;
     }
   }
   return true;
 }
 
-bool IntParam(const httplib::Request& req, httplib::Response& res, const char* name,
-              int64_t fallback, int64_t min, int64_t max, int64_t* out) {
+bool IntParam(const HttpRequest& req, HttpResponse& res, const char* name, int64_t fallback,
+              int64_t min, int64_t max, int64_t* out) {
   *out = fallback;
-  if (!req.has_param(name)) return true;
-  const std::string v = req.get_param_value(name);
-  if (!absl::SimpleAtoi(v, out) || *out < min || *out > max) {
-    SendError(res, 400, absl::StrCat(name, ": expected an integer in ", min, "..", max));
+  if (!req.HasParam(name)) return true;
+  if (!absl::SimpleAtoi(req.Param(name), out) || *out < min || *out > max) {
+    SetJsonError(res, 400, absl::StrCat(name, ": expected an integer in ", min, "..", max));
     return false;
   }
   return true;
 }
 
+// "host:port", "[v6]:port" or "host" -> the host, lower case.
+std::string HostPart(absl::string_view authority) {
+  if (absl::StartsWith(authority, "[")) {
+    const size_t end = authority.find(']');
+    return absl::AsciiStrToLower(
+        authority.substr(0, end == absl::string_view::npos ? end : end + 1));
+  }
+  return absl::AsciiStrToLower(authority.substr(0, authority.find(':')));
+}
+
+// DNS rebinding and cross-site requests: a browser on the user's machine can reach a loopback
+// coordinator, but only with a foreign Host (rebinding) or a foreign Origin (CSRF).
+bool HostAndOriginFilter(const HttpRequest& req, HttpResponse& res, const ApiOptions& options) {
+  const std::string host_header = req.Header("host");
+  const std::string host = HostPart(host_header);
+  if (!options.allowed_hosts.empty() && !options.allowed_hosts.count(host)) {
+    SetJsonError(res, 403,
+                 absl::StrCat("Host header '", host_header.substr(0, 100),
+                              "' is not a name this coordinator serves (--allowed-hosts)"));
+    return true;
+  }
+  const std::string origin = req.Header("origin");
+  if (origin.empty()) return false;
+  absl::string_view rest(origin);
+  const bool web = absl::ConsumePrefix(&rest, "http://") || absl::ConsumePrefix(&rest, "https://");
+  const std::string origin_host = web ? HostPart(rest) : "";
+  const bool ok = web && (options.allowed_hosts.empty()
+                              ? absl::AsciiStrToLower(rest) == absl::AsciiStrToLower(host_header)
+                              : options.allowed_hosts.count(origin_host) > 0);
+  if (!ok) {
+    SetJsonError(res, 403,
+                 absl::StrCat("Origin '", origin.substr(0, 100),
+                              "' is not allowed: cross-site requests are refused"));
+    return true;
+  }
+  return false;
+}
+
+// Concurrent log streams: each holds a thread of the user listener until its job ends.
+class FollowerLimits {
+ public:
+  FollowerLimits(int per_user, int total) : per_user_(per_user), total_(total) {}
+  // A ticket that frees the slot when destroyed, or null when the caller is over a limit.
+  std::shared_ptr<void> Acquire(const std::string& user, std::string* why) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (by_user_[user] >= per_user_) {
+      *why = absl::StrCat("too many log streams: at most ", per_user_,
+                          " concurrent ?follow=true streams per user");
+      return nullptr;
+    }
+    if (open_ >= total_) {
+      *why = absl::StrCat("too many log streams on this coordinator (", total_, "); retry later");
+      return nullptr;
+    }
+    ++by_user_[user];
+    ++open_;
+    // The ticket object itself is a dummy; its deleter frees the slot.
+    return std::shared_ptr<void>(new char(0), [this, user](void* p) {
+      delete static_cast<char*>(p);
+      std::lock_guard<std::mutex> lock(mutex_);
+      --by_user_[user];
+      --open_;
+    });
+  }
+
+ private:
+  const int per_user_, total_;
+  std::mutex mutex_;
+  std::map<std::string, int> by_user_;
+  int open_ = 0;
+};
+
+void ServeLogs(Coordinator* c, FollowerLimits* limits, const std::string& user,
+               const HttpRequest& req, HttpResponse& res) {
+  if (!CheckParams(req, res, {"follow", "offset"})) return;
+  int64_t offset;
+  if (!IntParam(req, res, "offset", 0, 0, INT64_MAX / 2, &offset)) return;
+  const std::string follow = req.Param("follow");
+  if (!follow.empty() && follow != "true" && follow != "false" && follow != "1" && follow != "0") {
+    return SetJsonError(res, 400, "follow: expected true or false");
+  }
+  const std::string id = req.matches[0];
+  auto first = c->ReadLog(id, offset, 8 << 20);
+  if (!first.ok()) return SendStatus(res, first.status());
+  res.content_type = "text/plain; charset=utf-8";
+  if (follow != "true" && follow != "1") {
+    res.SetHeader("X-Loom-Log-Offset", std::to_string(first->next_offset));
+    res.body = first->data;
+    return;
+  }
+  std::string why;
+  std::shared_ptr<void> ticket = limits->Acquire(user, &why);
+  if (!ticket) return SetJsonError(res, 429, why);
+  // Streamed: chunks as the log grows, until the job is over and its last lines arrived.
+  res.stream = [c, id, offset, ticket](StreamSink& sink) {
+    int64_t at = offset;
+    int idle_after_end = 0;
+    for (;;) {
+      auto chunk = c->ReadLog(id, at, 1 << 20);
+      if (!chunk.ok()) return;
+      if (!chunk->data.empty()) {
+        at = chunk->next_offset;
+        if (!sink.Write(chunk->data)) return;
+        continue;
+      }
+      // A finished job's agents may still send their last lines: wait a little.
+      if (chunk->done && ++idle_after_end > 15) return;
+      if (!sink.ClientConnected()) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  };
+}
+
+// Walks a parsed message: strings and keys at most kMaxStringBytes, free-form Struct/ListValue
+// nesting at most kMaxFreeFormDepth. `path` names the field the way errors do (spec.data...).
+absl::Status CheckLimitsAt(const Message& m, const std::string& path, int free_depth) {
+  const Descriptor* d = m.GetDescriptor();
+  const Reflection* r = m.GetReflection();
+  const std::string& type = d->full_name();
+  if (type == "google.protobuf.Struct" || type == "google.protobuf.ListValue") {
+    if (++free_depth > kMaxFreeFormDepth) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": nested deeper than ", kMaxFreeFormDepth, " levels (free-form options)"));
+    }
+  }
+  auto check_string = [](const std::string& s, const std::string& where) {
+    if (s.size() <= kMaxStringBytes) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": longer than ", kMaxStringBytes, " bytes (", s.size(), ")"));
+  };
+  if (type == "google.protobuf.Struct") {
+    const auto& s = static_cast<const google::protobuf::Struct&>(m);
+    for (const auto& [key, value] : s.fields()) {
+      const std::string where = absl::StrCat(path, ".", key.substr(0, 64));
+      if (auto st = check_string(key, where); !st.ok()) return st;
+      if (auto st = CheckLimitsAt(value, where, free_depth); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+  if (type == "google.protobuf.Value") {
+    const auto& v = static_cast<const google::protobuf::Value&>(m);
+    if (v.has_struct_value()) return CheckLimitsAt(v.struct_value(), path, free_depth);
+    if (v.has_list_value()) return CheckLimitsAt(v.list_value(), path, free_depth);
+    return check_string(v.string_value(), path);
+  }
+  std::vector<const FieldDescriptor*> fields;
+  r->ListFields(m, &fields);
+  for (const FieldDescriptor* f : fields) {
+    const std::string name = path.empty() ? f->name() : absl::StrCat(path, ".", f->name());
+    const int n = f->is_repeated() ? r->FieldSize(m, f) : 1;
+    for (int i = 0; i < n; ++i) {
+      const std::string where = f->is_repeated() ? absl::StrCat(name, "[", i, "]") : name;
+      if (f->type() == FieldDescriptor::TYPE_STRING || f->type() == FieldDescriptor::TYPE_BYTES) {
+        std::string scratch;
+        const std::string& s = f->is_repeated() ? r->GetRepeatedStringReference(m, f, i, &scratch)
+                                                : r->GetStringReference(m, f, &scratch);
+        if (auto st = check_string(s, where); !st.ok()) return st;
+      } else if (f->type() == FieldDescriptor::TYPE_MESSAGE) {
+        const Message& sub =
+            f->is_repeated() ? r->GetRepeatedMessage(m, f, i) : r->GetMessage(m, f);
+        const std::string sub_path = f->is_map() ? name : where;
+        if (auto st = CheckLimitsAt(sub, sub_path, free_depth); !st.ok()) return st;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+template <typename Handler>
+HttpHandler UserRoute(Coordinator* c, const ApiOptions& opts, Handler handler) {
+  return [c, opts, handler](const HttpRequest& req, HttpResponse& res) {
+    const std::string user = AuthenticateUser(req, res, opts);
+    if (!user.empty()) handler(c, user, req, res);
+  };
+}
+
+void InstallCommon(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
+  Coordinator* c = &coordinator;
+  server.SetFilter([options](const HttpRequest& req, HttpResponse& res) {
+    return HostAndOriginFilter(req, res, options);
+  });
+  server.Route("GET", "/healthz", [](const HttpRequest&, HttpResponse& res) {
+    res.content_type = "text/plain";
+    res.body = "ok\n";
+  });
+  server.SetLogger([c](const HttpRequest& req, const HttpResponse& res, double seconds) {
+    const std::string route = RouteLabel(req.method, req.path);
+    c->registry().Increment("loom_coordinator_http_requests_total", 1,
+                            {{"route", route}, {"code", std::to_string(res.status)}});
+    if (route != "/v1/jobs/{id}/logs") {
+      c->registry().Observe("loom_coordinator_http_request_duration_seconds", seconds,
+                            {{"route", route}});
+    }
+  });
+}
+
 }  // namespace
+
+absl::Status CheckJsonDepth(absl::string_view json, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char ch : json) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (ch == '\\') {
+        escaped = true;
+      } else if (ch == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (ch == '"') {
+      in_string = true;
+    } else if (ch == '{' || ch == '[') {
+      if (++depth > max_depth) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("request body: JSON nested deeper than ", max_depth, " levels"));
+      }
+    } else if (ch == '}' || ch == ']') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckMessageLimits(const Message& message) { return CheckLimitsAt(message, "", 0); }
 
 std::string RouteLabel(const std::string& method, const std::string& path) {
   static const std::vector<std::pair<const Route*, std::regex>> patterns = [] {
@@ -227,7 +460,7 @@ const std::vector<Route>& Routes() {
       {"GET", "/v1/jobs/{id}/logs", "user"},
       {"GET", "/v1/checkpoints", "user"},
       {"GET", "/v1/workers", "user"},
-      {"POST", "/v1/agent/register", "worker"},
+      {"POST", "/v1/agent/register", "enrolment"},
       {"POST", "/v1/agent/heartbeat", "worker"},
   };
   return routes;
@@ -265,157 +498,103 @@ absl::StatusOr<std::string> ReadWorkerToken(const std::string& path) {
   return token;
 }
 
-void InstallRoutes(httplib::Server& server, Coordinator& coordinator, const ApiOptions& options) {
+void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
   Coordinator* c = &coordinator;
-  const ApiOptions opts = options;
-  server.set_payload_max_length(options.max_body_bytes);
-  server.set_read_timeout(10, 0);
-  server.set_write_timeout(10, 0);
-
-  server.Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
-    res.set_content("ok\n", "text/plain");
+  InstallCommon(server, coordinator, options);
+  server.Route("GET", "/metrics", [c](const HttpRequest&, HttpResponse& res) {
+    res.content_type = "text/plain; version=0.0.4";
+    res.body = c->RenderMetrics();
   });
-  server.Get("/metrics", [c](const httplib::Request&, httplib::Response& res) {
-    res.set_content(c->RenderMetrics(), "text/plain; version=0.0.4");
-  });
-
-  server.Post("/v1/jobs", [c, opts](const httplib::Request& req, httplib::Response& res) {
-    Caller caller = Authenticate(req, res, opts, "user");
-    if (!caller.ok || !CheckParams(req, res, {})) return;
-    v1::SubmitJobRequest request;
-    if (!ParseBody(req, res, &request)) return;
-    auto r = c->Submit(request, caller.user);
-    if (!r.ok()) return SendStatus(res, r.status());
-    SendMessage(res, *r, r->created() ? 201 : 200);
-  });
-  server.Get("/v1/jobs", [c, opts](const httplib::Request& req, httplib::Response& res) {
-    if (!Authenticate(req, res, opts, "user").ok) return;
-    if (!CheckParams(req, res, {"state", "page_size", "page_token"})) return;
-    int64_t page_size;
-    if (!IntParam(req, res, "page_size", 50, 1, 500, &page_size)) return;
-    auto r = c->ListJobs(req.get_param_value("state"), static_cast<int>(page_size),
-                         req.get_param_value("page_token"));
-    if (!r.ok()) return SendStatus(res, r.status());
-    SendMessage(res, *r);
-  });
-  server.Get(R"(/v1/jobs/([^/]+))", [c, opts](const httplib::Request& req, httplib::Response& res) {
-    if (!Authenticate(req, res, opts, "user").ok || !CheckParams(req, res, {})) return;
-    auto r = c->GetJob(req.matches[1]);
-    if (!r.ok()) return SendStatus(res, r.status());
-    SendMessage(res, *r);
-  });
-  server.Post(R"(/v1/jobs/([^/]+)/cancel)",
-              [c, opts](const httplib::Request& req, httplib::Response& res) {
-                Caller caller = Authenticate(req, res, opts, "user");
-                if (!caller.ok || !CheckParams(req, res, {})) return;
-                auto r = c->Cancel(req.matches[1], caller.user);
-                if (!r.ok()) return SendStatus(res, r.status());
-                SendMessage(res, *r);
-              });
-  server.Get(R"(/v1/jobs/([^/]+)/logs)",
-             [c, opts](const httplib::Request& req, httplib::Response& res) {
-               if (!Authenticate(req, res, opts, "user").ok) return;
-               if (!CheckParams(req, res, {"follow", "offset"})) return;
-               int64_t offset;
-               if (!IntParam(req, res, "offset", 0, 0, INT64_MAX / 2, &offset)) return;
-               const std::string follow = req.get_param_value("follow");
-               if (!follow.empty() && follow != "true" && follow != "false" && follow != "1" &&
-                   follow != "0") {
-                 return SendError(res, 400, "follow: expected true or false");
-               }
-               const std::string id = req.matches[1];
-               auto first = c->ReadLog(id, offset, 8 << 20);
-               if (!first.ok()) return SendStatus(res, first.status());
-               if (follow != "true" && follow != "1") {
-                 res.set_header("X-Loom-Log-Offset", std::to_string(first->next_offset));
-                 res.set_content(first->data, "text/plain; charset=utf-8");
-                 return;
-               }
-               // Streamed: chunks as the log grows, until the job is over and its last lines
-               // arrived.
-               auto state = std::make_shared<std::pair<int64_t, int>>(offset, 0);
-               res.set_chunked_content_provider(
-                   "text/plain; charset=utf-8", [c, id, state](size_t, httplib::DataSink& sink) {
-                     for (;;) {
-                       auto chunk = c->ReadLog(id, state->first, 1 << 20);
-                       if (!chunk.ok()) {
-                         sink.done();
-                         return true;
-                       }
-                       if (!chunk->data.empty()) {
-                         state->first = chunk->next_offset;
-                         return sink.write(chunk->data.data(), chunk->data.size());
-                       }
-                       // A finished job's agents may still send their last lines: wait a little.
-                       if (chunk->done && ++state->second > 15) {
-                         sink.done();
-                         return true;
-                       }
-                       if (!sink.is_writable()) return false;
-                       std::this_thread::sleep_for(std::chrono::milliseconds(200));
-                     }
-                   });
-             });
-  server.Get("/v1/checkpoints", [c, opts](const httplib::Request& req, httplib::Response& res) {
-    if (!Authenticate(req, res, opts, "user").ok || !CheckParams(req, res, {"job"})) return;
-    auto r = c->ListCheckpoints(req.get_param_value("job"));
-    if (!r.ok()) return SendStatus(res, r.status());
-    SendMessage(res, *r);
-  });
-  server.Get("/v1/workers", [c, opts](const httplib::Request& req, httplib::Response& res) {
-    if (!Authenticate(req, res, opts, "user").ok || !CheckParams(req, res, {})) return;
-    SendMessage(res, c->ListWorkers());
-  });
-  server.Post("/v1/agent/register", [c, opts](const httplib::Request& req, httplib::Response& res) {
-    if (!Authenticate(req, res, opts, "worker").ok || !CheckParams(req, res, {})) return;
-    v1::RegisterWorkerRequest request;
-    if (!ParseBody(req, res, &request)) return;
-    auto r = c->Register(request);
-    if (!r.ok()) return SendStatus(res, r.status());
-    SendMessage(res, *r);
-  });
-  server.Post("/v1/agent/heartbeat",
-              [c, opts](const httplib::Request& req, httplib::Response& res) {
-                if (!Authenticate(req, res, opts, "worker").ok || !CheckParams(req, res, {}))
-                  return;
-                v1::HeartbeatRequest request;
-                if (!ParseBody(req, res, &request)) return;
-                auto r = c->Heartbeat(request);
-                if (!r.ok()) return SendStatus(res, r.status());
-                SendMessage(res, *r);
-              });
-
-  // Every error leaves as JSON; unknown routes say so (a test tells them from unknown ids).
-  server.set_error_handler(
-      httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
-        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-        if (res.status == 404) {
-          SendError(res, 404, absl::StrCat("no route ", req.method, " ", req.path.substr(0, 200)));
-        } else if (res.status == 413) {
-          SendError(res, 413, "request body too large");
-        } else {
-          SendError(res, res.status, "bad request");
-        }
-        return httplib::Server::HandlerResponse::Handled;
+  using Req = const HttpRequest&;
+  server.Route("POST", "/v1/jobs",
+               UserRoute(c, options,
+                         [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+                           v1::SubmitJobRequest request;
+                           if (!CheckParams(req, res, {}) || !ParseBody(req, res, &request)) return;
+                           auto r = c->Submit(request, user);
+                           if (!r.ok()) return SendStatus(res, r.status());
+                           SendMessage(res, *r, r->created() ? 201 : 200);
+                         }));
+  server.Route(
+      "GET", "/v1/jobs",
+      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {"state", "page_size", "page_token"})) return;
+        int64_t page_size;
+        if (!IntParam(req, res, "page_size", 50, 1, 500, &page_size)) return;
+        auto r =
+            c->ListJobs(req.Param("state"), static_cast<int>(page_size), req.Param("page_token"));
+        if (!r.ok()) return SendStatus(res, r.status());
+        SendMessage(res, *r);
       }));
-  server.set_exception_handler([](const httplib::Request&, httplib::Response& res,
-                                  std::exception_ptr) { SendError(res, 500, "internal error"); });
-  // Latency: the pre-routing handler and the logger run on the request's thread.
-  server.set_pre_routing_handler([](const httplib::Request&, httplib::Response&) {
-    t_request_start = std::chrono::steady_clock::now();
-    return httplib::Server::HandlerResponse::Unhandled;
+  server.Route(
+      "GET", R"(/v1/jobs/([^/]+))",
+      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {})) return;
+        auto r = c->GetJob(req.matches[0]);
+        if (!r.ok()) return SendStatus(res, r.status());
+        SendMessage(res, *r);
+      }));
+  server.Route("POST", R"(/v1/jobs/([^/]+)/cancel)",
+               UserRoute(c, options,
+                         [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+                           if (!CheckParams(req, res, {})) return;
+                           auto r = c->Cancel(req.matches[0], user);
+                           if (!r.ok()) return SendStatus(res, r.status());
+                           SendMessage(res, *r);
+                         }));
+  auto limits =
+      std::make_shared<FollowerLimits>(options.max_followers_per_user, options.max_followers);
+  server.Route(
+      "GET", R"(/v1/jobs/([^/]+)/logs)",
+      UserRoute(c, options,
+                [limits](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+                  ServeLogs(c, limits.get(), user, req, res);
+                }));
+  server.Route(
+      "GET", "/v1/checkpoints",
+      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {"job"})) return;
+        auto r = c->ListCheckpoints(req.Param("job"));
+        if (!r.ok()) return SendStatus(res, r.status());
+        SendMessage(res, *r);
+      }));
+  server.Route(
+      "GET", "/v1/workers",
+      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {})) return;
+        SendMessage(res, c->ListWorkers());
+      }));
+  // Agent routes live on the agent listener only.
+  server.Route("POST", R"(/v1/agent/.*)", [](const HttpRequest& req, HttpResponse& res) {
+    SetJsonError(res, 404,
+                 absl::StrCat("no route POST ", req.path.substr(0, 100),
+                              " on the user listener: agents use the agent port (--agent-port)"));
   });
-  server.set_logger([c](const httplib::Request& req, const httplib::Response& res) {
-    const std::string route = RouteLabel(req.method, req.path);
-    c->registry().Increment("loom_coordinator_http_requests_total", 1,
-                            {{"route", route}, {"code", std::to_string(res.status)}});
-    if (route != "/v1/jobs/{id}/logs") {
-      c->registry().Observe(
-          "loom_coordinator_http_request_duration_seconds",
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_request_start).count(),
-          {{"route", route}});
-    }
-  });
+}
+
+void InstallAgentRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
+  Coordinator* c = &coordinator;
+  InstallCommon(server, coordinator, options);
+  server.Route("POST", "/v1/agent/register",
+               [c, options](const HttpRequest& req, HttpResponse& res) {
+                 if (!AuthenticateEnrolment(req, res, options) || !CheckParams(req, res, {}))
+                   return;
+                 v1::RegisterWorkerRequest request;
+                 if (!ParseBody(req, res, &request)) return;
+                 auto r = c->Register(request);
+                 if (!r.ok()) return SendStatus(res, r.status());
+                 SendMessage(res, *r);
+               });
+  server.Route("POST", "/v1/agent/heartbeat",
+               [c, options](const HttpRequest& req, HttpResponse& res) {
+                 const std::string worker = AuthenticateWorker(req, res, options, *c);
+                 if (worker.empty() || !CheckParams(req, res, {})) return;
+                 v1::HeartbeatRequest request;
+                 if (!ParseBody(req, res, &request)) return;
+                 auto r = c->Heartbeat(request, worker);
+                 if (!r.ok()) return SendStatus(res, r.status());
+                 SendMessage(res, *r);
+               });
 }
 
 }  // namespace loom::coordinator

@@ -1,44 +1,61 @@
-// The coordinator's REST API over cpp-httplib: routes, bearer-token authentication, request
-// limits and the JSON mapping of the control.proto messages. api/openapi.yaml documents exactly
+// The coordinator's REST API on two listeners (coordinator/http_server.h): the user API (bearer
+// user tokens) and the agent API (enrolment token for registration, per-worker credentials for
+// heartbeats), each with its own threads so users cannot starve the agents' heartbeats. Also
+// the request checks every route shares: Host/Origin, JSON content type, nesting and string
+// limits, the JSON mapping of the control.proto messages. api/openapi.yaml documents exactly
 // the routes in Routes(); a test keeps the two in sync.
 #ifndef LOOM_COORDINATOR_HTTP_API_H_
 #define LOOM_COORDINATOR_HTTP_API_H_
 
+#include <google/protobuf/message.h>
+
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "coordinator.h"
-
-namespace httplib {
-class Server;
-}
+#include "http_server.h"
 
 namespace loom::coordinator {
 
 struct Route {
   const char* method;  // GET | POST
   const char* path;    // OpenAPI form: /v1/jobs/{id}
-  const char* auth;    // none | user | worker
+  const char* auth;    // none | user | enrolment | worker
 };
 const std::vector<Route>& Routes();
 // The route template a request path matches ("other" if none): the metrics label.
 std::string RouteLabel(const std::string& method, const std::string& path);
 
+// Limits on what a JSON body may hold (checked before and after parsing).
+inline constexpr int kMaxJsonDepth = 32;         // nesting of the whole body
+inline constexpr int kMaxFreeFormDepth = 8;      // nesting inside free-form (Struct) fields
+inline constexpr size_t kMaxStringBytes = 4096;  // any string, map key or Struct value
+
+// Fails when JSON text nests objects/arrays deeper than max_depth (a scan, no parse).
+absl::Status CheckJsonDepth(absl::string_view json, int max_depth);
+// Fails naming the field when a string is too long or a free-form object too deep.
+absl::Status CheckMessageLimits(const google::protobuf::Message& message);
+
 struct ApiOptions {
   std::map<std::string, std::string> user_tokens;  // token -> user name
-  std::string worker_token;
-  // Local mode: no tokens; only allowed when the server binds a loopback address.
-  bool local_mode = false;
-  size_t max_body_bytes = 1 << 20;
+  std::string enrolment_token;                     // POST /v1/agent/register only
+  // Host names (no port) the API answers to; empty = any. Origin headers must name one of them
+  // (or, when empty, the request's own Host).
+  std::set<std::string> allowed_hosts;
+  int max_followers_per_user = 4;  // concurrent ?follow=true log streams of one user
+  int max_followers = 16;          // of everyone (each holds a thread of the user listener)
 };
 
 // Reads "<name> <token>" lines (# comments, blank lines ignored); tokens need >= 16 characters.
 absl::StatusOr<std::map<std::string, std::string>> ReadUserTokens(const std::string& path);
 absl::StatusOr<std::string> ReadWorkerToken(const std::string& path);
 
-void InstallRoutes(httplib::Server& server, Coordinator& coordinator, const ApiOptions& options);
+void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options);
+void InstallAgentRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options);
 
 }  // namespace loom::coordinator
 

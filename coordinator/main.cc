@@ -1,5 +1,4 @@
 // loom-coordinator: the control plane's only stateful process (docs/control-plane.md).
-#include <httplib.h>
 #include <signal.h>
 
 #include <filesystem>
@@ -7,8 +6,10 @@
 #include <iostream>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "coordinator.h"
 #include "http_api.h"
 #include "loom/cli_args.h"
@@ -20,17 +21,26 @@ namespace {
 constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --data-dir DIR          RocksDB state and job logs (required)
   --storage-root DIR      checkpoints and datasets live here (default DATA_DIR/storage)
-  --bind ADDR             listen address (default 127.0.0.1)
-  --port N                listen port (default 8470; 0 = any free port)
-  --port-file F           write the bound port here once listening
-  --local                 no tokens: only with a loopback --bind (one-box use, `loom up`)
-  --user-tokens F         lines "<user> <token>": bearer tokens for the REST API
-  --worker-token-file F   the token worker agents present
+  --bind ADDR             listen address of both listeners (default 127.0.0.1)
+  --port N                user REST API port (default 8470; 0 = any free port)
+  --port-file F           write the bound user port here once listening
+  --agent-port N          agent API port: registration and heartbeats (default 8471; 0 = any)
+  --agent-port-file F     write the bound agent port here once listening
+  --user-tokens F         lines "<user> <token>": bearer tokens for the REST API (required)
+  --worker-token-file F   the enrolment token agents register with (required); each worker then
+                          heartbeats with its own credential
+  --allowed-hosts H,...   Host names the API answers to (default: the loopback names when
+                          --bind is loopback, else any); Origin headers must name one of them
   --heartbeat-ms N        agents' heartbeat interval (default 1000)
-  --lost-after-ms N       a silent worker is lost after this (default 10000)
+  --lost-after-ms N       a silent worker is lost after this (default 10000); its ranks stop
+                          themselves after half of it (their lease)
+  --term-grace-ms N       after a worker is lost, wait this long more before its jobs run
+                          elsewhere (default 5000)
+  --max-infra-restarts N  attempts a job may lose to lost or restarted workers (default 20)
   --aging-seconds S       a queued job gains one priority point per S seconds (default 60)
   --reserve-after-s S     a blocked job reserves slots after waiting S seconds (default 300)
   --max-body-bytes N      request size limit (default 1048576)
+  --max-log-followers-per-user N   concurrent log streams per user (default 4)
   --prometheus-sd-file F  write a Prometheus file_sd target list for this coordinator's /metrics
 )";
 
@@ -38,14 +48,48 @@ bool IsLoopback(const std::string& addr) {
   return absl::StartsWith(addr, "127.") || addr == "::1" || addr == "localhost";
 }
 
+void WritePortFile(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << port << "\n";
+  std::filesystem::rename(tmp, path);
+}
+
+absl::StatusOr<ApiOptions> ReadApiOptions(const CliArgs& args, const std::string& bind) {
+  ApiOptions api;
+  if (!args.Has("user-tokens") || !args.Has("worker-token-file")) {
+    return absl::InvalidArgumentError(
+        "--user-tokens and --worker-token-file are required (`loom up` generates both for one "
+        "box)");
+  }
+  LOOM_ASSIGN_OR_RETURN(api.user_tokens, ReadUserTokens(args.Get("user-tokens")));
+  LOOM_ASSIGN_OR_RETURN(api.enrolment_token, ReadWorkerToken(args.Get("worker-token-file")));
+  for (const auto& [token, user] : api.user_tokens) {
+    if (token == api.enrolment_token) {
+      return absl::InvalidArgumentError("the worker token must differ from every user token");
+    }
+  }
+  if (args.Has("allowed-hosts")) {
+    for (absl::string_view h : absl::StrSplit(args.Get("allowed-hosts"), ',', absl::SkipEmpty())) {
+      api.allowed_hosts.insert(absl::AsciiStrToLower(h));
+    }
+  } else if (IsLoopback(bind)) {
+    api.allowed_hosts = {"localhost", "127.0.0.1", "[::1]", "::1"};
+  }
+  LOOM_ASSIGN_OR_RETURN(int64_t followers, args.GetInt("max-log-followers-per-user", 4, 1, 1000));
+  api.max_followers_per_user = static_cast<int>(followers);
+  return api;
+}
+
 absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
       CliArgs args,
-      CliArgs::Parse(argc, argv, 1,
-                     {"data-dir", "storage-root", "bind", "port", "port-file", "user-tokens",
-                      "worker-token-file", "heartbeat-ms", "lost-after-ms", "aging-seconds",
-                      "reserve-after-s", "max-body-bytes", "prometheus-sd-file"},
-                     {"local", "help"}));
+      CliArgs::Parse(
+          argc, argv, 1,
+          {"data-dir", "storage-root", "bind", "port", "port-file", "agent-port", "agent-port-file",
+           "user-tokens", "worker-token-file", "allowed-hosts", "heartbeat-ms", "lost-after-ms",
+           "term-grace-ms", "max-infra-restarts", "aging-seconds", "reserve-after-s",
+           "max-body-bytes", "max-log-followers-per-user", "prometheus-sd-file"},
+          {"help"}));
   if (args.Has("help")) {
     std::cout << kUsage;
     return absl::OkStatus();
@@ -56,55 +100,42 @@ absl::Status Run(int argc, char** argv) {
       args.Get("storage-root", (std::filesystem::path(options.data_dir) / "storage").string());
   LOOM_ASSIGN_OR_RETURN(int64_t hb, args.GetInt("heartbeat-ms", 1000, 50, 600000));
   LOOM_ASSIGN_OR_RETURN(int64_t lost, args.GetInt("lost-after-ms", 10000, 200, 86400000));
+  LOOM_ASSIGN_OR_RETURN(int64_t grace, args.GetInt("term-grace-ms", 5000, 0, 3600000));
+  LOOM_ASSIGN_OR_RETURN(int64_t infra, args.GetInt("max-infra-restarts", 20, 0, 100000));
   LOOM_ASSIGN_OR_RETURN(options.scheduler.aging_seconds,
                         args.GetDouble("aging-seconds", 60, 0.001, 1e9));
   LOOM_ASSIGN_OR_RETURN(int64_t reserve, args.GetInt("reserve-after-s", 300, 0, 1000000000));
   LOOM_ASSIGN_OR_RETURN(int64_t port, args.GetInt("port", 8470, 0, 65535));
+  LOOM_ASSIGN_OR_RETURN(int64_t agent_port, args.GetInt("agent-port", 8471, 0, 65535));
   LOOM_ASSIGN_OR_RETURN(int64_t max_body, args.GetInt("max-body-bytes", 1 << 20, 1024, 1 << 30));
-  if (lost <= hb) return absl::InvalidArgumentError("--lost-after-ms must exceed --heartbeat-ms");
+  // The lease (lost-after / 2) must outlast a few heartbeat intervals, or a slow reply stops
+  // healthy ranks.
+  if (lost < 4 * hb) {
+    return absl::InvalidArgumentError("--lost-after-ms must be at least 4 x --heartbeat-ms");
+  }
   options.heartbeat_interval_ms = static_cast<int>(hb);
   options.lost_after_ms = static_cast<int>(lost);
+  options.term_grace_ms = static_cast<int>(grace);
+  options.max_infra_restarts = static_cast<int>(infra);
+  options.max_body_bytes = max_body;
   options.scheduler.reserve_after_ms = reserve * 1000;
   const std::string bind = args.Get("bind", "127.0.0.1");
-
-  ApiOptions api;
-  api.max_body_bytes = static_cast<size_t>(max_body);
-  api.local_mode = args.Has("local");
-  if (api.local_mode) {
-    if (!IsLoopback(bind)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--local turns authentication off and needs a loopback --bind, not '", bind, "'"));
-    }
-  } else {
-    if (!args.Has("user-tokens") || !args.Has("worker-token-file")) {
-      return absl::InvalidArgumentError(
-          "--user-tokens and --worker-token-file are required (or --local on a loopback address)");
-    }
-    LOOM_ASSIGN_OR_RETURN(api.user_tokens, ReadUserTokens(args.Get("user-tokens")));
-    LOOM_ASSIGN_OR_RETURN(api.worker_token, ReadWorkerToken(args.Get("worker-token-file")));
-    for (const auto& [token, user] : api.user_tokens) {
-      if (token == api.worker_token) {
-        return absl::InvalidArgumentError("the worker token must differ from every user token");
-      }
-    }
-  }
+  LOOM_ASSIGN_OR_RETURN(ApiOptions api, ReadApiOptions(args, bind));
 
   LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Coordinator> coordinator, Coordinator::Open(options));
-  httplib::Server server;
-  server.new_task_queue = [] { return new httplib::ThreadPool(32); };
-  InstallRoutes(server, *coordinator, api);
-  int bound = 0;
-  if (port == 0) {
-    bound = server.bind_to_any_port(bind);
-  } else {
-    bound = server.bind_to_port(bind, static_cast<int>(port)) ? static_cast<int>(port) : -1;
-  }
-  if (bound <= 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", bind, ":", port));
-  if (args.Has("port-file")) {
-    const std::string tmp = args.Get("port-file") + ".tmp";
-    std::ofstream(tmp) << bound << "\n";
-    std::filesystem::rename(tmp, args.Get("port-file"));
-  }
+  HttpServerOptions user_options;
+  user_options.threads = 32;
+  user_options.max_body_bytes = static_cast<size_t>(max_body);
+  api.max_followers = user_options.threads / 2;
+  HttpServerOptions agent_options = user_options;
+  agent_options.threads = 16;
+  HttpServer user_server(user_options), agent_server(agent_options);
+  InstallUserRoutes(user_server, *coordinator, api);
+  InstallAgentRoutes(agent_server, *coordinator, api);
+  LOOM_ASSIGN_OR_RETURN(int bound, user_server.Listen(bind, static_cast<int>(port)));
+  LOOM_ASSIGN_OR_RETURN(int agent_bound, agent_server.Listen(bind, static_cast<int>(agent_port)));
+  if (args.Has("port-file")) WritePortFile(args.Get("port-file"), bound);
+  if (args.Has("agent-port-file")) WritePortFile(args.Get("agent-port-file"), agent_bound);
   if (args.Has("prometheus-sd-file")) {
     char host[256] = "127.0.0.1";
     if (bind == "0.0.0.0" || bind == "::") ::gethostname(host, sizeof(host) - 1);
@@ -115,22 +146,21 @@ absl::Status Run(int argc, char** argv) {
     std::filesystem::rename(tmp, sd);
   }
   coordinator->Start();
+  user_server.Start();
+  agent_server.Start();
   std::cout << "loom-coordinator: listening on http://" << bind << ":" << bound
-            << (api.local_mode ? " (local mode: no authentication)" : "") << "; state in "
+            << " (users) and http://" << bind << ":" << agent_bound << " (agents); state in "
             << options.data_dir << std::endl;
 
-  // SIGINT/SIGTERM stop the server; the state is already on disk.
+  // SIGINT/SIGTERM stop the servers; the state is already on disk.
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
-  std::thread signals([&] {
-    int sig = 0;
-    sigwait(&set, &sig);
-    server.stop();
-  });
-  signals.detach();
-  server.listen_after_bind();
+  int sig = 0;
+  sigwait(&set, &sig);
+  user_server.Stop();
+  agent_server.Stop();
   coordinator->Stop();
   std::cout << "loom-coordinator: stopped" << std::endl;
   return absl::OkStatus();

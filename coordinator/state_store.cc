@@ -56,6 +56,12 @@ void StateStore::Batch::PutNextJob(int64_t next) {
 void StateStore::Batch::PutLogOffset(const std::string& key, int64_t offset) {
   batch_->Put(absl::StrCat("logoff/", key), std::to_string(offset));
 }
+void StateStore::Batch::PutCredential(const std::string& worker_id, const std::string& token) {
+  batch_->Put(absl::StrCat("cred/", worker_id), token);
+}
+void StateStore::Batch::DeleteCredential(const std::string& worker_id) {
+  batch_->Delete(absl::StrCat("cred/", worker_id));
+}
 bool StateStore::Batch::empty() const { return batch_->Count() == 0; }
 
 absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& dir) {
@@ -98,6 +104,8 @@ absl::StatusOr<LoadedState> StateStore::Load() {
     } else if (key.rfind("logoff/", 0) == 0) {
       int64_t v = 0;
       if (absl::SimpleAtoi(it->value().ToString(), &v)) state.log_offsets[key.substr(7)] = v;
+    } else if (key.rfind("cred/", 0) == 0) {
+      state.credentials[key.substr(5)] = it->value().ToString();
     } else if (key == "meta/next_job") {
       if (!absl::SimpleAtoi(it->value().ToString(), &state.next_job)) {
         return absl::DataLossError("state store: bad meta/next_job");

@@ -3,7 +3,7 @@
 // atomic WriteBatch written with sync, so a crash or kill -9 after a reply loses nothing.
 //
 // Keys: job/<id>, event/<job id>/<seq, 12 digits>, worker/<id>, ckpt/<id>, request/<key>,
-// logoff/<job>/<attempt>/<worker>, meta/next_job.
+// logoff/<job>/<attempt>/<worker>, cred/<worker id> (its heartbeat credential), meta/next_job.
 #ifndef LOOM_COORDINATOR_STATE_STORE_H_
 #define LOOM_COORDINATOR_STATE_STORE_H_
 
@@ -30,6 +30,7 @@ struct LoadedState {
   std::map<std::string, std::string> request_ids;  // idempotency key -> job id
   int64_t next_job = 1;
   std::map<std::string, int64_t> log_offsets;  // "<job>/<attempt>/<worker>" -> log bytes received
+  std::map<std::string, std::string> credentials;  // worker id -> heartbeat credential
 };
 
 class StateStore {
@@ -45,6 +46,8 @@ class StateStore {
     void PutRequestId(const std::string& key, const std::string& job_id);
     void PutNextJob(int64_t next);
     void PutLogOffset(const std::string& key, int64_t offset);
+    void PutCredential(const std::string& worker_id, const std::string& token);
+    void DeleteCredential(const std::string& worker_id);
     bool empty() const;
 
    private:

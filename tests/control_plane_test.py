@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The control plane with real processes on loopback: loom-coordinator (token mode, RocksDB on
-disk), two loom-worker agents launching real loom-train ranks, the loom CLI and the REST API.
+"""The control plane with real processes on loopback: loom-coordinator (user tokens, RocksDB on
+disk; a user listener and a separate agent listener), two loom-worker agents (enrolment token,
+then per-worker credentials) launching real loom-train ranks, the loom CLI and the REST API.
 
 Checks: submit -> run -> succeed; cancel mid-run (ranks gone, slots freed); kill -9 of a trainer
 rank (restart from the newest checkpoint, finishes at the expected step); kill -9 of a worker
@@ -22,11 +23,11 @@ import time
 import urllib.parse
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import kill_all  # noqa: E402
+from loom_testlib import kill_all, read_port_file  # noqa: E402
 
 PROCS = []
 USER_TOKEN = "alice-token-0123456789abcdef"
-WORKER_TOKEN = "worker-token-0123456789abcdef"
+WORKER_TOKEN = "worker-token-0123456789abcdef"  # the enrolment token: good for registration only
 
 
 class Api:
@@ -80,35 +81,48 @@ class Cluster:
             f.write(WORKER_TOKEN + "\n")
         self.coordinator = None
         self.port = 0
+        self.agent_port = 0
         self.workers = {}
         self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def start_coordinator(self):
+    def start_coordinator(self, tries=20):
+        """Starts the coordinator on self.port / self.agent_port (0 at first: any free port; a
+        restart reuses them, retrying while the old sockets still hold them)."""
         port_file = os.path.join(self.tmp, "port")
-        if os.path.exists(port_file):
-            os.remove(port_file)
-        log = open(os.path.join(self.tmp, "coordinator.log"), "a")
-        self.coordinator = subprocess.Popen(
-            [self.args.coordinator, "--data-dir", os.path.join(self.tmp, "coord"),
-             "--storage-root", os.path.join(self.tmp, "storage"), "--port", str(self.port),
-             "--port-file", port_file, "--user-tokens", os.path.join(self.tmp, "users"),
-             "--worker-token-file", os.path.join(self.tmp, "worker-token"),
-             "--heartbeat-ms", "200", "--lost-after-ms", "2500", "--max-body-bytes", "262144"],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        PROCS.append(self.coordinator)
-        deadline = time.time() + 20
-        while not os.path.exists(port_file):
-            assert self.coordinator.poll() is None, "loom-coordinator exited at start-up"
-            assert time.time() < deadline, "loom-coordinator did not start"
-            time.sleep(0.05)
-        with open(port_file) as f:
-            self.port = int(f.read())
+        agent_port_file = os.path.join(self.tmp, "agent-port")
+        for attempt in range(tries):
+            for f in (port_file, agent_port_file):
+                if os.path.exists(f):
+                    os.remove(f)
+            log = open(os.path.join(self.tmp, "coordinator.log"), "a")
+            self.coordinator = subprocess.Popen(
+                [self.args.coordinator, "--data-dir", os.path.join(self.tmp, "coord"),
+                 "--storage-root", os.path.join(self.tmp, "storage"), "--port", str(self.port),
+                 "--port-file", port_file, "--agent-port", str(self.agent_port),
+                 "--agent-port-file", agent_port_file, "--user-tokens", os.path.join(self.tmp, "users"),
+                 "--worker-token-file", os.path.join(self.tmp, "worker-token"),
+                 "--heartbeat-ms", "200", "--lost-after-ms", "4000", "--term-grace-ms", "2000",
+                 "--max-body-bytes", "262144"],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            PROCS.append(self.coordinator)
+            deadline = time.time() + 20
+            while not (read_port_file(port_file) and read_port_file(agent_port_file)):
+                if self.coordinator.poll() is not None:
+                    break
+                assert time.time() < deadline, "loom-coordinator did not start"
+                time.sleep(0.05)
+            if self.coordinator.poll() is None:
+                break
+            assert attempt + 1 < tries, "loom-coordinator exited at start-up"
+            time.sleep(0.25)
+        self.port, self.agent_port = read_port_file(port_file), read_port_file(agent_port_file)
         self.api = Api(self.port)
+        self.agent_api = Api(self.agent_port)
 
     def start_worker(self, name, slots=2):
         log = open(os.path.join(self.tmp, f"{name}.log"), "a")
         p = subprocess.Popen(
-            [self.args.worker, "--coordinator", f"http://127.0.0.1:{self.port}", "--token-file",
+            [self.args.worker, "--coordinator", f"http://127.0.0.1:{self.agent_port}", "--token-file",
              os.path.join(self.tmp, "worker-token"), "--work-dir", os.path.join(self.tmp, name),
              "--slots", str(slots), "--name", name, "--labels", "pool=cpu", "--term-grace-ms", "3000",
              "--loom-train", self.args.loom_train],
@@ -327,7 +341,7 @@ def test_restart_coordinator(c):
     jobs_before = {j["id"]: j["state"] for j in api.ok("GET", "/v1/jobs?page_size=500")["jobs"]}
     c.coordinator.kill()
     c.coordinator.wait()
-    time.sleep(1.0)  # the agents notice, keep their ranks running and retry
+    time.sleep(0.5)  # the agents notice, keep their ranks running (lease 2 s) and retry
     c.start_coordinator()
     after = api.job(job_id)
     assert after["events"][:len(before["events"])] == before["events"], "events changed across the restart"
@@ -428,8 +442,15 @@ def test_hostile_requests(c):
         ("wrong token", "GET", "/v1/jobs", {"token": "x" * 30}, 401, "invalid token"),
         ("basic auth", "GET", "/v1/jobs", {"token": None, "headers": {"Authorization": "Basic YTpi"}}, 401, "bearer"),
         ("worker token on a user route", "GET", "/v1/jobs", {"token": WORKER_TOKEN}, 403, "user token"),
-        ("user token on an agent route", "POST", "/v1/agent/heartbeat",
-         {"body": {"worker_id": "w-1"}, "token": USER_TOKEN}, 403, "worker token"),
+        # Agent routes live on the agent listener only.
+        ("agent route on the user listener", "POST", "/v1/agent/heartbeat",
+         {"body": {"worker_id": "w-1"}, "token": USER_TOKEN}, 404, "no route"),
+        ("registration on the user listener", "POST", "/v1/agent/register",
+         {"body": {"address": "127.0.0.1", "slots": 1}, "token": WORKER_TOKEN}, 404, "no route"),
+        ("user token on the agent listener", "POST", "/v1/agent/heartbeat",
+         {"body": {"worker_id": "w-1"}, "token": USER_TOKEN, "port": "agent"}, (401, 403), ""),
+        ("user token on a registration", "POST", "/v1/agent/register",
+         {"body": {"address": "127.0.0.1", "slots": 1}, "token": USER_TOKEN, "port": "agent"}, (401, 403), ""),
         # httplib decodes %2F before routing: the path no longer matches a route.
         ("traversal job id", "GET", "/v1/jobs/..%2F..%2Fetc%2Fpasswd", {}, 404, "no route"),
         ("dot-dot job id", "GET", "/v1/jobs/..", {}, 400, "malformed"),
@@ -447,21 +468,29 @@ def test_hostile_requests(c):
         ("bad log offset", "GET", "/v1/jobs/job-000001/logs?offset=-5", {}, 400, "offset"),
         ("bad follow", "GET", "/v1/jobs/job-000001/logs?follow=maybe", {}, 400, "follow"),
         ("traversal checkpoint filter", "GET", "/v1/checkpoints?job=../x", {}, 400, "job"),
+        # The enrolment token only registers; heartbeats need the worker's own credential.
         ("heartbeat from an unknown worker", "POST", "/v1/agent/heartbeat",
-         {"body": {"worker_id": "w-deadbeef"}, "token": WORKER_TOKEN}, 404, "not registered"),
+         {"body": {"worker_id": "w-deadbeef"}, "token": WORKER_TOKEN, "port": "agent"}, 403, "credential"),
+        ("heartbeat of a live worker with the enrolment token", "POST", "/v1/agent/heartbeat",
+         {"body": {"worker_id": next(iter(c.worker_ids().values()))["id"]}, "token": WORKER_TOKEN,
+          "port": "agent"}, 403, "credential"),
         ("register with no slots", "POST", "/v1/agent/register",
-         {"body": {"address": "127.0.0.1", "slots": 0}, "token": WORKER_TOKEN}, 400, "slots"),
+         {"body": {"address": "127.0.0.1", "slots": 0}, "token": WORKER_TOKEN, "port": "agent"}, 400, "slots"),
         ("register with a traversal id", "POST", "/v1/agent/register",
-         {"body": {"worker_id": "../../x", "address": "h", "slots": 1}, "token": WORKER_TOKEN}, 400, "worker_id"),
+         {"body": {"worker_id": "../../x", "address": "h", "slots": 1}, "token": WORKER_TOKEN, "port": "agent"},
+         400, "worker_id"),
     ]
     for name, method, path, kw, want, needle in cases:
         raw = kw.get("raw")
-        status, parsed, text = api.request(method, path, body=kw.get("body"), raw=raw,
-                                           token=kw.get("token", USER_TOKEN), headers=kw.get("headers"))
-        assert status == want, f"{name}: HTTP {status}, wanted {want}: {text[:300]}"
+        target = c.agent_api if kw.get("port") == "agent" else api
+        status, parsed, text = target.request(method, path, body=kw.get("body"), raw=raw,
+                                              token=kw.get("token", USER_TOKEN), headers=kw.get("headers"))
+        want = want if isinstance(want, tuple) else (want,)
+        assert status in want, f"{name}: HTTP {status}, wanted {want}: {text[:300]}"
         assert parsed is not None and "error" in parsed, f"{name}: not a JSON error: {text[:300]}"
         assert needle.lower() in parsed["error"].lower(), f"{name}: '{needle}' not in '{parsed['error']}'"
     assert c.coordinator.poll() is None, "the coordinator died"
+    c.wait_workers(2)  # the hostile agent requests changed nothing for the real agents
     status, _, text = api.request("GET", "/healthz", token=None)
     assert status == 200 and text.strip() == "ok"
     # Nothing hostile was stored as a job.
@@ -485,20 +514,26 @@ def test_openapi(c, args):
         doc = yaml.safe_load(f)
     api = c.api
     job_id = api.ok("GET", "/v1/jobs?page_size=1")["jobs"][0]["id"]
-    worker_id = next(iter(c.worker_ids().values()))["id"]
+    # Agent routes are served on the agent listener: register a probe worker with the enrolment
+    # token; its heartbeat probe uses the credential that registration returned.
+    status, reg, text = c.agent_api.request("POST", "/v1/agent/register", body={
+        "address": "127.0.0.1", "slots": 1, "name": "probe", "labels": {"pool": "probe"}}, token=WORKER_TOKEN)
+    assert status == 200 and reg.get("worker_id") and reg.get("credential"), (status, text)
+    worker_id, credential = reg["worker_id"], reg["credential"]
     probes = 0
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             if method == "parameters":
                 continue
             url = path.replace("{id}", job_id)
-            token = WORKER_TOKEN if "/agent/" in path else USER_TOKEN
+            target = c.agent_api if "/agent/" in path else api
+            token = (credential if path.endswith("heartbeat") else WORKER_TOKEN) if "/agent/" in path else USER_TOKEN
             body = None
             if method == "post":
                 body = {"worker_id": worker_id} if path.endswith("heartbeat") else (
-                    {"address": "127.0.0.1", "slots": 1, "name": "probe"} if path.endswith("register") else
-                    micro(1, world=1) if path == "/v1/jobs" else None)
-            status, parsed, text = api.request(method.upper(), url, body=body, token=token)
+                    {"address": "127.0.0.1", "slots": 1, "name": "probe-2", "labels": {"pool": "probe"}}
+                    if path.endswith("register") else micro(1, world=1) if path == "/v1/jobs" else None)
+            status, parsed, text = target.request(method.upper(), url, body=body, token=token)
             assert not (status == 404 and parsed and parsed.get("error", "").startswith("no route")), \
                 f"documented {method.upper()} {path} is not served: {text}"
             documented = {str(k) for k in op["responses"]}
@@ -513,11 +548,15 @@ def test_loom_up(args, tmp):
     from loom_testlib import free_port
     port = free_port()
     data = os.path.join(tmp, "up")
+    # loom up writes its user token to $XDG_CONFIG_HOME/loom/local-<port>.token; the CLI finds it.
+    xdg = os.path.join(tmp, "xdg")
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CONFIG_HOME": xdg}
+    base_env.pop("LOOM_TOKEN", None)
     up = subprocess.Popen([args.loom, "up", "--workers", "2", "--slots", "1", "--port", str(port),
                            "--data-dir", data], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env=base_env)
     PROCS.append(up)
-    env = {**os.environ, "LOOM_COORDINATOR": f"http://127.0.0.1:{port}"}
+    env = {**base_env, "LOOM_COORDINATOR": f"http://127.0.0.1:{port}"}
     deadline = time.time() + 30
     while True:
         r = subprocess.run([args.loom, "workers", "--json"], env=env, capture_output=True, text=True)

@@ -1,10 +1,16 @@
 """Helpers shared by the end-to-end test scripts: reading safetensors files and checkpoints from
-the published format, parsing the trainer's JSON-lines log, picking free ports."""
+the published format (and verifying them: CRC-32C), parsing the trainer's JSON-lines log, picking
+free ports, finding trainer processes, and starting the control plane (coordinator + agents)."""
+import http.client
 import json
 import os
 import re
+import signal
 import socket
 import struct
+import subprocess
+import sys
+import time
 
 
 def safetensors_raw(path):
@@ -47,3 +53,327 @@ def kill_all(procs):
         if p.poll() is None:
             p.kill()
             p.wait(timeout=30)
+
+
+# --- Shared by the control-plane suites (fault_matrix_test, hostile_client_test) ---------------
+
+def _crc32c_table():
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)  # reflected Castagnoli polynomial
+        table.append(c)
+    return table
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c(data, crc=0):
+    """CRC-32C (Castagnoli), table driven; crc32c(b"123456789") == 0xE3069283."""
+    t = _CRC32C_TABLE
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc = t[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+assert crc32c(b"123456789") == 0xE3069283
+
+
+def verify_checkpoint(checkpoint_dir):
+    """What is wrong with a committed checkpoint directory, from the published layout alone
+    (manifest.json present; every shard listed with its size and CRC-32C); [] when it verifies."""
+    manifest_path = os.path.join(checkpoint_dir, "manifest.json")
+    if not os.path.isfile(manifest_path):
+        return [f"{checkpoint_dir}: no manifest.json"]
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except ValueError as e:
+        return [f"{manifest_path}: not JSON: {e}"]
+    shards = manifest.get("shards") or []
+    problems = []
+    if not shards or len(shards) != int(manifest.get("world_size", len(shards))):
+        problems.append(f"{manifest_path}: {len(shards)} shards for world size {manifest.get('world_size')}")
+    for s in shards:
+        path = os.path.join(checkpoint_dir, s["file"])
+        if "/" in s["file"] or ".." in s["file"]:
+            problems.append(f"{path}: shard file is not a plain name")
+            continue
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            problems.append(f"{path}: {e}")
+            continue
+        if len(data) != int(s["bytes"]):
+            problems.append(f"{path}: {len(data)} bytes, manifest says {s['bytes']}")
+        elif f"{crc32c(data):08x}" != s["crc32c"].lower():
+            problems.append(f"{path}: CRC-32C {crc32c(data):08x}, manifest says {s['crc32c']}")
+    return problems
+
+
+def proc_state(pid):
+    """The one-letter state of a process ('R', 'S', 'T', 'Z', ...), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def loom_trainers(root=None):
+    """Live (not zombie) loom-train processes with a LOOM_JOB_ID in their environment, as dicts
+    {pid, job, rank, attempt, state}. With root: only those whose working directory or command
+    line lies under root (ignores the trainers of other suites running at the same time)."""
+    root = os.path.realpath(root) if root else None
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() != "loom-train":
+                    continue
+            state = proc_state(pid)
+            if state is None or state in ("Z", "X"):
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            if root:
+                try:
+                    cwd = os.readlink(f"/proc/{pid}/cwd")
+                except OSError:
+                    cwd = ""
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().decode("utf-8", "replace").split("\0")
+                if not (cwd.startswith(root) or any(a.startswith(root) for a in argv)):
+                    continue
+        except OSError:
+            continue
+        if b"LOOM_JOB_ID" not in env:
+            continue
+        out.append({"pid": pid, "job": env[b"LOOM_JOB_ID"].decode(),
+                    "rank": int(env.get(b"LOOM_RANK", b"-1") or -1),
+                    "attempt": int(env.get(b"LOOM_ATTEMPT", b"0") or 0), "state": state})
+    return out
+
+
+def kill_trainers_under(root):
+    """SIGKILLs loom-train processes this suite's agents left under root (a safety net)."""
+    for t in loom_trainers(root):
+        try:
+            os.kill(t["pid"], 9)
+        except OSError:
+            pass
+
+
+def read_port_file(path):
+    """The port in a port file, or None while it is missing or still being written."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(what, fn, timeout=60, interval=0.2):
+    """Polls fn() until it returns something truthy (returned) or raises after timeout."""
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {str(last)[:2000]}")
+
+
+class Api:
+    """A JSON client for one listener of the coordinator: request() returns (status, parsed JSON
+    or None, text); token is the default bearer token (None: no Authorization header)."""
+
+    def __init__(self, port, token=None):
+        self.port = port
+        self.token = token
+
+    def request(self, method, path, body=None, token="default", raw=None, headers=None, timeout=30):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        h = dict(headers or {})
+        token = self.token if token == "default" else token
+        if token:
+            h["Authorization"] = "Bearer " + token
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        if data is not None:
+            h.setdefault("Content-Type", "application/json")
+        try:
+            conn.request(method, path, body=data, headers=h)
+            resp = conn.getresponse()
+            text = resp.read().decode("utf-8", "replace")
+        finally:
+            conn.close()
+        try:
+            parsed = json.loads(text) if text else None
+        except ValueError:
+            parsed = None
+        return resp.status, parsed, text
+
+    def ok(self, method, path, body=None, token="default"):
+        status, parsed, text = self.request(method, path, body, token)
+        assert 200 <= status < 300, f"{method} {path}: HTTP {status}: {text[:2000]}"
+        return parsed
+
+    def job(self, job_id):
+        return self.ok("GET", f"/v1/jobs/{job_id}")
+
+    def catalogue(self, job_id=None):
+        return self.ok("GET", "/v1/checkpoints" + (f"?job={job_id}" if job_id else ""))["checkpoints"]
+
+    def workers(self):
+        return self.ok("GET", "/v1/workers")["workers"]
+
+    def wait(self, job_id, pred, what, timeout=120):
+        deadline = time.time() + timeout
+        job = None
+        while time.time() < deadline:
+            job = self.job(job_id)
+            if pred(job):
+                return job
+            time.sleep(0.2)
+        raise AssertionError(f"{job_id}: timed out waiting for {what}; last state {json.dumps(job)[:3000]}")
+
+    def wait_end(self, job_id, timeout=240):
+        return self.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout)
+
+
+def final_tensors(api, job_id, step):
+    """{name: (dtype, shape, bytes)} of rank 0's shard of a job's checkpoint at `step`."""
+    entry = [x for x in api.catalogue(job_id) if int(x["step"]) == step]
+    assert entry and entry[-1].get("available"), f"{job_id}: no available checkpoint at step {step}: {entry}"
+    return safetensors_raw(shard_path(entry[-1]["path"], 0))
+
+
+class Service:
+    """A coordinator (user listener + agent listener, token files written here) and worker
+    agents, started as real processes. Every process goes into `procs` (the suite kills them)."""
+
+    def __init__(self, args, tmp, users, enrolment_token, coordinator_flags, procs):
+        self.args, self.tmp, self.procs = args, tmp, procs
+        self.users = dict(users)  # name -> token
+        self.enrolment_token = enrolment_token
+        self.flags = list(coordinator_flags)
+        self.users_file = os.path.join(tmp, "users")
+        self.enrolment_file = os.path.join(tmp, "enrolment-token")
+        with open(self.users_file, "w") as f:
+            f.write("# user tokens\n" + "".join(f"{u} {t}\n" for u, t in self.users.items()))
+        with open(self.enrolment_file, "w") as f:
+            f.write(enrolment_token + "\n")
+        os.chmod(self.users_file, 0o600)
+        os.chmod(self.enrolment_file, 0o600)
+        self.data_dir = os.path.join(tmp, "coord")
+        self.storage = os.path.join(tmp, "storage")
+        os.makedirs(self.storage, exist_ok=True)
+        self.coordinator = None
+        self.port = 0
+        self.agent_port = 0
+        self.workers = {}  # name -> Popen
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.env.pop("LOOM_TOKEN", None)
+        self.api = Api(0, next(iter(self.users.values())))
+        self.agent_api = Api(0, None)
+
+    def start_coordinator(self, port=0, agent_port=0, tries=1):
+        """Starts loom-coordinator; with fixed ports, retries while the bind fails. Returns the
+        (port, agent_port) it listens on; self.api and self.agent_api follow them."""
+        port_file = os.path.join(self.tmp, "port")
+        agent_port_file = os.path.join(self.tmp, "agent-port")
+        for attempt in range(tries):
+            for f in (port_file, agent_port_file):
+                if os.path.exists(f):
+                    os.remove(f)
+            log = open(os.path.join(self.tmp, "coordinator.log"), "a")
+            p = subprocess.Popen(
+                [self.args.coordinator, "--data-dir", self.data_dir, "--storage-root", self.storage,
+                 "--port", str(port), "--port-file", port_file,
+                 "--agent-port", str(agent_port), "--agent-port-file", agent_port_file,
+                 "--user-tokens", self.users_file, "--worker-token-file", self.enrolment_file, *self.flags],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            log.close()
+            self.procs.append(p)
+            deadline = time.time() + 30
+            while time.time() < deadline and p.poll() is None:
+                if read_port_file(port_file) and read_port_file(agent_port_file):
+                    break
+                time.sleep(0.02)
+            if p.poll() is None and read_port_file(port_file) and read_port_file(agent_port_file):
+                self.coordinator = p
+                self.port, self.agent_port = read_port_file(port_file), read_port_file(agent_port_file)
+                self.api.port, self.agent_api.port = self.port, self.agent_port
+                return self.port, self.agent_port
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+                raise AssertionError("loom-coordinator did not write its port files within 30 s")
+            time.sleep(0.25)  # exited: the fixed port may still be taken; try again
+        raise AssertionError(f"loom-coordinator exited at start-up {tries} time(s) (ports {port}, {agent_port})")
+
+    def start_worker(self, name, labels="pool=cpu", slots=2, coordinator_url=None, term_grace_ms=3000):
+        log = open(os.path.join(self.tmp, f"{name}.log"), "a")
+        p = subprocess.Popen(
+            [self.args.worker, "--coordinator", coordinator_url or f"http://127.0.0.1:{self.agent_port}",
+             "--token-file", self.enrolment_file, "--work-dir", os.path.join(self.tmp, name),
+             "--slots", str(slots), "--name", name, "--labels", labels, "--term-grace-ms", str(term_grace_ms),
+             "--loom-train", self.args.loom_train],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        self.procs.append(p)
+        self.workers[name] = p
+        return p
+
+    def worker_records(self):
+        """name -> the worker record (an alive one when a name has several)."""
+        out = {}
+        for w in self.api.workers():
+            if w["name"] not in out or w["state"] == "alive":
+                out[w["name"]] = w
+        return out
+
+    def wait_alive(self, names, timeout=30):
+        return wait_for(f"workers {sorted(names)} alive", lambda: (lambda r: all(
+            n in r and r[n]["state"] == "alive" for n in names) and r)(self.worker_records()), timeout)
+
+    def name_of(self, worker_id):
+        return next(w["name"] for w in self.api.workers() if w["id"] == worker_id)
+
+    def dump_logs(self, names=None):
+        names = names or ["coordinator.log"] + [f"{n}.log" for n in self.workers]
+        for name in names:
+            p = os.path.join(self.tmp, name)
+            if os.path.exists(p):
+                with open(p, errors="replace") as f:
+                    sys.stderr.write(f"--- {name} (tail) ---\n" + f.read()[-4000:] + "\n")
+
+
+def stop_all(procs, root=None):
+    """SIGCONT (stopped ones cannot die of SIGTERM), SIGTERM, a grace period, then SIGKILL every
+    process still running; then any trainer left under root."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+            except OSError:
+                pass
+    deadline = time.time() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pass
+    kill_all(procs)
+    if root:
+        kill_trainers_under(root)

@@ -109,8 +109,9 @@ def used_metric_names(src):
     return names
 
 
-def scrape(url):
-    with urllib.request.urlopen(url, timeout=10) as r:
+def scrape(url, token=None):
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as r:
         return r.read().decode()
 
 
@@ -161,12 +162,21 @@ def check_live(args, tmp):
     targets = os.path.join(prom_dir, "targets")
     os.makedirs(targets)
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOOM_COORDINATOR": f"http://127.0.0.1:{port}"}
+    # loom up writes its generated user token to $XDG_CONFIG_HOME/loom/local-<port>.token (0600);
+    # the CLI picks it up by itself for LOOM_COORDINATOR=http://127.0.0.1:<port>.
+    xdg = os.path.join(tmp, "xdg")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOOM_COORDINATOR": f"http://127.0.0.1:{port}",
+           "XDG_CONFIG_HOME": xdg}
+    env.pop("LOOM_TOKEN", None)
     up = subprocess.Popen([args.loom, "up", "--workers", "1", "--slots", "2", "--port", str(port),
                            "--data-dir", os.path.join(tmp, "up"), "--prometheus-dir", targets],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     PROCS.append(up)
     wait_for("two target files", lambda: len(glob.glob(os.path.join(targets, "*.json"))) == 2, 30)
+    token_file = os.path.join(xdg, "loom", f"local-{port}.token")
+    wait_for("loom up's token file", lambda: os.path.isfile(token_file), 30)
+    with open(token_file) as f:
+        token = f.read().strip()
     prom_port = free_port()
     prom = subprocess.Popen(["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp}/tsdb",
                              f"--web.listen-address=127.0.0.1:{prom_port}"],
@@ -193,7 +203,8 @@ def check_live(args, tmp):
         with open(path) as f:
             for group in json.load(f):
                 for target in group["targets"]:
-                    text = scrape(f"http://{target}/metrics")
+                    # /metrics is open to scrapers; the coordinator's API port also takes the token.
+                    text = scrape(f"http://{target}/metrics", token if target.endswith(f":{port}") else None)
                     p = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
                     assert p.returncode == 0, f"promtool check metrics {target}: {p.stdout}{p.stderr}"
                     types, sampled = exposed(text)
@@ -214,8 +225,9 @@ def check_live(args, tmp):
     res = wait_for("up == 1 for both targets", all_up, 60)
     services = sorted(x["metric"]["service"] for x in res)
     assert services == ["loom-coordinator", "loom-worker"], services
+    # Over a window: a fast job may end (and its series go stale) before this query runs.
     tps = wait_for("a tokens/s series", lambda: prom_query(
-        prom_port, f'loom_train_tokens_per_second{{job="{job_id}"}} > 0'), 60)
+        prom_port, f'max_over_time(loom_train_tokens_per_second{{job="{job_id}"}}[10m]) > 0'), 60)
     assert float(tps[0]["value"][1]) > 0
     with urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/api/v1/rules", timeout=10) as r:
         rules = [x for g in json.load(r)["data"]["groups"] for x in g["rules"]]

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "loom/exit_codes.h"
 #include "loom/status_macros.h"
 
 namespace fs = std::filesystem;
@@ -74,6 +75,23 @@ std::string ReadFrom(const std::string& path, int64_t offset, int64_t max) {
 
 void Log(const std::string& line) { std::cout << "loom-worker: " << line << std::endl; }
 
+// The clock leases are measured on: CLOCK_MONOTONIC, which every process of the node shares.
+int64_t SteadyMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Written whole or not at all (rename), readable by the ranks at any moment.
+void WriteFileAtomically(const std::string& path, const std::string& text, mode_t mode) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+  if (fd < 0) return;
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  if (ok) ::rename(tmp.c_str(), path.c_str());
+}
+
 }  // namespace
 
 Agent::Agent(AgentOptions options) : options_(std::move(options)) { DeclareMetrics(); }
@@ -112,19 +130,42 @@ absl::Status Agent::Register() {
   req.set_name(options_.name);
   req.set_address(options_.address);
   req.set_slots(options_.slots);
+  req.set_credential(credential_);
   req.mutable_labels()->insert(options_.labels.begin(), options_.labels.end());
   v1::RegisterWorkerResponse resp;
-  LOOM_RETURN_IF_ERROR(client_->Call("POST", "/v1/agent/register", &req, &resp));
-  if (resp.worker_id() != worker_id_) {
-    worker_id_ = resp.worker_id();
-    const fs::path id_file = fs::path(options_.work_dir) / "worker-id";
-    std::ofstream(id_file.string() + ".tmp") << worker_id_ << "\n";
-    fs::rename(id_file.string() + ".tmp", id_file);
+  const int64_t sent = SteadyMs();
+  LOOM_RETURN_IF_ERROR(enrol_client_->Call("POST", "/v1/agent/register", &req, &resp));
+  if (resp.credential().empty()) {
+    return absl::InternalError("the coordinator returned no worker credential");
   }
+  worker_id_ = resp.worker_id();
+  credential_ = resp.credential();
+  // Kept so that a restarted agent can take its id back while the coordinator still sees it
+  // alive; readable by this user only.
+  WriteFileAtomically((fs::path(options_.work_dir) / "worker-id").string(), worker_id_ + "\n",
+                      0644);
+  WriteFileAtomically((fs::path(options_.work_dir) / "worker-credential").string(),
+                      credential_ + "\n", 0600);
+  LOOM_ASSIGN_OR_RETURN(client_,
+                        client::RestClient::Create(options_.coordinator_url, credential_, 5000));
   heartbeat_ms_ = std::max(50, resp.heartbeat_interval_ms());
+  lease_ms_ = std::max(4 * heartbeat_ms_, resp.lease_ms());
+  if (resp.max_body_bytes() > 0) max_body_bytes_ = resp.max_body_bytes();
+  RenewLease(sent + lease_ms_);
   Log(absl::StrCat("registered as ", worker_id_, " with ", options_.slots, " slots at ",
-                   client_->url()));
+                   client_->url(), " (lease ", lease_ms_, " ms)"));
   return absl::OkStatus();
+}
+
+void Agent::RenewLease(int64_t expiry_ms) {
+  lease_expiry_ms_ = std::max(lease_expiry_ms_, expiry_ms);
+  for (auto& [key, a] : attempts_) {
+    if (a.kill_at_ms == 0) WriteLease(a);
+  }
+}
+
+void Agent::WriteLease(const Attempt& a) const {
+  WriteFileAtomically(a.lease_path, absl::StrCat(lease_expiry_ms_, "\n"), 0644);
 }
 
 void Agent::AppendCombined(Attempt& a, const std::string& text) {
@@ -149,6 +190,8 @@ void Agent::StartAttempt(const v1::Assignment& as) {
   a.combined_log = (fs::path(a.dir) / "combined.log").string();
   { std::ofstream(a.combined_log, std::ios::trunc); }
   a.metrics_path = (fs::path(a.dir) / "metrics.jsonl").string();
+  a.lease_path = (fs::path(a.dir) / "lease").string();
+  WriteLease(a);
   a.total_steps = as.spec().steps();
   registry_.Increment("loom_worker_attempts_started_total");
   bool hosts_rank0 = false;
@@ -162,12 +205,12 @@ void Agent::StartAttempt(const v1::Assignment& as) {
   const std::string spec_path = (fs::path(a.dir) / "spec.json").string();
   std::ofstream(spec_path, std::ios::trunc) << client::MessageToJson(spec, true) << "\n";
 
-  std::vector<std::string> argv = {options_.loom_train, "train", "--spec", spec_path};
-  if (!as.resume_from().empty()) {
-    argv.insert(argv.end(), {"--resume", as.resume_from()});
-  } else if (!as.init_from().empty()) {
-    argv.insert(argv.end(), {"--init-from", as.init_from()});
-  }
+  // Retention is the coordinator's (it knows which checkpoints other jobs start from); the
+  // trainer resumes from the newest intact checkpoint of the job's directory, if any.
+  std::vector<std::string> argv = {options_.loom_train, "train", "--spec", spec_path,
+                                   "--no-retention"};
+  if (!as.resume_from().empty()) argv.insert(argv.end(), {"--resume-if-any", as.resume_from()});
+  if (!as.init_from().empty()) argv.insert(argv.end(), {"--init-from", as.init_from()});
   if (!options_.plugin_dir.empty()) argv.insert(argv.end(), {"--plugin-dir", options_.plugin_dir});
   std::string omp;
   if (spec.threads() == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
@@ -176,10 +219,11 @@ void Agent::StartAttempt(const v1::Assignment& as) {
   }
   std::vector<int> ranks(as.ranks().begin(), as.ranks().end());
   AppendCombined(
-      a, absl::StrCat("[agent ", options_.name, "] attempt ", a.attempt, ": ranks ",
-                      absl::StrJoin(ranks, ","), " of ", as.world_size(), ", rendezvous ",
-                      as.master_addr(), ":", a.master_port,
-                      as.resume_from().empty() ? "" : ", resuming from " + as.resume_from(), "\n"));
+      a,
+      absl::StrCat("[agent ", options_.name, "] attempt ", a.attempt, ": ranks ",
+                   absl::StrJoin(ranks, ","), " of ", as.world_size(), ", rendezvous ",
+                   as.master_addr(), ":", a.master_port,
+                   as.resume_from().empty() ? "" : ", checkpoints in " + as.resume_from(), "\n"));
   for (int r : ranks) {
     Rank rank;
     rank.rank = r;
@@ -201,6 +245,7 @@ void Agent::StartAttempt(const v1::Assignment& as) {
       ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
       ::setenv("LOOM_JOB_ID", as.job_id().c_str(), 1);
       ::setenv("LOOM_ATTEMPT", std::to_string(as.attempt()).c_str(), 1);
+      ::setenv("LOOM_LEASE_FILE", a.lease_path.c_str(), 1);
       if (!omp.empty()) ::setenv("OMP_NUM_THREADS", omp.c_str(), 1);
       if (::chdir(a.dir.c_str()) != 0) _exit(126);
       std::vector<char*> cargv;
@@ -271,6 +316,11 @@ void Agent::Poll() {
             r.exit_code = 128 + WTERMSIG(st);
             r.detail =
                 absl::StrCat("killed by signal ", WTERMSIG(st), " (", strsignal(WTERMSIG(st)), ")");
+          }
+          if (a.lease_expired && r.exit_code != 0) {
+            // An infrastructure failure, not the job's: reported like the rank's own lease stop.
+            r.detail = absl::StrCat("stopped: lease expired (", r.detail, ")");
+            r.exit_code = kExitLeaseExpired;
           }
           // Whatever it wrote after the read above.
           std::string rest = ReadFrom(r.log_path, r.log_read, 64 << 20);
@@ -347,6 +397,16 @@ void Agent::Poll() {
         registry_.Set("loom_train_eval_loss", num("eval_loss"), labels);
         registry_.Set("loom_train_eval_accuracy_ratio", num("accuracy"), labels);
         registry_.Set("loom_train_eval_exact_match_ratio", num("exact_match"), labels);
+      } else if (event == "checkpoint_skipped" && j.contains("dir") && j["dir"].is_string()) {
+        v1::SkippedCheckpoint c;
+        c.set_step(static_cast<int64_t>(num("step")));
+        c.set_path(j["dir"].get<std::string>());
+        if (j.contains("reason") && j["reason"].is_string()) c.set_reason(j["reason"]);
+        a.skipped.push_back(c);
+      } else if (event == "resumed") {
+        a.resumed.set_restored(true);
+        a.resumed.set_step(static_cast<int64_t>(num("step")));
+        if (j.contains("dir") && j["dir"].is_string()) a.resumed.set_path(j["dir"]);
       } else if (event == "reasoning_eval") {
         v1::EvalResult e;
         e.set_kind("reasoning");
@@ -373,6 +433,18 @@ void Agent::Poll() {
     }
   }
   registry_.Set("loom_worker_ranks_running", running_ranks);
+  // Lease expired: the coordinator may declare this worker lost soon and run its jobs
+  // elsewhere, so the ranks stop now (they also stop themselves: LOOM_LEASE_FILE).
+  if (lease_expiry_ms_ > 0 && SteadyMs() > lease_expiry_ms_) {
+    for (auto& [key, a] : attempts_) {
+      bool running = false;
+      for (const Rank& r : a.ranks) running |= r.running;
+      if (running && a.kill_at_ms == 0) {
+        a.lease_expired = true;
+        Cancel(a, "lease expired: no heartbeat reached the coordinator");
+      }
+    }
+  }
 }
 
 v1::HeartbeatRequest Agent::BuildHeartbeat(std::map<std::string, int64_t>* log_ends) {
@@ -395,8 +467,14 @@ v1::HeartbeatRequest Agent::BuildHeartbeat(std::map<std::string, int64_t>* log_e
     *r->mutable_progress() = a.progress;
     for (const auto& c : a.checkpoints) *r->add_checkpoints() = c;
     for (const auto& e : a.evals) *r->add_evals() = e;
+    for (const auto& c : a.skipped) *r->add_skipped() = c;
+    *r->mutable_resumed() = a.resumed;
     r->set_master_port(a.master_port);
-    std::string chunk = ReadFrom(a.combined_log, a.log_sent, options_.max_log_chunk);
+    // Logs are what can grow: together they take at most half of the coordinator's body limit.
+    const int64_t budget = std::max<int64_t>(
+        1024, std::min<int64_t>(options_.max_log_chunk,
+                                max_body_bytes_ / 2 / static_cast<int64_t>(attempts_.size())));
+    std::string chunk = ReadFrom(a.combined_log, a.log_sent, budget);
     // Whole lines only, so chunks from several workers interleave cleanly in the job's log.
     if (const size_t nl = chunk.rfind('\n'); nl != std::string::npos) chunk.resize(nl + 1);
     r->set_log_offset(a.log_sent);
@@ -404,6 +482,78 @@ v1::HeartbeatRequest Agent::BuildHeartbeat(std::map<std::string, int64_t>* log_e
     r->set_log(std::move(chunk));
   }
   return req;
+}
+
+// One heartbeat: reports out, assignments, cancels and acknowledgements in. A credential the
+// coordinator no longer accepts (this worker was declared lost) means registering again.
+absl::Status Agent::Heartbeat(bool* registered) {
+  just_assigned_ = false;
+  std::map<std::string, int64_t> log_ends;
+  v1::HeartbeatRequest req = BuildHeartbeat(&log_ends);
+  v1::HeartbeatResponse resp;
+  const int64_t sent = SteadyMs();
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status s = client_->Call("POST", "/v1/agent/heartbeat", &req, &resp);
+  if (!s.ok()) {
+    registry_.Increment("loom_worker_heartbeat_failures_total");
+    if (s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kUnauthenticated) {
+      *registered = false;  // forgotten (new state dir) or declared lost: register again
+    } else if (s.code() == absl::StatusCode::kResourceExhausted) {
+      max_body_bytes_ = std::max<int64_t>(16 << 10, max_body_bytes_ / 2);  // send less log
+    } else if (s.code() == absl::StatusCode::kInvalidArgument ||
+               s.code() == absl::StatusCode::kPermissionDenied) {
+      // A report the coordinator refuses would be refused forever: drop what it may object to.
+      Log(absl::StrCat("the coordinator refused a heartbeat; dropping its reports: ", s.message()));
+      for (auto& [key, a] : attempts_) {
+        a.checkpoints.clear();
+        a.skipped.clear();
+        a.resumed.Clear();
+      }
+    }
+    return s;
+  }
+  registry_.Observe(
+      "loom_worker_heartbeat_seconds",
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  RenewLease(sent + lease_ms_);
+  Acknowledge(req, log_ends, resp);
+  return absl::OkStatus();
+}
+
+void Agent::Acknowledge(const v1::HeartbeatRequest& sent,
+                        const std::map<std::string, int64_t>& ends,
+                        const v1::HeartbeatResponse& resp) {
+  for (const auto& r : sent.attempts()) {
+    auto it = attempts_.find(Key(r.job_id(), r.attempt()));
+    if (it == attempts_.end()) continue;
+    Attempt& a = it->second;
+    a.log_sent = ends.at(it->first);
+    a.checkpoints.erase(a.checkpoints.begin(), a.checkpoints.begin() + r.checkpoints_size());
+    a.evals.erase(a.evals.begin(), a.evals.begin() + r.evals_size());
+    a.skipped.erase(a.skipped.begin(), a.skipped.begin() + r.skipped_size());
+  }
+  for (const auto& c : resp.cancels()) {
+    auto it = attempts_.find(Key(c.job_id(), c.attempt()));
+    if (it != attempts_.end()) Cancel(it->second, "cancelled by the coordinator");
+  }
+  for (const auto& f : resp.forget()) {
+    auto it = attempts_.find(Key(f.job_id(), f.attempt()));
+    if (it == attempts_.end()) continue;
+    bool finished = true;
+    for (const Rank& r : it->second.ranks) finished &= !r.running;
+    if (finished && it->second.log_sent >= it->second.log_written &&
+        it->second.checkpoints.empty()) {
+      const std::string job = it->second.job_id;
+      attempts_.erase(it);
+      bool other = false;
+      for (const auto& [k, a] : attempts_) other |= a.job_id == job;
+      if (!other) registry_.RemoveWhere("job", job);  // keep cardinality bounded
+    }
+  }
+  for (const auto& as : resp.assignments()) {
+    if (!attempts_.count(Key(as.job_id(), as.attempt()))) StartAttempt(as);
+  }
+  just_assigned_ = !resp.assignments().empty();  // report the port / start at once
 }
 
 absl::Status Agent::Run() {
@@ -416,8 +566,11 @@ absl::Status Agent::Run() {
     std::ifstream in(fs::path(options_.work_dir) / "worker-id");
     std::string id;
     if (in >> id && SafeName(id)) worker_id_ = id;
+    std::ifstream cred(fs::path(options_.work_dir) / "worker-credential");
+    std::string token;
+    if (cred >> token && SafeName(token)) credential_ = token;
   }
-  LOOM_ASSIGN_OR_RETURN(client_,
+  LOOM_ASSIGN_OR_RETURN(enrol_client_,
                         client::RestClient::Create(options_.coordinator_url, options_.token, 5000));
   if (options_.metrics_port != 0) {
     LOOM_ASSIGN_OR_RETURN(exporter_,
@@ -465,59 +618,16 @@ absl::Status Agent::Run() {
         }
       }
       if (registered) {
-        std::map<std::string, int64_t> log_ends;
-        v1::HeartbeatRequest req = BuildHeartbeat(&log_ends);
-        v1::HeartbeatResponse resp;
-        const auto sent = std::chrono::steady_clock::now();
-        absl::Status s = client_->Call("POST", "/v1/agent/heartbeat", &req, &resp);
-        if (s.ok()) {
-          registry_.Observe(
-              "loom_worker_heartbeat_seconds",
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - sent).count());
-        } else {
-          registry_.Increment("loom_worker_heartbeat_failures_total");
-        }
-        if (s.code() == absl::StatusCode::kNotFound) {
-          registered = false;  // the coordinator forgot us (new state dir): register again
-          next_heartbeat = 0;
-        } else if (!s.ok()) {
+        absl::Status s = Heartbeat(&registered);
+        if (!s.ok()) {
           if (reachable) Log(absl::StrCat("heartbeat failed (will retry): ", s.message()));
           reachable = false;
         } else {
           if (!reachable) Log("coordinator reachable again");
           reachable = true;
-          for (const auto& r : req.attempts()) {
-            auto it = attempts_.find(Key(r.job_id(), r.attempt()));
-            if (it == attempts_.end()) continue;
-            it->second.log_sent = log_ends[it->first];
-            it->second.checkpoints.erase(it->second.checkpoints.begin(),
-                                         it->second.checkpoints.begin() + r.checkpoints_size());
-            it->second.evals.erase(it->second.evals.begin(),
-                                   it->second.evals.begin() + r.evals_size());
-          }
-          for (const auto& c : resp.cancels()) {
-            auto it = attempts_.find(Key(c.job_id(), c.attempt()));
-            if (it != attempts_.end()) Cancel(it->second, "cancelled by the coordinator");
-          }
-          for (const auto& f : resp.forget()) {
-            auto it = attempts_.find(Key(f.job_id(), f.attempt()));
-            if (it == attempts_.end()) continue;
-            bool finished = true;
-            for (const Rank& r : it->second.ranks) finished &= !r.running;
-            if (finished && it->second.log_sent >= it->second.log_written &&
-                it->second.checkpoints.empty()) {
-              const std::string job = it->second.job_id;
-              attempts_.erase(it);
-              bool other = false;
-              for (const auto& [k, a] : attempts_) other |= a.job_id == job;
-              if (!other) registry_.RemoveWhere("job", job);  // keep cardinality bounded
-            }
-          }
-          for (const auto& as : resp.assignments()) {
-            if (!attempts_.count(Key(as.job_id(), as.attempt()))) StartAttempt(as);
-          }
-          if (!resp.assignments().empty()) next_heartbeat = 0;  // report the port / start at once
         }
+        if (!registered) next_heartbeat = 0;  // register again right away
+        if (s.ok() && !attempts_.empty() && just_assigned_) next_heartbeat = 0;
       }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -534,12 +644,7 @@ absl::Status Agent::Run() {
     if (!any || NowMs() > deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  if (registered) {
-    std::map<std::string, int64_t> log_ends;
-    v1::HeartbeatRequest req = BuildHeartbeat(&log_ends);
-    v1::HeartbeatResponse resp;
-    (void)client_->Call("POST", "/v1/agent/heartbeat", &req, &resp);  // best effort: final exits
-  }
+  if (registered) (void)Heartbeat(&registered);  // best effort: the final exits
   Log("stopped");
   return absl::OkStatus();
 }

@@ -23,8 +23,8 @@
 namespace loom::agent {
 
 struct AgentOptions {
-  std::string coordinator_url;
-  std::string token;
+  std::string coordinator_url;  // the coordinator's agent listener
+  std::string token;            // enrolment token: registration only
   std::string name;
   std::string address = "127.0.0.1";
   int slots = 1;
@@ -70,7 +70,11 @@ class Agent {
     v1::Progress progress;
     std::vector<v1::CheckpointReport> checkpoints;  // not yet acknowledged
     std::vector<v1::EvalResult> evals;              // not yet acknowledged
-    std::string combined_log;                       // path of the combined log of all ranks
+    std::vector<v1::SkippedCheckpoint> skipped;     // not yet acknowledged
+    v1::ResumeReport resumed;                       // sent until the attempt is forgotten
+    std::string lease_path;                         // the ranks' lease (LOOM_LEASE_FILE)
+    bool lease_expired = false;  // stopped for that: exits are reported as kExitLeaseExpired
+    std::string combined_log;    // path of the combined log of all ranks
     int64_t log_written = 0;
     int64_t log_sent = 0;
     int64_t kill_at_ms = 0;    // SIGKILL deadline after a cancel (0 = not cancelled)
@@ -79,6 +83,12 @@ class Agent {
   };
 
   absl::Status Register();
+  absl::Status Heartbeat(bool* registered);
+  void Acknowledge(const v1::HeartbeatRequest& sent, const std::map<std::string, int64_t>& ends,
+                   const v1::HeartbeatResponse& resp);
+  // Lease: ranks may run until this steady-clock time (ms) unless a heartbeat renews it.
+  void RenewLease(int64_t expiry_ms);
+  void WriteLease(const Attempt& a) const;
   void StartAttempt(const v1::Assignment& a);
   void Cancel(Attempt& a, const std::string& why);
   void Poll();  // reap children, tail logs and metrics, escalate kills
@@ -91,9 +101,15 @@ class Agent {
   AgentOptions options_;
   metrics::Registry registry_;
   std::unique_ptr<metrics::HttpExporter> exporter_;
-  std::unique_ptr<client::RestClient> client_;
+  std::unique_ptr<client::RestClient> enrol_client_;  // enrolment token: POST register
+  std::unique_ptr<client::RestClient> client_;        // this worker's credential: heartbeats
   std::string worker_id_;
+  std::string credential_;
   int heartbeat_ms_ = 1000;
+  int lease_ms_ = 5000;
+  int64_t lease_expiry_ms_ = 0;  // steady clock; 0 until the first successful registration
+  int64_t max_body_bytes_ = 1 << 20;
+  bool just_assigned_ = false;
   std::map<std::string, Attempt> attempts_;  // Key(job, attempt)
   std::atomic<bool> stop_{false};
 };

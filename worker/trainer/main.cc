@@ -19,8 +19,10 @@
 #include "checkpoint.h"
 #include "corpus.h"
 #include "devices.h"
+#include "lease.h"
 #include "loom/blas_core.h"
 #include "loom/cli_args.h"
+#include "loom/exit_codes.h"
 #include "loom/status_macros.h"
 #include "model.h"
 #include "plugin_factory.h"
@@ -41,6 +43,8 @@ commands:
                 --warmup N --seed S --log-every K --threads T --name NAME
                 --checkpoint-dir DIR --checkpoint-every N --metrics-port P --metrics-jsonl F
                 --resume DIR (continue exactly) | --init-from DIR (weights only)
+                --resume-if-any DIR (newest intact checkpoint there, else a fresh start or
+                  --init-from; damaged ones are skipped)   --no-retention (keep every checkpoint)
                 --stop-after N (stop at step N with a checkpoint)  --print-spec
                 --save-weights out.safetensors
   attention   one attention layer's forward from files
@@ -209,8 +213,8 @@ absl::Status RunTrain(int argc, char** argv) {
            "grad-accum",     "seq-len",          "lr",           "min-lr",        "warmup",
            "seed",           "log-every",        "threads",      "plugin-dir",    "save-weights",
            "checkpoint-dir", "checkpoint-every", "metrics-port", "metrics-jsonl", "name",
-           "resume",         "init-from",        "stop-after"},
-          {"print-spec"}));
+           "resume",         "init-from",        "stop-after",   "resume-if-any"},
+          {"print-spec", "no-retention"}));
   LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, JobFromArgs(args));
   if (args.Has("print-spec")) {
     std::string json;
@@ -224,6 +228,9 @@ absl::Status RunTrain(int argc, char** argv) {
   TrainerOptions options;
   options.resume = args.Get("resume");
   options.init_from = args.Get("init-from");
+  options.resume_if_any = args.Get("resume-if-any");
+  options.apply_retention = !args.Has("no-retention");
+  StartLeaseWatchdog();  // a rank of a service job: stop when the agent's lease runs out
   LOOM_ASSIGN_OR_RETURN(options.stop_after, args.GetInt("stop-after", 0, 1, 1000000000));
   options.log = &std::cout;
   options.progress_bar = ::isatty(STDOUT_FILENO) != 0;
@@ -427,7 +434,7 @@ int main(int argc, char** argv) {
   }
   if (!status.ok()) {
     std::cerr << "loom-train " << command << ": " << status.message() << "\n";
-    return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ? 2 : 1;
+    return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ? loom::kExitBadInput : 1;
   }
   return 0;
 }

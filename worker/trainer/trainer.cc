@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "corpus.h"
+#include "lease.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 #include "plugin_factory.h"
@@ -297,14 +298,30 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   if (!options_.resume.empty() && !options_.init_from.empty()) {
     return absl::InvalidArgumentError("--resume and --init-from are exclusive");
   }
-  if (!options_.resume.empty()) LOOM_RETURN_IF_ERROR(Restore(options_.resume, false));
-  if (!options_.init_from.empty()) LOOM_RETURN_IF_ERROR(Restore(options_.init_from, true));
+  if (!options_.resume.empty() && !options_.resume_if_any.empty()) {
+    return absl::InvalidArgumentError("--resume and --resume-if-any are exclusive");
+  }
+  if (!options_.resume_if_any.empty()) {
+    LOOM_RETURN_IF_ERROR(RestoreNewestIntact(options_.resume_if_any));
+  } else {
+    if (!options_.resume.empty()) LOOM_RETURN_IF_ERROR(Restore(options_.resume, false));
+    if (!options_.init_from.empty()) LOOM_RETURN_IF_ERROR(Restore(options_.init_from, true));
+  }
 
   if (!spec_.metrics().jsonl().empty()) {
     jsonl_.open(spec_.metrics().jsonl(), options_.resume.empty() ? std::ios::trunc : std::ios::app);
     if (!jsonl_)
       return absl::InvalidArgumentError(
           absl::StrCat("metrics.jsonl: cannot open '", spec_.metrics().jsonl(), "'"));
+    // What --resume-if-any found, for the control plane's catalogue and the job's events.
+    for (const auto& k : skipped_) {
+      WriteJsonl(absl::StrCat("{\"event\":\"checkpoint_skipped\",\"step\":", k.step, ",\"dir\":",
+                              JsonString(k.dir), ",\"reason\":", JsonString(k.reason), "}"));
+    }
+    if (!options_.resume_if_any.empty()) {
+      WriteJsonl(absl::StrCat("{\"event\":\"resumed\",\"step\":", resumed_.step,
+                              ",\"dir\":", JsonString(resumed_.dir), "}"));
+    }
   }
   return absl::OkStatus();
 }
@@ -514,12 +531,40 @@ absl::Status Trainer::Restore(const std::string& where, bool weights_only) {
   if (!loaded.ok())
     return absl::Status(loaded.status().code(),
                         absl::StrCat(what, ": ", loaded.status().message()));
-  const storage::Manifest& m = loaded->manifest;
+  return ApplyCheckpoint(*loaded, weights_only, start);
+}
+
+// --resume-if-any: the newest checkpoint under `root` that verifies and restores; each newer
+// one that does not is skipped and reported (JSON lines "checkpoint_skipped") so the control
+// plane marks it. None at all: a fresh start (or --init-from).
+absl::Status Trainer::RestoreNewestIntact(const std::string& root) {
+  LOOM_ASSIGN_OR_RETURN(std::vector<storage::CheckpointRef> refs, storage::ListCheckpoints(root));
+  for (auto it = refs.rbegin(); it != refs.rend(); ++it) {
+    const auto start = Clock::now();
+    absl::StatusOr<storage::LoadedCheckpoint> loaded = storage::LoadCheckpoint(it->dir);
+    absl::Status s = loaded.ok() ? ApplyCheckpoint(*loaded, false, start) : loaded.status();
+    if (s.ok()) {
+      resumed_ = {it->step, it->dir, ""};
+      return absl::OkStatus();
+    }
+    if (absl::IsInvalidArgument(s)) return s;  // the spec does not fit its own checkpoints
+    LogLine(absl::StrCat("checkpoint: skipping ", it->dir, ": ", s.message()));
+    skipped_.push_back({it->step, it->dir, std::string(s.message())});
+  }
+  resumed_ = {0, "", ""};
+  if (!options_.init_from.empty()) return Restore(options_.init_from, true);
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::ApplyCheckpoint(const storage::LoadedCheckpoint& loaded, bool weights_only,
+                                      Clock::time_point start) {
+  const char* what = weights_only ? "--init-from" : "--resume";
+  const storage::Manifest& m = loaded.manifest;
   // Shards are merged by name: parameters live in shard 0, AdamW moments in the shard of the rank
   // that owned them. Each rank then takes what its own partition needs, whatever the world size
   // that wrote the checkpoint (resharding needs no conversion step).
   std::map<std::string, torch::Tensor> tensors;
-  for (const auto& shard : loaded->shards) {
+  for (const auto& shard : loaded.shards) {
     LOOM_ASSIGN_OR_RETURN(auto part, TensorsFromFile(shard));
     tensors.insert(part.begin(), part.end());
   }
@@ -532,18 +577,18 @@ absl::Status Trainer::Restore(const std::string& where, bool weights_only) {
     auto it = m.state.find("model_hash");
     if (it == m.state.end() || it->second != model_hash_) {
       return absl::FailedPreconditionError(
-          absl::StrCat(what, ": ", loaded->dir, " holds a different model (hash ",
+          absl::StrCat(what, ": ", loaded.dir, " holds a different model (hash ",
                        it == m.state.end() ? "none" : it->second, ", this spec ", model_hash_,
                        "); use --init-from to start a new run from its weights"));
     }
   }
   if (absl::Status s = LoadIntoModule(*model_, model_tensors); !s.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, ": ", loaded->dir, ": model: ", s.message()));
+        absl::StrCat(what, ": ", loaded.dir, ": model: ", s.message()));
   }
   if (weights_only) {
-    parent_ = loaded->dir;
-    LogLine(absl::StrCat("init-from: weights of ", loaded->dir, " (step ", m.step,
+    parent_ = loaded.dir;
+    LogLine(absl::StrCat("init-from: weights of ", loaded.dir, " (step ", m.step,
                          "); fresh optimizer"));
   } else {
     auto get = [&](const std::string& key) -> absl::StatusOr<std::string> {
@@ -573,7 +618,7 @@ absl::Status Trainer::Restore(const std::string& where, bool weights_only) {
     tokens_seen_ = m.tokens_seen;
     parent_ = m.parent;
     LogLine(
-        absl::StrCat("resume: ", loaded->dir, " at step ", step_, " (", tokens_seen_, " tokens)"));
+        absl::StrCat("resume: ", loaded.dir, " at step ", step_, " (", tokens_seen_, " tokens)"));
   }
   registry_.Observe("loom_train_checkpoint_load_seconds",
                     std::chrono::duration<double>(Clock::now() - start).count(), labels_);
@@ -592,7 +637,10 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
   // ZeRO-1: every rank writes its shard into one temporary directory that rank 0 creates and
   // commits; otherwise rank 0 alone writes the (replicated) state.
   const int world = zero_ ? comm_->world_size() : 1, rank = comm_->rank();
-  const std::string token = absl::StrCat("run", spec_hash_);
+  // Per attempt: a fenced attempt's half-written directory never mixes with the next one's.
+  const char* attempt = std::getenv("LOOM_ATTEMPT");
+  const std::string token =
+      absl::StrCat("run", spec_hash_, attempt ? "-a" : "", attempt ? attempt : "");
   if (zero_ && rank != 0)
     LOOM_RETURN_IF_ERROR(comm_->Barrier());  // rank 0 has created the directory
   LOOM_ASSIGN_OR_RETURN(
@@ -628,13 +676,16 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
                     {"model_hash", model_hash_},
                     {"zero_stage", zero_ ? "1" : "0"},
                     {"spec", spec_json}};
+  RequireLease("before a checkpoint commit");
   auto dir = writer.Commit(manifest);
   if (!dir.ok()) {
     writer.Abort();
     return dir.status();
   }
-  LOOM_RETURN_IF_ERROR(storage::ApplyRetention(
-      spec_.checkpoint().dir(), spec_.checkpoint().keep_last(), spec_.checkpoint().keep_every()));
+  if (options_.apply_retention) {
+    LOOM_RETURN_IF_ERROR(storage::ApplyRetention(
+        spec_.checkpoint().dir(), spec_.checkpoint().keep_last(), spec_.checkpoint().keep_every()));
+  }
   uint64_t bytes = 0;
   for (const auto& item : writable.items) bytes += item.size_bytes;
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();

@@ -8,6 +8,7 @@
 #ifndef LOOM_WORKER_TRAINER_TRAINER_H_
 #define LOOM_WORKER_TRAINER_TRAINER_H_
 
+#include <chrono>
 #include <cstdint>
 #include <fstream>
 #include <functional>
@@ -105,8 +106,12 @@ struct BatchScore {
 BatchScore ScoreBatch(const torch::Tensor& logits, const TrainBatch& batch, bool with_accuracy);
 
 struct TrainerOptions {
-  std::string resume;      // checkpoint root or step directory to continue from ("" = fresh)
-  std::string init_from;   // checkpoint root or step directory to take weights from
+  std::string resume;     // checkpoint root or step directory to continue from ("" = fresh)
+  std::string init_from;  // checkpoint root or step directory to take weights from
+  // Checkpoint root: continue from its newest checkpoint that verifies, skipping damaged ones;
+  // none: start fresh (from init_from when given). What the control plane's agents pass.
+  std::string resume_if_any;
+  bool apply_retention = true;  // false: the control plane decides what to delete
   int64_t stop_after = 0;  // stop (with a checkpoint) once this step is reached; 0 = run to the end
   std::ostream* log = nullptr;  // progress lines; null = silent
   bool progress_bar = false;    // redraw one line (a terminal) instead of printing lines
@@ -152,6 +157,9 @@ class Trainer {
   absl::Status SetupData();
   absl::Status SetupChatData();  // sft: packed conversations of the SFT objective plugin
   absl::Status Restore(const std::string& where, bool weights_only);
+  absl::Status RestoreNewestIntact(const std::string& root);
+  absl::Status ApplyCheckpoint(const storage::LoadedCheckpoint& loaded, bool weights_only,
+                               std::chrono::steady_clock::time_point start);
   absl::StatusOr<std::string> SaveCheckpoint();
   absl::Status BroadcastOwnedParameters();
   struct EvalResult {
@@ -185,6 +193,12 @@ class Trainer {
   int64_t checkpoint_pause_step_ = -1,
           checkpoint_pause_ms_ = 0;  // test hook: LOOM_TEST_CHECKPOINT_PAUSE
   std::ofstream jsonl_;
+  struct CheckpointNote {
+    int64_t step = 0;
+    std::string dir, reason;
+  };
+  std::vector<CheckpointNote> skipped_;  // --resume-if-any: damaged checkpoints passed over
+  CheckpointNote resumed_;               // and the one restored ("" dir: none)
   metrics::Registry registry_;
   metrics::Labels labels_;
   std::unique_ptr<metrics::HttpExporter> exporter_;

@@ -1,0 +1,145 @@
+// A strict HTTP/1.1 server for the coordinator's REST API. It exists because the API must hold
+// its limits against hostile clients before anything is buffered, which cpp-httplib 0.11 (the
+// Debian library) does not: it reads chunked and length-less request bodies to the end before
+// any size check, and buffers a request line or header line of any length.
+//
+// What it promises (docs/control-plane.md, "Input limits"):
+// * the request head (line + headers) is at most max_head_bytes and must arrive within
+//   head_timeout_ms of its first byte (slowloris); the body within body_timeout_ms;
+// * a body is at most max_body_bytes whatever its framing: Content-Length over the limit is
+//   answered 413 before reading it, a chunked body as soon as it passes the limit; a POST with
+//   neither Content-Length nor chunked framing is 411; any Content-Encoding is 415 (nothing is
+//   decompressed, so nothing can expand);
+// * responses are written with a per-write deadline (slow readers cannot hold a thread forever);
+// * each listener has its own thread pool and a bounded accept queue (503 beyond it), so two
+//   listeners (users, agents) cannot starve each other.
+// After an error the connection is closed with a bounded lingering drain, so the client reads
+// the error before the reset.
+#ifndef LOOM_COORDINATOR_HTTP_SERVER_H_
+#define LOOM_COORDINATOR_HTTP_SERVER_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <regex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace loom::coordinator {
+
+struct HttpRequest {
+  std::string method;
+  std::string path;  // percent-decoded, without the query
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;  // names in lower case
+  std::multimap<std::string, std::string> params;            // query parameters, decoded
+  std::vector<std::string> matches;                          // the route's regex groups
+
+  // The first value of a header (lower-case name), "" when absent.
+  std::string Header(absl::string_view lower_name) const;
+  bool HasParam(const std::string& key) const { return params.count(key) > 0; }
+  std::string Param(const std::string& key) const;
+  size_t ParamCount(const std::string& key) const { return params.count(key); }
+};
+
+// Where a streamed response body goes (chunked transfer encoding).
+class StreamSink {
+ public:
+  virtual ~StreamSink() = default;
+  // False when the client is gone or too slow (the write deadline passed).
+  virtual bool Write(absl::string_view data) = 0;
+  // False once the client has closed its side.
+  virtual bool ClientConnected() = 0;
+};
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;
+  // When set, the body is produced by this callback (chunked) and the connection closes after.
+  std::function<void(StreamSink&)> stream;
+
+  void SetHeader(const std::string& name, const std::string& value) {
+    headers.emplace_back(name, value);
+  }
+};
+
+using HttpHandler = std::function<void(const HttpRequest&, HttpResponse&)>;
+
+// {"error": message} with the status: the shape of every error the API returns.
+void SetJsonError(HttpResponse& res, int status, absl::string_view message);
+
+struct HttpServerOptions {
+  int threads = 16;
+  int max_queued_connections = 256;  // accepted, waiting for a thread; beyond: 503 and close
+  size_t max_head_bytes = 16 << 10;
+  size_t max_body_bytes = 1 << 20;
+  int head_timeout_ms = 10000;   // the whole request head, from its first byte
+  int body_timeout_ms = 30000;   // the whole body
+  int idle_timeout_ms = 5000;    // keep-alive: wait for the next request
+  int write_timeout_ms = 10000;  // each write of a response
+  int max_requests_per_connection = 1000;
+};
+
+class HttpServer {
+ public:
+  explicit HttpServer(HttpServerOptions options) : options_(std::move(options)) {}
+  ~HttpServer();
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // pattern: a regex matched against the whole decoded path; groups go to request.matches.
+  void Route(const std::string& method, const std::string& pattern, HttpHandler handler);
+  // Runs before routing on every request; returns true when it answered (e.g. a 403).
+  void SetFilter(std::function<bool(const HttpRequest&, HttpResponse&)> filter) {
+    filter_ = std::move(filter);
+  }
+  // After every answered request: the request, the response and the handling time in seconds.
+  void SetLogger(std::function<void(const HttpRequest&, const HttpResponse&, double)> logger) {
+    logger_ = std::move(logger);
+  }
+
+  // Binds and listens (port 0: any free port); returns the bound port.
+  absl::StatusOr<int> Listen(const std::string& address, int port);
+  // Starts the accept loop and the worker threads.
+  void Start();
+  // Stops accepting, finishes nothing more, joins every thread. Idempotent.
+  void Stop();
+
+ private:
+  struct RouteEntry {
+    std::string method;
+    std::regex pattern;
+    HttpHandler handler;
+  };
+  class Connection;
+
+  void AcceptLoop();
+  void WorkerLoop();
+  void Dispatch(HttpRequest& request, HttpResponse& response);
+
+  HttpServerOptions options_;
+  std::vector<RouteEntry> routes_;
+  std::function<bool(const HttpRequest&, HttpResponse&)> filter_;
+  std::function<void(const HttpRequest&, const HttpResponse&, double)> logger_;
+  int listen_fd_ = -1;
+  std::atomic<bool> stop_{false};
+  std::thread acceptor_;
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<int> queue_;
+};
+
+}  // namespace loom::coordinator
+
+#endif  // LOOM_COORDINATOR_HTTP_SERVER_H_

@@ -1,0 +1,202 @@
+// The coordinator's HTTP server on real loopback sockets: limits hold whatever the framing
+// (Content-Length, chunked, none, compressed), slow clients are cut off, keep-alive and
+// streamed responses work, and two servers do not share threads.
+#include "http_server.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+
+namespace loom::coordinator {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int Connect(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  return fd;
+}
+
+// Everything the server sends until it closes (or `timeout_ms` passes).
+std::string ReadAll(int fd, int timeout_ms = 5000) {
+  std::string out;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  char buf[4096];
+  while (Clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+class HttpServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    HttpServerOptions o;
+    o.threads = 2;
+    o.max_body_bytes = 1024;
+    o.max_head_bytes = 2048;
+    o.head_timeout_ms = 500;
+    o.body_timeout_ms = 500;
+    server_ = std::make_unique<HttpServer>(o);
+    server_->Route("POST", "/echo",
+                   [](const HttpRequest& req, HttpResponse& res) { res.body = req.body; });
+    server_->Route("GET", R"(/items/([a-z]+))", [](const HttpRequest& req, HttpResponse& res) {
+      res.body = absl::StrCat(req.matches[0], ":", req.Param("q"));
+    });
+    server_->Route("GET", "/stream", [](const HttpRequest&, HttpResponse& res) {
+      res.stream = [](StreamSink& sink) {
+        for (int i = 0; i < 3; ++i) sink.Write(absl::StrCat("part", i, "\n"));
+      };
+    });
+    auto port = server_->Listen("127.0.0.1", 0);
+    ASSERT_TRUE(port.ok()) << port.status();
+    port_ = *port;
+    server_->Start();
+  }
+  void TearDown() override { server_->Stop(); }
+
+  std::string Exchange(const std::string& request, int timeout_ms = 5000) {
+    const int fd = Connect(port_);
+    ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+    std::string out = ReadAll(fd, timeout_ms);
+    ::close(fd);
+    return out;
+  }
+
+  std::unique_ptr<HttpServer> server_;
+  int port_ = 0;
+};
+
+TEST_F(HttpServerTest, ServesRoutesWithKeepAliveAndDecodedPaths) {
+  const std::string r1 = "GET /items/abc?q=a%20b HTTP/1.1\r\nHost: x\r\n\r\n";
+  const std::string r2 = "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello";
+  const std::string r3 = "GET /nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  const std::string out = Exchange(r1 + r2 + r3);  // pipelined on one connection
+  EXPECT_NE(out.find("abc:a b"), std::string::npos) << out;
+  EXPECT_NE(out.find("\r\n\r\nhello"), std::string::npos) << out;
+  EXPECT_NE(out.find("404 Not Found"), std::string::npos) << out;
+  EXPECT_NE(out.find("no route GET /nothing"), std::string::npos) << out;
+}
+
+TEST_F(HttpServerTest, ChunkedBodiesAreDecodedAndCapped) {
+  std::string ok =
+      "POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n";
+  ok += "3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\n\r\n";
+  EXPECT_NE(Exchange(ok).find("\r\n\r\nabcde"), std::string::npos);
+  // An endless chunked body: answered 413 once it passes the limit, without reading it all.
+  const int fd = Connect(port_);
+  const std::string head = "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
+  ::send(fd, head.data(), head.size(), MSG_NOSIGNAL);
+  const std::string chunk = "100\r\n" + std::string(256, 'x') + "\r\n";
+  std::string answer;
+  for (int i = 0; i < 4096 && answer.empty(); ++i) {  // up to 1 MiB
+    if (::send(fd, chunk.data(), chunk.size(), MSG_NOSIGNAL) < 0) break;
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 0) > 0) answer = ReadAll(fd, 1000);
+  }
+  if (answer.empty()) answer = ReadAll(fd, 2000);
+  ::close(fd);
+  EXPECT_NE(answer.find("413"), std::string::npos) << answer;
+  EXPECT_NE(answer.find("request body too large"), std::string::npos) << answer;
+}
+
+TEST_F(HttpServerTest, RefusesWhatItWillNotBuffer) {
+  struct Case {
+    std::string request, status, message;
+  };
+  const std::vector<Case> cases = {
+      {"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n", "413", "too large"},
+      {"POST /echo HTTP/1.1\r\nHost: x\r\n\r\nnot framed", "411", "Content-Length required"},
+      {"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nContent-Encoding: gzip\r\n\r\nabcd",
+       "415", "Content-Encoding"},
+      {"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+       "400", "both Content-Length"},
+      {"GET /items/a HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(4096, 'a') + "\r\n\r\n", "431",
+       "header too large"},
+      {"GARBAGE\r\n\r\n", "400", "malformed request line"},
+  };
+  for (const Case& c : cases) {
+    const std::string out = Exchange(c.request);
+    EXPECT_NE(out.find("HTTP/1.1 " + c.status), std::string::npos)
+        << c.request.substr(0, 80) << "\n"
+        << out;
+    EXPECT_NE(out.find(c.message), std::string::npos) << out;
+  }
+}
+
+TEST_F(HttpServerTest, SlowClientsAreCutOff) {
+  // A head that never completes (slowloris) and a body that never arrives.
+  const auto start = Clock::now();
+  const int fd = Connect(port_);
+  for (char c : std::string("GET /items/a HTTP/1.1\r\nHost")) {
+    if (::send(fd, &c, 1, MSG_NOSIGNAL) < 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  }
+  const std::string out = ReadAll(fd, 3000);
+  ::close(fd);
+  EXPECT_NE(out.find("408"), std::string::npos) << out;
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(3));
+  const std::string body =
+      Exchange("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nab");
+  EXPECT_NE(body.find("408"), std::string::npos) << body;
+  // Meanwhile, and after, the server answers others.
+  EXPECT_NE(Exchange("GET /items/ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").find("ok:"),
+            std::string::npos);
+}
+
+TEST_F(HttpServerTest, StreamsChunkedResponses) {
+  const std::string out = Exchange("GET /stream HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_NE(out.find("Transfer-Encoding: chunked"), std::string::npos) << out;
+  EXPECT_NE(out.find("6\r\npart0\n\r\n6\r\npart1\n\r\n6\r\npart2\n\r\n0\r\n\r\n"),
+            std::string::npos)
+      << out;
+}
+
+TEST(HttpServerIsolationTest, BusyServerDoesNotStarveAnother) {
+  HttpServerOptions o;
+  o.threads = 1;
+  o.head_timeout_ms = 5000;
+  HttpServer users(o), agents(o);
+  agents.Route("GET", "/healthz", [](const HttpRequest&, HttpResponse& res) { res.body = "ok"; });
+  auto up = users.Listen("127.0.0.1", 0);
+  auto ap = agents.Listen("127.0.0.1", 0);
+  ASSERT_TRUE(up.ok() && ap.ok());
+  users.Start();
+  agents.Start();
+  const int hog = Connect(*up);  // holds the user server's only thread with a half head
+  ::send(hog, "GET /", 5, MSG_NOSIGNAL);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const int fd = Connect(*ap);
+  const std::string req = "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  const auto start = Clock::now();
+  const std::string out = ReadAll(fd, 2000);
+  EXPECT_NE(out.find("\r\n\r\nok"), std::string::npos) << out;
+  EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(500));
+  ::close(fd);
+  ::close(hog);
+  users.Stop();
+  agents.Stop();
+}
+
+}  // namespace
+}  // namespace loom::coordinator
