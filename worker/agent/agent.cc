@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "loom/exit_codes.h"
+#include "loom/lease_clock.h"
 #include "loom/status_macros.h"
 
 namespace fs = std::filesystem;
@@ -75,13 +76,6 @@ std::string ReadFrom(const std::string& path, int64_t offset, int64_t max) {
 
 void Log(const std::string& line) { std::cout << "loom-worker: " << line << std::endl; }
 
-// The clock leases are measured on: CLOCK_MONOTONIC, which every process of the node shares.
-int64_t SteadyMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 // Written whole or not at all (rename), readable by the ranks at any moment.
 void WriteFileAtomically(const std::string& path, const std::string& text, mode_t mode) {
   const std::string tmp = path + ".tmp";
@@ -133,7 +127,7 @@ absl::Status Agent::Register() {
   req.set_credential(credential_);
   req.mutable_labels()->insert(options_.labels.begin(), options_.labels.end());
   v1::RegisterWorkerResponse resp;
-  const int64_t sent = SteadyMs();
+  const int64_t sent = LeaseClockMs();
   LOOM_RETURN_IF_ERROR(enrol_client_->Call("POST", "/v1/agent/register", &req, &resp));
   if (resp.credential().empty()) {
     return absl::InternalError("the coordinator returned no worker credential");
@@ -435,7 +429,7 @@ void Agent::Poll() {
   registry_.Set("loom_worker_ranks_running", running_ranks);
   // Lease expired: the coordinator may declare this worker lost soon and run its jobs
   // elsewhere, so the ranks stop now (they also stop themselves: LOOM_LEASE_FILE).
-  if (lease_expiry_ms_ > 0 && SteadyMs() > lease_expiry_ms_) {
+  if (lease_expiry_ms_ > 0 && LeaseClockMs() > lease_expiry_ms_) {
     for (auto& [key, a] : attempts_) {
       bool running = false;
       for (const Rank& r : a.ranks) running |= r.running;
@@ -491,7 +485,7 @@ absl::Status Agent::Heartbeat(bool* registered) {
   std::map<std::string, int64_t> log_ends;
   v1::HeartbeatRequest req = BuildHeartbeat(&log_ends);
   v1::HeartbeatResponse resp;
-  const int64_t sent = SteadyMs();
+  const int64_t sent = LeaseClockMs();
   const auto start = std::chrono::steady_clock::now();
   absl::Status s = client_->Call("POST", "/v1/agent/heartbeat", &req, &resp);
   if (!s.ok()) {

@@ -10,15 +10,10 @@
 #include <thread>
 
 #include "loom/exit_codes.h"
+#include "loom/lease_clock.h"
 
 namespace loom::trainer {
 namespace {
-
-int64_t SteadyMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // The expiry the file holds, or -1 when it cannot be read (treated as expired: the agent only
 // ever replaces the file whole).
@@ -55,7 +50,7 @@ void StartLeaseWatchdog() {
 void RequireLease(const char* before_what) {
   const char* path = std::getenv("LOOM_LEASE_FILE");
   if (path == nullptr || *path == '\0') return;
-  if (SteadyMs() > ReadExpiry(path)) Expire(path, before_what);
+  if (LeaseClockMs() > ReadExpiry(path)) Expire(path, before_what);
 }
 
 }  // namespace loom::trainer
