@@ -11,7 +11,6 @@ once, ids unique); 25+ malformed and hostile requests (clean 4xx, server stays u
 document validated by swagger-cli and matching the served routes. Every process is killed on exit.
 """
 import argparse
-import http.client
 import json
 import os
 import signal
@@ -20,116 +19,26 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import kill_all, read_port_file  # noqa: E402
+from loom_testlib import Service, stop_all  # noqa: E402
 
 PROCS = []
 USER_TOKEN = "alice-token-0123456789abcdef"
 WORKER_TOKEN = "worker-token-0123456789abcdef"  # the enrolment token: good for registration only
 
 
-class Api:
-    def __init__(self, port):
-        self.port = port
+class Cluster(Service):
+    """The coordinator (fast heartbeats, a 256 KiB body limit) and the node-a / node-b agents."""
 
-    def request(self, method, path, body=None, token=USER_TOKEN, raw=None, headers=None, timeout=30):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        h = dict(headers or {})
-        if token:
-            h["Authorization"] = "Bearer " + token
-        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
-        if data is not None:
-            h.setdefault("Content-Type", "application/json")
-        conn.request(method, path, body=data, headers=h)
-        resp = conn.getresponse()
-        text = resp.read().decode("utf-8", "replace")
-        conn.close()
-        try:
-            parsed = json.loads(text) if text else None
-        except ValueError:
-            parsed = None
-        return resp.status, parsed, text
-
-    def ok(self, method, path, body=None, token=USER_TOKEN):
-        status, parsed, text = self.request(method, path, body, token)
-        assert 200 <= status < 300, f"{method} {path}: HTTP {status}: {text}"
-        return parsed
-
-    def job(self, job_id):
-        return self.ok("GET", f"/v1/jobs/{job_id}")
-
-    def wait(self, job_id, pred, what, timeout=120):
-        deadline = time.time() + timeout
-        job = None
-        while time.time() < deadline:
-            job = self.job(job_id)
-            if pred(job):
-                return job
-            time.sleep(0.2)
-        raise AssertionError(f"{job_id}: timed out waiting for {what}; last state {json.dumps(job)[:3000]}")
-
-
-class Cluster:
     def __init__(self, args, tmp):
-        self.args = args
-        self.tmp = tmp
-        with open(os.path.join(tmp, "users"), "w") as f:
-            f.write(f"# user token\nalice {USER_TOKEN}\n")
-        with open(os.path.join(tmp, "worker-token"), "w") as f:
-            f.write(WORKER_TOKEN + "\n")
-        self.coordinator = None
-        self.port = 0
-        self.agent_port = 0
-        self.workers = {}
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        super().__init__(args, tmp, {"alice": USER_TOKEN}, WORKER_TOKEN,
+                         ["--heartbeat-ms", "200", "--lost-after-ms", "4000", "--term-grace-ms", "2000",
+                          "--max-body-bytes", "262144"], PROCS)
 
-    def start_coordinator(self, tries=20):
-        """Starts the coordinator on self.port / self.agent_port (0 at first: any free port; a
-        restart reuses them, retrying while the old sockets still hold them)."""
-        port_file = os.path.join(self.tmp, "port")
-        agent_port_file = os.path.join(self.tmp, "agent-port")
-        for attempt in range(tries):
-            for f in (port_file, agent_port_file):
-                if os.path.exists(f):
-                    os.remove(f)
-            log = open(os.path.join(self.tmp, "coordinator.log"), "a")
-            self.coordinator = subprocess.Popen(
-                [self.args.coordinator, "--data-dir", os.path.join(self.tmp, "coord"),
-                 "--storage-root", os.path.join(self.tmp, "storage"), "--port", str(self.port),
-                 "--port-file", port_file, "--agent-port", str(self.agent_port),
-                 "--agent-port-file", agent_port_file, "--user-tokens", os.path.join(self.tmp, "users"),
-                 "--worker-token-file", os.path.join(self.tmp, "worker-token"),
-                 "--heartbeat-ms", "200", "--lost-after-ms", "4000", "--term-grace-ms", "2000",
-                 "--max-body-bytes", "262144"],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env)
-            PROCS.append(self.coordinator)
-            deadline = time.time() + 20
-            while not (read_port_file(port_file) and read_port_file(agent_port_file)):
-                if self.coordinator.poll() is not None:
-                    break
-                assert time.time() < deadline, "loom-coordinator did not start"
-                time.sleep(0.05)
-            if self.coordinator.poll() is None:
-                break
-            assert attempt + 1 < tries, "loom-coordinator exited at start-up"
-            time.sleep(0.25)
-        self.port, self.agent_port = read_port_file(port_file), read_port_file(agent_port_file)
-        self.api = Api(self.port)
-        self.agent_api = Api(self.agent_port)
-
-    def start_worker(self, name, slots=2):
-        log = open(os.path.join(self.tmp, f"{name}.log"), "a")
-        p = subprocess.Popen(
-            [self.args.worker, "--coordinator", f"http://127.0.0.1:{self.agent_port}", "--token-file",
-             os.path.join(self.tmp, "worker-token"), "--work-dir", os.path.join(self.tmp, name),
-             "--slots", str(slots), "--name", name, "--labels", "pool=cpu", "--term-grace-ms", "3000",
-             "--loom-train", self.args.loom_train],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        PROCS.append(p)
-        self.workers[name] = p
-        return p
+    def start_coordinator(self):
+        """A restart reuses the ports, retrying while the old sockets still hold them."""
+        return super().start_coordinator(self.port, self.agent_port, tries=20)
 
     def worker_ids(self):
         return {w["name"]: w for w in self.api.ok("GET", "/v1/workers")["workers"]}
@@ -616,23 +525,10 @@ def main():
         test_openapi(c, args)
         test_loom_up(args, tmp)
     except BaseException:
-        for name in ["coordinator.log", "node-a.log", "node-b.log"]:
-            p = os.path.join(tmp, name)
-            if os.path.exists(p):
-                with open(p) as f:
-                    sys.stderr.write(f"--- {name} (tail) ---\n" + f.read()[-4000:] + "\n")
+        c.dump_logs(["coordinator.log", "node-a.log", "node-b.log"])
         raise
     finally:
-        for p in PROCS:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.time() + 10
-        for p in PROCS:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        kill_all(PROCS)
+        stop_all(PROCS, tmp)
     subprocess.run(["rm", "-rf", tmp])
     print("control plane: all checks passed")
 

@@ -23,14 +23,13 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.parse
 import urllib.request
 
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import free_port, kill_all  # noqa: E402
+from loom_testlib import free_port, kill_all, wait_for  # noqa: E402
 
 PROCS = []
 
@@ -135,17 +134,6 @@ def prom_query(port, q):
         body = json.load(r)
     assert body["status"] == "success", body
     return body["data"]["result"]
-
-
-def wait_for(what, fn, timeout=60):
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last {last}")
 
 
 def check_live(args, tmp):
