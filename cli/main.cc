@@ -29,6 +29,7 @@
 #include "loom/status_macros.h"
 #include "loom/v1/control.pb.h"
 #include "rest_client.h"
+#include "sweep_commands.h"
 
 namespace fs = std::filesystem;
 
@@ -52,6 +53,11 @@ commands:
   cancel JOB
   checkpoints             the checkpoint catalogue with lineage (--job JOB)
   workers                 registered workers and their slots
+  sweep submit FILE       a sweep (docs/sweeps.md): cells x seeds as jobs; --follow (then the report)
+  sweep list | status ID | cancel ID
+  sweep report ID         per cell mean, sd and 95% interval; paired differences against the
+                            baseline cell (paired t and bootstrap); --format table|json|csv
+                            --plot out.png (metric vs step, seed bands)
   plot JOB                the job's loss and tokens/s curves as a PNG (gnuplot)
                             --output FILE (default JOB.png)
 
@@ -444,6 +450,9 @@ class Cli {
     return absl::OkStatus();
   }
 
+  client::RestClient& client() { return *client_; }
+  bool json() const { return json_; }
+
  private:
   bool json_ = false;
   std::unique_ptr<client::RestClient> client_;
@@ -645,6 +654,17 @@ absl::Status Run(int argc, char** argv) {
     LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"output"}, {}));
     LOOM_RETURN_IF_ERROR(cli.Init(args));
     return cli.Plot(positional, args);
+  }
+  if (cmd == "sweep") {
+    // loom sweep <what> [FILE | ID] [flags]
+    std::string what = positional, arg;
+    if (!rest.empty() && rest.size() > 1 && rest[1][0] != '-') {
+      arg = rest[1];
+      rest.erase(rest.begin() + 1);
+    }
+    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"request-id", "format", "plot"}, {"follow"}));
+    LOOM_RETURN_IF_ERROR(cli.Init(args));
+    return RunSweepCommand(cli.client(), what, arg, args, cli.json());
   }
   if (cmd == "workers") {
     LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({}, {}));

@@ -15,6 +15,7 @@
 #include "checkpoint.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
+#include "sweep.h"
 
 namespace fs = std::filesystem;
 
@@ -178,6 +179,8 @@ absl::Status Coordinator::Load() {
   next_job_ = state.next_job;
   log_offsets_ = std::move(state.log_offsets);
   credentials_ = std::move(state.credentials);
+  sweeps_ = std::move(state.sweeps);
+  next_sweep_ = state.next_sweep;
   for (const auto& [worker, token] : credentials_) credential_owner_[token] = worker;
   // Restarted: every known worker gets a fresh grace period to heartbeat again.
   const int64_t now = NowMs();
@@ -250,6 +253,11 @@ absl::Status Coordinator::Commit(Txn& txn) {
   }
   // Not on disk, so not in effect: put back everything the change touched.
   registry_.Increment("loom_coordinator_store_errors_total");
+  Rollback(txn);
+  return s;
+}
+
+void Coordinator::Rollback(Txn& txn) {
   auto restore = [](auto& live, auto& saved) {
     for (auto& [id, before] : saved) {
       if (before) {
@@ -273,7 +281,6 @@ absl::Status Coordinator::Commit(Txn& txn) {
     }
   }
   for (auto& [id, n] : txn.event_counts) event_counts_[id] = n;
-  return s;
 }
 
 void Coordinator::AddEvent(Txn& txn, v1::Job& job, const std::string& state,
@@ -378,8 +385,7 @@ static absl::Status CheckPrintable(const v1::Job& job) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobRequest& request,
-                                                          const std::string& user) {
+absl::StatusOr<v1::JobSpec> Coordinator::ResolveSubmission(const v1::SubmitJobRequest& request) {
   if (!request.has_spec()) return FieldError("spec", "is required");
   const int world_size = request.world_size() == 0 ? 1 : request.world_size();
   if (world_size < 1 || world_size > 1024) return FieldError("world_size", "must be in 1..1024");
@@ -433,19 +439,16 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   }
   v1::JobSpec spec = *std::move(resolved);
   spec.mutable_checkpoint()->clear_dir();
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!request.request_id().empty()) {
-    auto it = request_ids_.find(request.request_id());
-    if (it != request_ids_.end()) {
-      v1::SubmitJobResponse r;
-      r.set_id(it->second);
-      r.set_created(false);
-      return r;
-    }
-  }
+  return spec;
+}
+
+// Under the lock: the catalogue check of init_from (retention holds the same lock, so an
+// accepted job's starting checkpoint is pinned from here on), the id, paths and the stored job.
+absl::StatusOr<v1::Job> Coordinator::AddJobLocked(Txn& txn, const v1::SubmitJobRequest& request,
+                                                  v1::JobSpec spec, const std::string& user,
+                                                  const std::string& id) {
   std::string init_path;
   if (!request.init_from().empty()) {
-    // Checked under the lock that retention holds too: once accepted, the checkpoint is pinned.
     auto it = checkpoints_.find(request.init_from());
     if (it == checkpoints_.end()) {
       return FieldError("init_from",
@@ -464,16 +467,15 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
                                                   "' is damaged: ", it->second.damaged()));
     }
   }
-  const std::string id = absl::StrFormat("job-%06d", next_job_);
   LOOM_RETURN_IF_ERROR(ResolvePaths(spec, id));
   v1::Job job;
   job.set_id(id);
   job.set_name(spec.name().empty() ? id : spec.name());
   *job.mutable_request() = request;
   *job.mutable_spec() = spec;
-  job.set_world_size(world_size);
+  job.set_world_size(request.world_size() == 0 ? 1 : request.world_size());
   job.set_priority(request.priority());
-  job.set_max_restarts(max_restarts);
+  job.set_max_restarts(request.has_max_restarts() ? request.max_restarts() : 3);
   job.set_init_from_path(init_path);
   job.set_submitted_by(user);
   const int64_t now = NowMs();
@@ -492,12 +494,29 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
           absl::StrCat("cannot move the stale directory ", job_dir.string(), ": ", ec.message()));
     }
   }
-
-  Txn txn;
   SetState(txn, job, "queued", absl::StrCat("submitted by ", user));
+  jobs_[id] = job;
+  return job;
+}
+
+absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobRequest& request,
+                                                          const std::string& user) {
+  LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, ResolveSubmission(request));
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!request.request_id().empty()) {
+    auto it = request_ids_.find(request.request_id());
+    if (it != request_ids_.end()) {
+      v1::SubmitJobResponse r;
+      r.set_id(it->second);
+      r.set_created(false);
+      return r;
+    }
+  }
+  const std::string id = absl::StrFormat("job-%06d", next_job_);
+  Txn txn;
+  LOOM_RETURN_IF_ERROR(AddJobLocked(txn, request, spec, user, id).status());
   txn.batch.PutNextJob(next_job_ + 1);
   if (!request.request_id().empty()) txn.batch.PutRequestId(request.request_id(), id);
-  jobs_[id] = job;
   LOOM_RETURN_IF_ERROR(Commit(txn));
   ++next_job_;
   if (!request.request_id().empty()) request_ids_[request.request_id()] = id;
@@ -507,6 +526,161 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   r.set_id(id);
   r.set_created(true);
   return r;
+}
+
+absl::StatusOr<v1::CreateSweepResponse> Coordinator::CreateSweep(const v1::SweepSpec& spec,
+                                                                 const std::string& user) {
+  if (spec.name().size() > 128) return FieldError("name", "at most 128 characters");
+  if (!spec.request_id().empty() && !IsToken(spec.request_id(), 128)) {
+    return FieldError("request_id", "1..128 characters of [A-Za-z0-9._:/-]");
+  }
+  if (!spec.base().request_id().empty()) {
+    return FieldError("base.request_id", "set request_id on the sweep, not its base job");
+  }
+  LOOM_ASSIGN_OR_RETURN(std::vector<SweepCell> cells, ExpandSweep(spec));
+  // Every job validated before any is stored: a sweep is accepted whole or not at all.
+  struct Planned {
+    const SweepCell* cell;
+    uint64_t seed;
+    v1::SubmitJobRequest request;
+    v1::JobSpec spec;
+  };
+  std::vector<Planned> planned;
+  for (const SweepCell& cell : cells) {
+    for (uint64_t seed : spec.seeds()) {
+      Planned p{&cell, seed, spec.base(), {}};
+      LOOM_ASSIGN_OR_RETURN(*p.request.mutable_spec(), ApplyCell(spec.base().spec(), cell, seed));
+      auto resolved = ResolveSubmission(p.request);
+      if (!resolved.ok()) {
+        return absl::Status(
+            resolved.status().code(),
+            absl::StrCat("cell '", cell.name, "' seed ", seed, ": ", resolved.status().message()));
+      }
+      p.spec = *std::move(resolved);
+      planned.push_back(std::move(p));
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::string key = absl::StrCat("sweep:", spec.request_id());
+  if (!spec.request_id().empty() && request_ids_.count(key)) {
+    v1::CreateSweepResponse r;
+    r.set_id(request_ids_[key]);
+    r.set_created(false);
+    r.set_jobs(sweeps_[request_ids_[key]].jobs_size());
+    return r;
+  }
+  v1::Sweep sweep;
+  sweep.set_id(absl::StrFormat("sweep-%06d", next_sweep_));
+  sweep.set_name(spec.name().empty() ? sweep.id() : spec.name());
+  *sweep.mutable_spec() = spec;
+  for (const SweepCell& c : cells) sweep.add_cells(c.name);
+  sweep.set_submitted_by(user);
+  sweep.set_submit_time_ms(NowMs());
+  Txn txn;
+  for (size_t i = 0; i < planned.size(); ++i) {
+    const std::string id = absl::StrFormat("job-%06d", next_job_ + static_cast<int64_t>(i));
+    auto job = AddJobLocked(txn, planned[i].request, planned[i].spec, user, id);
+    if (!job.ok()) {
+      Rollback(txn);
+      return absl::Status(job.status().code(),
+                          absl::StrCat("cell '", planned[i].cell->name, "' seed ", planned[i].seed,
+                                       ": ", job.status().message()));
+    }
+    v1::Job& stored = jobs_[id];
+    stored.set_sweep_id(sweep.id());
+    stored.set_sweep_cell(planned[i].cell->name);
+    stored.set_sweep_seed(planned[i].seed);
+    txn.batch.PutJob(stored);
+    v1::SweepJob* sj = sweep.add_jobs();
+    sj->set_cell(planned[i].cell->name);
+    sj->set_seed(planned[i].seed);
+    sj->set_job_id(id);
+  }
+  txn.batch.PutSweep(sweep);
+  txn.batch.PutNextSweep(next_sweep_ + 1);
+  txn.batch.PutNextJob(next_job_ + static_cast<int64_t>(planned.size()));
+  if (!spec.request_id().empty()) txn.batch.PutRequestId(key, sweep.id());
+  LOOM_RETURN_IF_ERROR(Commit(txn));
+  next_job_ += static_cast<int64_t>(planned.size());
+  ++next_sweep_;
+  sweeps_[sweep.id()] = sweep;
+  if (!spec.request_id().empty()) request_ids_[key] = sweep.id();
+  registry_.Increment("loom_coordinator_jobs_submitted_total", static_cast<double>(planned.size()));
+  wake_.notify_all();
+  v1::CreateSweepResponse r;
+  r.set_id(sweep.id());
+  r.set_created(true);
+  r.set_jobs(sweep.jobs_size());
+  return r;
+}
+
+// A sweep with its state and per-state job counts, derived from its jobs.
+v1::Sweep Coordinator::SweepWithStates(const v1::Sweep& sweep) const {
+  v1::Sweep out = sweep;
+  int ended = 0, cancelled = 0;
+  for (const v1::SweepJob& sj : sweep.jobs()) {
+    auto it = jobs_.find(sj.job_id());
+    const std::string state = it == jobs_.end() ? "queued" : it->second.state();
+    (*out.mutable_job_states())[state]++;
+    ended += IsTerminal(state) ? 1 : 0;
+    cancelled += state == "cancelled" ? 1 : 0;
+  }
+  out.set_state(ended < sweep.jobs_size() ? "running" : cancelled > 0 ? "cancelled" : "finished");
+  return out;
+}
+
+absl::StatusOr<v1::Sweep> Coordinator::GetSweep(const std::string& id) {
+  if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sweeps_.find(id);
+  if (it == sweeps_.end()) return absl::NotFoundError(absl::StrCat("sweep '", id, "' not found"));
+  return SweepWithStates(it->second);
+}
+
+v1::ListSweepsResponse Coordinator::ListSweeps() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  v1::ListSweepsResponse out;
+  for (const auto& [id, sweep] : sweeps_) {
+    v1::Sweep* s = out.add_sweeps();
+    *s = SweepWithStates(sweep);
+    s->clear_jobs();  // the list stays small; GET /v1/sweeps/{id} has them
+  }
+  return out;
+}
+
+absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const std::string& user) {
+  if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sweeps_.find(id);
+  if (it == sweeps_.end()) return absl::NotFoundError(absl::StrCat("sweep '", id, "' not found"));
+  Txn txn;
+  for (const v1::SweepJob& sj : it->second.jobs()) {
+    auto job = jobs_.find(sj.job_id());
+    if (job == jobs_.end() || IsTerminal(job->second.state())) continue;
+    Save(txn, job->second);
+    job->second.set_cancel_requested(true);
+    SetState(txn, job->second, "cancelled", absl::StrCat("sweep ", id, " cancelled by ", user));
+  }
+  LOOM_RETURN_IF_ERROR(Commit(txn));
+  wake_.notify_all();
+  return SweepWithStates(it->second);
+}
+
+absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id) {
+  if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
+  v1::Sweep sweep;
+  std::map<std::string, v1::Job> jobs;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = sweeps_.find(id);
+    if (it == sweeps_.end()) return absl::NotFoundError(absl::StrCat("sweep '", id, "' not found"));
+    sweep = it->second;
+    for (const v1::SweepJob& sj : sweep.jobs()) {
+      auto job = jobs_.find(sj.job_id());
+      if (job != jobs_.end()) jobs[sj.job_id()] = job->second;
+    }
+  }
+  return BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
 }
 
 absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const std::string& state, int page_size,

@@ -56,6 +56,15 @@ class Coordinator {
   absl::StatusOr<v1::Job> GetJob(const std::string& id);
   absl::StatusOr<v1::Job> Cancel(const std::string& id, const std::string& user);
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& job_id);
+
+  // Sweeps (docs/sweeps.md): every (cell, seed) becomes an ordinary job, all in one commit.
+  absl::StatusOr<v1::CreateSweepResponse> CreateSweep(const v1::SweepSpec& spec,
+                                                      const std::string& user);
+  absl::StatusOr<v1::Sweep> GetSweep(const std::string& id);
+  v1::ListSweepsResponse ListSweeps();
+  // Cancels every job of the sweep that has not ended.
+  absl::StatusOr<v1::Sweep> CancelSweep(const std::string& id, const std::string& user);
+  absl::StatusOr<v1::SweepReport> ReportSweep(const std::string& id);
   v1::ListWorkersResponse ListWorkers();
 
   absl::StatusOr<v1::RegisterWorkerResponse> Register(const v1::RegisterWorkerRequest& request);
@@ -97,13 +106,19 @@ class Coordinator {
 
   explicit Coordinator(const CoordinatorOptions& options) : options_(options) {}
   absl::Status Load();
+  absl::StatusOr<v1::JobSpec> ResolveSubmission(const v1::SubmitJobRequest& request);
 
   // All below: mutex_ held.
+  absl::StatusOr<v1::Job> AddJobLocked(Txn& txn, const v1::SubmitJobRequest& request,
+                                       v1::JobSpec spec, const std::string& user,
+                                       const std::string& id);
+  v1::Sweep SweepWithStates(const v1::Sweep& sweep) const;
   void Save(Txn& txn, const v1::Job& job);
   void Save(Txn& txn, const std::string& worker_id);
   void SaveCheckpoint(Txn& txn, const std::string& id);
   void SaveCredential(Txn& txn, const std::string& worker_id);
   absl::Status Commit(Txn& txn);  // writes both batches; on failure restores memory
+  void Rollback(Txn& txn);        // restores what the change touched, writes nothing
   void AddEvent(Txn& txn, v1::Job& job, const std::string& state, const std::string& reason);
   void SetState(Txn& txn, v1::Job& job, const std::string& state, const std::string& reason);
   void FailAttempt(Txn& txn, v1::Job& job, const std::string& reason, Failure kind,
@@ -135,7 +150,9 @@ class Coordinator {
   std::map<std::string, int64_t> event_counts_;
   std::map<std::string, v1::Worker> workers_;
   std::map<std::string, v1::CheckpointEntry> checkpoints_;
-  std::map<std::string, std::string> request_ids_;
+  std::map<std::string, std::string> request_ids_;  // also "sweep:<key>" -> sweep id
+  std::map<std::string, v1::Sweep> sweeps_;
+  int64_t next_sweep_ = 1;
   std::map<std::string, std::string> credentials_;       // worker id -> credential
   std::map<std::string, std::string> credential_owner_;  // credential -> worker id
   int64_t next_job_ = 1;

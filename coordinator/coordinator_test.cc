@@ -597,6 +597,58 @@ TEST_F(CoordinatorTest, SubmittedJobsAlwaysPrint) {
   (void)id;
 }
 
+TEST_F(CoordinatorTest, SweepsExpandIntoTaggedJobsAtomically) {
+  v1::SweepSpec sweep;
+  sweep.set_name("lr");
+  *sweep.mutable_base() = MicroJob();
+  auto* lr = &(*sweep.mutable_grid())["optimizer.lr"];
+  lr->add_values()->set_number_value(0.001);
+  lr->add_values()->set_number_value(0.01);
+  for (uint64_t seed : {7, 8, 9}) sweep.add_seeds(seed);
+  sweep.set_request_id("sweep-key");
+  auto created = c_->CreateSweep(sweep, "alice");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->jobs(), 6);
+  auto again = c_->CreateSweep(sweep, "alice");
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->created());
+  EXPECT_EQ(again->id(), created->id());
+  // One bad cell refuses the whole sweep, naming the cell; nothing is stored.
+  v1::SweepSpec bad = sweep;
+  bad.set_request_id("");
+  (*bad.mutable_grid())["model.n_heads"].add_values()->set_number_value(3);
+  auto refused = c_->CreateSweep(bad, "alice");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("cell 'model.n_heads=3"), std::string::npos)
+      << refused.status();
+  auto jobs = c_->ListJobs("", 500, "");
+  ASSERT_TRUE(jobs.ok());
+  ASSERT_EQ(jobs->jobs_size(), 6);
+  for (const auto& j : jobs->jobs()) {
+    EXPECT_EQ(j.sweep_id(), created->id());
+    EXPECT_EQ(j.spec().seed(), j.sweep_seed());
+    EXPECT_EQ(j.spec().model().init_seed(), j.sweep_seed());  // seeds vary the init too
+  }
+  EXPECT_DOUBLE_EQ(jobs->jobs(5).spec().optimizer().lr(), 0.01);
+  // It survives a restart; cancelling it cancels its jobs; the report counts them as failed.
+  Reopen();
+  auto got = c_->GetSweep(created->id());
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->state(), "running");
+  EXPECT_EQ(got->job_states().at("queued"), 6);
+  auto cancelled = c_->CancelSweep(created->id(), "bob");
+  ASSERT_TRUE(cancelled.ok());
+  EXPECT_EQ(cancelled->state(), "cancelled");
+  EXPECT_EQ(Job(got->jobs(0).job_id()).state(), "cancelled");
+  auto report = c_->ReportSweep(created->id());
+  ASSERT_TRUE(report.ok());
+  EXPECT_TRUE(report->complete());
+  EXPECT_EQ(report->cells(0).failed(), 3);
+  EXPECT_EQ(c_->ListSweeps().sweeps_size(), 1);
+  EXPECT_EQ(c_->GetSweep("sweep-999999").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Submit(MicroJob()), "job-000007");  // the job counter moved past the sweep's jobs
+}
+
 TEST_F(CoordinatorTest, ListsPaginateAndFilter) {
   for (int i = 0; i < 7; ++i) Submit(MicroJob());
   ASSERT_TRUE(c_->Cancel("job-000002", "x").ok());

@@ -460,6 +460,11 @@ const std::vector<Route>& Routes() {
       {"GET", "/v1/jobs/{id}/logs", "user"},
       {"GET", "/v1/checkpoints", "user"},
       {"GET", "/v1/workers", "user"},
+      {"POST", "/v1/sweeps", "user"},
+      {"GET", "/v1/sweeps", "user"},
+      {"GET", "/v1/sweeps/{id}", "user"},
+      {"POST", "/v1/sweeps/{id}/cancel", "user"},
+      {"GET", "/v1/sweeps/{id}/report", "user"},
       {"POST", "/v1/agent/register", "enrolment"},
       {"POST", "/v1/agent/heartbeat", "worker"},
   };
@@ -563,6 +568,45 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
         if (!CheckParams(req, res, {})) return;
         SendMessage(res, c->ListWorkers());
+      }));
+  server.Route("POST", "/v1/sweeps",
+               UserRoute(c, options,
+                         [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+                           v1::SweepSpec spec;
+                           if (!CheckParams(req, res, {}) || !ParseBody(req, res, &spec)) return;
+                           auto r = c->CreateSweep(spec, user);
+                           if (!r.ok()) return SendStatus(res, r.status());
+                           SendMessage(res, *r, r->created() ? 201 : 200);
+                         }));
+  server.Route(
+      "GET", "/v1/sweeps",
+      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {})) return;
+        SendMessage(res, c->ListSweeps());
+      }));
+  server.Route(
+      "GET", R"(/v1/sweeps/([^/]+))",
+      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {})) return;
+        auto r = c->GetSweep(req.matches[0]);
+        if (!r.ok()) return SendStatus(res, r.status());
+        SendMessage(res, *r);
+      }));
+  server.Route("POST", R"(/v1/sweeps/([^/]+)/cancel)",
+               UserRoute(c, options,
+                         [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+                           if (!CheckParams(req, res, {})) return;
+                           auto r = c->CancelSweep(req.matches[0], user);
+                           if (!r.ok()) return SendStatus(res, r.status());
+                           SendMessage(res, *r);
+                         }));
+  server.Route(
+      "GET", R"(/v1/sweeps/([^/]+)/report)",
+      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {})) return;
+        auto r = c->ReportSweep(req.matches[0]);
+        if (!r.ok()) return SendStatus(res, r.status());
+        SendMessage(res, *r);
       }));
   // Agent routes live on the agent listener only.
   server.Route("POST", R"(/v1/agent/.*)", [](const HttpRequest& req, HttpResponse& res) {

@@ -62,6 +62,12 @@ void StateStore::Batch::PutCredential(const std::string& worker_id, const std::s
 void StateStore::Batch::DeleteCredential(const std::string& worker_id) {
   batch_->Delete(absl::StrCat("cred/", worker_id));
 }
+void StateStore::Batch::PutSweep(const v1::Sweep& sweep) {
+  batch_->Put(absl::StrCat("sweep/", sweep.id()), sweep.SerializeAsString());
+}
+void StateStore::Batch::PutNextSweep(int64_t next) {
+  batch_->Put("meta/next_sweep", std::to_string(next));
+}
 bool StateStore::Batch::empty() const { return batch_->Count() == 0; }
 
 absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& dir) {
@@ -106,6 +112,14 @@ absl::StatusOr<LoadedState> StateStore::Load() {
       if (absl::SimpleAtoi(it->value().ToString(), &v)) state.log_offsets[key.substr(7)] = v;
     } else if (key.rfind("cred/", 0) == 0) {
       state.credentials[key.substr(5)] = it->value().ToString();
+    } else if (key.rfind("sweep/", 0) == 0) {
+      v1::Sweep sw;
+      if (auto s = ParseValue(it->key(), it->value(), &sw); !s.ok()) return s;
+      state.sweeps[sw.id()] = std::move(sw);
+    } else if (key == "meta/next_sweep") {
+      if (!absl::SimpleAtoi(it->value().ToString(), &state.next_sweep)) {
+        return absl::DataLossError("state store: bad meta/next_sweep");
+      }
     } else if (key == "meta/next_job") {
       if (!absl::SimpleAtoi(it->value().ToString(), &state.next_job)) {
         return absl::DataLossError("state store: bad meta/next_job");

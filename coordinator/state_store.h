@@ -3,7 +3,8 @@
 // atomic WriteBatch written with sync, so a crash or kill -9 after a reply loses nothing.
 //
 // Keys: job/<id>, event/<job id>/<seq, 12 digits>, worker/<id>, ckpt/<id>, request/<key>,
-// logoff/<job>/<attempt>/<worker>, cred/<worker id> (its heartbeat credential), meta/next_job.
+// logoff/<job>/<attempt>/<worker>, cred/<worker id> (its heartbeat credential), sweep/<id>,
+// meta/next_job, meta/next_sweep.
 #ifndef LOOM_COORDINATOR_STATE_STORE_H_
 #define LOOM_COORDINATOR_STATE_STORE_H_
 
@@ -31,6 +32,8 @@ struct LoadedState {
   int64_t next_job = 1;
   std::map<std::string, int64_t> log_offsets;  // "<job>/<attempt>/<worker>" -> log bytes received
   std::map<std::string, std::string> credentials;  // worker id -> heartbeat credential
+  std::map<std::string, v1::Sweep> sweeps;
+  int64_t next_sweep = 1;
 };
 
 class StateStore {
@@ -48,6 +51,8 @@ class StateStore {
     void PutLogOffset(const std::string& key, int64_t offset);
     void PutCredential(const std::string& worker_id, const std::string& token);
     void DeleteCredential(const std::string& worker_id);
+    void PutSweep(const v1::Sweep& sweep);
+    void PutNextSweep(int64_t next);
     bool empty() const;
 
    private:

@@ -560,6 +560,9 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   }
   if (j.seed() == 0) j.set_seed(1);
   if (d->seed() == 0) d->set_seed(j.seed());
+  // The job seed is the initialisation seed too (docs/jobs.md), unless the model sets its own:
+  // the seeds of a sweep then vary the initialisation as well as the data order.
+  if (j.has_model() && j.model().init_seed() == 0) j.mutable_model()->set_init_seed(j.seed());
 
   if (j.precision().empty()) j.set_precision("fp32");
   if (j.precision() != "fp32" && j.precision() != "fp64" && j.precision() != "bf16") {

@@ -71,12 +71,22 @@ absl::StatusOr<std::shared_ptr<Transformer>> Transformer::Create(const v1::Model
 
 absl::StatusOr<std::shared_ptr<Transformer>> Transformer::Build(const v1::ModelConfig& c,
                                                                 const PluginLoader& loader) {
-  torch::manual_seed(c.init_seed());
+  // Pairing (docs/sweeps.md): each module draws its initial values from the generator seeded
+  // with (init_seed, its name), so a parameter that two models both have with the same shape
+  // (embeddings, FFNs, the q/k/v/o projections of MHA and IHA) starts identical in both, however
+  // many other parameters either one has.
+  auto seed_for = [&c](const std::string& name) {
+    uint64_t h = 0xcbf29ce484222325ULL ^ c.init_seed();  // FNV-1a over the name
+    for (unsigned char ch : name) h = (h ^ ch) * 0x100000001b3ULL;
+    torch::manual_seed(h);
+  };
   std::shared_ptr<Transformer> model(new Transformer(c));
   const int64_t d = c.d_model();
+  seed_for("embed");
   model->embed_ = model->register_module("embed", torch::nn::Embedding(c.vocab_size(), d));
   torch::nn::init::normal_(model->embed_->weight, 0.0, 0.02);
   if (c.grid_max_rows() > 0) {
+    seed_for("row_embed");
     model->row_embed_ =
         model->register_module("row_embed", torch::nn::Embedding(c.grid_max_rows(), d));
     model->col_embed_ =
@@ -96,13 +106,16 @@ absl::StatusOr<std::shared_ptr<Transformer>> Transformer::Build(const v1::ModelC
     shape.rope_theta = c.rope_theta();
     shape.layer_index = i;
     shape.n_layers = c.n_layers();
+    seed_for(absl::StrCat("layers.", i, ".attention"));
     LOOM_ASSIGN_OR_RETURN(AttentionLayerPtr attention,
                           CreateAttentionLayer(loader, layers[i], shape));
+    seed_for(absl::StrCat("layers.", i, ".block"));
     Block block(d, c.ffn_hidden(), c.ffn_activation() == "swiglu", c.norm_eps(),
                 std::move(attention));
     model->layers_->push_back(block);
     model->blocks_.push_back(block);
   }
+  seed_for("head");
   model->final_norm_ = model->register_module("final_norm", RMSNorm(d, c.norm_eps()));
   if (c.mode() == "encoder") {
     model->head_ = model->register_module("head", torch::nn::Linear(d, c.num_classes()));

