@@ -107,6 +107,17 @@ TEST(JobSpec, BadSpecsNameTheField) {
        "model.mode"},  // encoder without a task
       {R"({"preset": "micro", "model": {"ffn_activation": "relu"}})", "model.ffn_activation"},
       {R"({"preset": "micro", "data": {"corpus_bytes": 10}})", "data.corpus_bytes"},
+      {R"({"preset": "micro", "data": {"splits": {"train": 10, "validation": 5, "test": 5}}})",
+       "data.splits"},  // not a task
+      {R"({"preset": "micro", "data": {"source": "task", "task": "khop", "splits": {"train": 10, "validation": 0, "test": 5}}})",
+       "data.splits.validation"},
+      {R"({"preset": "micro", "data": {"source": "task", "task": "khop", "splits": {"train": 20000000, "validation": 5, "test": 5}}})",
+       "data.splits.train"},
+      {R"({"preset": "micro", "data": {"source": "task", "task": "khop", "splits": {"train": 10, "validation": 5}}})",
+       "data.splits.test"},
+      {R"({"preset": "micro", "eval": {"patience": 3}})", "eval.patience"},  // no splits
+      {R"({"preset": "micro", "data": {"source": "task", "task": "khop", "splits": {"train": 10, "validation": 5, "test": 5}}, "eval": {"patience": -1}})",
+       "eval.patience"},
       {R"({"preset": "micro", "data": {"format": "openthoughts"}})", "data.format"},  // not chat
       {R"({"preset": "micro", "kind": "sft", "model": {"vocab_size": 260}, "data": {"source": "chat", "format": "Open Thoughts"}})",
        "data.format"},
@@ -139,6 +150,19 @@ TEST(JobSpec, BadSpecsNameTheField) {
     ++rejected;
   }
   EXPECT_GE(rejected, 15);
+}
+
+TEST(JobSpec, FixedSplitsWithPatience) {
+  auto r = Resolve(
+      R"({"preset": "micro", "data": {"source": "task", "task": "khop", "splits": {"train": 40000, "validation": 5000, "test": 5000}}, "eval": {"patience": 10}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->data().has_splits());
+  EXPECT_EQ(r->data().splits().train(), 40000);
+  EXPECT_EQ(r->eval().patience(), 10);
+  auto fresh = Resolve(R"({"preset": "micro", "data": {"source": "task", "task": "khop"}})");
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_FALSE(fresh->data().has_splits());
+  EXPECT_EQ(fresh->eval().patience(), 0);
 }
 
 TEST(JobSpec, EvalJobsAndReasoningEvalDefaults) {

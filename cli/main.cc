@@ -283,8 +283,9 @@ class Cli {
         continue;
       }
       std::cout << absl::StrFormat(
-          "  eval at step %d: loss %.4f  accuracy %.3f  exact match %.3f\n", e.step(),
-          e.eval_loss(), e.accuracy(), e.exact_match());
+          "  %seval at step %d: loss %.4f  accuracy %.3f  exact match %.3f\n",
+          e.kind().empty() || e.kind() == "heldout" ? "" : e.kind() + " ", e.step(), e.eval_loss(),
+          e.accuracy(), e.exact_match());
     }
     if (!job.checkpoints().empty()) {
       std::cout << "  checkpoints: " << absl::StrJoin(job.checkpoints(), ", ") << "\n";

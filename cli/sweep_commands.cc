@@ -105,7 +105,7 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
       v1::Job job;
       LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/jobs/" + sj.job_id(), nullptr, &job));
       for (const auto& e : job.evals()) {
-        if (!(e.kind().empty() || e.kind() == "heldout")) continue;
+        if (!(e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation")) continue;
         const double v = report.metric() == "accuracy"      ? e.accuracy()
                          : report.metric() == "exact_match" ? e.exact_match()
                                                             : e.eval_loss();

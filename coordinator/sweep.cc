@@ -85,12 +85,18 @@ double MetricOf(const v1::EvalResult& e, const std::string& metric) {
   return e.eval_loss();
 }
 
-// The evaluation a job's value comes from: its last held-out one, or the one with the lowest
-// eval loss (best by validation). Null when it has none.
+// The evaluation a job's value comes from: its last held-out one (validation evaluations of
+// data.splits jobs count as held-out), the one with the lowest eval loss (best by validation),
+// or for `test` its last test evaluation (the test split at the best validation epoch). Null
+// when it has none.
 const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select) {
   const v1::EvalResult* chosen = nullptr;
   for (const auto& e : job.evals()) {
-    if (!(e.kind().empty() || e.kind() == "heldout")) continue;
+    if (select == "test"
+            ? e.kind() != "test"
+            : !(e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation")) {
+      continue;
+    }
     if (chosen == nullptr ||
         (select == "best" ? e.eval_loss() < chosen->eval_loss() : e.step() >= chosen->step())) {
       chosen = &e;
@@ -112,12 +118,16 @@ absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
       spec.metric() != "exact_match") {
     return FieldError("metric", "eval_loss | accuracy | exact_match");
   }
-  if (!spec.select().empty() && spec.select() != "final" && spec.select() != "best") {
-    return FieldError("select", "final | best");
+  if (!spec.select().empty() && spec.select() != "final" && spec.select() != "best" &&
+      spec.select() != "test") {
+    return FieldError("select", "final | best | test");
   }
-  // The grid's combinations: paths in map order (sorted), values in their order.
+  // The grid's combinations: paths sorted (a protobuf map iterates in no fixed order), values in
+  // their order.
+  const std::map<std::string, google::protobuf::ListValue> sorted_grid(spec.grid().begin(),
+                                                                       spec.grid().end());
   std::vector<SweepCell> grid = {SweepCell{}};
-  for (const auto& [path, values] : spec.grid()) {
+  for (const auto& [path, values] : sorted_grid) {
     if (values.values().empty()) return FieldError(absl::StrCat("grid.", path), "no values");
     std::vector<SweepCell> next;
     for (const SweepCell& cell : grid) {

@@ -140,5 +140,47 @@ TEST(SweepTest, ReportPairsSeedsAndCountsPending) {
   EXPECT_LT(d.p_value(), 1.0);
 }
 
+// data.splits jobs: select test takes the last test evaluation (the test split at the best
+// validation epoch); final and best read the validation evaluations, never the test ones.
+TEST(SweepTest, SelectTestTakesTheTestMetricAtTheBestValidationEpoch) {
+  v1::SweepSpec spec = BaseSweep();
+  spec.set_select("tests");
+  EXPECT_NE(ExpandSweep(spec).status().message().find("select"), std::string::npos);
+  spec.set_select("test");
+  ASSERT_TRUE(ExpandSweep(spec).ok());
+  v1::Job job;
+  job.set_state("succeeded");
+  auto add = [&](int64_t step, const std::string& kind, double loss) {
+    v1::EvalResult* e = job.add_evals();
+    e->set_step(step);
+    e->set_kind(kind);
+    e->set_eval_loss(loss);
+  };
+  add(0, "validation", 0.70);
+  add(8, "validation", 0.60);
+  add(8, "test", 0.61);
+  add(16, "validation", 0.50);
+  add(16, "test", 0.52);  // the best validation epoch
+  add(24, "validation", 0.55);
+  add(32, "validation", 0.58);  // patience 2: stopped here
+  auto value = [&](const std::string& select) {
+    v1::Sweep sweep;
+    sweep.set_id("sweep-000002");
+    *sweep.mutable_spec() = BaseSweep();
+    sweep.mutable_spec()->set_select(select);
+    sweep.add_cells("a");
+    v1::SweepJob* sj = sweep.add_jobs();
+    sj->set_cell("a");
+    sj->set_seed(1);
+    sj->set_job_id("j");
+    const v1::SweepReport r = BuildSweepReport(sweep, {{"j", job}});
+    EXPECT_EQ(r.cells(0).n(), 1) << select;
+    return r.cells(0).mean();
+  };
+  EXPECT_DOUBLE_EQ(value("test"), 0.52);
+  EXPECT_DOUBLE_EQ(value("final"), 0.58);
+  EXPECT_DOUBLE_EQ(value("best"), 0.50);
+}
+
 }  // namespace
 }  // namespace loom::coordinator

@@ -192,6 +192,55 @@ def test_report_matches_raw_results(up, tmp):
           f"(mean diff {d['mean']:.4f}, t [{d['t_low']:.4f}, {d['t_high']:.4f}], p {d['p_value']:.2g})")
 
 
+SPLITS_SWEEP = """name: early-stopping
+base:
+  spec:
+    preset: micro
+    steps: 400
+    micro_batch: 32
+    seq_len: 100
+    threads: 1
+    optimizer: {lr: 0.03, min_lr: 0.03, warmup_steps: 1}
+    model: {d_model: 32, n_layers: 1, n_heads: 4, vocab_size: 2, max_seq_len: 100, mode: encoder,
+            num_classes: 1, grid_max_rows: 10, grid_max_cols: 10, tie_embeddings: false, rope_theta: 0}
+    data: {source: task, task: relation_binary, splits: {train: 128, validation: 32, test: 32}}
+    eval: {patience: 2}
+grid:
+  optimizer.lr: [0.03]
+seeds: [1, 2]
+metric: accuracy
+select: test
+request_id: splits-1
+"""
+
+
+def test_select_test_early_stopping(up, tmp):
+    """data.splits through the agent: validation and test evaluations arrive with their kind, the
+    jobs stop early, and select test reports the test metric at the best validation epoch."""
+    path = write(tmp, "splits.yaml", SPLITS_SWEEP)
+    sweep = up.wait_sweep(json.loads(up.loom("sweep", "submit", path, "--json"))["id"])
+    assert sweep["state"] == "finished" and sweep["job_states"] == {"succeeded": 2}, sweep
+    values = []
+    for j in sweep["jobs"]:
+        job = up.api.job(j["job_id"])
+        evals = sorted(job["evals"], key=lambda e: int(e.get("step", 0)))
+        kinds = {e.get("kind", "") for e in evals}
+        assert kinds == {"validation", "test"}, kinds
+        validations = [e for e in evals if e.get("kind") == "validation" and int(e.get("step", 0)) > 0]
+        tests = [e for e in evals if e.get("kind") == "test"]
+        best = min(validations, key=lambda e: e.get("eval_loss", 0))
+        assert int(tests[-1]["step"]) == int(best["step"]), (tests[-1], best)
+        last = int(validations[-1]["step"])
+        assert last < 400 and last == int(best["step"]) + 2 * 4, (last, best)  # patience 2, 4 steps/epoch
+        values.append(tests[-1].get("accuracy", 0))
+    report = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report")
+    [c] = report["cells"]
+    assert c["n"] == 2, c
+    close(c["mean"], mean(values), 1e-12, "select test mean")
+    print(f"ok: {sweep['id']}: early stopping through the agent, select test = test accuracy at the "
+          f"best validation epoch ({values})")
+
+
 def test_partial_report_and_cancel(up, tmp):
     path = write(tmp, "long.yaml", SWEEP.format(steps=100000, seeds="[1, 2]", request_id="long-1"))
     sweep_id = json.loads(up.loom("sweep", "submit", path, "--json"))["id"]
@@ -241,6 +290,7 @@ def main():
     try:
         up = Up(args, tmp)
         test_report_matches_raw_results(up, tmp)
+        test_select_test_early_stopping(up, tmp)
         test_partial_report_and_cancel(up, tmp)
         test_two_hundred_jobs(up, tmp)
     except BaseException:

@@ -581,6 +581,21 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (e->batches() < 0 || e->batches() > 100000)
     return SpecError("eval.batches", "must be in [0, 100000] (0 = 8)");
   if (e->batches() == 0) e->set_batches(8);
+  if (d->has_splits()) {
+    // The fixed-split protocol (App. D): built-in tasks only, every split non-empty.
+    if (d->source() != "task") return SpecError("data.splits", "is only for data.source task");
+    const v1::SplitsConfig& sp = d->splits();
+    const std::pair<const char*, int64_t> sizes[] = {{"data.splits.train", sp.train()},
+                                                     {"data.splits.validation", sp.validation()},
+                                                     {"data.splits.test", sp.test()}};
+    for (const auto& [field, n] : sizes) {
+      if (n < 1 || n > 10000000) return SpecError(field, "must be in 1..10000000 examples");
+    }
+  }
+  if (e->patience() < 0) return SpecError("eval.patience", "must be >= 0 (0 = no early stopping)");
+  if (e->patience() > 0 && !d->has_splits()) {
+    return SpecError("eval.patience", "needs data.splits (early stopping on the validation split)");
+  }
 
   v1::CheckpointConfig* c = j.mutable_checkpoint();
   if (c->interval() < 0)

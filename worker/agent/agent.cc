@@ -387,10 +387,17 @@ void Agent::Poll() {
         e.set_eval_loss(num("eval_loss"));
         e.set_accuracy(num("accuracy"));
         e.set_exact_match(num("exact_match"));
+        // data.splits: "validation" (every epoch) or "test" (at each new best validation loss);
+        // absent: the fresh-sample held-out evaluation.
+        const bool test = j.contains("split") && j["split"].is_string() && j["split"] == "test";
+        if (j.contains("split") && j["split"].is_string())
+          e.set_kind(j["split"].get<std::string>());
         a.evals.push_back(e);
-        registry_.Set("loom_train_eval_loss", num("eval_loss"), labels);
-        registry_.Set("loom_train_eval_accuracy_ratio", num("accuracy"), labels);
-        registry_.Set("loom_train_eval_exact_match_ratio", num("exact_match"), labels);
+        if (!test) {
+          registry_.Set("loom_train_eval_loss", num("eval_loss"), labels);
+          registry_.Set("loom_train_eval_accuracy_ratio", num("accuracy"), labels);
+          registry_.Set("loom_train_eval_exact_match_ratio", num("exact_match"), labels);
+        }
       } else if (event == "checkpoint_skipped" && j.contains("dir") && j["dir"].is_string()) {
         v1::SkippedCheckpoint c;
         c.set_step(static_cast<int64_t>(num("step")));

@@ -109,21 +109,26 @@ TrainBatch ChatSampler::Next(int64_t batch) {
   return out;
 }
 
-TrainBatch TaskSampler::Next(int64_t batch) {
-  std::vector<data::Example> examples = task_->Batch(batch, rng_);
+TrainBatch TaskBatch(const std::vector<const data::Example*>& examples, bool mask_padding) {
   size_t len = 0;
-  for (const auto& e : examples) len = std::max(len, e.tokens.size());
+  for (const data::Example* e : examples) len = std::max(len, e->tokens.size());
   const int64_t b = static_cast<int64_t>(examples.size()), n = static_cast<int64_t>(len);
   TrainBatch out;
   out.inputs = torch::zeros({b, n}, torch::kInt64);
   out.targets = torch::full({b, n}, -1, torch::kInt64);
-  const bool grid = !examples.empty() && !examples[0].rows.empty();
+  const bool grid = !examples.empty() && !examples[0]->rows.empty();
   if (grid) {
     out.rows = torch::zeros({b, n}, torch::kInt64);
     out.cols = torch::zeros({b, n}, torch::kInt64);
   }
+  bool ragged = false;
+  for (const data::Example* e : examples) ragged |= e->tokens.size() != len;
+  if (mask_padding && ragged) {
+    out.segments = torch::zeros({b, n}, torch::kInt64);
+    out.positions = torch::arange(n, torch::kInt64).unsqueeze(0).expand({b, n}).contiguous();
+  }
   for (int64_t i = 0; i < b; ++i) {
-    const auto& e = examples[static_cast<size_t>(i)];
+    const data::Example& e = *examples[static_cast<size_t>(i)];
     const int64_t m = static_cast<int64_t>(e.tokens.size());
     auto copy = [&](const std::vector<int64_t>& v, torch::Tensor& t) {
       t.select(0, i).narrow(0, 0, m).copy_(torch::tensor(v, torch::kInt64));
@@ -134,8 +139,77 @@ TrainBatch TaskSampler::Next(int64_t batch) {
       copy(e.rows, out.rows);
       copy(e.cols, out.cols);
     }
+    if (out.segments.defined()) out.segments.select(0, i).narrow(0, 0, m).fill_(1);
   }
   return out;
+}
+
+TrainBatch TaskSampler::Next(int64_t batch) {
+  std::vector<data::Example> examples = task_->Batch(batch, rng_);
+  std::vector<const data::Example*> refs;
+  for (const auto& e : examples) refs.push_back(&e);
+  return TaskBatch(refs, false);
+}
+
+std::shared_ptr<const TaskSplit> MakeTaskSplit(const data::Task& task, int64_t n, uint64_t seed) {
+  auto split = std::make_shared<TaskSplit>();
+  std::mt19937_64 rng(seed);
+  split->examples.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<data::Example> one = task.Batch(1, rng);
+    split->examples.push_back(std::move(one.front()));
+  }
+  split->mask_padding = task.info().encoder;
+  return split;
+}
+
+SplitSampler::SplitSampler(std::shared_ptr<const TaskSplit> split, uint64_t seed)
+    : BatchSource(seed), split_(std::move(split)) {
+  Shuffle();
+}
+
+void SplitSampler::Shuffle() {
+  before_ = rng_;
+  order_.resize(split_->examples.size());
+  for (size_t i = 0; i < order_.size(); ++i) order_[i] = static_cast<int64_t>(i);
+  // Fisher-Yates with the sampler's generator (std::shuffle's draws are library-specific).
+  for (size_t i = order_.size(); i > 1; --i) {
+    std::swap(order_[i - 1], order_[static_cast<size_t>(rng_() % i)]);
+  }
+  cursor_ = 0;
+  ++pass_;
+}
+
+TrainBatch SplitSampler::Next(int64_t batch) {
+  std::vector<const data::Example*> refs;
+  while (static_cast<int64_t>(refs.size()) < batch) {
+    if (cursor_ == static_cast<int64_t>(order_.size())) Shuffle();
+    refs.push_back(&split_->examples[static_cast<size_t>(order_[static_cast<size_t>(cursor_++)])]);
+  }
+  return TaskBatch(refs, split_->mask_padding);
+}
+
+std::string SplitSampler::State() const {
+  std::ostringstream s;
+  s << "split " << pass_ << " " << cursor_ << " " << before_;
+  return s.str();
+}
+
+absl::Status SplitSampler::Restore(const std::string& state) {
+  std::istringstream s(state);
+  std::string tag;
+  int64_t pass = 0, cursor = 0;
+  std::mt19937_64 before;
+  s >> tag >> pass >> cursor >> before;
+  if (s.fail() || tag != "split" || pass < 1 || cursor < 0 ||
+      cursor > static_cast<int64_t>(split_->examples.size())) {
+    return absl::DataLossError("data cursor: malformed split sampler state");
+  }
+  rng_ = before;
+  Shuffle();  // the same permutation again, and rng_ where it was after drawing it
+  pass_ = pass;
+  cursor_ = cursor;
+  return absl::OkStatus();
 }
 
 std::string BatchSource::State() const {
@@ -379,7 +453,19 @@ absl::Status Trainer::SetupData() {
       return absl::InvalidArgumentError(
           absl::StrCat("model.max_seq_len: task ", info.name, " needs ", info.max_len));
     }
-    train_data_ = std::make_unique<TaskSampler>(task, d.seed());
+    if (d.has_splits()) {
+      // App. D: fixed splits drawn once. Train from data.seed, validation from the held-out seed,
+      // test from a third derivation; the epoch order from a fourth.
+      const auto& sp = d.splits();
+      auto train = MakeTaskSplit(*task, sp.train(), d.seed());
+      validation_split_ = MakeTaskSplit(*task, sp.validation(), eval_seed);
+      test_split_ = MakeTaskSplit(*task, sp.test(), d.seed() ^ 0xbf58476d1ce4e5b9ULL);
+      train_data_ = std::make_unique<SplitSampler>(train, d.seed() ^ 0x94d049bb133111ebULL);
+      LogLine(absl::StrCat("data: ", info.name, " splits of ", sp.train(), " / ", sp.validation(),
+                           " / ", sp.test(), " examples (train / validation / test)"));
+    } else {
+      train_data_ = std::make_unique<TaskSampler>(task, d.seed());
+    }
     make_eval_data_ = [task, eval_seed] { return std::make_unique<TaskSampler>(task, eval_seed); };
     return absl::OkStatus();
   }
@@ -609,6 +695,10 @@ absl::Status Trainer::ApplyCheckpoint(const storage::LoadedCheckpoint& loaded, b
     for (auto& [name, t] : optim_tensors) t = t.to(device_);
     LOOM_RETURN_IF_ERROR(optimizer_->LoadState(optim_tensors, optim_step_value));
     LOOM_RETURN_IF_ERROR(train_data_->Restore(data_rng));
+    if (validation_split_) {
+      LOOM_ASSIGN_OR_RETURN(std::string early, get("split.early_stop"));
+      LOOM_RETURN_IF_ERROR(RestoreEarlyStop(early));
+    }
     auto rng = tensors.find(kTorchRng);
     if (rng == tensors.end())
       return absl::DataLossError(absl::StrCat(what, ": shard lacks ", kTorchRng));
@@ -676,6 +766,7 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
                     {"model_hash", model_hash_},
                     {"zero_stage", zero_ ? "1" : "0"},
                     {"spec", spec_json}};
+  if (validation_split_) manifest.state["split.early_stop"] = EarlyStopState();
   RequireLease("before a checkpoint commit");
   auto dir = writer.Commit(manifest);
   if (!dir.ok()) {
@@ -729,13 +820,72 @@ Trainer::EvalResult Trainer::Evaluate() {
   r.loss = loss / static_cast<double>(spec_.eval().batches());
   r.accuracy = scored > 0 ? static_cast<double>(correct) / static_cast<double>(scored) : 0;
   r.exact_match = examples > 0 ? static_cast<double>(exact) / static_cast<double>(examples) : 0;
-  registry_.Set("loom_train_eval_loss", r.loss, labels_);
-  registry_.Set("loom_train_eval_accuracy_ratio", r.accuracy, labels_);
-  registry_.Set("loom_train_eval_exact_match_ratio", r.exact_match, labels_);
-  WriteJsonl(absl::StrCat("{\"event\":\"eval\",\"step\":", step_, ",\"eval_loss\":",
+  RecordEval(r, "", 0);
+  return r;
+}
+
+Trainer::EvalResult Trainer::EvaluateSplit(const TaskSplit& split, const std::string& name,
+                                           int64_t epoch) {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  // Every example once, in order; the loss is the mean over all scored positions of the split.
+  double loss = 0;
+  int64_t scored = 0, correct = 0, examples = 0, exact = 0;
+  const size_t n = split.examples.size(), b = static_cast<size_t>(spec_.micro_batch());
+  for (size_t from = 0; from < n; from += b) {
+    std::vector<const data::Example*> refs;
+    for (size_t i = from; i < std::min(n, from + b); ++i) refs.push_back(&split.examples[i]);
+    TrainBatch batch = TaskBatch(refs, split.mask_padding);
+    BatchScore s = ScoreBatch(model_->forward(Inputs(batch)), batch, true);
+    loss += s.loss.item<double>() * static_cast<double>(s.scored);
+    scored += s.scored;
+    correct += s.correct;
+    examples += s.examples;
+    exact += s.exact;
+  }
+  model_->train();
+  EvalResult r;
+  r.loss = scored > 0 ? loss / static_cast<double>(scored) : 0;
+  r.accuracy = scored > 0 ? static_cast<double>(correct) / static_cast<double>(scored) : 0;
+  r.exact_match = examples > 0 ? static_cast<double>(exact) / static_cast<double>(examples) : 0;
+  RecordEval(r, name, epoch);
+  return r;
+}
+
+void Trainer::RecordEval(const EvalResult& r, const std::string& split, int64_t epoch) {
+  if (split != "test") {  // the gauges follow the held-out (validation) evaluations
+    registry_.Set("loom_train_eval_loss", r.loss, labels_);
+    registry_.Set("loom_train_eval_accuracy_ratio", r.accuracy, labels_);
+    registry_.Set("loom_train_eval_exact_match_ratio", r.exact_match, labels_);
+  }
+  const std::string where =
+      split.empty() ? "" : absl::StrCat(",\"split\":", JsonString(split), ",\"epoch\":", epoch);
+  WriteJsonl(absl::StrCat("{\"event\":\"eval\"", where, ",\"step\":", step_, ",\"eval_loss\":",
                           JsonNumber(r.loss), ",\"accuracy\":", JsonNumber(r.accuracy),
                           ",\"exact_match\":", JsonNumber(r.exact_match), "}"));
-  return r;
+}
+
+std::string Trainer::EarlyStopState() const {
+  const EarlyStop& e = early_;
+  return absl::StrFormat("%.17g %d %d %d %d %.17g %.17g %.17g", e.best_loss, e.best_epoch,
+                         e.best_step, e.bad_epochs, e.has_test ? 1 : 0, e.test.loss,
+                         e.test.accuracy, e.test.exact_match);
+}
+
+absl::Status Trainer::RestoreEarlyStop(const std::string& state) {
+  std::vector<std::string> parts = absl::StrSplit(state, ' ', absl::SkipEmpty());
+  EarlyStop e;
+  int64_t has_test = 0;
+  if (parts.size() != 8 || !absl::SimpleAtod(parts[0], &e.best_loss) ||
+      !absl::SimpleAtoi(parts[1], &e.best_epoch) || !absl::SimpleAtoi(parts[2], &e.best_step) ||
+      !absl::SimpleAtoi(parts[3], &e.bad_epochs) || !absl::SimpleAtoi(parts[4], &has_test) ||
+      !absl::SimpleAtod(parts[5], &e.test.loss) || !absl::SimpleAtod(parts[6], &e.test.accuracy) ||
+      !absl::SimpleAtod(parts[7], &e.test.exact_match)) {
+    return absl::DataLossError("split.early_stop: malformed early-stopping state in the manifest");
+  }
+  e.has_test = has_test != 0;
+  early_ = e;
+  return absl::OkStatus();
 }
 
 void Trainer::LogLine(const std::string& line) {
@@ -836,22 +986,76 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       model_->NumParameters(), total, tokens_per_step, device_.str(), spec_.precision(),
       torch::get_num_threads(), comm_->world_size(), forward_flops_per_token_));
   const bool task = spec_.data().source() == "task" || spec_.data().source() == "chat";
+  // data.splits: an epoch is one pass's worth of steps over the train split (every rank draws
+  // from the same global order, so world_size ranks together take micro_batch x world_size).
+  const bool splits = validation_split_ != nullptr;
+  const int64_t examples_per_step = spec_.micro_batch() * spec_.grad_accum() * comm_->world_size();
+  const int64_t steps_per_epoch =
+      splits ? (spec_.data().splits().train() + examples_per_step - 1) / examples_per_step : 0;
+  auto epoch_of = [&](int64_t step) {
+    return splits ? (step + steps_per_epoch - 1) / steps_per_epoch : 0;
+  };
+  int64_t last_eval_step = -1;
   auto evaluate = [&]() {
-    EvalResult e = Evaluate();
+    EvalResult e =
+        splits ? EvaluateSplit(*validation_split_, "validation", epoch_of(step_)) : Evaluate();
+    last_eval_step = step_;
     summary.last_eval_loss = e.loss;
     summary.last_eval_accuracy = e.accuracy;
     summary.last_eval_exact_match = e.exact_match;
-    LogLine(task ? absl::StrFormat("eval at step %d: loss %.4f  accuracy %.4f  exact match %.4f",
-                                   step_, e.loss, e.accuracy, e.exact_match)
+    LogLine(task ? absl::StrFormat("%s at step %d: loss %.4f  accuracy %.4f  exact match %.4f",
+                                   splits ? "validation" : "eval", step_, e.loss, e.accuracy,
+                                   e.exact_match)
                  : absl::StrFormat("eval loss at step %d: %.4f", step_, e.loss));
     return e;
   };
+  if (splits) {
+    LogLine(absl::StrFormat(
+        "splits: %d train examples, %d per step: %d steps per epoch, at most %d epochs; "
+        "patience %d",
+        spec_.data().splits().train(), examples_per_step, steps_per_epoch, epoch_of(total),
+        spec_.eval().patience()));
+  }
+  bool stop_early = false;
+  // The end of an epoch (or of the run): validate; on a lower validation loss, test and remember
+  // it; after `patience` epochs without one, stop.
+  auto epoch_end = [&]() {
+    const int64_t epoch = epoch_of(step_);
+    const EvalResult v = evaluate();
+    EarlyStop& es = early_;
+    if (v.loss < es.best_loss) {
+      es.best_loss = v.loss;
+      es.best_epoch = epoch;
+      es.best_step = step_;
+      es.bad_epochs = 0;
+      es.test = EvaluateSplit(*test_split_, "test", epoch);
+      es.has_test = true;
+      LogLine(absl::StrFormat(
+          "epoch %d (step %d): validation loss %.4f, best so far; test loss %.4f  accuracy %.4f  "
+          "exact match %.4f",
+          epoch, step_, v.loss, es.test.loss, es.test.accuracy, es.test.exact_match));
+    } else {
+      ++es.bad_epochs;
+      LogLine(absl::StrFormat(
+          "epoch %d (step %d): validation loss %.4f, no improvement on %.4f (epoch %d) for %d "
+          "epoch(s)",
+          epoch, step_, v.loss, es.best_loss, es.best_epoch, es.bad_epochs));
+      if (spec_.eval().patience() > 0 && es.bad_epochs >= spec_.eval().patience()) {
+        stop_early = true;
+      }
+    }
+  };
+  // Resumed from the checkpoint an early stop wrote: nothing left to train.
+  if (splits && spec_.eval().patience() > 0 && early_.bad_epochs >= spec_.eval().patience()) {
+    stop_early = true;
+  }
   if (step_ == 0) summary.first_eval_loss = evaluate().loss;
   std::vector<torch::Tensor> params = model_->parameters();
   const auto run_start = Clock::now();
   const int64_t first_step = step_;
   try {
-    while (step_ < total && !(options_.stop_after > 0 && step_ >= options_.stop_after)) {
+    while (step_ < total && !stop_early &&
+           !(options_.stop_after > 0 && step_ >= options_.stop_after)) {
       const auto step_start = Clock::now();
       const double lr = LearningRateAt(spec_.optimizer(), total, step_);
       for (auto& p : params) p.mutable_grad() = torch::Tensor();
@@ -947,18 +1151,43 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
           LogLine(line);
         }
       }
-      if (spec_.eval().interval() > 0 && step_ % spec_.eval().interval() == 0 && step_ < total)
+      if (splits) {
+        if (step_ % steps_per_epoch == 0 || step_ == total) epoch_end();
+      } else if (spec_.eval().interval() > 0 && step_ % spec_.eval().interval() == 0 &&
+                 step_ < total) {
         evaluate();
+      }
       if (checkpoints && spec_.checkpoint().interval() > 0 &&
           step_ % spec_.checkpoint().interval() == 0) {
         LOOM_RETURN_IF_ERROR(save());
       }
+      if (stop_early) break;
     }
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("step ", step_ + 1, ": ", e.what()));
   }
   if (options_.progress_bar && options_.log) *options_.log << "\n";
-  if (step_ >= total || (options_.stop_after > 0 && step_ >= options_.stop_after)) evaluate();
+  if ((step_ >= total || stop_early || (options_.stop_after > 0 && step_ >= options_.stop_after)) &&
+      last_eval_step != step_) {
+    evaluate();
+  }
+  if (splits) {
+    summary.epochs = epoch_of(step_);
+    summary.early_stopped = stop_early;
+    summary.best_epoch = early_.best_epoch;
+    if (early_.has_test) {
+      summary.best_validation_loss = early_.best_loss;
+      summary.test_loss = early_.test.loss;
+      summary.test_accuracy = early_.test.accuracy;
+      summary.test_exact_match = early_.test.exact_match;
+      LogLine(absl::StrFormat(
+          "%s after epoch %d (step %d); best validation loss %.4f at epoch %d (step %d): test "
+          "loss %.4f  accuracy %.4f  exact match %.4f",
+          stop_early ? "early stopping" : "training ended", summary.epochs, step_, early_.best_loss,
+          early_.best_epoch, early_.best_step, early_.test.loss, early_.test.accuracy,
+          early_.test.exact_match));
+    }
+  }
   if (checkpoints && last_saved != step_) LOOM_RETURN_IF_ERROR(save());
   summary.final_step = step_;
   if (spec_.kind() == "sft" && spec_.reasoning_eval().when() == "end" && step_ >= total) {

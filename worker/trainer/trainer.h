@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <ostream>
 #include <random>
@@ -52,8 +53,8 @@ class BatchSource {
   explicit BatchSource(uint64_t seed) : rng_(seed) {}
   virtual ~BatchSource() = default;
   virtual TrainBatch Next(int64_t batch) = 0;
-  std::string State() const;
-  absl::Status Restore(const std::string& state);
+  virtual std::string State() const;
+  virtual absl::Status Restore(const std::string& state);
 
  protected:
   std::mt19937_64 rng_;
@@ -80,6 +81,40 @@ class TaskSampler : public BatchSource {
 
  private:
   std::shared_ptr<const data::Task> task_;
+};
+
+// A batch of task examples, right-padded to the longest (padding targets are -1). mask_padding:
+// segment ids 1 for real tokens and 0 for padding (with positions), so a bidirectional encoder
+// never attends from a real token to padding; used where examples of one batch differ in shape.
+TrainBatch TaskBatch(const std::vector<const data::Example*>& examples, bool mask_padding);
+
+// A fixed split of a built-in task (data.splits), materialised once.
+struct TaskSplit {
+  std::vector<data::Example> examples;
+  bool mask_padding = false;  // encoder grid tasks: examples differ in size
+};
+// `n` examples drawn one at a time (each with its own shape) from a generator seeded with `seed`.
+std::shared_ptr<const TaskSplit> MakeTaskSplit(const data::Task& task, int64_t n, uint64_t seed);
+
+// Epochs over a fixed train split: a permutation drawn with the sampler's RNG at the start of each
+// pass, batches taken in its order; a batch that runs past the end of the permutation takes its
+// remainder from the next one (batches are always full). State: the RNG before the current
+// permutation was drawn, the pass number and the cursor, so a resume mid-epoch is exact.
+class SplitSampler : public BatchSource {
+ public:
+  SplitSampler(std::shared_ptr<const TaskSplit> split, uint64_t seed);
+  TrainBatch Next(int64_t batch) override;
+  std::string State() const override;
+  absl::Status Restore(const std::string& state) override;
+  int64_t pass() const { return pass_; }
+  int64_t cursor() const { return cursor_; }
+
+ private:
+  void Shuffle();  // a new permutation from rng_ (saved first in before_)
+  std::shared_ptr<const TaskSplit> split_;
+  std::vector<int64_t> order_;
+  std::mt19937_64 before_;
+  int64_t pass_ = 0, cursor_ = 0;
 };
 
 // Packed conversations (data/chat.h) for SFT: rows of seq_len + 1 tokens holding whole
@@ -133,6 +168,11 @@ struct TrainSummary {
   // Reasoning evaluation (eval jobs; sft jobs after training): -1 when none ran.
   double reasoning_pass_at_1 = -1, reasoning_maj_at_k = -1, reasoning_answered = -1;
   std::string reasoning_details;  // JSON file with every sample ("" when not written)
+  // data.splits: epochs run, whether early stopping ended the run, the best validation epoch and
+  // the test metrics there (test_* are -1 when no test evaluation ran).
+  int64_t epochs = 0, best_epoch = 0;
+  bool early_stopped = false;
+  double best_validation_loss = -1, test_loss = -1, test_accuracy = -1, test_exact_match = -1;
 };
 
 class Trainer {
@@ -166,6 +206,9 @@ class Trainer {
     double loss = 0, accuracy = 0, exact_match = 0;
   };
   EvalResult Evaluate();
+  // The whole validation or test split in order; JSONL eval event with "split" and "epoch".
+  EvalResult EvaluateSplit(const TaskSplit& split, const std::string& name, int64_t epoch);
+  void RecordEval(const EvalResult& r, const std::string& split, int64_t epoch);
   absl::Status ReasoningEvaluate(TrainSummary* summary);  // rank 0: reasoning_eval, logged
   ModelInputs Inputs(const TrainBatch& batch) const;
   TrainBatch NextLocalBatch();  // this rank's rows of the global micro-batch
@@ -185,6 +228,18 @@ class Trainer {
   SftObjectivePtr objective_;                 // sft and eval jobs: the chat objective plugin
   std::unique_ptr<BatchSource> train_data_;
   std::function<std::unique_ptr<BatchSource>()> make_eval_data_;  // a fresh, fixed-seed source
+  // data.splits: the fixed validation and test splits (null without splits) and the
+  // early-stopping state at the last epoch end, saved in checkpoints ("split.early_stop").
+  std::shared_ptr<const TaskSplit> validation_split_, test_split_;
+  struct EarlyStop {
+    double best_loss = std::numeric_limits<double>::infinity();
+    int64_t best_epoch = 0, best_step = 0, bad_epochs = 0;
+    EvalResult test;  // at the best validation epoch
+    bool has_test = false;
+  };
+  EarlyStop early_;
+  std::string EarlyStopState() const;
+  absl::Status RestoreEarlyStop(const std::string& state);
   int64_t step_ = 0, tokens_seen_ = 0, consecutive_nan_ = 0;
   std::string parent_;
   std::string model_hash_, spec_hash_;

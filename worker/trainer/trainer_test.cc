@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
 
 #include "corpus.h"
 #include "loom/spec.h"
@@ -139,6 +142,169 @@ TEST_F(TrainerTest, LossFallsOnEveryBuiltInTask) {
   }
 }
 
+// The App. D protocol: fixed splits, epochs, validation every epoch, patience, the test metric
+// at the best validation epoch; and an exact resume in the middle of an epoch.
+class SplitsTest : public TrainerTest {
+ protected:
+  std::string Json(const std::string& dir, const std::string& jsonl) {
+    return R"({"preset": "micro", "steps": 400, "micro_batch": 32, "seq_len": 100,
+      "optimizer": {"lr": 0.03, "min_lr": 0.03, "warmup_steps": 1},
+      "model": {"d_model": 32, "n_layers": 1, "n_heads": 4, "vocab_size": 2, "max_seq_len": 100,
+                "mode": "encoder", "num_classes": 1, "grid_max_rows": 10, "grid_max_cols": 10,
+                "tie_embeddings": false, "rope_theta": 0},
+      "data": {"source": "task", "task": "relation_binary",
+               "splits": {"train": 256, "validation": 64, "test": 64}},
+      "eval": {"patience": 2},
+      "checkpoint": {"dir": ")" +
+           dir + R"(", "interval": 4, "keep_last": 100},
+      "metrics": {"jsonl": ")" +
+           jsonl + R"("}})";
+  }
+  struct Eval {
+    std::string split;
+    int64_t step = 0, epoch = 0;
+    double loss = 0;
+  };
+  static std::vector<Eval> Evals(const std::string& jsonl) {
+    std::vector<Eval> out;
+    std::ifstream in(jsonl);
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("\"event\":\"eval\"") == std::string::npos) continue;
+      Eval e;
+      auto field = [&](const std::string& key) {
+        const size_t at = line.find("\"" + key + "\":");
+        return at == std::string::npos
+                   ? std::string()
+                   : line.substr(at + key.size() + 3,
+                                 line.find_first_of(",}", at) - at - key.size() - 3);
+      };
+      e.split = field("split");
+      e.step = std::stoll(field("step"));
+      e.epoch = field("epoch").empty() ? 0 : std::stoll(field("epoch"));
+      e.loss = std::stod(field("eval_loss"));
+      out.push_back(e);
+    }
+    return out;
+  }
+};
+
+TEST_F(SplitsTest, StopsAfterPatienceAndReportsTestAtBestEpoch) {
+  const std::string root = ::testing::TempDir() + "/loom-splits-a";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  auto t = Trainer::Create(Spec(Json(root + "/ckpt", root + "/m.jsonl")), loader_, {});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto s = (*t)->Run();
+  ASSERT_TRUE(s.ok()) << s.status();
+  // 256 examples / 32 per step: 8 steps per epoch, 50 epochs at most.
+  ASSERT_TRUE(s->early_stopped) << "ran " << s->epochs << " epochs";
+  EXPECT_LT(s->final_step, 400);
+  EXPECT_EQ(s->final_step, s->epochs * 8);
+  // Recompute the protocol from the JSONL: one validation per epoch end, a test after each new
+  // best, a stop `patience` epochs after the best.
+  std::vector<Eval> evals = Evals(root + "/m.jsonl");
+  double best = std::numeric_limits<double>::infinity();
+  int64_t best_epoch = 0, bad = 0, last_test_epoch = -1, validations = 0;
+  for (size_t i = 0; i < evals.size(); ++i) {
+    const Eval& e = evals[i];
+    ASSERT_TRUE(e.split == "\"validation\"" || e.split == "\"test\"") << e.split;
+    if (e.split == "\"test\"") {
+      last_test_epoch = e.epoch;
+      continue;
+    }
+    if (e.step == 0) continue;  // the step-0 evaluation is not an epoch end
+    ++validations;
+    EXPECT_EQ(e.step, e.epoch * 8);
+    const bool improved = e.loss < best;
+    if (improved) {
+      best = e.loss;
+      best_epoch = e.epoch;
+      bad = 0;
+    } else {
+      ++bad;
+    }
+    const bool next_is_test = i + 1 < evals.size() && evals[i + 1].split == "\"test\"";
+    EXPECT_EQ(next_is_test, improved) << "epoch " << e.epoch;
+  }
+  EXPECT_EQ(validations, s->epochs);
+  EXPECT_EQ(bad, 2);
+  EXPECT_EQ(s->best_epoch, best_epoch);
+  EXPECT_EQ(s->epochs, best_epoch + 2);
+  EXPECT_EQ(last_test_epoch, best_epoch);
+  EXPECT_EQ(s->best_validation_loss, best);
+  EXPECT_GE(s->test_accuracy, 0.0);
+  std::cout << "splits: " << s->epochs << " epochs, best " << best_epoch << " (validation " << best
+            << "), test loss " << s->test_loss << " accuracy " << s->test_accuracy
+            << " exact match " << s->test_exact_match << "\n";
+
+  // Stop in the middle of epoch 2 (step 12), resume: the same losses, stop and test metric.
+  const std::string root2 = ::testing::TempDir() + "/loom-splits-b";
+  std::filesystem::remove_all(root2);
+  std::filesystem::create_directories(root2);
+  TrainerOptions first;
+  first.stop_after = 12;
+  auto b = Trainer::Create(Spec(Json(root2 + "/ckpt", root2 + "/m1.jsonl")), loader_, first);
+  ASSERT_TRUE(b.ok()) << b.status();
+  auto sb = (*b)->Run();
+  ASSERT_TRUE(sb.ok()) << sb.status();
+  ASSERT_EQ(sb->final_step, 12);
+  TrainerOptions second;
+  second.resume = root2 + "/ckpt";
+  auto c = Trainer::Create(Spec(Json(root2 + "/ckpt", root2 + "/m2.jsonl")), loader_, second);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto sc = (*c)->Run();
+  ASSERT_TRUE(sc.ok()) << sc.status();
+  ASSERT_EQ(sb->steps.size() + sc->steps.size(), s->steps.size());
+  for (size_t i = 0; i < s->steps.size(); ++i) {
+    const StepRecord& r = i < 12 ? sb->steps[i] : sc->steps[i - 12];
+    EXPECT_EQ(r.loss, s->steps[i].loss) << "step " << i + 1;
+  }
+  EXPECT_EQ(sc->final_step, s->final_step);
+  EXPECT_EQ(sc->best_epoch, s->best_epoch);
+  EXPECT_EQ(sc->test_loss, s->test_loss);
+  EXPECT_EQ(sc->test_accuracy, s->test_accuracy);
+  EXPECT_EQ(sc->test_exact_match, s->test_exact_match);
+}
+
+// Relations of different sizes share a batch of a split: the padding is masked, so an example's
+// logits do not depend on what it is batched with.
+TEST_F(SplitsTest, PaddedRelationsScoreAsAlone) {
+  const std::string root = ::testing::TempDir() + "/loom-splits-pad";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  auto t = Trainer::Create(Spec(Json(root + "/ckpt", root + "/m.jsonl")), loader_, {});
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto made = data::MakeTask("relation_binary", {}, 100);
+  ASSERT_TRUE(made.ok());
+  auto split = MakeTaskSplit(**made, 40, 3);
+  const data::Example *small = nullptr, *big = nullptr;
+  for (const auto& e : split->examples) {
+    if (small == nullptr || e.tokens.size() < small->tokens.size()) small = &e;
+    if (big == nullptr || e.tokens.size() > big->tokens.size()) big = &e;
+  }
+  ASSERT_LT(small->tokens.size(), big->tokens.size());
+  auto logits = [&](const TrainBatch& b) {
+    torch::NoGradGuard no_grad;
+    ModelInputs in;
+    in.tokens = b.inputs;
+    in.grid_rows = b.rows;
+    in.grid_cols = b.cols;
+    in.positions = b.positions;
+    in.segments = b.segments;
+    (*t)->model().eval();
+    return (*t)->model().forward(in);
+  };
+  const TrainBatch alone = TaskBatch({small}, true), mixed = TaskBatch({small, big}, true);
+  ASSERT_TRUE(mixed.segments.defined());
+  ASSERT_FALSE(alone.segments.defined());  // nothing to mask
+  const int64_t m = static_cast<int64_t>(small->tokens.size());
+  const torch::Tensor a = logits(alone)[0], b = logits(mixed)[0].narrow(0, 0, m);
+  EXPECT_LT((a - b).abs().max().item<double>(), 1e-5);
+  // Unmasked, the padding would change the result.
+  TrainBatch unmasked = TaskBatch({small, big}, false);
+  EXPECT_GT((a - logits(unmasked)[0].narrow(0, 0, m)).abs().max().item<double>(), 1e-4);
+}
+
 TEST_F(TrainerTest, TaskModelMismatchesNameTheField) {
   auto mismatch = [&](const std::string& json, const std::string& field) {
     auto t = Trainer::Create(Spec(json), loader_, {});
@@ -267,6 +433,32 @@ TEST(WindowSampler, StateRestoresTheCursor) {
   TrainBatch x2 = b.Next(2);
   EXPECT_TRUE(torch::equal(x1.inputs, x2.inputs));
   EXPECT_TRUE(torch::equal(x1.inputs.narrow(1, 1, 15), x1.targets.narrow(1, 0, 15)));
+  EXPECT_FALSE(b.Restore("garbage").ok());
+}
+
+TEST(SplitSampler, EpochsAndStateRestoreTheCursor) {
+  auto split = std::make_shared<TaskSplit>();
+  for (int64_t i = 0; i < 10; ++i) split->examples.push_back({{i, i}, {1, 1}, {}, {}});
+  SplitSampler a(split, 7);
+  // One pass holds every example once; a batch past the end wraps into a new permutation.
+  std::vector<int64_t> seen;
+  for (int k = 0; k < 3; ++k) {
+    TrainBatch x = a.Next(3);
+    for (int64_t r = 0; r < 3; ++r) seen.push_back(x.inputs[r][0].item<int64_t>());
+  }
+  std::vector<int64_t> sorted = seen;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(std::unique(sorted.begin(), sorted.end()), sorted.end());  // 9 distinct of 10
+  TrainBatch wrap = a.Next(3);  // the 10th, then two of pass 2
+  EXPECT_EQ(a.pass(), 2);
+  EXPECT_EQ(a.cursor(), 2);
+  const std::string state = a.State();
+  TrainBatch x1 = a.Next(4);
+  SplitSampler b(split, 99);
+  ASSERT_TRUE(b.Restore(state).ok());
+  TrainBatch x2 = b.Next(4);
+  EXPECT_TRUE(torch::equal(x1.inputs, x2.inputs));
+  EXPECT_EQ(b.pass(), a.pass());
   EXPECT_FALSE(b.Restore("garbage").ok());
 }
 
