@@ -800,26 +800,42 @@ absl::Status Trainer::BroadcastOwnedParameters() {
   return absl::OkStatus();
 }
 
-Trainer::EvalResult Trainer::Evaluate() {
-  torch::NoGradGuard no_grad;
-  model_->eval();
-  std::unique_ptr<BatchSource> source = make_eval_data_();
-  double loss = 0;
+namespace {
+
+// Batch scores summed over an evaluation; the loss is a weighted mean of batch losses.
+struct ScoreTotals {
+  double weighted_loss = 0, weight = 0;
   int64_t scored = 0, correct = 0, examples = 0, exact = 0;
-  for (int64_t i = 0; i < spec_.eval().batches(); ++i) {
-    TrainBatch batch = source->Next(spec_.micro_batch());
-    BatchScore s = ScoreBatch(model_->forward(Inputs(batch)), batch, true);
-    loss += s.loss.item<double>();
+
+  void Add(const BatchScore& s, double w) {
+    weighted_loss += s.loss.item<double>() * w;
+    weight += w;
     scored += s.scored;
     correct += s.correct;
     examples += s.examples;
     exact += s.exact;
   }
+  void Into(double* loss, double* accuracy, double* exact_match) const {
+    *loss = weight > 0 ? weighted_loss / weight : 0;
+    *accuracy = scored > 0 ? static_cast<double>(correct) / static_cast<double>(scored) : 0;
+    *exact_match = examples > 0 ? static_cast<double>(exact) / static_cast<double>(examples) : 0;
+  }
+};
+
+}  // namespace
+
+Trainer::EvalResult Trainer::Evaluate() {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  std::unique_ptr<BatchSource> source = make_eval_data_();
+  ScoreTotals totals;  // the mean of the fixed held-out batches' losses
+  for (int64_t i = 0; i < spec_.eval().batches(); ++i) {
+    TrainBatch batch = source->Next(spec_.micro_batch());
+    totals.Add(ScoreBatch(model_->forward(Inputs(batch)), batch, true), 1.0);
+  }
   model_->train();
   EvalResult r;
-  r.loss = loss / static_cast<double>(spec_.eval().batches());
-  r.accuracy = scored > 0 ? static_cast<double>(correct) / static_cast<double>(scored) : 0;
-  r.exact_match = examples > 0 ? static_cast<double>(exact) / static_cast<double>(examples) : 0;
+  totals.Into(&r.loss, &r.accuracy, &r.exact_match);
   RecordEval(r, "", 0);
   return r;
 }
@@ -829,25 +845,18 @@ Trainer::EvalResult Trainer::EvaluateSplit(const TaskSplit& split, const std::st
   torch::NoGradGuard no_grad;
   model_->eval();
   // Every example once, in order; the loss is the mean over all scored positions of the split.
-  double loss = 0;
-  int64_t scored = 0, correct = 0, examples = 0, exact = 0;
+  ScoreTotals totals;
   const size_t n = split.examples.size(), b = static_cast<size_t>(spec_.micro_batch());
   for (size_t from = 0; from < n; from += b) {
     std::vector<const data::Example*> refs;
     for (size_t i = from; i < std::min(n, from + b); ++i) refs.push_back(&split.examples[i]);
     TrainBatch batch = TaskBatch(refs, split.mask_padding);
     BatchScore s = ScoreBatch(model_->forward(Inputs(batch)), batch, true);
-    loss += s.loss.item<double>() * static_cast<double>(s.scored);
-    scored += s.scored;
-    correct += s.correct;
-    examples += s.examples;
-    exact += s.exact;
+    totals.Add(s, static_cast<double>(s.scored));
   }
   model_->train();
   EvalResult r;
-  r.loss = scored > 0 ? loss / static_cast<double>(scored) : 0;
-  r.accuracy = scored > 0 ? static_cast<double>(correct) / static_cast<double>(scored) : 0;
-  r.exact_match = examples > 0 ? static_cast<double>(exact) / static_cast<double>(examples) : 0;
+  totals.Into(&r.loss, &r.accuracy, &r.exact_match);
   RecordEval(r, name, epoch);
   return r;
 }
