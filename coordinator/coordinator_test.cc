@@ -587,6 +587,15 @@ TEST_F(CoordinatorTest, SubmittedJobsAlwaysPrint) {
   absl::Status s = CheckMessageLimits(deep);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("spec.data.task_options"), std::string::npos) << s;
+  // An agent's log chunk is bounded by the body limit alone; its other strings are not.
+  v1::HeartbeatRequest beat;
+  v1::AttemptReport* report = beat.add_attempts();
+  report->set_log(std::string(100000, 'l'));
+  EXPECT_TRUE(CheckMessageLimits(beat).ok());
+  report->add_ranks()->set_detail(std::string(5000, 'd'));
+  EXPECT_NE(CheckMessageLimits(beat).message().find("attempts[0].ranks[0].detail: longer than"),
+            std::string::npos)
+      << CheckMessageLimits(beat);
   v1::SubmitJobRequest long_name = MicroJob();
   long_name.mutable_spec()->set_name(std::string(5000, 'x'));
   s = CheckMessageLimits(long_name);

@@ -358,6 +358,7 @@ absl::Status CheckLimitsAt(const Message& m, const std::string& path, int free_d
     const int n = f->is_repeated() ? r->FieldSize(m, f) : 1;
     for (int i = 0; i < n; ++i) {
       const std::string where = f->is_repeated() ? absl::StrCat(name, "[", i, "]") : name;
+      if (f->full_name() == kUnboundedStringField) continue;
       if (f->type() == FieldDescriptor::TYPE_STRING || f->type() == FieldDescriptor::TYPE_BYTES) {
         std::string scratch;
         const std::string& s = f->is_repeated() ? r->GetRepeatedStringReference(m, f, i, &scratch)

@@ -34,6 +34,9 @@ std::string RouteLabel(const std::string& method, const std::string& path);
 inline constexpr int kMaxJsonDepth = 32;         // nesting of the whole body
 inline constexpr int kMaxFreeFormDepth = 8;      // nesting inside free-form (Struct) fields
 inline constexpr size_t kMaxStringBytes = 4096;  // any string, map key or Struct value
+// Except the log chunk of an agent's report: it goes to the job's log file, never into a stored
+// message, and only the body limit bounds it (agents fit it to that limit).
+inline constexpr char kUnboundedStringField[] = "loom.v1.AttemptReport.log";
 
 // Fails when JSON text nests objects/arrays deeper than max_depth (a scan, no parse).
 absl::Status CheckJsonDepth(absl::string_view json, int max_depth);
