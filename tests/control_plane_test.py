@@ -10,7 +10,6 @@ events and catalogue intact, the job completes); 200 concurrent submissions (eac
 once, ids unique); 25+ malformed and hostile requests (clean 4xx, server stays up); the OpenAPI
 document validated by swagger-cli and matching the served routes. Every process is killed on exit.
 """
-import argparse
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import Service, stop_all  # noqa: E402
+from loom_testlib import Service, control_plane_arg_parser, stop_all  # noqa: E402
 
 PROCS = []
 USER_TOKEN = "alice-token-0123456789abcdef"
@@ -500,12 +499,7 @@ def test_loom_up(args, tmp):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--coordinator", required=True)
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--loom", required=True)
-    ap.add_argument("--loom-train", required=True)
-    ap.add_argument("--source-dir", required=True)
+    ap = control_plane_arg_parser()
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="loom-control-plane-")
     c = Cluster(args, tmp)

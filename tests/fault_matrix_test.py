@@ -16,7 +16,6 @@ of its agent, then of the coordinator, in one run: final weights equal the refer
 coordinator restart while a job is scheduled but not launched: one attempt, each rank started
 once. Every process is killed on exit.
 """
-import argparse
 import os
 import re
 import shutil
@@ -29,7 +28,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import (Service, loom_trainers, proc_state, stop_all, verify_checkpoint,  # noqa: E402
+from loom_testlib import (Service, control_plane_arg_parser, loom_trainers, proc_state,  # noqa: E402
+                          stop_all, verify_checkpoint,
                           final_tensors, wait_for)
 
 PROCS = []
@@ -318,15 +318,20 @@ class Matrix:
         took = (int(job.get("end_time_ms", 0)) - int(job.get("start_time_ms", 0))) / 1000
         print(f"ok: reference job {job_id}: {STEPS_LONG} steps uninterrupted in {took:.1f} s")
 
-    def case_a_agent_stopped(self):
-        api = self.api
-        job_id = submit(api, job_body(STEPS_LONG))
-        job = api.wait(job_id, lambda j: j["state"] == "running" and newest_checkpoint(j) >= 100,
-                       "a checkpoint at step >= 100")
+    def running_job(self):
+        """A long job once it has a checkpoint at step >= 100: its id, the hosting worker's id and
+        name, that worker's agent process and the job's live ranks (all of attempt 1)."""
+        job_id = submit(self.api, job_body(STEPS_LONG))
+        job = self.api.wait(job_id, lambda j: j["state"] == "running" and newest_checkpoint(j) >= 100,
+                            "a checkpoint at step >= 100")
         victim_id, victim = self.hosting_worker(job)
-        agent = self.s.workers[victim]
         old = [t for t in loom_trainers(self.tmp) if t["job"] == job_id]
         assert old and all(t["attempt"] == 1 for t in old), old
+        return job_id, victim_id, victim, self.s.workers[victim], old
+
+    def case_a_agent_stopped(self):
+        api = self.api
+        job_id, victim_id, victim, agent, old = self.running_job()
         t0 = time.time()
         os.kill(agent.pid, signal.SIGSTOP)
         try:
@@ -360,13 +365,7 @@ class Matrix:
 
     def case_b_partition(self):
         api = self.api
-        job_id = submit(api, job_body(STEPS_LONG))
-        job = api.wait(job_id, lambda j: j["state"] == "running" and newest_checkpoint(j) >= 100,
-                       "a checkpoint at step >= 100")
-        victim_id, victim = self.hosting_worker(job)
-        agent = self.s.workers[victim]
-        old = [t for t in loom_trainers(self.tmp) if t["job"] == job_id]
-        assert old, "no ranks found"
+        job_id, victim_id, victim, agent, old = self.running_job()
         t0 = time.time()
         self.proxies[victim].partition()
         try:
@@ -583,12 +582,7 @@ class Matrix:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--coordinator", required=True)
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--loom", required=True)
-    ap.add_argument("--loom-train", required=True)
-    ap.add_argument("--source-dir", required=True)
+    ap = control_plane_arg_parser()
     ap.add_argument("--cases", default="abcdefg", help="which cases to run (letters)")
     args = ap.parse_args()
     tmp = os.path.realpath(tempfile.mkdtemp(prefix="loom-fault-matrix-"))

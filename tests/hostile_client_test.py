@@ -13,7 +13,6 @@ the enrolment token, an attempt placed elsewhere, a lost worker's credential); f
 paths; client paths escaping the storage root; and `loom up`'s tokens, Host and Origin checks.
 Every process is killed on exit.
 """
-import argparse
 import gzip
 import json
 import os
@@ -28,7 +27,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import Api, Service, free_port, stop_all, wait_for  # noqa: E402
+from loom_testlib import Api, Service, control_plane_arg_parser, free_port, stop_all, wait_for  # noqa: E402
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -925,12 +924,7 @@ def parse_response(buf, eof=False, head_only=False):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--coordinator", required=True)
-    ap.add_argument("--worker", required=True)
-    ap.add_argument("--loom", required=True)
-    ap.add_argument("--loom-train", required=True)
-    ap.add_argument("--source-dir", required=True)
+    ap = control_plane_arg_parser()
     args = ap.parse_args()
     tmp = os.path.realpath(tempfile.mkdtemp(prefix="loom-hostile-"))
     h = Hostile(args, tmp)

@@ -2,6 +2,7 @@
 the published format (and verifying them: CRC-32C), parsing the trainer's JSON-lines log, picking
 free ports, finding trainer processes, and starting the control plane (coordinator + agents)."""
 import http.client
+import argparse
 import json
 import os
 import re
@@ -255,6 +256,14 @@ def final_tensors(api, job_id, step):
     entry = [x for x in api.catalogue(job_id) if int(x["step"]) == step]
     assert entry and entry[-1].get("available"), f"{job_id}: no available checkpoint at step {step}: {entry}"
     return safetensors_raw(shard_path(entry[-1]["path"], 0))
+
+
+def control_plane_arg_parser():
+    """The binaries every control-plane suite is run with (tests/CMakeLists.txt passes them)."""
+    ap = argparse.ArgumentParser()
+    for flag in ("--coordinator", "--worker", "--loom", "--loom-train", "--source-dir"):
+        ap.add_argument(flag, required=True)
+    return ap
 
 
 class Service:
