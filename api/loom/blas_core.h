@@ -26,6 +26,7 @@ extern "C" {
 char* openblas_get_corename(void) __attribute__((weak));
 void openblas_set_num_threads(int) __attribute__((weak));
 int openblas_get_num_threads(void) __attribute__((weak));
+int openblas_get_parallel(void) __attribute__((weak));  // 0 sequential, 1 pthreads, 2 OpenMP
 }
 
 namespace loom {

@@ -1,11 +1,13 @@
 // loom-bench-attention: wall-clock time and peak extra memory of one attention layer's core
-// (q, k, v -> heads; projections excluded) for own MHA, MHA through the fused kernel at P = 1,
-// local MHA, the materialising IHA reference path (iha-naive), the stock SDPA route (LibTorch
-// >= 2.0), the fast IHA kernel of the device (iha-fused on the CPU, iha-cuda with --device
-// cuda), local IHA at W = N/(2P²) and the paper's hybrid 4:1 average (4 local IHA : 1 global
-// MHA). Prints ratios to own MHA, to the FLOP floor P² × MHA for global IHA, and achieved
-// GFLOP/s against a matmul ceiling measured in the same run. Builds from LibTorch alone
-// (LOOM_ATTENTION_ONLY). A program, not a test: results go to docs/benchmarks.md.
+// (q, k, v -> heads; projections excluded) for the mha plugin's kernel (the flash kernel at
+// P = 1 without mixing on the CPU), its dense reference, the IHA kernel at P = 1 with identity
+// mixing, local MHA, the materialising IHA reference path (iha-naive), the stock SDPA route
+// (LibTorch >= 2.0), the fast IHA kernel of the device (iha-fused on the CPU, iha-cuda with
+// --device cuda), local IHA at W = N/(2P²) and the paper's hybrid 4:1 average (4 local IHA :
+// 1 global MHA). Causal (decoder) by default, --mask none for encoders. Prints ratios to MHA,
+// to the FLOP floor P² × MHA for global IHA, and achieved GFLOP/s against a matmul ceiling
+// measured in the same run. Builds from LibTorch alone (LOOM_ATTENTION_ONLY). A program, not a
+// test: results go to docs/benchmarks.md.
 #include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
@@ -196,6 +198,7 @@ int main(int argc, char** argv) {
                                               {"tile", "0"},
                                               {"device", "cpu"},
                                               {"dtype", "fp32"},
+                                              {"mask", "causal"},
                                               {"peer", ""}};
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -203,7 +206,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: loom-bench-attention [--n 256,512,...] [--heads H] [--dim d] [--p 2,4] "
                    "[--batch B] [--reps R] [--threads T] [--naive-max-n N] [--tile TOKENS] "
-                   "[--device cpu|cuda] [--dtype fp32|bf16] "
+                   "[--device cpu|cuda] [--dtype fp32|bf16] [--mask causal|none] "
                    "[--peer plugins/attention/bench/naive_peer.py]\n");
       return a == "--help" ? 0 : 2;
     }
@@ -212,8 +215,10 @@ int main(int argc, char** argv) {
   c10::SetCPUAllocator(&g_allocator, /*priority=*/100);
   if (std::stoll(flags["threads"]) > 0) {
     torch::set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
-    // OpenBLAS keeps its own thread count: set both, so every variant runs on as many threads.
-    if (openblas_set_num_threads != nullptr) {
+    // OpenBLAS's pthreads build keeps its own thread count (the OpenMP one follows LibTorch's):
+    // set both, so every variant runs on as many threads.
+    if (openblas_set_num_threads != nullptr && openblas_get_parallel != nullptr &&
+        openblas_get_parallel() == 1) {
       openblas_set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
     }
   }
@@ -232,6 +237,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "loom-bench-attention: --device must be cpu or cuda\n");
     return 2;
   }
+  if (flags["mask"] != "causal" && flags["mask"] != "none") {
+    std::fprintf(stderr, "loom-bench-attention: --mask must be causal or none\n");
+    return 2;
+  }
+  const bool causal = flags["mask"] == "causal";
   if (flags["dtype"] == "bf16") {
     dev.dtype = torch::kBFloat16;
   } else if (flags["dtype"] != "fp32") {
@@ -241,12 +251,18 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   double ceiling = MatmulCeiling(dev);
   const char* blas = openblas_get_corename != nullptr ? openblas_get_corename() : "not OpenBLAS";
+  const int flavour = openblas_get_parallel != nullptr ? openblas_get_parallel() : -1;
   std::printf(
-      "loom-bench-attention: %s, %d threads, %s, B=%lld H=%lld d=%lld, causal; BLAS core %s; "
+      "loom-bench-attention: %s, %d threads, %s, B=%lld H=%lld d=%lld, %s; BLAS core %s (%s); "
       "matmul ceiling %.1f GFLOP/s\n",
       dev.cuda() ? "cuda" : "cpu", torch::get_num_threads(), flags["dtype"].c_str(),
       static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(d),
-      dev.cuda() ? "-" : blas, ceiling);
+      causal ? "causal" : "no mask (encoder)", dev.cuda() ? "-" : blas,
+      flavour == 2   ? "OpenMP"
+      : flavour == 1 ? "pthreads"
+      : flavour == 0 ? "sequential"
+                     : "-",
+      ceiling);
   std::printf(
       "times: best of %d, seconds; fwd+bwd = forward and backward; extra = peak bytes allocated "
       "above the "
@@ -279,16 +295,28 @@ int main(int argc, char** argv) {
                   static_cast<long long>(p), ceiling);
       const double scale = 1.0 / std::sqrt(static_cast<double>(d));
 
-      auto mha = [&](int64_t window) {
+      // The mha plugin's kernels: dense (kernel: reference, materialised scores) and, on the
+      // CPU, the flash kernel at P = 1 without mixing (kernel: fused, its default there).
+      auto mha_dense = [&](int64_t window) {
         return [&, window] {
           torch::Tensor qh = q.transpose(1, 2), kh = k.transpose(1, 2), vh = v.transpose(1, 2);
-          return loom::attention::ReferenceAttention(
-              qh, kh, vh, loom::attention::AllowedMask(n, true, window, q.device()), scale);
+          torch::Tensor allowed;
+          if (causal || window > 0) {
+            allowed = loom::attention::AllowedMask(n, causal, window, q.device());
+          }
+          return loom::attention::ReferenceAttention(qh, kh, vh, allowed, scale);
         };
+      };
+      auto mha = [&](int64_t window) -> std::function<torch::Tensor()> {
+        if (dev.cuda()) return mha_dense(window);
+        Options o;
+        o.mask = causal ? Mask::kInterleaved : Mask::kNone;
+        o.window = window;
+        return [&, o] { return loom::attention::iha::FusedHeadAttention(q, k, v, o); };
       };
       Options global;
       global.p = p;
-      global.mask = Mask::kInterleaved;
+      global.mask = causal ? Mask::kInterleaved : Mask::kNone;
       Options local = global;
       local.window = w;
       auto naive = [&] {
@@ -311,19 +339,22 @@ int main(int argc, char** argv) {
       // Useful FLOPs of the attention core: 4·d per (query, attended key) pair and head; the
       // backward pass counts twice the forward.
       const double mha_flops =
-          4.0 * d * h * b * n * loom::attention::AverageAttendedKeys(n, true, 0);
+          4.0 * d * h * b * n * loom::attention::AverageAttendedKeys(n, causal, 0);
       const double iha_flops =
-          4.0 * d * h * b * n * p *
-          loom::attention::iha::AverageAttendedKeys(n, p, Mask::kInterleaved, 0);
+          4.0 * d * h * b * n * p * loom::attention::iha::AverageAttendedKeys(n, p, global.mask, 0);
       const double local_flops =
-          4.0 * d * h * b * n * p *
-          loom::attention::iha::AverageAttendedKeys(n, p, Mask::kInterleaved, w);
+          4.0 * d * h * b * n * p * loom::attention::iha::AverageAttendedKeys(n, p, global.mask, w);
       const double local_mha_flops =
-          4.0 * d * h * b * n * loom::attention::AverageAttendedKeys(n, true, w);
+          4.0 * d * h * b * n * loom::attention::AverageAttendedKeys(n, causal, w);
 
       Timing t_mha = Measure(dev, mha(0), inputs, reps);
+      double mha_gflops = 0, iha_gflops = 0;
       auto row = [&](const char* name, const Timing& t, double flops, bool global_iha) {
         const double gflops = 3.0 * flops / t.total_s / 1e9;
+        if (std::string(name) == "mha") mha_gflops = gflops;
+        if (std::string(name) == "iha-fused" || std::string(name) == "iha-cuda") {
+          iha_gflops = gflops;
+        }
         char floor_ratio[16] = "-";
         if (global_iha)
           std::snprintf(floor_ratio, sizeof(floor_ratio), "%.2f",
@@ -336,10 +367,12 @@ int main(int argc, char** argv) {
       };
       row("mha", t_mha, mha_flops, false);
       if (!dev.cuda()) {
-        // The same FlashAttention kernel at P = 1 with identity mixing is plain causal MHA that
-        // skips the future: what MHA costs with IHA's kernel quality (a second yardstick).
+        row("mha-dense", Measure(dev, mha_dense(0), inputs, reps), mha_flops, false);
+        // The IHA kernel at P = 1 with identity mixing: plain MHA that pays for the mixing the
+        // mha plugin's path skips.
         Options flash_mha;
         flash_mha.p = 1;
+        flash_mha.mask = global.mask;
         torch::Tensor eye = torch::eye(h).unsqueeze(-1);
         torch::Tensor eye_r = torch::eye(h);
         row("mha-fused",
@@ -359,7 +392,7 @@ int main(int argc, char** argv) {
               dev,
               [&] {
                 return at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                        v.transpose(1, 2), {}, 0.0, true);
+                                                        v.transpose(1, 2), {}, 0.0, causal);
               },
               inputs, reps),
           mha_flops, false);
@@ -418,6 +451,7 @@ int main(int argc, char** argv) {
       hybrid.total_s = (4 * t_local.total_s + t_mha.total_s) / 5;
       hybrid.extra_bytes = std::max(t_local.extra_bytes, t_mha.extra_bytes);
       row("hybrid-4:1", hybrid, (4 * local_flops + mha_flops) / 5, false);
+      std::printf("# iha GFLOP/s / mha GFLOP/s: %.2f\n", iha_gflops / mha_gflops);
     }
   }
   return 0;

@@ -1,6 +1,9 @@
 // OpenBLAS kernel choice (api/loom/blas_core.h): the replacement table, and end to end on this
 // machine: a Loom program started without OPENBLAS_CORETYPE must end up on kernels at least as
-// wide as the CPU's AVX2/AVX-512 (OpenBLAS reports its choice with OPENBLAS_VERBOSE=2).
+// wide as the CPU's AVX2/AVX-512 (OpenBLAS reports its choice with OPENBLAS_VERBOSE=2). And the
+// threading flavour (cmake/LoomTorch.cmake): with Debian's LibTorch and libopenblas0-openmp
+// installed, Loom's programs run the OpenMP build, whose threads are LibTorch's (it reads
+// omp_get_max_threads(), which torch::set_num_threads sets, at every call).
 #include "loom/blas_core.h"
 
 #include <gtest/gtest.h>
@@ -49,6 +52,15 @@ TEST(BlasCore, LoomProgramsRunOnWideKernels) {
   ASSERT_EQ(pclose(pipe), 0) << output;
   ASSERT_FALSE(core.empty()) << "OpenBLAS printed no core:\n" << output;
   EXPECT_EQ(BetterBlasCore(core, cpu), "") << "still on " << core << ":\n" << output;
+}
+
+TEST(BlasCore, LoomProgramsRunTheOpenMpBuildOnLibTorchsThreads) {
+  torch::ones({2, 2}).mm(torch::ones({2, 2}));
+  if (openblas_get_parallel == nullptr) GTEST_SKIP() << "LibTorch's BLAS is not OpenBLAS";
+#ifndef LOOM_EXPECT_OPENBLAS_OPENMP
+  GTEST_SKIP() << "this build does not load the OpenMP build (cmake/LoomTorch.cmake)";
+#endif
+  EXPECT_EQ(openblas_get_parallel(), 2) << "0 sequential, 1 pthreads, 2 OpenMP";
 }
 
 }  // namespace

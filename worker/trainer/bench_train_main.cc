@@ -1,7 +1,9 @@
-// loom-bench-train: training throughput and MFU of the tiny presets on this machine, for global
-// MHA, local (sliding-window) MHA, global IHA and the paper's hybrid schedule. MFU is measured
-// against a matmul ceiling this program measures itself in the same run, so the numbers mean
-// something on any CPU. Prints a Markdown table (docs/benchmarks.md records it).
+// loom-bench-train: training throughput and MFU on this machine, for global MHA, local
+// (sliding-window) MHA, global IHA and the paper's hybrid schedule, at the tiny-cpu width and a
+// wider one (--widths tiny,wide), for each thread count of --threads 1,2, with a per-op profile
+// of where the step goes (--profile ROWS). MFU is measured against a matmul ceiling this
+// program measures itself at the same thread count in the same run, so the numbers mean
+// something on any CPU. Prints Markdown tables (docs/benchmarks.md records them).
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -11,12 +13,15 @@
 #include <iostream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "bench_main.h"
 #include "loom/cli_args.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
+#include "op_profile.h"
 #include "trainer.h"
 
 namespace loom::trainer {
@@ -38,6 +43,16 @@ double MatmulCeilingFlops(int64_t n) {
   return best;
 }
 
+// The BLAS LibTorch's matmuls run on, as the benchmark's header states it.
+std::string BlasDescription() {
+  if (openblas_get_corename == nullptr) return "BLAS: not OpenBLAS";
+  const int flavour = openblas_get_parallel != nullptr ? openblas_get_parallel() : -1;
+  return absl::StrCat("OpenBLAS ", openblas_get_corename(), " kernels, ",
+                      flavour == 2   ? "OpenMP build (LibTorch's thread pool)"
+                      : flavour == 1 ? "pthreads build (its own thread pool)"
+                                     : "sequential build");
+}
+
 std::string CpuName() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
@@ -47,38 +62,21 @@ std::string CpuName() {
   return "unknown CPU";
 }
 
-absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 1,
-                                                     {"steps", "warmup", "seq-len", "batch",
-                                                      "threads", "p", "plugin-dir", "layers"}));
-  LOOM_ASSIGN_OR_RETURN(int64_t steps, args.GetInt("steps", 20, 1, 100000));
-  LOOM_ASSIGN_OR_RETURN(int64_t warmup, args.GetInt("warmup", 3, 0, 1000));
-  LOOM_ASSIGN_OR_RETURN(int64_t seq_len, args.GetInt("seq-len", 256, 16, 8192));
-  LOOM_ASSIGN_OR_RETURN(int64_t batch, args.GetInt("batch", 8, 1, 1024));
-  LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 0, 0, 1024));
-  LOOM_ASSIGN_OR_RETURN(int64_t p, args.GetInt("p", 2, 1, 16));
-  LOOM_ASSIGN_OR_RETURN(int64_t layers, args.GetInt("layers", 5, 1, 64));
-  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
-  PluginLoader loader;
-  std::vector<std::string> dirs = args.Has("plugin-dir")
-                                      ? std::vector<std::string>{args.Get("plugin-dir")}
-                                      : PluginLoader::DefaultSearchPath();
-  loader.LoadDirectories(dirs);
+// A model width the benchmark runs: the tiny-cpu preset's, and a wider one where the matmuls,
+// not the per-op overhead, dominate.
+struct Width {
+  std::string name;
+  int64_t d_model, heads, seq_len;
+};
 
-  const double ceiling = MatmulCeilingFlops(1024);
-  std::cout << absl::StrFormat(
-      "machine: %s, %d LibTorch threads; fp32 matmul ceiling %.1f GFLOP/s (1024^3, best of 5)\n",
-      CpuName(), torch::get_num_threads(), ceiling / 1e9);
-  std::cout << absl::StrFormat(
-      "model: tiny-cpu width (d_model 128, 4 heads), %d layers, batch %d x %d tokens, "
-      "%d timed steps after %d warm-up\n\n",
-      layers, batch, seq_len, steps, warmup);
-  struct Variant {
-    std::string name, schedule_json;
-  };
+struct Variant {
+  std::string name, schedule_json;
+};
+
+std::vector<Variant> Schedules(int64_t p, int64_t seq_len) {
   const std::string iha_opts = absl::StrCat(R"({"p": )", p, "}");
   const int64_t window = std::max<int64_t>(1, seq_len / (2 * p * p));
-  const std::vector<Variant> variants = {
+  return {
       {"mha (global)", R"("schedule": [{"repeat": 1, "attention": {"plugin": "mha"}}])"},
       {absl::StrCat("local mha (W=", window, ")"),
        absl::StrCat(R"("schedule": [{"repeat": 1, "attention": {"plugin": "local", "window": )",
@@ -89,35 +87,152 @@ absl::Status Run(int argc, char** argv) {
       {absl::StrCat("hybrid 4 local iha : 1 mha (P=", p, ", W=", window, ")"),
        absl::StrCat(R"("hybrid": {"iha_options": )", iha_opts, "}")},
   };
-  std::cout << "| schedule | FLOPs/token (fwd) | step ms | tokens/s | vs mha | GFLOP/s | MFU vs "
-               "matmul ceiling |\n"
-            << "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n";
-  double mha_tps = 0;
-  for (const Variant& v : variants) {
-    const std::string json = absl::StrCat(
-        R"({"preset": "tiny-cpu", "steps": )", warmup + steps, R"(, "micro_batch": )", batch,
-        R"(, "seq_len": )", seq_len, R"(, "eval": {"batches": 1}, "model": {"n_layers": )", layers,
-        R"(, "max_seq_len": )", seq_len, ", ", v.schedule_json, "}}");
-    v1::JobSpec spec;
-    LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, v.name, &spec));
-    LOOM_ASSIGN_OR_RETURN(v1::JobSpec resolved, ResolveJobSpec(spec));
-    LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(resolved, loader, {}));
-    LOOM_ASSIGN_OR_RETURN(TrainSummary summary, trainer->Run());
-    double seconds = 0;
-    for (size_t i = static_cast<size_t>(warmup); i < summary.steps.size(); ++i)
-      seconds += summary.steps[i].seconds;
-    const double step_s = seconds / static_cast<double>(steps);
-    const double tps = static_cast<double>(batch * seq_len) / step_s;
-    const double flops_per_token = trainer->model().ForwardFlopsPerToken(seq_len);
-    const double achieved = 3.0 * flops_per_token * tps;
-    if (mha_tps == 0) mha_tps = tps;
-    std::cout << absl::StrFormat("| %s | %.3g | %.1f | %.0f | %.2f | %.2f | %.1f%% |\n", v.name,
-                                 flops_per_token, 1e3 * step_s, tps, tps / mha_tps, achieved / 1e9,
-                                 100 * achieved / ceiling);
+}
+
+struct Measured {
+  double step_s = 0, flops_per_token = 0;
+  std::vector<OpProfile::Row> profile;  // with --profile only
+};
+
+absl::StatusOr<Measured> RunSchedule(const Width& w, const Variant& v, int64_t layers,
+                                     int64_t batch, int64_t warmup, int64_t steps,
+                                     PluginLoader& loader, bool profile) {
+  const std::string json = absl::StrCat(
+      R"({"preset": "tiny-cpu", "steps": )", warmup + steps, R"(, "micro_batch": )", batch,
+      R"(, "seq_len": )", w.seq_len, R"(, "eval": {"batches": 1}, "model": {"n_layers": )", layers,
+      R"(, "d_model": )", w.d_model, R"(, "n_heads": )", w.heads, R"(, "ffn_hidden": )",
+      4 * w.d_model, R"(, "max_seq_len": )", w.seq_len, ", ", v.schedule_json, "}}");
+  v1::JobSpec spec;
+  LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, v.name, &spec));
+  LOOM_ASSIGN_OR_RETURN(v1::JobSpec resolved, ResolveJobSpec(spec));
+  LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(resolved, loader, {}));
+  std::unique_ptr<OpProfile> recorder;
+  if (profile) recorder = std::make_unique<OpProfile>();
+  LOOM_ASSIGN_OR_RETURN(TrainSummary summary, trainer->Run());
+  Measured m;
+  for (size_t i = static_cast<size_t>(warmup); i < summary.steps.size(); ++i)
+    m.step_s += summary.steps[i].seconds;
+  m.step_s /= static_cast<double>(steps);
+  m.flops_per_token = trainer->model().ForwardFlopsPerToken(w.seq_len);
+  if (recorder) m.profile = recorder->Rows();
+  return m;
+}
+
+// Autograd nodes of custom Functions are named torch::autograd::CppNode<ns::Function>: shown
+// as "Function (backward)".
+std::string ShortOpName(const std::string& name) {
+  const size_t node = name.find("CppNode<");
+  if (node == std::string::npos) return name;
+  std::string inner = name.substr(node + 8);
+  if (!inner.empty() && inner.back() == '>') inner.pop_back();
+  const size_t colon = inner.rfind("::");
+  return (colon == std::string::npos ? inner : inner.substr(colon + 2)) + " (backward)";
+}
+
+// The profile's largest rows as a share of the profiled steps' time (warm-up included).
+void PrintProfile(const Measured& m, double profiled_s, int64_t rows) {
+  double recorded = 0;
+  for (const OpProfile::Row& r : m.profile) recorded += r.self_s;
+  std::cout << "| op (self time) | share | calls |\n| --- | ---: | ---: |\n";
+  for (int64_t i = 0; i < rows && i < static_cast<int64_t>(m.profile.size()); ++i) {
+    const OpProfile::Row& r = m.profile[i];
+    std::cout << absl::StrFormat("| %s | %.1f%% | %d |\n", ShortOpName(r.name),
+                                 100 * r.self_s / profiled_s, r.calls);
+  }
+  std::cout << absl::StrFormat("| (outside any op: data, Python-free glue, waits) | %.1f%% | |\n\n",
+                               100 * std::max(0.0, profiled_s - recorded) / profiled_s);
+}
+
+absl::Status Run(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(CliArgs args,
+                        CliArgs::Parse(argc, argv, 1,
+                                       {"steps", "warmup", "seq-len", "batch", "threads", "p",
+                                        "plugin-dir", "layers", "widths", "profile"}));
+  LOOM_ASSIGN_OR_RETURN(int64_t steps, args.GetInt("steps", 20, 1, 100000));
+  LOOM_ASSIGN_OR_RETURN(int64_t warmup, args.GetInt("warmup", 3, 0, 1000));
+  LOOM_ASSIGN_OR_RETURN(int64_t seq_len, args.GetInt("seq-len", 256, 16, 8192));
+  LOOM_ASSIGN_OR_RETURN(int64_t batch, args.GetInt("batch", 8, 1, 1024));
+  LOOM_ASSIGN_OR_RETURN(int64_t p, args.GetInt("p", 2, 1, 16));
+  LOOM_ASSIGN_OR_RETURN(int64_t layers, args.GetInt("layers", 5, 1, 64));
+  LOOM_ASSIGN_OR_RETURN(int64_t profile_rows, args.GetInt("profile", 0, 0, 1000));
+  std::vector<int64_t> thread_counts;
+  for (absl::string_view t : absl::StrSplit(args.Has("threads") ? args.Get("threads") : "0", ',')) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(t, &n) || n < 0 || n > 1024) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--threads: '", t, "' is not a thread count (0 = LibTorch's default)"));
+    }
+    thread_counts.push_back(n);
+  }
+  std::vector<Width> widths;
+  for (absl::string_view name :
+       absl::StrSplit(args.Has("widths") ? args.Get("widths") : "tiny", ',')) {
+    if (name == "tiny") {
+      widths.push_back({"tiny-cpu width (d_model 128, 4 heads, FFN 512)", 128, 4, seq_len});
+    } else if (name == "wide") {
+      widths.push_back({"wide (d_model 256, 8 heads, FFN 1024)", 256, 8, 512});
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--widths: '", name, "' is not a width (tiny, wide)"));
+    }
+  }
+  PluginLoader loader;
+  std::vector<std::string> dirs = args.Has("plugin-dir")
+                                      ? std::vector<std::string>{args.Get("plugin-dir")}
+                                      : PluginLoader::DefaultSearchPath();
+  loader.LoadDirectories(dirs);
+  const int default_threads = torch::get_num_threads();
+  std::cout << absl::StrFormat("machine: %s; %s\n", CpuName(), BlasDescription());
+  for (const Width& w : widths) {
+    const std::vector<Variant> variants = Schedules(p, w.seq_len);
+    std::vector<std::vector<double>> tps(thread_counts.size());  // [thread count][schedule]
+    for (size_t ti = 0; ti < thread_counts.size(); ++ti) {
+      torch::set_num_threads(thread_counts[ti] > 0 ? static_cast<int>(thread_counts[ti])
+                                                   : default_threads);
+      const double ceiling = MatmulCeilingFlops(1024);
+      std::cout << absl::StrFormat(
+          "\n### %s, %d layers, batch %d x %d tokens, %d LibTorch threads; fp32 matmul ceiling "
+          "%.1f GFLOP/s (1024^3, best of 5); %d timed steps after %d warm-up\n\n",
+          w.name, layers, batch, w.seq_len, torch::get_num_threads(), ceiling / 1e9, steps, warmup);
+      std::cout
+          << "| schedule | FLOPs/token (fwd) | step ms | tokens/s | vs mha | GFLOP/s | MFU vs "
+             "matmul ceiling |\n"
+          << "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+      for (const Variant& v : variants) {
+        LOOM_ASSIGN_OR_RETURN(Measured m,
+                              RunSchedule(w, v, layers, batch, warmup, steps, loader, false));
+        const double rate = static_cast<double>(batch * w.seq_len) / m.step_s;
+        tps[ti].push_back(rate);
+        const double achieved = 3.0 * m.flops_per_token * rate;
+        std::cout << absl::StrFormat("| %s | %.3g | %.1f | %.0f | %.2f | %.2f | %.1f%% |\n", v.name,
+                                     m.flops_per_token, 1e3 * m.step_s, rate, rate / tps[ti][0],
+                                     achieved / 1e9, 100 * achieved / ceiling);
+      }
+    }
+    if (thread_counts.size() > 1) {
+      std::cout << absl::StrFormat("\nTokens/s at %d threads / at %d threads: ",
+                                   thread_counts.back(), thread_counts.front());
+      for (size_t i = 0; i < variants.size(); ++i) {
+        std::cout << absl::StrFormat("%s%s %.2fx", i ? ", " : "", variants[i].name,
+                                     tps.back()[i] / tps.front()[i]);
+      }
+      std::cout << "\n";
+    }
+    if (profile_rows > 0) {
+      std::cout << absl::StrFormat("\nWhere the step goes (%d threads, %d steps profiled):\n",
+                                   torch::get_num_threads(), warmup + steps);
+      for (const Variant& v : variants) {
+        const auto start = Clock::now();
+        LOOM_ASSIGN_OR_RETURN(Measured m,
+                              RunSchedule(w, v, layers, batch, warmup, steps, loader, true));
+        std::cout << "\n" << v.name << ":\n\n";
+        PrintProfile(m, std::chrono::duration<double>(Clock::now() - start).count(), profile_rows);
+      }
+    }
   }
   std::cout << "\nFLOPs/token are the plugins' exact counts (masks counted); a training step is "
-               "taken as 3x the "
-               "forward. IHA layers run kernel: auto (the fused CPU kernel from N·P >= 512).\n";
+               "taken as 3x the forward. Attention runs each plugin's kernel: auto (the fused "
+               "flash kernel on the CPU for mha, local and iha).\n";
   return absl::OkStatus();
 }
 

@@ -1,5 +1,6 @@
 #include "trainer.h"
 
+#include <ATen/record_function.h>
 #include <google/protobuf/util/json_util.h>
 #include <unistd.h>
 
@@ -1072,7 +1073,10 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       for (int64_t micro = 0; micro < spec_.grad_accum(); ++micro) {
         // Only the last micro-batch's backward communicates (no redundant all-reduces).
         if (reducer_ && micro == spec_.grad_accum() - 1) reducer_->Arm();
-        TrainBatch batch = NextLocalBatch();
+        TrainBatch batch = [&] {
+          RECORD_USER_SCOPE("loom::next_batch");  // named in profiles (op_profile.h)
+          return NextLocalBatch();
+        }();
         torch::Tensor loss = ScoreBatch(model_->forward(Inputs(batch)), batch, false).loss;
         (loss / static_cast<double>(spec_.grad_accum())).backward();
         loss_sum += loss.item<double>();
@@ -1098,6 +1102,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       const double clip = spec_.optimizer().clip_norm() > 0
                               ? spec_.optimizer().clip_norm()
                               : std::numeric_limits<double>::infinity();
+      RECORD_USER_SCOPE("loom::clip_and_update");
       r.grad_norm = torch::nn::utils::clip_grad_norm_(params, clip);
       if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) {
         optimizer_->Step(lr);

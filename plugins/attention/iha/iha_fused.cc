@@ -1,6 +1,8 @@
 #include "iha_fused.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -8,7 +10,6 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -182,6 +183,16 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t
 
 enum class TileClass { kSkip, kFull, kPartial };
 
+// Per-head rows of q, k or v: x[b, n, m, :] starts at data + b·sb + n·sn + m·sh (the last
+// dimension contiguous), so [B, N, H, d] tensors and transposed [B, H, N, d] ones both pass
+// without a copy.
+template <typename in_t>
+struct HeadRows {
+  const in_t* data = nullptr;
+  int64_t sb = 0, sn = 0, sh = 0;
+  const in_t* At(int64_t b, int64_t n, int64_t m) const { return data + b * sb + n * sn + m * sh; }
+};
+
 // One call's shapes, masks and read-only inputs. in_t is the tensors' element type; T the
 // compute type (float for float/bf16/fp16 inputs, double for double).
 template <typename in_t, typename T>
@@ -189,10 +200,11 @@ struct Kernel {
   int64_t b = 0, n = 0, h = 0, p = 1, dk = 0, dv = 0, tile = 0, tiles = 0;
   Options o;
   T scale = 1;
-  const in_t *q = nullptr, *k = nullptr, *v = nullptr;  // [B, N, H, d], contiguous
-  const T *aq = nullptr, *ak = nullptr, *av = nullptr;  // [H(m), H(h), P]
-  const T *cos = nullptr, *sin = nullptr;               // [B|1, N·P, dk/2] by expanded index
-  int64_t rope_stride = 0;                              // batch stride of the tables (0: shared)
+  HeadRows<in_t> q, k, v;  // [B, N, H, d]
+  // [H(m), H(h), P]; null: no mixing (P = 1, pseudo-head h is head h: multi-head attention).
+  const T *aq = nullptr, *ak = nullptr, *av = nullptr;
+  const T *cos = nullptr, *sin = nullptr;  // [B|1, N·P, dk/2] by expanded index
+  int64_t rope_stride = 0;                 // batch stride of the tables (0: shared)
   // Packed sequences: first and last token of each token's segment ([B|1, N]; null: none).
   const int64_t *seg_first = nullptr, *seg_last = nullptr;
   int64_t seg_stride = 0;
@@ -248,19 +260,35 @@ struct Kernel {
   }
 
   // Pseudo rows of head hd for tokens [n0, n0 + len), token-major: out[(i·P + j)·d + c] =
-  // Σ_m alpha[m, hd, j] · x[b, n0 + i, m, c]. Mixed inside the tile: no P-times tensor exists.
-  void Mix(const in_t* x, int64_t d, const T* alpha, int64_t bi, int64_t hd, int64_t n0,
+  // Σ_m alpha[m, hd, j] · x[b, n0 + i, m, c] (without alpha: x[b, n0 + i, hd, c]). Mixed inside
+  // the tile: no P-times tensor exists.
+  void Mix(const HeadRows<in_t>& x, int64_t d, const T* alpha, int64_t bi, int64_t hd, int64_t n0,
            int64_t len, T* out) const {
-    std::vector<T> src(d);
+    if (alpha == nullptr) {
+      for (int64_t i = 0; i < len; ++i) {
+        const in_t* src = x.At(bi, n0 + i, hd);
+        for (int64_t c = 0; c < d; ++c) out[i * d + c] = static_cast<T>(src[c]);
+      }
+      return;
+    }
+    std::vector<T> converted(std::is_same_v<in_t, T> ? 0 : d);
     for (int64_t i = 0; i < len; ++i) {
-      const in_t* token = x + ((bi * n + n0 + i) * h) * d;
       T* rows = out + i * p * d;
       std::fill(rows, rows + p * d, T(0));
       for (int64_t m = 0; m < h; ++m) {
-        for (int64_t c = 0; c < d; ++c) src[c] = static_cast<T>(token[m * d + c]);
-        for (int64_t j = 0; j < p; ++j)
-          Axpy(rows + j * d, src.data(), d, alpha[(m * h + hd) * p + j]);
+        const T* src = Source(x.At(bi, n0 + i, m), d, converted.data());
+        for (int64_t j = 0; j < p; ++j) Axpy(rows + j * d, src, d, alpha[(m * h + hd) * p + j]);
       }
+    }
+  }
+
+  // x's d values in the compute type: x itself when the types agree, else converted into buf.
+  static const T* Source(const in_t* x, int64_t d, T* buf) {
+    if constexpr (std::is_same_v<in_t, T>) {
+      return x;
+    } else {
+      for (int64_t c = 0; c < d; ++c) buf[c] = static_cast<T>(x[c]);
+      return buf;
     }
   }
 
@@ -296,13 +324,17 @@ struct Kernel {
   }
 
   // The transpose of Mix: pseudo-row gradients g of head hd (token-major rows) into x's
-  // gradient dx ([B, N, H, d], compute type) and alpha's (dalpha [H, H, P]).
-  void Unmix(const in_t* x, int64_t d, const T* alpha, int64_t bi, int64_t hd, int64_t n0,
+  // gradient dx ([B, N, H, d] contiguous, compute type) and alpha's (dalpha [H, H, P]).
+  void Unmix(const HeadRows<in_t>& x, int64_t d, const T* alpha, int64_t bi, int64_t hd, int64_t n0,
              int64_t len, const T* g, T* dx, T* dalpha) const {
     for (int64_t i = 0; i < len; ++i) {
       const int64_t token = ((bi * n + n0 + i) * h) * d;
+      if (alpha == nullptr) {
+        Axpy(dx + token + hd * d, g + i * d, d, T(1));
+        continue;
+      }
       for (int64_t m = 0; m < h; ++m) {
-        const in_t* src = x + token + m * d;
+        const in_t* src = x.At(bi, n0 + i, m);
         T* dst = dx + token + m * d;
         for (int64_t j = 0; j < p; ++j) {
           const T* row = g + (i * p + j) * d;
@@ -334,23 +366,29 @@ struct Scratch {
 // Runs fn(scratch, task) for task in [0, count) on at::get_num_threads() threads with autograd
 // off. Tasks are handed out dynamically in index order (callers order them so that heavy ones
 // start first or alternate with light ones); each thread owns one scratch from make_scratch().
-// Plain threads, not at::parallel_for: its OpenMP body is a header template, which runs serially
-// unless the file including it is compiled with -fopenmp, and LibTorch's flags do not ask for it.
+// The threads are LibTorch's own OpenMP pool (this file is compiled with -fopenmp against the
+// OpenMP runtime LibTorch uses), so the kernel never runs a second pool beside LibTorch's.
 template <typename MakeScratch, typename Fn>
 void ParallelTasks(int64_t count, MakeScratch make_scratch, Fn fn) {
-  // Tile GEMMs are small: BLAS threads would only add synchronisation, so each task runs its
-  // GEMMs on its own thread and parallelism comes from the tasks.
-  const bool nested = at::in_parallel_region();
-  const bool pin_blas =
-      openblas_set_num_threads != nullptr && openblas_get_num_threads != nullptr && !nested;
+  // Tile GEMMs are small: each task runs its GEMMs on its own thread and parallelism comes from
+  // the tasks. OpenMP OpenBLAS does that by itself inside a parallel region; the pthreads build
+  // would queue every thread's GEMMs on its one pool, so it is told to (a process-wide setting,
+  // hence only outside parallel regions).
+  const bool nested = omp_in_parallel() != 0;
+  const bool pin_blas = !nested && openblas_get_parallel != nullptr &&
+                        openblas_get_parallel() == 1 && openblas_set_num_threads != nullptr &&
+                        openblas_get_num_threads != nullptr;
   const int blas_threads = pin_blas ? openblas_get_num_threads() : 0;
   if (pin_blas) openblas_set_num_threads(1);
-  const int64_t threads =
-      nested ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  const int threads =
+      nested
+          ? 1
+          : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count)));
   std::atomic<int64_t> next{0};
   std::mutex mu;
   std::exception_ptr error;
-  auto worker = [&] {
+#pragma omp parallel num_threads(threads)
+  {
     try {
       torch::NoGradGuard no_grad;
       auto scratch = make_scratch();
@@ -360,11 +398,7 @@ void ParallelTasks(int64_t count, MakeScratch make_scratch, Fn fn) {
       if (!error) error = std::current_exception();
       next = count;  // the others stop after their current task
     }
-  };
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& t : pool) t.join();
+  }
   if (pin_blas) openblas_set_num_threads(blas_threads);
   if (error) std::rethrow_exception(error);
 }
@@ -544,12 +578,15 @@ Prepared Prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
                  const Tensor& segments, const Options& o, int64_t tile) {
   Prepared pr;
   const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-  pr.q = q.contiguous();
-  pr.k = k.contiguous();
-  pr.v = v.contiguous();
-  pr.aq = alpha_q.to(compute).contiguous();
-  pr.ak = alpha_k.to(compute).contiguous();
-  pr.av = alpha_v.to(compute).contiguous();
+  auto rows = [](const Tensor& x) { return x.stride(3) == 1 ? x : x.contiguous(); };
+  pr.q = rows(q);
+  pr.k = rows(k);
+  pr.v = rows(v);
+  if (alpha_q.numel() > 0) {  // else multi-head attention: no mixing
+    pr.aq = alpha_q.to(compute).contiguous();
+    pr.ak = alpha_k.to(compute).contiguous();
+    pr.av = alpha_v.to(compute).contiguous();
+  }
   if (cos.numel() > 0) {
     pr.cos = cos.to(compute).contiguous();
     pr.sin = sin.to(compute).contiguous();
@@ -588,12 +625,17 @@ Kernel<in_t, T> MakeKernel(const Prepared& pr) {
       static_cast<T>(pr.o.scale > 0 ? pr.o.scale : 1.0 / std::sqrt(static_cast<double>(kn.dk)));
   kn.tile = pr.tile;
   kn.tiles = (kn.n + pr.tile - 1) / pr.tile;
-  kn.q = pr.q.data_ptr<in_t>();
-  kn.k = pr.k.data_ptr<in_t>();
-  kn.v = pr.v.data_ptr<in_t>();
-  kn.aq = pr.aq.data_ptr<T>();
-  kn.ak = pr.ak.data_ptr<T>();
-  kn.av = pr.av.data_ptr<T>();
+  auto rows = [](const Tensor& x) {
+    return HeadRows<in_t>{x.data_ptr<in_t>(), x.stride(0), x.stride(1), x.stride(2)};
+  };
+  kn.q = rows(pr.q);
+  kn.k = rows(pr.k);
+  kn.v = rows(pr.v);
+  if (pr.aq.defined()) {
+    kn.aq = pr.aq.data_ptr<T>();
+    kn.ak = pr.ak.data_ptr<T>();
+    kn.av = pr.av.data_ptr<T>();
+  }
   if (pr.cos.defined()) {
     kn.cos = pr.cos.data_ptr<T>();
     kn.sin = pr.sin.data_ptr<T>();
@@ -627,7 +669,7 @@ auto Dispatch(torch::ScalarType type, Fn&& fn) {
 
 std::pair<Tensor, Tensor> RunForward(const Prepared& pr, bool poison) {
   const int64_t b = pr.q.size(0), n = pr.q.size(1), h = pr.q.size(2), p = pr.o.p, dv = pr.v.size(3);
-  const auto compute = pr.aq.scalar_type();
+  const auto compute = pr.q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   Tensor out = torch::empty({b, n, h, p, dv}, pr.q.options());
   Tensor lse = torch::empty({b, h, n * p}, pr.q.options().dtype(compute));
   if (poison) {
@@ -658,23 +700,37 @@ Grads RunBackward(const Prepared& pr, const Tensor& grad_out, const Tensor& out,
   Tensor dq_pseudo = torch::zeros({b, h, n * p, dk}, opts),
          dk_pseudo = torch::zeros_like(dq_pseudo),
          dv_pseudo = torch::zeros({b, h, n * p, dv}, opts);
-  Tensor dq = torch::zeros({b, n, h, dk}, opts), dkx = torch::zeros_like(dq),
-         dvx = torch::zeros({b, n, h, dv}, opts);
-  const int64_t tasks = b * ((n + pr.tile - 1) / pr.tile);
-  Tensor daq = torch::zeros({tasks, h, h, p}, opts), dak = torch::zeros_like(daq),
-         dav = torch::zeros_like(daq);
+  const bool mixing = pr.aq.defined();
+  Tensor dq, dkx, dvx, daq, dak, dav;
+  if (mixing) {
+    dq = torch::zeros({b, n, h, dk}, opts);
+    dkx = torch::zeros_like(dq);
+    dvx = torch::zeros({b, n, h, dv}, opts);
+    // Alpha gradients per Unmix task, summed after.
+    daq = torch::zeros({b * ((n + pr.tile - 1) / pr.tile), h, h, p}, opts);
+    dak = torch::zeros_like(daq);
+    dav = torch::zeros_like(daq);
+  }
   Dispatch(pr.q.scalar_type(), [&](auto in, auto acc) {
     using in_t = decltype(in);
     using T = decltype(acc);
     const Kernel<in_t, T> kn = MakeKernel<in_t, T>(pr);
     BackwardPseudo(kn, go.data_ptr<T>(), lse.data_ptr<T>(), delta.data_ptr<T>(),
                    dq_pseudo.data_ptr<T>(), dk_pseudo.data_ptr<T>(), dv_pseudo.data_ptr<T>());
-    Unmix(kn, dq_pseudo.data_ptr<T>(), dk_pseudo.data_ptr<T>(), dv_pseudo.data_ptr<T>(),
-          dq.data_ptr<T>(), dkx.data_ptr<T>(), dvx.data_ptr<T>(), daq.data_ptr<T>(),
-          dak.data_ptr<T>(), dav.data_ptr<T>());
+    if (mixing) {
+      Unmix(kn, dq_pseudo.data_ptr<T>(), dk_pseudo.data_ptr<T>(), dv_pseudo.data_ptr<T>(),
+            dq.data_ptr<T>(), dkx.data_ptr<T>(), dvx.data_ptr<T>(), daq.data_ptr<T>(),
+            dak.data_ptr<T>(), dav.data_ptr<T>());
+    }
   });
   Grads g;
   const auto type = pr.q.scalar_type();
+  if (!mixing) {  // P = 1 and head h is pseudo-head h: the gradients are the pseudo ones
+    g.dq = dq_pseudo.transpose(1, 2).to(type);
+    g.dk = dk_pseudo.transpose(1, 2).to(type);
+    g.dv = dv_pseudo.transpose(1, 2).to(type);
+    return g;
+  }
   g.dq = dq.to(type);
   g.dk = dkx.to(type);
   g.dv = dvx.to(type);
@@ -692,6 +748,7 @@ class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
                         Tensor alpha_q, Tensor alpha_k, Tensor alpha_v, Tensor cos, Tensor sin,
                         Tensor segments, int64_t mask, int64_t window, int64_t p, int64_t score,
                         double scale, int64_t tile, bool poison) {
+    RECORD_USER_SCOPE("loom::fused_attention_forward");  // autograd Functions are no ops
     const Options o = KernelOptions(p, mask, window, score, scale);
     Prepared pr = Prepare(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, o, tile);
     auto [out, lse] = RunForward(pr, poison);
@@ -707,6 +764,7 @@ class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
     Prepared pr = Prepare(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
                           SavedKernelOptions(ctx), ctx->saved_data["tile"].toInt());
     Grads g = RunBackward(pr, grads[0], s[9], s[10]);
+    if (!g.daq.defined()) return LeadingGrads({g.dq, g.dk, g.dv}, kInputs);
     return LeadingGrads({g.dq, g.dk, g.dv, g.daq.to(s[3].scalar_type()),
                          g.dak.to(s[4].scalar_type()), g.dav.to(s[5].scalar_type())},
                         kInputs);
@@ -752,6 +810,29 @@ torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const
                            const FusedOptions& fused) {
   return Collapse(FusedPseudoOutputs(q, k, v, alpha_q, alpha_k, alpha_v, positions, options, fused),
                   collapse);
+}
+
+torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const Options& o,
+                                 const FusedOptions& fused) {
+  TORCH_CHECK(o.p == 1 && o.rope_theta <= 0 && o.mask != Mask::kBlock,
+              "fused multi-head attention: P = 1, RoPE applied by the caller, causal or no mask");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.sizes() == k.sizes() &&
+                  v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
+              "fused multi-head attention: q, k [B, N, H, dk] and v [B, N, H, dv], got ", q.sizes(),
+              ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "fused multi-head attention: CPU tensors");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "fused multi-head attention: q, k and v must share one dtype");
+  int64_t tile = fused.tile_tokens > 0 ? fused.tile_tokens : DefaultTileTokens(1, o.window);
+  tile = std::min<int64_t>(tile, std::max<int64_t>(1, q.size(1)));
+  // Empty alpha tensors: no mixing (autograd's apply needs defined tensors).
+  torch::Tensor none = torch::empty({0}, q.options());
+  torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), torch::kCPU);
+  return IhaFusedFunction::apply(q, k, v, none, none, none, torch::empty({0}), torch::empty({0}),
+                                 segments, static_cast<int64_t>(o.mask), o.window, o.p,
+                                 static_cast<int64_t>(o.score), o.scale, tile, fused.poison_output)
+      .squeeze(3);
 }
 
 }  // namespace loom::attention::iha

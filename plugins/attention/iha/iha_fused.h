@@ -57,6 +57,15 @@ torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const
                            const torch::Tensor& positions, const Options& options,
                            const FusedOptions& fused = {});
 
+// Multi-head attention on the same kernel (P = 1, no mixing: the `mha` and `local` plugins'
+// fused path): q, k [B, N, H, dk], v [B, N, H, dv], each with a contiguous last dimension (a
+// transposed [B, H, N, d] tensor passes without a copy), RoPE already applied; options: p = 1,
+// mask interleaved (causal) or none, window, score, scale, segments. Returns [B, N, H, dv],
+// differentiable with respect to q, k and v.
+torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const Options& options,
+                                 const FusedOptions& fused = {});
+
 }  // namespace loom::attention::iha
 
 #endif  // LOOM_PLUGINS_ATTENTION_IHA_IHA_FUSED_H_

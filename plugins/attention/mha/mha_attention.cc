@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "attention_common.h"
+#include "iha_fused.h"
 
 namespace loom::attention {
 
@@ -13,36 +14,69 @@ MultiHeadAttention::MultiHeadAttention(const LoomAttentionSpecV1& spec, const st
   if (!local && spec.window != 0) {
     throw InvalidAttentionSpec(plugin + ": window: global attention takes no window (use 'local')");
   }
-  PluginOptions options(spec, plugin);  // mha and local take no plugin options
+  PluginOptions options(spec, plugin);
+  kernel_ = options.GetChoice("kernel", "auto", {"auto", "reference", "fused", "stock"});
   options.Finish();
+#if !LOOM_TORCH_HAS_SDPA
+  if (kernel_ == "stock") {
+    throw InvalidAttentionSpec(plugin +
+                               ": options.kernel: 'stock' needs LibTorch 2.x "
+                               "(scaled_dot_product_attention); this build has " +
+                               std::string(TORCH_VERSION));
+  }
+#endif
+}
+
+std::string MultiHeadAttention::KernelFor(const torch::Device& device) const {
+  if (kernel_ != "auto") return kernel_;
+  if (device.is_cpu()) return "fused";
+  return LOOM_TORCH_HAS_SDPA ? "stock" : "reference";
 }
 
 torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
   auto [q, k, v] = QueriesKeysValues(x, inputs, n_heads_);
-  const int64_t length = x.size(1);
-  torch::Tensor out;
+  const std::string kernel = KernelFor(x.device());
+  if (kernel == "stock") return Output(Stock(q, k, v, inputs));
+  if (kernel == "reference") return Output(Reference(q, k, v, inputs));
+  TORCH_CHECK(x.is_cpu(), plugin_, ": options.kernel: 'fused' runs on CPU tensors only");
+  iha::Options o;  // P = 1 and no mixing: the flash kernel as multi-head attention
+  o.mask = causal_ ? iha::Mask::kInterleaved : iha::Mask::kNone;
+  o.window = window_;
+  o.segments = inputs.segments;
+  // [B, H, N, d] -> [B, N, H, d] views; the kernel reads them in place.
+  torch::Tensor heads =
+      iha::FusedHeadAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o);
+  return Output(heads.transpose(1, 2));
+}
+
+torch::Tensor MultiHeadAttention::Reference(const torch::Tensor& q, const torch::Tensor& k,
+                                            const torch::Tensor& v, const AttentionInputs& inputs) {
+  const int64_t length = q.size(2);
+  torch::Tensor allowed;
+  if (causal_ || window_ > 0) allowed = AllowedMask(length, causal_, window_, q.device());
+  allowed = WithSegments(allowed, inputs.segments, q.size(0), length, 1, q.device());
+  return ReferenceAttention(q, k, v, allowed, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
+}
+
+torch::Tensor MultiHeadAttention::Stock(const torch::Tensor& q, const torch::Tensor& k,
+                                        const torch::Tensor& v, const AttentionInputs& inputs) {
 #if LOOM_TORCH_HAS_SDPA
   // LibTorch 2.x: fused kernels (Flash / memory-efficient) where the backend has them.
+  const int64_t length = q.size(2);
   if (inputs.segments.defined()) {
     torch::Tensor allowed = (causal_ || window_ > 0)
-                                ? AllowedMask(length, causal_, window_, x.device())
+                                ? AllowedMask(length, causal_, window_, q.device())
                                 : torch::Tensor();
-    out = at::scaled_dot_product_attention(
-        q, k, v, WithSegments(allowed, inputs.segments, x.size(0), length, 1, x.device()), 0.0,
+    return at::scaled_dot_product_attention(
+        q, k, v, WithSegments(allowed, inputs.segments, q.size(0), length, 1, q.device()), 0.0,
         false);
-  } else if (window_ == 0) {
-    out = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal_);
-  } else {
-    out = at::scaled_dot_product_attention(
-        q, k, v, AllowedMask(length, causal_, window_, x.device()), 0.0, false);
   }
+  if (window_ == 0) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal_);
+  return at::scaled_dot_product_attention(
+      q, k, v, AllowedMask(length, causal_, window_, q.device()), 0.0, false);
 #else
-  torch::Tensor allowed;
-  if (causal_ || window_ > 0) allowed = AllowedMask(length, causal_, window_, x.device());
-  allowed = WithSegments(allowed, inputs.segments, x.size(0), length, 1, x.device());
-  out = ReferenceAttention(q, k, v, allowed, 1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  return Reference(q, k, v, inputs);  // unreachable: the constructor rejects 'stock' here
 #endif
-  return Output(out);
 }
 
 torch::Tensor MultiHeadAttention::Attend(const torch::Tensor& q, const torch::Tensor& k,

@@ -1,5 +1,7 @@
 // mha and local against a float64 reference written here with plain loops, plus the causality,
-// window, RoPE and encoder properties. Tolerance: 1e-10 absolute in float64.
+// window, RoPE and encoder properties, on both CPU kernels (fused, the default, and reference),
+// and the two kernels against each other at sizes that span several tiles. Tolerance: 1e-10
+// absolute in float64.
 #include "mha_attention.h"
 
 #include <gtest/gtest.h>
@@ -15,7 +17,13 @@ namespace {
 
 constexpr double kTol = 1e-10;
 
-std::shared_ptr<MultiHeadAttention> Make(const LoomAttentionSpecV1& spec) {
+std::shared_ptr<MultiHeadAttention> Make(LoomAttentionSpecV1 spec,
+                                         const std::string& kernel = "auto") {
+  if (kernel != "auto") {
+    auto* options = KeptOptions({{"kernel", kernel}});
+    spec.options = options->data();
+    spec.num_options = options->size();
+  }
   torch::manual_seed(11);
   auto m = std::make_shared<MultiHeadAttention>(spec, spec.window > 0 ? "local" : "mha",
                                                 spec.window > 0);
@@ -102,17 +110,66 @@ TEST(MultiHeadAttention, MatchesLoopReference) {
       {12, 3, 4, false, 0, 10000}, {12, 3, 4, false, 2, 100},  {8, 1, 8, true, 1, 10000},
       {8, 2, 4, true, 64, 10000},
   };
-  for (const Case& c : cases) {
-    auto spec = TestSpec(c.d_model, c.heads, c.head_dim, c.causal, c.window, c.theta);
-    auto m = Make(spec);
-    torch::manual_seed(3);
-    torch::Tensor x = torch::randn({2, 9, c.d_model}, torch::kFloat64);
-    AttentionInputs in{torch::arange(9)};
-    torch::Tensor y = m->forward(x, in);
-    torch::Tensor ref = LoopReference(*m, x, spec);
-    EXPECT_LT((y - ref).abs().max().item<double>(), kTol)
-        << "d_model " << c.d_model << " H " << c.heads << " d " << c.head_dim << " causal "
-        << c.causal << " window " << c.window << " theta " << c.theta;
+  for (const std::string kernel : {"fused", "reference"}) {
+    for (const Case& c : cases) {
+      auto spec = TestSpec(c.d_model, c.heads, c.head_dim, c.causal, c.window, c.theta);
+      auto m = Make(spec, kernel);
+      torch::manual_seed(3);
+      torch::Tensor x = torch::randn({2, 9, c.d_model}, torch::kFloat64);
+      AttentionInputs in{torch::arange(9)};
+      torch::Tensor y = m->forward(x, in);
+      torch::Tensor ref = LoopReference(*m, x, spec);
+      EXPECT_LT((y - ref).abs().max().item<double>(), kTol)
+          << kernel << ": d_model " << c.d_model << " H " << c.heads << " d " << c.head_dim
+          << " causal " << c.causal << " window " << c.window << " theta " << c.theta;
+    }
+  }
+}
+
+// The fused kernel against the reference kernel with the same weights: outputs and the
+// gradients of the input and every parameter, with sequences longer than one tile (256 tokens;
+// windows tile by W/4), packed segments and RoPE. float64 to 1e-10; float32 to 2e-5 relative
+// to the largest value plus 1e-6 (the two sum in different orders; a one-token sequence has
+// exactly zero q and k gradients in the reference and rounding-sized ones in the kernel).
+TEST(MultiHeadAttention, FusedKernelMatchesReferenceKernel) {
+  struct Shape {
+    bool causal;
+    int64_t window, n;
+    bool segments;
+  };
+  const Shape shapes[] = {{true, 0, 300, false},
+                          {false, 0, 270, true},
+                          {true, 37, 100, true},
+                          {false, 5, 64, false},
+                          {true, 0, 1, false}};
+  for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    for (const Shape& sh : shapes) {
+      auto spec = TestSpec(16, 2, 8, sh.causal, sh.window, 10000);
+      auto fused = Make(spec, "fused"), reference = Make(spec, "reference");
+      fused->to(dtype);
+      reference->to(dtype);
+      torch::manual_seed(5);
+      torch::Tensor x = torch::randn({2, sh.n, 16}, dtype);
+      AttentionInputs in{torch::arange(sh.n)};
+      if (sh.segments) in.segments = (torch::arange(sh.n) / 23).repeat({2, 1});
+      auto run = [&](MultiHeadAttention& m) {
+        torch::Tensor xi = x.clone().requires_grad_(true);
+        m.zero_grad();
+        torch::Tensor y = m.forward(xi, in);
+        (y * torch::linspace(-1, 1, y.numel(), dtype).view(y.sizes())).sum().backward();
+        std::vector<torch::Tensor> out = {y.detach(), xi.grad()};
+        for (auto& p : m.parameters()) out.push_back(p.grad());
+        return out;
+      };
+      auto a = run(*fused), b = run(*reference);
+      for (size_t i = 0; i < a.size(); ++i) {
+        const double scale = dtype == torch::kFloat64 ? 1.0 : b[i].abs().max().item<double>();
+        const double tol = dtype == torch::kFloat64 ? kTol : 2e-5 * scale + 1e-6;
+        EXPECT_LT((a[i] - b[i]).abs().max().item<double>(), tol)
+            << "tensor " << i << " (0 output, 1 dx, then parameters) dtype " << dtype << " causal "
+            << sh.causal << " window " << sh.window << " n " << sh.n << " segments " << sh.segments;
+      }
+    }
   }
 }
 
@@ -247,6 +304,14 @@ TEST(MultiHeadAttention, RejectsBadSpecsNamingTheField) {
   s.options = &opt;
   s.num_options = 1;
   expect_error(s, false, "options.p");
+  LoomOption bad_kernel{"kernel", "flash"};
+  s.options = &bad_kernel;
+  expect_error(s, false, "options.kernel");
+#if !LOOM_TORCH_HAS_SDPA
+  LoomOption stock{"kernel", "stock"};
+  s.options = &stock;
+  expect_error(s, false, "options.kernel");
+#endif
 }
 
 }  // namespace
