@@ -6,8 +6,8 @@
 // interleaved; none for encoders), rope_phase (interleaved | token), init (near_mha | identity |
 // random), init_noise (default 0.02), score (softmax | linear), scale (default 1/sqrt(d)),
 // kernel (auto | reference | fused | cuda | stock; auto = the CUDA kernels, cuda/iha_cuda.h,
-// for CUDA tensors they support, the fused kernel, iha_fused.h, for CPU tensors when the
-// expanded sequence N·P reaches 512, where it is faster, and the reference path otherwise;
+// for CUDA tensors they support, the fused kernel, iha_fused.h, for CPU tensors (faster at
+// every measured N·P), and the reference path otherwise;
 // stock = at::scaled_dot_product_attention on the expanded sequence, a baseline),
 // kv_cache (pseudo | heads: what incremental decoding caches, see IhaCache).
 #ifndef LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
@@ -57,8 +57,8 @@ class IhaAttention : public ProjectedAttention {
                        const torch::Tensor&) override {
     TORCH_CHECK(false, "iha: Attend is not used");
   }
-  // Which path forward() takes for a sequence of n tokens on `device`.
-  bool UsesFusedKernel(int64_t n, const torch::Device& device) const;
+  // Whether forward() takes the fused CPU kernel for tensors on `device`.
+  bool UsesFusedKernel(const torch::Device& device) const;
   // "cuda" or "stock" when forward() takes that kernel for these inputs, else empty (then
   // UsesFusedKernel decides). A forced kernel that cannot run throws InvalidAttentionSpec with
   // the reason; auto on CUDA tensors the kernels cannot take logs the reason once.

@@ -184,13 +184,11 @@ TEST(IhaAttention, ModuleIsProjectionsAroundTheCore) {
 
 TEST(IhaAttention, KernelSelection) {
   auto automatic = MakeIha(12, 3, 4, true, 0, 0, {{"p", "4"}});
-  EXPECT_FALSE(automatic->UsesFusedKernel(64, torch::kCPU));  // 256 expanded positions
-  EXPECT_TRUE(automatic->UsesFusedKernel(128, torch::kCPU));  // 512
-  EXPECT_FALSE(automatic->UsesFusedKernel(4096, torch::Device(torch::kCUDA, 0)));
-  EXPECT_TRUE(
-      MakeIha(12, 3, 4, true, 0, 0, {{"kernel", "fused"}})->UsesFusedKernel(4, torch::kCPU));
+  EXPECT_TRUE(automatic->UsesFusedKernel(torch::kCPU));
+  EXPECT_FALSE(automatic->UsesFusedKernel(torch::Device(torch::kCUDA, 0)));
+  EXPECT_TRUE(MakeIha(12, 3, 4, true, 0, 0, {{"kernel", "fused"}})->UsesFusedKernel(torch::kCPU));
   EXPECT_FALSE(
-      MakeIha(12, 3, 4, true, 0, 0, {{"kernel", "reference"}})->UsesFusedKernel(4096, torch::kCPU));
+      MakeIha(12, 3, 4, true, 0, 0, {{"kernel", "reference"}})->UsesFusedKernel(torch::kCPU));
 }
 
 TEST(IhaAttention, GradientsOfEveryParameterMatchFiniteDifferences) {
