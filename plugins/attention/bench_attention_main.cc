@@ -312,7 +312,9 @@ int main(int argc, char** argv) {
         Options o;
         o.mask = causal ? Mask::kInterleaved : Mask::kNone;
         o.window = window;
-        return [&, o] { return loom::attention::iha::FusedHeadAttention(q, k, v, o); };
+        loom::attention::iha::FusedOptions f;
+        f.tile_tokens = std::stoll(flags["tile"]);
+        return [&, o, f] { return loom::attention::iha::FusedHeadAttention(q, k, v, o, f); };
       };
       Options global;
       global.p = p;

@@ -4,6 +4,7 @@
 // of where the step goes (--profile ROWS). MFU is measured against a matmul ceiling this
 // program measures itself at the same thread count in the same run, so the numbers mean
 // something on any CPU. Prints Markdown tables (docs/benchmarks.md records them).
+#include <sys/resource.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -89,8 +90,17 @@ std::vector<Variant> Schedules(int64_t p, int64_t seq_len) {
   };
 }
 
+// CPU seconds this process has used, in user and in system (kernel) mode.
+std::pair<double, double> CpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * t.tv_usec; };
+  return {s(u.ru_utime), s(u.ru_stime)};
+}
+
 struct Measured {
   double step_s = 0, flops_per_token = 0;
+  double sys_per_user = 0;  // system / user CPU time over the whole run (allocation churn)
   std::vector<OpProfile::Row> profile;  // with --profile only
 };
 
@@ -108,8 +118,11 @@ absl::StatusOr<Measured> RunSchedule(const Width& w, const Variant& v, int64_t l
   LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(resolved, loader, {}));
   std::unique_ptr<OpProfile> recorder;
   if (profile) recorder = std::make_unique<OpProfile>();
+  const auto [user0, sys0] = CpuSeconds();
   LOOM_ASSIGN_OR_RETURN(TrainSummary summary, trainer->Run());
+  const auto [user1, sys1] = CpuSeconds();
   Measured m;
+  m.sys_per_user = (sys1 - sys0) / std::max(1e-9, user1 - user0);
   for (size_t i = static_cast<size_t>(warmup); i < summary.steps.size(); ++i)
     m.step_s += summary.steps[i].seconds;
   m.step_s /= static_cast<double>(steps);
@@ -196,17 +209,18 @@ absl::Status Run(int argc, char** argv) {
           w.name, layers, batch, w.seq_len, torch::get_num_threads(), ceiling / 1e9, steps, warmup);
       std::cout
           << "| schedule | FLOPs/token (fwd) | step ms | tokens/s | vs mha | GFLOP/s | MFU vs "
-             "matmul ceiling |\n"
-          << "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+             "matmul ceiling | sys/user CPU |\n"
+          << "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
       for (const Variant& v : variants) {
         LOOM_ASSIGN_OR_RETURN(Measured m,
                               RunSchedule(w, v, layers, batch, warmup, steps, loader, false));
         const double rate = static_cast<double>(batch * w.seq_len) / m.step_s;
         tps[ti].push_back(rate);
         const double achieved = 3.0 * m.flops_per_token * rate;
-        std::cout << absl::StrFormat("| %s | %.3g | %.1f | %.0f | %.2f | %.2f | %.1f%% |\n", v.name,
-                                     m.flops_per_token, 1e3 * m.step_s, rate, rate / tps[ti][0],
-                                     achieved / 1e9, 100 * achieved / ceiling);
+        std::cout << absl::StrFormat(
+            "| %s | %.3g | %.1f | %.0f | %.2f | %.2f | %.1f%% | %.1f%% |\n", v.name,
+            m.flops_per_token, 1e3 * m.step_s, rate, rate / tps[ti][0], achieved / 1e9,
+            100 * achieved / ceiling, 100 * m.sys_per_user);
       }
     }
     if (thread_counts.size() > 1) {

@@ -740,7 +740,7 @@ Grads RunBackward(const Prepared& pr, const Tensor& grad_out, const Tensor& out,
   return g;
 }
 
-class IhaFusedFunction : public torch::autograd::Function<IhaFusedFunction> {
+class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
  public:
   static constexpr size_t kInputs = 16;  // the arguments of forward() after ctx
 
@@ -777,9 +777,13 @@ int64_t DefaultTileTokens(int64_t p, int64_t window) {
   // About 256 pseudo-tokens per tile: GEMMs large enough to run near the BLAS rate, small enough
   // for the score tile (256² floats) to stay in L2. A sliding window of W tokens makes a query
   // tile of T tokens compute about W + T keys per row for W useful ones, so windowed layers take
-  // T = W/4 (80% useful; measured best at W = 64, P = 4 in docs/benchmarks.md).
+  // T = W/4 (80% useful) — but at least min(W, 32) tokens: below that the tile GEMMs are so small
+  // that OpenBLAS's per-call overhead (and its buffer lock, which serialises threads) costs more
+  // than the wasted keys (measured at W = 32–64 in docs/benchmarks.md).
   int64_t tile = std::max<int64_t>(8, 256 / std::max<int64_t>(1, p));
-  if (window > 0) tile = std::min(tile, std::max<int64_t>(8, window / 4));
+  if (window > 0) {
+    tile = std::min(tile, std::max<int64_t>({8, window / 4, std::min<int64_t>(window, 32)}));
+  }
   return tile;
 }
 
@@ -798,9 +802,9 @@ torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
   const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   auto [cos, sin] = ExpandedRopeTables(q, positions, o, compute);
   torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), torch::kCPU);
-  return IhaFusedFunction::apply(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments,
-                                 static_cast<int64_t>(o.mask), o.window, o.p,
-                                 static_cast<int64_t>(o.score), o.scale, tile, fused.poison_output);
+  return FusedAttentionFunction::apply(
+      q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, static_cast<int64_t>(o.mask),
+      o.window, o.p, static_cast<int64_t>(o.score), o.scale, tile, fused.poison_output);
 }
 
 torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -829,9 +833,10 @@ torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
   // Empty alpha tensors: no mixing (autograd's apply needs defined tensors).
   torch::Tensor none = torch::empty({0}, q.options());
   torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), torch::kCPU);
-  return IhaFusedFunction::apply(q, k, v, none, none, none, torch::empty({0}), torch::empty({0}),
-                                 segments, static_cast<int64_t>(o.mask), o.window, o.p,
-                                 static_cast<int64_t>(o.score), o.scale, tile, fused.poison_output)
+  return FusedAttentionFunction::apply(q, k, v, none, none, none, torch::empty({0}),
+                                       torch::empty({0}), segments, static_cast<int64_t>(o.mask),
+                                       o.window, o.p, static_cast<int64_t>(o.score), o.scale, tile,
+                                       fused.poison_output)
       .squeeze(3);
 }
 
