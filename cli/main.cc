@@ -57,7 +57,9 @@ commands:
   sweep list | status ID | cancel ID
   sweep report ID         per cell mean, sd and 95% interval; paired differences against the
                             baseline cell (paired t and bootstrap); --format table|json|csv
-                            --plot out.png (metric vs step, seed bands)
+                            --plot out.png (metric vs step, seed bands); --metric
+                            eval_loss|accuracy|exact_match and --select final|best|test
+                            report another metric than the sweep's own
   plot JOB                the job's loss and tokens/s curves as a PNG (gnuplot)
                             --output FILE (default JOB.png)
 
@@ -663,7 +665,8 @@ absl::Status Run(int argc, char** argv) {
       arg = rest[1];
       rest.erase(rest.begin() + 1);
     }
-    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"request-id", "format", "plot"}, {"follow"}));
+    LOOM_ASSIGN_OR_RETURN(CliArgs args,
+                          parse({"request-id", "format", "plot", "metric", "select"}, {"follow"}));
     LOOM_RETURN_IF_ERROR(cli.Init(args));
     return RunSweepCommand(cli.client(), what, arg, args, cli.json());
   }

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -149,7 +150,20 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
 absl::Status Report(client::RestClient& client, const std::string& id, const CliArgs& args,
                     bool json) {
   v1::SweepReport r;
-  LOOM_RETURN_IF_ERROR(client.Call("GET", absl::StrCat("/v1/sweeps/", id, "/report"), nullptr, &r));
+  std::string query;
+  for (const char* name : {"metric", "select"}) {
+    if (!args.Has(name)) continue;
+    const std::string value = args.Get(name);
+    for (char ch : value) {  // the coordinator names the valid values; keep the URL plain
+      if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_') {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", name, ": '", value, "' is not a metric or selection name"));
+      }
+    }
+    absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=", value);
+  }
+  LOOM_RETURN_IF_ERROR(
+      client.Call("GET", absl::StrCat("/v1/sweeps/", id, "/report", query), nullptr, &r));
   const std::string format = args.Get("format", json ? "json" : "table");
   if (format == "json") {
     std::cout << client::MessageToJson(r, true) << "\n";

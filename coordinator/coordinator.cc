@@ -666,8 +666,16 @@ absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const 
   return SweepWithStates(it->second);
 }
 
-absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id) {
+absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
+                                                         const std::string& metric,
+                                                         const std::string& select) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
+  if (!metric.empty() && metric != "eval_loss" && metric != "accuracy" && metric != "exact_match") {
+    return FieldError("metric", "eval_loss | accuracy | exact_match");
+  }
+  if (!select.empty() && select != "final" && select != "best" && select != "test") {
+    return FieldError("select", "final | best | test");
+  }
   v1::Sweep sweep;
   std::map<std::string, v1::Job> jobs;
   {
@@ -680,6 +688,9 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id) 
       if (job != jobs_.end()) jobs[sj.job_id()] = job->second;
     }
   }
+  // A report of another metric or selection than the sweep's own: the same jobs, read again.
+  if (!metric.empty()) sweep.mutable_spec()->set_metric(metric);
+  if (!select.empty()) sweep.mutable_spec()->set_select(select);
   return BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
 }
 

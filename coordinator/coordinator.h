@@ -64,7 +64,9 @@ class Coordinator {
   v1::ListSweepsResponse ListSweeps();
   // Cancels every job of the sweep that has not ended.
   absl::StatusOr<v1::Sweep> CancelSweep(const std::string& id, const std::string& user);
-  absl::StatusOr<v1::SweepReport> ReportSweep(const std::string& id);
+  // The sweep's report; a non-empty metric or select replaces the sweep's own (400 if unknown).
+  absl::StatusOr<v1::SweepReport> ReportSweep(const std::string& id, const std::string& metric = "",
+                                              const std::string& select = "");
   v1::ListWorkersResponse ListWorkers();
 
   absl::StatusOr<v1::RegisterWorkerResponse> Register(const v1::RegisterWorkerRequest& request);

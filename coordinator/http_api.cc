@@ -604,8 +604,8 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   server.Route(
       "GET", R"(/v1/sweeps/([^/]+)/report)",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {})) return;
-        auto r = c->ReportSweep(req.matches[0]);
+        if (!CheckParams(req, res, {"metric", "select"})) return;
+        auto r = c->ReportSweep(req.matches[0], req.Param("metric"), req.Param("select"));
         if (!r.ok()) return SendStatus(res, r.status());
         SendMessage(res, *r);
       }));

@@ -129,6 +129,16 @@ request_id: {request_id}
 """
 
 
+def without_defaults(x):
+    """A protobuf JSON value without the fields at their default values (0, "", false, [], {})."""
+    if isinstance(x, dict):
+        kept = {k: without_defaults(v) for k, v in x.items()}
+        return {k: v for k, v in kept.items() if v not in (0, "", False, [], {}, "0")}
+    if isinstance(x, list):
+        return [without_defaults(v) for v in x]
+    return x
+
+
 def test_report_matches_raw_results(up, tmp):
     path = write(tmp, "sweep.yaml", SWEEP.format(steps=30, seeds="[1, 2, 3]", request_id="pairs-1"))
     created = json.loads(up.loom("sweep", "submit", path, "--json"))
@@ -138,9 +148,11 @@ def test_report_matches_raw_results(up, tmp):
     sweep = up.wait_sweep(created["id"])
     assert sweep["state"] == "finished" and sweep["job_states"] == {"succeeded": 6}, sweep
     report = json.loads(up.loom("sweep", "report", sweep["id"], "--format", "json"))
-    assert report == up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report") or True  # same source
+    api_report = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report")
+    # The CLI prints what the API serves (the API also prints fields at their default values).
+    assert report == without_defaults(api_report), (report, api_report)
     # The raw results: each job's final held-out loss, and its step-0 loss (before any update).
-    raw, step0 = {}, {}
+    raw, step0, best_accuracy = {}, {}, {}
     for j in sweep["jobs"]:
         job = up.api.job(j["job_id"])
         assert job["sweep_id"] == sweep["id"] and job["sweep_cell"] == j["cell"], job
@@ -148,6 +160,8 @@ def test_report_matches_raw_results(up, tmp):
         evals = sorted(job["evals"], key=lambda e: int(e.get("step", 0)))
         raw.setdefault(j["cell"], {})[int(j["seed"])] = evals[-1]["eval_loss"]
         step0.setdefault(j["cell"], {})[int(j["seed"])] = evals[0]["eval_loss"]
+        best = min(evals, key=lambda e: e["eval_loss"])  # select: best
+        best_accuracy.setdefault(j["cell"], {})[int(j["seed"])] = best.get("accuracy", 0.0)
     cells = sweep["cells"]
     assert cells == ["optimizer.lr=0.001", "optimizer.lr=0.003"], cells
     # Pairing: the same seed starts from the same weights on the same data in both cells (the lr
@@ -179,6 +193,20 @@ def test_report_matches_raw_results(up, tmp):
     # resamples fall on them (probability below 1e-9).
     close(d["boot_low"], blo, 0.02 * spread, "bootstrap low")
     close(d["boot_high"], bhi, 0.02 * spread, "bootstrap high")
+    # Another metric and selection than the sweep's own (eval_loss, final), from the same jobs.
+    other = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report?metric=accuracy&select=best")
+    assert other["metric"] == "accuracy" and other["select"] == "best", other
+    for c in other["cells"]:
+        x = [best_accuracy[c["cell"]][s] for s in sorted(best_accuracy[c["cell"]])]
+        close(c["mean"], mean(x), 1e-12, f"{c['cell']} best-by-loss accuracy mean")
+    cli_other = json.loads(up.loom("sweep", "report", sweep["id"], "--metric", "accuracy",
+                                   "--select", "best", "--format", "json"))
+    assert cli_other == without_defaults(other), (cli_other, other)
+    assert up.api.ok("GET", f"/v1/sweeps/{sweep['id']}")["spec"].get("metric") == "eval_loss"
+    for query, field in (("metric=perplexity", "metric"), ("select=median", "select"),
+                         ("metrics=accuracy", "metrics")):
+        status, body, text = up.api.request("GET", f"/v1/sweeps/{sweep['id']}/report?{query}")
+        assert status == 400 and field in body["error"], (query, status, text)
     # The other formats and the plot.
     csv = up.loom("sweep", "report", sweep["id"], "--format", "csv").splitlines()
     assert csv[0].startswith("kind,cell,baseline,n,mean") and len(csv) == 4, csv
