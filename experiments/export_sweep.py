@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Writes a finished sweep's raw per-job results as CSV (one row per job: cell, seed, state,
+the held-out value at the sweep's selection for each metric, steps run, wall-clock seconds) so
+docs/results.md's tables can be recomputed without the coordinator that ran them.
+
+usage: export_sweep.py --coordinator URL --token-file F --sweep ID --out raw.csv
+"""
+import argparse
+import csv
+import json
+import urllib.request
+
+
+def get(base, token, path):
+    req = urllib.request.Request(base + path, headers={"Authorization": "Bearer " + token})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.load(resp)
+
+
+def selected(evals, select):
+    """The evaluation the sweep report reads for `select` (coordinator/sweep.cc's rule)."""
+    held_out = [e for e in evals if e.get("kind", "") in ("", "heldout", "validation")]
+    if select == "test":
+        tests = [e for e in evals if e.get("kind") == "test"]
+        return tests[-1] if tests else None
+    if not held_out:
+        return None
+    if select == "best":
+        return min(held_out, key=lambda e: e.get("eval_loss", 0.0))
+    return held_out[-1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--token-file", required=True)
+    ap.add_argument("--sweep", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    token = open(a.token_file).read().strip()
+    sweep = get(a.coordinator, token, f"/v1/sweeps/{a.sweep}")
+    select = sweep["spec"].get("select") or "final"
+    rows = []
+    for sj in sweep["jobs"]:
+        job = get(a.coordinator, token, f"/v1/jobs/{sj['job_id']}")
+        evals = sorted(job.get("evals", []), key=lambda e: int(e.get("step", 0)))
+        e = selected(evals, select) or {}
+        start, end = int(job.get("start_time_ms", 0)), int(job.get("end_time_ms", 0))
+        rows.append({
+            "cell": sj["cell"], "seed": int(sj["seed"]), "job": sj["job_id"],
+            "state": job["state"], "select": select, "step": int(e.get("step", 0)),
+            "eval_loss": e.get("eval_loss", ""), "accuracy": e.get("accuracy", ""),
+            "exact_match": e.get("exact_match", ""),
+            "steps_run": int(job.get("progress", {}).get("step", 0)),
+            "wall_s": round((end - start) / 1000.0, 1) if end and start else "",
+        })
+    with open(a.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"{a.out}: {len(rows)} jobs of {a.sweep}")
+
+
+if __name__ == "__main__":
+    main()
