@@ -670,12 +670,7 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
                                                          const std::string& metric,
                                                          const std::string& select) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
-  if (!metric.empty() && metric != "eval_loss" && metric != "accuracy" && metric != "exact_match") {
-    return FieldError("metric", "eval_loss | accuracy | exact_match");
-  }
-  if (!select.empty() && select != "final" && select != "best" && select != "test") {
-    return FieldError("select", "final | best | test");
-  }
+  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(metric, select));
   v1::Sweep sweep;
   std::map<std::string, v1::Job> jobs;
   {

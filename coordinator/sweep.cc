@@ -107,6 +107,16 @@ const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select) 
 
 }  // namespace
 
+absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& select) {
+  if (!metric.empty() && metric != "eval_loss" && metric != "accuracy" && metric != "exact_match") {
+    return FieldError("metric", "eval_loss | accuracy | exact_match");
+  }
+  if (!select.empty() && select != "final" && select != "best" && select != "test") {
+    return FieldError("select", "final | best | test");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
   if (!spec.has_base() || !spec.base().has_spec()) return FieldError("base.spec", "is required");
   if (spec.seeds().empty()) return FieldError("seeds", "at least one seed");
@@ -114,14 +124,7 @@ absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
   if (seeds.size() != static_cast<size_t>(spec.seeds_size())) {
     return FieldError("seeds", "each seed at most once");
   }
-  if (!spec.metric().empty() && spec.metric() != "eval_loss" && spec.metric() != "accuracy" &&
-      spec.metric() != "exact_match") {
-    return FieldError("metric", "eval_loss | accuracy | exact_match");
-  }
-  if (!spec.select().empty() && spec.select() != "final" && spec.select() != "best" &&
-      spec.select() != "test") {
-    return FieldError("select", "final | best | test");
-  }
+  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(spec.metric(), spec.select()));
   // The grid's combinations: paths sorted (a protobuf map iterates in no fixed order), values in
   // their order.
   const std::map<std::string, google::protobuf::ListValue> sorted_grid(spec.grid().begin(),
