@@ -31,6 +31,21 @@ int openblas_get_parallel(void) __attribute__((weak));  // 0 sequential, 1 pthre
 
 namespace loom {
 
+// OpenBLAS's threading build: "OpenMP" (its GEMMs run on LibTorch's OpenMP pool and follow
+// torch::set_num_threads), "pthreads" (a pool and a thread count of its own), "sequential", or
+// "" when LibTorch's BLAS is not OpenBLAS.
+inline const char* OpenBlasThreading() {
+  if (openblas_get_parallel == nullptr) return "";
+  switch (openblas_get_parallel()) {
+    case 0:
+      return "sequential";
+    case 1:
+      return "pthreads";
+    default:
+      return "OpenMP";
+  }
+}
+
 struct CpuVectorFeatures {
   bool avx2_fma = false;
   bool avx512 = false;       // F, BW, VL, DQ: OpenBLAS's SkylakeX kernels

@@ -217,13 +217,15 @@ int main(int argc, char** argv) {
     torch::set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
     // OpenBLAS's pthreads build keeps its own thread count (the OpenMP one follows LibTorch's):
     // set both, so every variant runs on as many threads.
-    if (openblas_set_num_threads != nullptr && openblas_get_parallel != nullptr &&
-        openblas_get_parallel() == 1) {
+    if (openblas_set_num_threads != nullptr &&
+        std::string(loom::OpenBlasThreading()) == "pthreads") {
       openblas_set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
     }
   }
   const int64_t h = std::stoll(flags["heads"]), d = std::stoll(flags["dim"]),
                 b = std::stoll(flags["batch"]);
+  loom::attention::iha::FusedOptions tiles;  // every fused variant's tile size (0: the default)
+  tiles.tile_tokens = std::stoll(flags["tile"]);
   const int reps = static_cast<int>(std::stoll(flags["reps"]));
   const int64_t naive_max = std::stoll(flags["naive-max-n"]);
   Device dev;
@@ -251,18 +253,14 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   double ceiling = MatmulCeiling(dev);
   const char* blas = openblas_get_corename != nullptr ? openblas_get_corename() : "not OpenBLAS";
-  const int flavour = openblas_get_parallel != nullptr ? openblas_get_parallel() : -1;
+  const std::string threading = loom::OpenBlasThreading();
   std::printf(
       "loom-bench-attention: %s, %d threads, %s, B=%lld H=%lld d=%lld, %s; BLAS core %s (%s); "
       "matmul ceiling %.1f GFLOP/s\n",
       dev.cuda() ? "cuda" : "cpu", torch::get_num_threads(), flags["dtype"].c_str(),
       static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(d),
       causal ? "causal" : "no mask (encoder)", dev.cuda() ? "-" : blas,
-      flavour == 2   ? "OpenMP"
-      : flavour == 1 ? "pthreads"
-      : flavour == 0 ? "sequential"
-                     : "-",
-      ceiling);
+      threading.empty() ? "-" : threading.c_str(), ceiling);
   std::printf(
       "times: best of %d, seconds; fwd+bwd = forward and backward; extra = peak bytes allocated "
       "above the "
@@ -312,9 +310,7 @@ int main(int argc, char** argv) {
         Options o;
         o.mask = causal ? Mask::kInterleaved : Mask::kNone;
         o.window = window;
-        loom::attention::iha::FusedOptions f;
-        f.tile_tokens = std::stoll(flags["tile"]);
-        return [&, o, f] { return loom::attention::iha::FusedHeadAttention(q, k, v, o, f); };
+        return [&, o] { return loom::attention::iha::FusedHeadAttention(q, k, v, o, tiles); };
       };
       Options global;
       global.p = p;
@@ -332,10 +328,8 @@ int main(int argc, char** argv) {
                 loom::attention::iha::CudaPseudoOutputs(q, k, v, aq, ak, av, positions, o), r);
           };
         }
-        loom::attention::iha::FusedOptions f;
-        f.tile_tokens = std::stoll(flags["tile"]);
-        return [&, o, f] {
-          return loom::attention::iha::FusedForward(q, k, v, aq, ak, av, r, positions, o, f);
+        return [&, o] {
+          return loom::attention::iha::FusedForward(q, k, v, aq, ak, av, r, positions, o, tiles);
         };
       };
       // Useful FLOPs of the attention core: 4·d per (query, attended key) pair and head; the

@@ -47,11 +47,11 @@ double MatmulCeilingFlops(int64_t n) {
 // The BLAS LibTorch's matmuls run on, as the benchmark's header states it.
 std::string BlasDescription() {
   if (openblas_get_corename == nullptr) return "BLAS: not OpenBLAS";
-  const int flavour = openblas_get_parallel != nullptr ? openblas_get_parallel() : -1;
-  return absl::StrCat("OpenBLAS ", openblas_get_corename(), " kernels, ",
-                      flavour == 2   ? "OpenMP build (LibTorch's thread pool)"
-                      : flavour == 1 ? "pthreads build (its own thread pool)"
-                                     : "sequential build");
+  const std::string threading = OpenBlasThreading();
+  return absl::StrCat("OpenBLAS ", openblas_get_corename(), " kernels, ", threading, " build",
+                      threading == "OpenMP"     ? " (LibTorch's thread pool)"
+                      : threading == "pthreads" ? " (its own thread pool)"
+                                                : "");
 }
 
 std::string CpuName() {

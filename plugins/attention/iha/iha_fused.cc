@@ -375,9 +375,8 @@ void ParallelTasks(int64_t count, MakeScratch make_scratch, Fn fn) {
   // would queue every thread's GEMMs on its one pool, so it is told to (a process-wide setting,
   // hence only outside parallel regions).
   const bool nested = omp_in_parallel() != 0;
-  const bool pin_blas = !nested && openblas_get_parallel != nullptr &&
-                        openblas_get_parallel() == 1 && openblas_set_num_threads != nullptr &&
-                        openblas_get_num_threads != nullptr;
+  const bool pin_blas = !nested && std::strcmp(loom::OpenBlasThreading(), "pthreads") == 0 &&
+                        openblas_set_num_threads != nullptr && openblas_get_num_threads != nullptr;
   const int blas_threads = pin_blas ? openblas_get_num_threads() : 0;
   if (pin_blas) openblas_set_num_threads(1);
   const int threads =
@@ -787,6 +786,16 @@ int64_t DefaultTileTokens(int64_t p, int64_t window) {
   return tile;
 }
 
+namespace {
+
+// Tokens per tile of a call over n tokens: FusedOptions' choice or the default, at most n.
+int64_t TileTokens(const FusedOptions& fused, const Options& o, int64_t n) {
+  const int64_t tile = fused.tile_tokens > 0 ? fused.tile_tokens : DefaultTileTokens(o.p, o.window);
+  return std::min<int64_t>(tile, std::max<int64_t>(1, n));
+}
+
+}  // namespace
+
 torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, const torch::Tensor& alpha_q,
                                  const torch::Tensor& alpha_k, const torch::Tensor& alpha_v,
@@ -797,8 +806,7 @@ torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
               "iha fused kernel: CPU tensors only (CUDA tensors take the CUDA kernels)");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "iha fused kernel: q, k and v must share one dtype");
-  int64_t tile = fused.tile_tokens > 0 ? fused.tile_tokens : DefaultTileTokens(o.p, o.window);
-  tile = std::min<int64_t>(tile, std::max<int64_t>(1, q.size(1)));
+  const int64_t tile = TileTokens(fused, o, q.size(1));
   const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   auto [cos, sin] = ExpandedRopeTables(q, positions, o, compute);
   torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), torch::kCPU);
@@ -828,8 +836,7 @@ torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
   TORCH_CHECK(q.is_cpu() && k.is_cpu() && v.is_cpu(), "fused multi-head attention: CPU tensors");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "fused multi-head attention: q, k and v must share one dtype");
-  int64_t tile = fused.tile_tokens > 0 ? fused.tile_tokens : DefaultTileTokens(1, o.window);
-  tile = std::min<int64_t>(tile, std::max<int64_t>(1, q.size(1)));
+  const int64_t tile = TileTokens(fused, o, q.size(1));
   // Empty alpha tensors: no mixing (autograd's apply needs defined tensors).
   torch::Tensor none = torch::empty({0}, q.options());
   torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), torch::kCPU);
