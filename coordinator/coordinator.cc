@@ -110,9 +110,16 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
   auto& r = c->registry_;
   r.DeclareGauge("loom_coordinator_jobs", "Jobs by state");
   r.DeclareGauge("loom_coordinator_workers", "Workers by state");
-  r.DeclareGauge("loom_coordinator_slots", "Slots on live workers (total) and in use (used)");
+  r.DeclareGauge("loom_coordinator_slots",
+                 "Slots on live workers, used and free (their sum is the capacity)");
   r.DeclareCounter("loom_coordinator_jobs_submitted_total", "Jobs accepted by POST /v1/jobs");
   r.DeclareCounter("loom_coordinator_job_restarts_total", "Failed attempts requeued");
+  r.DeclareCounter("loom_coordinator_jobs_ended_total",
+                   "Jobs that reached a terminal state (succeeded, failed, cancelled)");
+  // At 0 from the start, so increase() sees the first failure (a series born at 1 has none).
+  for (const char* s : {"succeeded", "failed", "cancelled"}) {
+    r.Increment("loom_coordinator_jobs_ended_total", 0, {{"state", s}});
+  }
   r.DeclareCounter("loom_coordinator_workers_lost_total", "Workers marked lost");
   r.DeclareCounter("loom_coordinator_http_requests_total", "HTTP requests by route and status");
   r.DeclareCounter("loom_coordinator_store_errors_total", "Failed RocksDB writes");
@@ -249,6 +256,9 @@ absl::Status Coordinator::Commit(Txn& txn) {
   if (s.ok() && !txn.batch.empty()) s = store_->Commit(txn.batch, true);
   if (s.ok()) {
     pending_deletes_.insert(pending_deletes_.end(), txn.deletes.begin(), txn.deletes.end());
+    for (const auto& state : txn.ended) {
+      registry_.Increment("loom_coordinator_jobs_ended_total", 1, {{"state", state}});
+    }
     return s;
   }
   // Not on disk, so not in effect: put back everything the change touched.
@@ -302,6 +312,7 @@ void Coordinator::SetState(Txn& txn, v1::Job& job, const std::string& state,
   job.set_reason(reason);
   job.set_update_time_ms(NowMs());
   if (IsTerminal(state)) {
+    txn.ended.push_back(state);
     job.set_end_time_ms(job.update_time_ms());
     job.clear_placement();
     if (job.history_size() > 0 && job.history().rbegin()->end_reason().empty()) {
@@ -1489,7 +1500,7 @@ std::string Coordinator::RenderMetrics() {
     }
     for (const auto& [id, j] : jobs_) {
       if (!IsActive(j.state())) continue;
-      const metrics::Labels l = {{"job", id}};
+      const metrics::Labels l = {{metrics::kJobLabel, id}};
       const int64_t started = std::max(j.update_time_ms(), j.start_time_ms());
       int64_t last_ckpt = 0;
       for (const auto& cid : j.checkpoints()) {
@@ -1515,9 +1526,8 @@ std::string Coordinator::RenderMetrics() {
     }
     registry_.Set("loom_coordinator_workers", alive, {{"state", "alive"}});
     registry_.Set("loom_coordinator_workers", lost, {{"state", "lost"}});
-    registry_.Set("loom_coordinator_slots", total, {{"kind", "total"}});
-    registry_.Set("loom_coordinator_slots", used, {{"kind", "used"}});
-    registry_.Set("loom_coordinator_slots", total - used, {{"kind", "free"}});
+    registry_.Set("loom_coordinator_slots", used, {{"state", "used"}});
+    registry_.Set("loom_coordinator_slots", total - used, {{"state", "free"}});
   }
   return registry_.Render();
 }

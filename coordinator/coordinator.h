@@ -103,6 +103,7 @@ class Coordinator {
     std::map<std::string, std::optional<std::string>> credentials;
     std::map<std::string, int64_t> event_counts;
     std::vector<std::string> deletes;  // checkpoint directories to remove once committed
+    std::vector<std::string> ended;    // terminal states reached, counted once committed
   };
   enum class Failure { kJob, kInfra, kBadInput };
 
@@ -145,7 +146,7 @@ class Coordinator {
 
   CoordinatorOptions options_;
   std::unique_ptr<StateStore> store_;
-  metrics::Registry registry_;
+  metrics::Registry registry_{"coordinator"};
 
   std::mutex mutex_;
   std::map<std::string, v1::Job> jobs_;

@@ -1,13 +1,21 @@
 #include "prometheus.h"
 
-#include <cmath>
-#include <cstdio>
-#include <sstream>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <algorithm>
 #include <stdexcept>
 
 namespace loom::metrics {
 namespace {
 
+prometheus::Labels ToPrometheus(const Labels& labels) { return {labels.begin(), labels.end()}; }
+
+// prometheus-cpp checks names when a family is built; Loom refuses earlier, with the name.
 bool ValidName(const std::string& name) {
   if (name.empty()) return false;
   for (size_t i = 0; i < name.size(); ++i) {
@@ -18,66 +26,19 @@ bool ValidName(const std::string& name) {
   return true;
 }
 
-std::string EscapeHelp(const std::string& help) {
-  std::string out;
-  for (char c : help) {
-    if (c == '\\')
-      out += "\\\\";
-    else if (c == '\n')
-      out += "\\n";
-    else
-      out += c;
-  }
-  return out;
-}
-
-std::string LabelText(const Labels& labels, const std::string& extra_key = "",
-                      const std::string& extra_value = "") {
-  if (labels.empty() && extra_key.empty()) return "";
-  std::string out = "{";
-  bool first = true;
-  for (const auto& [k, v] : labels) {
-    out += (first ? "" : ",") + k + "=\"" + EscapeLabelValue(v) + "\"";
-    first = false;
-  }
-  if (!extra_key.empty()) out += (first ? "" : ",") + extra_key + "=\"" + extra_value + "\"";
-  return out + "}";
-}
-
 }  // namespace
 
-std::string FormatValue(double v) {
-  if (std::isnan(v)) return "NaN";
-  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
-  char buf[32];
-  if (v == std::floor(v) && std::fabs(v) < 1e15) {  // integers in plain digits: le="10", not 1e+01
-    std::snprintf(buf, sizeof(buf), "%.0f", v);
-    return buf;
-  }
-  std::snprintf(buf, sizeof(buf), "%.17g", v);
-  // Prefer the shortest representation that round-trips.
-  for (int precision = 1; precision < 17; ++precision) {
-    char shorter[32];
-    std::snprintf(shorter, sizeof(shorter), "%.*g", precision, v);
-    if (std::strtod(shorter, nullptr) == v) return shorter;
-  }
-  return buf;
+Registry::Registry(const std::string& component)
+    : registry_(std::make_unique<prometheus::Registry>()) {
+  DeclareGauge("loom_build_info",
+               "Loom's version, git commit and LibTorch version (value 1), per component.");
+  const BuildInfo& b = GetBuildInfo();
+  Labels l = {{"version", b.version}, {"commit", b.commit}, {"torch", b.torch}};
+  if (!component.empty()) l["component"] = component;
+  Set("loom_build_info", 1, l);
 }
 
-std::string EscapeLabelValue(const std::string& v) {
-  std::string out;
-  for (char c : v) {
-    if (c == '\\')
-      out += "\\\\";
-    else if (c == '"')
-      out += "\\\"";
-    else if (c == '\n')
-      out += "\\n";
-    else
-      out += c;
-  }
-  return out;
-}
+Registry::~Registry() = default;
 
 void Registry::Declare(const std::string& name, const std::string& help, Type type,
                        std::vector<double> bounds) {
@@ -89,7 +50,19 @@ void Registry::Declare(const std::string& name, const std::string& help, Type ty
       throw std::invalid_argument("metric '" + name + "' redeclared with another type");
     return;
   }
-  families_[name] = Family{type, help, std::move(bounds), {}};
+  Family f{type, help, std::move(bounds), nullptr, nullptr, nullptr, {}};
+  switch (type) {
+    case Type::kCounter:
+      f.counters = &prometheus::BuildCounter().Name(name).Help(help).Register(*registry_);
+      break;
+    case Type::kGauge:
+      f.gauges = &prometheus::BuildGauge().Name(name).Help(help).Register(*registry_);
+      break;
+    case Type::kHistogram:
+      f.histograms = &prometheus::BuildHistogram().Name(name).Help(help).Register(*registry_);
+      break;
+  }
+  families_.emplace(name, std::move(f));
 }
 
 void Registry::DeclareCounter(const std::string& name, const std::string& help) {
@@ -119,12 +92,32 @@ Registry::Family& Registry::Get(const std::string& name, Type type) {
 void Registry::Increment(const std::string& name, double by, const Labels& labels) {
   if (by < 0) throw std::invalid_argument("counter '" + name + "' cannot decrease");
   std::lock_guard<std::mutex> lock(mu_);
-  Get(name, Type::kCounter).series[labels].value += by;
+  Family& f = Get(name, Type::kCounter);
+  auto& c = f.counters->Add(ToPrometheus(labels));
+  f.series[labels] = &c;
+  c.Increment(by);
 }
 
 void Registry::Set(const std::string& name, double value, const Labels& labels) {
   std::lock_guard<std::mutex> lock(mu_);
-  Get(name, Type::kGauge).series[labels].value = value;
+  Family& f = Get(name, Type::kGauge);
+  auto& g = f.gauges->Add(ToPrometheus(labels));
+  f.series[labels] = &g;
+  g.Set(value);
+}
+
+void Registry::Observe(const std::string& name, double value, const Labels& labels) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Family& f = Get(name, Type::kHistogram);
+  auto& h = f.histograms->Add(ToPrometheus(labels), f.bounds);
+  f.series[labels] = &h;
+  h.Observe(value);
+}
+
+void Registry::RemoveSeries(Family& f, void* metric) {
+  if (f.counters) f.counters->Remove(static_cast<prometheus::Counter*>(metric));
+  if (f.gauges) f.gauges->Remove(static_cast<prometheus::Gauge*>(metric));
+  if (f.histograms) f.histograms->Remove(static_cast<prometheus::Histogram*>(metric));
 }
 
 void Registry::RemoveWhere(const std::string& label, const std::string& value) {
@@ -132,7 +125,12 @@ void Registry::RemoveWhere(const std::string& label, const std::string& value) {
   for (auto& [name, family] : families_) {
     for (auto it = family.series.begin(); it != family.series.end();) {
       auto l = it->first.find(label);
-      it = (l != it->first.end() && l->second == value) ? family.series.erase(it) : std::next(it);
+      if (l == it->first.end() || l->second != value) {
+        ++it;
+        continue;
+      }
+      RemoveSeries(family, it->second);
+      it = family.series.erase(it);
     }
   }
 }
@@ -140,7 +138,54 @@ void Registry::RemoveWhere(const std::string& label, const std::string& value) {
 void Registry::Clear(const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = families_.find(name);
-  if (it != families_.end()) it->second.series.clear();
+  if (it == families_.end()) return;
+  for (auto& [labels, metric] : it->second.series) RemoveSeries(it->second, metric);
+  it->second.series.clear();
+}
+
+std::vector<std::string> Registry::Names() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  for (const auto& [name, family] : families_) out.push_back(name);
+  return out;
+}
+
+void Registry::SetConstantLabels(Labels labels) {
+  std::lock_guard<std::mutex> lock(mu_);
+  constant_labels_ = std::move(labels);
+}
+
+std::string Registry::Render() const {
+  std::vector<prometheus::MetricFamily> families;
+  Labels constant;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    families = registry_->Collect();
+    constant = constant_labels_;
+    for (const auto& [name, f] : families_) {
+      if (!f.series.empty()) continue;
+      prometheus::MetricFamily empty;
+      empty.name = name;
+      empty.help = f.help;
+      empty.type = f.type == Type::kCounter ? prometheus::MetricType::Counter
+                   : f.type == Type::kGauge ? prometheus::MetricType::Gauge
+                                            : prometheus::MetricType::Histogram;
+      families.push_back(std::move(empty));
+    }
+  }
+  std::sort(families.begin(), families.end(),
+            [](const auto& a, const auto& b) { return a.name < b.name; });
+  for (auto& f : families) {
+    for (auto& m : f.metric) {
+      for (const auto& [k, v] : constant) {
+        const bool has =
+            std::any_of(m.label.begin(), m.label.end(), [&](const auto& l) { return l.name == k; });
+        if (!has) m.label.push_back({k, v});
+      }
+      std::sort(m.label.begin(), m.label.end());
+    }
+  }
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 void DeclareTrainMetrics(Registry& r) {
@@ -171,51 +216,6 @@ void DeclareTrainMetrics(Registry& r) {
   r.DeclareHistogram("loom_train_checkpoint_load_seconds",
                      "Wall time to load and verify a checkpoint.",
                      {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});
-}
-
-std::vector<std::string> Registry::Names() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::string> out;
-  for (const auto& [name, family] : families_) out.push_back(name);
-  return out;
-}
-
-void Registry::Observe(const std::string& name, double value, const Labels& labels) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Family& f = Get(name, Type::kHistogram);
-  Series& s = f.series[labels];
-  if (s.buckets.empty()) s.buckets.assign(f.bounds.size(), 0);
-  for (size_t i = 0; i < f.bounds.size(); ++i) {
-    if (value <= f.bounds[i]) ++s.buckets[i];
-  }
-  s.sum += value;
-  ++s.count;
-}
-
-std::string Registry::Render() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::ostringstream out;
-  for (const auto& [name, f] : families_) {
-    const char* type = f.type == Type::kCounter ? "counter"
-                       : f.type == Type::kGauge ? "gauge"
-                                                : "histogram";
-    out << "# HELP " << name << " " << EscapeHelp(f.help) << "\n";
-    out << "# TYPE " << name << " " << type << "\n";
-    for (const auto& [labels, s] : f.series) {
-      if (f.type != Type::kHistogram) {
-        out << name << LabelText(labels) << " " << FormatValue(s.value) << "\n";
-        continue;
-      }
-      for (size_t i = 0; i < f.bounds.size(); ++i) {
-        out << name << "_bucket" << LabelText(labels, "le", FormatValue(f.bounds[i])) << " "
-            << s.buckets[i] << "\n";
-      }
-      out << name << "_bucket" << LabelText(labels, "le", "+Inf") << " " << s.count << "\n";
-      out << name << "_sum" << LabelText(labels) << " " << FormatValue(s.sum) << "\n";
-      out << name << "_count" << LabelText(labels) << " " << s.count << "\n";
-    }
-  }
-  return out.str();
 }
 
 }  // namespace loom::metrics

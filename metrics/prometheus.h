@@ -1,6 +1,9 @@
-// A minimal Prometheus registry and text-exposition writer (format 0.0.4). prometheus-cpp is
-// not packaged in Debian, and Loom needs little: counters, gauges and histograms with labels,
-// rendered on demand. Output is validated by `promtool check metrics` in tests.
+// Loom's metric registry: a thin layer over prometheus-cpp (core) that keeps the call sites
+// simple — families declared once by name, series addressed by a label map — and adds what
+// Loom needs on top: dropping every series of a finished job, labels stamped on every series at
+// render time (the worker id, known only after registration) and `loom_build_info`.
+// Exposition is prometheus-cpp's text serializer (format 0.0.4), validated by `promtool check
+// metrics` in tests and served by HttpExporter (the trainer, the agent) or the coordinator's API.
 //
 // Thread-safe: metrics are updated from training or request threads while the exporter renders.
 #ifndef LOOM_METRICS_PROMETHEUS_H_
@@ -12,14 +15,29 @@
 #include <string>
 #include <vector>
 
+namespace prometheus {
+class Registry;
+class Counter;
+class Gauge;
+class Histogram;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
 namespace loom::metrics {
 
 using Labels = std::map<std::string, std::string>;
 
 class Registry {
  public:
+  // Declares `loom_build_info{version,commit,torch,component}` = 1.
+  explicit Registry(const std::string& component = "");
+  ~Registry();
+  Registry(const Registry&) = delete;
+  Registry& operator=(const Registry&) = delete;
+
   // Declares a family. Names must match [a-zA-Z_:][a-zA-Z0-9_:]*; counters should end in
-  // _total. Redeclaring with the same type is a no-op.
+  // _total. Redeclaring with the same type is a no-op. Misuse throws std::invalid_argument.
   void DeclareCounter(const std::string& name, const std::string& help);
   void DeclareGauge(const std::string& name, const std::string& help);
   void DeclareHistogram(const std::string& name, const std::string& help,
@@ -34,42 +52,52 @@ class Registry {
   void RemoveWhere(const std::string& label, const std::string& value);
   // Drops every series of one family (gauges rebuilt from scratch on each render).
   void Clear(const std::string& name);
-  // Names of the declared families.
+  // Names of the declared families, sorted.
   std::vector<std::string> Names() const;
 
-  // The whole registry in the text exposition format.
+  // Labels added to every series when rendering (e.g. worker="w-1a2b"), so targets found by
+  // any discovery mechanism carry them. A series' own label of the same name wins.
+  void SetConstantLabels(Labels labels);
+
+  // The whole registry in the text exposition format. Declared families without series are
+  // listed too (HELP and TYPE only), so a scrape shows every name a dashboard may ask for.
   std::string Render() const;
 
  private:
   enum class Type { kCounter, kGauge, kHistogram };
-  struct Series {
-    double value = 0;               // counter / gauge
-    std::vector<uint64_t> buckets;  // histogram: cumulative counts per upper bound
-    double sum = 0;
-    uint64_t count = 0;
-  };
   struct Family {
     Type type;
     std::string help;
     std::vector<double> bounds;
-    std::map<Labels, Series> series;
+    prometheus::Family<prometheus::Counter>* counters = nullptr;
+    prometheus::Family<prometheus::Gauge>* gauges = nullptr;
+    prometheus::Family<prometheus::Histogram>* histograms = nullptr;
+    std::map<Labels, void*> series;  // the metric object of each label set, for removal
   };
   Family& Get(const std::string& name, Type type);
   void Declare(const std::string& name, const std::string& help, Type type,
                std::vector<double> bounds);
+  void RemoveSeries(Family& f, void* metric);
 
   mutable std::mutex mu_;
+  std::unique_ptr<prometheus::Registry> registry_;
   std::map<std::string, Family> families_;
+  Labels constant_labels_;
 };
 
 // The trainer's metric families (loom_train_*), declared once for the two places that export
 // them: trainer ranks and the worker agent that re-exports rank 0's numbers (docs/deploy.md).
 void DeclareTrainMetrics(Registry& r);
 
-// Formats a sample value the way Prometheus expects (+Inf, -Inf, NaN, shortest round-trip).
-std::string FormatValue(double v);
-// Escapes a label value (backslash, double quote, newline).
-std::string EscapeLabelValue(const std::string& v);
+// The label that names a Loom job on every series. Not `job`: Prometheus reserves that for the
+// scrape job, and would rename ours to exported_job without honor_labels.
+inline constexpr char kJobLabel[] = "job_id";
+
+// What loom_build_info reports, fixed at configure time (cmake/LoomBuildInfo.cmake).
+struct BuildInfo {
+  std::string version, commit, torch;
+};
+const BuildInfo& GetBuildInfo();
 
 }  // namespace loom::metrics
 

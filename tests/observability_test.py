@@ -136,6 +136,48 @@ def prom_query(port, q):
     return body["data"]["result"]
 
 
+def operator_scrape_job(src, targets_dir):
+    """The scrape job the Prometheus Operator generates from deploy/kubernetes' ServiceMonitor:
+    honor_labels from the endpoints (default false) and, on every target, the labels its
+    relabelling sets (job = the Service's name, namespace, service, pod, container, endpoint)."""
+    with open(os.path.join(src, "deploy", "kubernetes", "loom.yaml")) as f:
+        monitor = next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "ServiceMonitor")
+    honor = {bool(e.get("honorLabels", False)) for e in monitor["spec"]["endpoints"]}
+    assert honor == {False}, "the ServiceMonitor should not need honorLabels"
+    return {"job_name": f"serviceMonitor/{monitor['metadata']['namespace']}/{monitor['metadata']['name']}/0",
+            "honor_labels": False,
+            "file_sd_configs": [{"files": [os.path.join(targets_dir, "*.json")], "refresh_interval": "1s"}]}
+
+
+def write_operator_targets(loom_targets, operator_targets):
+    """loom up's discovered targets, labelled the way the operator labels the pods' endpoints."""
+    ports = {"loom-coordinator": "http", "loom-worker": "metrics"}
+    for path in glob.glob(os.path.join(loom_targets, "*.json")):
+        with open(path) as f:
+            groups = json.load(f)
+        for g in groups:
+            svc = g["labels"]["service"]
+            g["labels"] = {"job": svc, "namespace": "loom", "service": svc, "pod": f"{svc}-0",
+                           "container": svc, "endpoint": ports[svc]}
+        with open(os.path.join(operator_targets, os.path.basename(path)), "w") as f:
+            json.dump(groups, f)
+
+
+def check_labels(prom_port, job_id):
+    """Loom's labels arrive as they are under both scrape configs: no exported_* renames."""
+    series = prom_query(prom_port, '{__name__=~"loom_.+"}')
+    renamed = sorted({k for s in series for k in s["metric"] if k.startswith("exported_")})
+    assert not renamed, f"labels renamed by the scrape: {renamed}"
+    for job in ("loom", "loom-worker"):
+        tps = prom_query(prom_port, f'loom_train_tokens_per_second{{job="{job}", job_id="{job_id}"}}')
+        assert tps and all(s["metric"].get("worker") and s["metric"].get("rank") == "0" for s in tps), (job, tps)
+    info = prom_query(prom_port, 'loom_build_info{job="loom"}')
+    assert sorted(s["metric"]["component"] for s in info) == ["coordinator", "worker"], info
+    assert all(s["metric"]["commit"] and s["metric"]["version"] for s in info), info
+    print(f"ok: {len(series)} series, no exported_* labels under the file_sd and the Prometheus "
+          f"Operator scrape configs; job_id, worker, rank and loom_build_info present")
+
+
 def check_live(args, tmp):
     src = args.source_dir
     prom_dir = os.path.join(tmp, "prometheus")
@@ -143,10 +185,17 @@ def check_live(args, tmp):
     cfg = os.path.join(prom_dir, "prometheus.yml")
     with open(cfg) as f:
         text = f.read()
-    with open(cfg, "w") as f:  # the only edit: scrape and evaluate every second
-        f.write(text.replace("scrape_interval: 15s", "scrape_interval: 1s")
-                .replace("evaluation_interval: 15s", "evaluation_interval: 1s")
-                .replace("refresh_interval: 30s", "refresh_interval: 1s"))
+    text = (text.replace("scrape_interval: 15s", "scrape_interval: 1s")
+            .replace("evaluation_interval: 15s", "evaluation_interval: 1s")
+            .replace("refresh_interval: 30s", "refresh_interval: 1s"))
+    # Besides the shipped config (only its intervals shortened), a second scrape job of the same
+    # targets as the Prometheus Operator would configure it from the ServiceMonitor.
+    operator_targets = os.path.join(prom_dir, "operator-targets")
+    os.makedirs(operator_targets)
+    config = yaml.safe_load(text)
+    config["scrape_configs"].append(operator_scrape_job(src, operator_targets))
+    with open(cfg, "w") as f:
+        yaml.safe_dump(config, f)
     targets = os.path.join(prom_dir, "targets")
     os.makedirs(targets)
     port = free_port()
@@ -161,6 +210,7 @@ def check_live(args, tmp):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     PROCS.append(up)
     wait_for("two target files", lambda: len(glob.glob(os.path.join(targets, "*.json"))) == 2, 30)
+    write_operator_targets(targets, operator_targets)
     token_file = os.path.join(xdg, "loom", f"local-{port}.token")
     wait_for("loom up's token file", lambda: os.path.isfile(token_file), 30)
     with open(token_file) as f:
@@ -208,15 +258,17 @@ def check_live(args, tmp):
 
     # Prometheus sees both targets up and the job's throughput.
     def all_up():
-        res = prom_query(prom_port, "up")
-        return len(res) == 2 and all(x["value"][1] == "1" for x in res) and res
+        res = prom_query(prom_port, 'up{job="loom"}')
+        both = prom_query(prom_port, 'up == 1')
+        return len(res) == 2 and len(both) == 4 and all(x["value"][1] == "1" for x in res) and res
     res = wait_for("up == 1 for both targets", all_up, 60)
     services = sorted(x["metric"]["service"] for x in res)
     assert services == ["loom-coordinator", "loom-worker"], services
     # Over a window: a fast job may end (and its series go stale) before this query runs.
     tps = wait_for("a tokens/s series", lambda: prom_query(
-        prom_port, f'max_over_time(loom_train_tokens_per_second{{job="{job_id}"}}[10m]) > 0'), 60)
+        prom_port, f'max_over_time(loom_train_tokens_per_second{{job="loom", job_id="{job_id}"}}[10m]) > 0'), 60)
     assert float(tps[0]["value"][1]) > 0
+    check_labels(prom_port, job_id)
     with urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/api/v1/rules", timeout=10) as r:
         rules = [x for g in json.load(r)["data"]["groups"] for x in g["rules"]]
     assert len(rules) == 8 and all(x["health"] == "ok" for x in rules), rules

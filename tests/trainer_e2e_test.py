@@ -163,7 +163,7 @@ def test_live_metrics(loom, tmp, promtool):
     body = ""
     while time.time() < deadline:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        m = re.search(r'loom_train_tokens_per_second\{job="e2e",rank="0"\} ([0-9.e+]+)', body)
+        m = re.search(r'loom_train_tokens_per_second\{job_id="e2e",rank="0"\} ([0-9.e+]+)', body)
         if m and float(m.group(1)) > 0:
             break
         time.sleep(0.2)

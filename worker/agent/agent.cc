@@ -88,10 +88,18 @@ void WriteFileAtomically(const std::string& path, const std::string& text, mode_
 
 }  // namespace
 
-Agent::Agent(AgentOptions options) : options_(std::move(options)) { DeclareMetrics(); }
+Agent::Agent(AgentOptions options) : options_(std::move(options)) {
+  DeclareMetrics();
+  // Every series says which node and pool it comes from, whatever discovers the target.
+  metrics::Labels node = {{"worker", options_.name}};
+  if (auto pool = options_.labels.find("pool"); pool != options_.labels.end()) {
+    node["pool"] = pool->second;
+  }
+  registry_.SetConstantLabels(node);
+}
 
 // The trainer's own metric names and types (worker/trainer/trainer.cc), re-exported from rank
-// 0's JSON lines with labels {job, rank}: one scrape target per node sees every job it runs.
+// 0's JSON lines with labels {job_id, rank}: one scrape target per node sees every job it runs.
 // Series of a job disappear when its last attempt on this node is forgotten, so cardinality is
 // bounded by the jobs running here (at most --slots) times the ~16 families.
 void Agent::DeclareMetrics() {
@@ -105,6 +113,12 @@ void Agent::DeclareMetrics() {
                    "Heartbeats that did not reach the coordinator");
   r.DeclareHistogram("loom_worker_heartbeat_seconds", "Heartbeat round-trip time",
                      {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5});
+  // Counters start at 0, so rate() and increase() see their first events.
+  r.Increment("loom_worker_attempts_started_total", 0);
+  r.Increment("loom_worker_heartbeat_failures_total", 0);
+  for (const char* result : {"ok", "failed", "killed"}) {
+    r.Increment("loom_worker_rank_exits_total", 0, {{"result", result}});
+  }
   metrics::DeclareTrainMetrics(r);
   r.Set("loom_worker_slots", options_.slots);
   r.Increment("loom_worker_attempts_started_total", 0);
@@ -238,6 +252,7 @@ void Agent::StartAttempt(const v1::Assignment& as) {
       ::setenv("MASTER_ADDR", as.master_addr().c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
       ::setenv("LOOM_JOB_ID", as.job_id().c_str(), 1);
+      ::setenv("LOOM_WORKER_NAME", options_.name.c_str(), 1);
       ::setenv("LOOM_ATTEMPT", std::to_string(as.attempt()).c_str(), 1);
       ::setenv("LOOM_LEASE_FILE", a.lease_path.c_str(), 1);
       if (!omp.empty()) ::setenv("OMP_NUM_THREADS", omp.c_str(), 1);
@@ -350,7 +365,7 @@ void Agent::Poll() {
       auto num = [&](const char* k) {
         return j.contains(k) && j[k].is_number() ? j[k].get<double>() : 0.0;
       };
-      const metrics::Labels labels = {{"job", a.job_id}, {"rank", "0"}};
+      const metrics::Labels labels = {{metrics::kJobLabel, a.job_id}, {"rank", "0"}};
       if (event == "step") {
         registry_.Set("loom_train_loss", num("loss"), labels);
         registry_.Set("loom_train_learning_rate", num("lr"), labels);
@@ -366,9 +381,10 @@ void Agent::Poll() {
                               labels);
         }
         a.tokens_seen = seen;
-        if (j.contains("skipped") && j["skipped"].is_boolean() && j["skipped"].get<bool>()) {
-          registry_.Increment("loom_train_nan_skipped_steps_total", 1, labels);
-        }
+        // Created at 0 with the job's first step, so increase() sees the first skip too.
+        const bool skipped =
+            j.contains("skipped") && j["skipped"].is_boolean() && j["skipped"].get<bool>();
+        registry_.Increment("loom_train_nan_skipped_steps_total", skipped ? 1 : 0, labels);
         a.progress.set_step(static_cast<int64_t>(num("step")));
         a.progress.set_loss(num("loss"));
         a.progress.set_tokens_per_second(num("tokens_per_second"));
@@ -548,7 +564,7 @@ void Agent::Acknowledge(const v1::HeartbeatRequest& sent,
       attempts_.erase(it);
       bool other = false;
       for (const auto& [k, a] : attempts_) other |= a.job_id == job;
-      if (!other) registry_.RemoveWhere("job", job);  // keep cardinality bounded
+      if (!other) registry_.RemoveWhere(metrics::kJobLabel, job);  // keep cardinality bounded
     }
   }
   for (const auto& as : resp.assignments()) {
@@ -584,13 +600,9 @@ absl::Status Agent::Run() {
       const std::string host =
           options_.metrics_bind == "0.0.0.0" ? options_.address : options_.metrics_bind;
       const std::string tmp = options_.prometheus_sd_file + ".tmp";
-      // Target labels: service, worker (the node's name) and its pool, the bounded labels the
-      // dashboards group by.
+      // Target label: the service. The node's name and pool are on every series already.
       nlohmann::json target = {{"targets", {absl::StrCat(host, ":", exporter_->port())}},
-                               {"labels", {{"service", "loom-worker"}, {"worker", options_.name}}}};
-      if (auto pool = options_.labels.find("pool"); pool != options_.labels.end()) {
-        target["labels"]["pool"] = pool->second;
-      }
+                               {"labels", {{"service", "loom-worker"}}}};
       std::ofstream(tmp) << nlohmann::json::array({target}).dump() << "\n";
       fs::rename(tmp, options_.prometheus_sd_file, ec);
     }

@@ -99,7 +99,7 @@ class Agent {
   void DeclareMetrics();
 
   AgentOptions options_;
-  metrics::Registry registry_;
+  metrics::Registry registry_{"worker"};
   std::unique_ptr<metrics::HttpExporter> exporter_;
   std::unique_ptr<client::RestClient> enrol_client_;  // enrolment token: POST register
   std::unique_ptr<client::RestClient> client_;        // this worker's credential: heartbeats

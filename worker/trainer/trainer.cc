@@ -351,8 +351,11 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
     }
   }
 
-  labels_ = {{"job", spec_.name().empty() ? "standalone" : spec_.name()},
+  labels_ = {{metrics::kJobLabel, spec_.name().empty() ? "standalone" : spec_.name()},
              {"rank", std::to_string(comm_->rank())}};
+  if (const char* worker = std::getenv("LOOM_WORKER_NAME"); worker && *worker) {
+    registry_.SetConstantLabels({{"worker", worker}});
+  }
   metrics::DeclareTrainMetrics(registry_);
   registry_.Set("loom_train_total_steps", static_cast<double>(spec_.steps()), labels_);
   if (spec_.metrics().port() != 0) {

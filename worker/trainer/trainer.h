@@ -254,7 +254,7 @@ class Trainer {
   };
   std::vector<CheckpointNote> skipped_;  // --resume-if-any: damaged checkpoints passed over
   CheckpointNote resumed_;               // and the one restored ("" dir: none)
-  metrics::Registry registry_;
+  metrics::Registry registry_{"trainer"};
   metrics::Labels labels_;
   std::unique_ptr<metrics::HttpExporter> exporter_;
 };

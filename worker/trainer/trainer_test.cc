@@ -116,7 +116,7 @@ TEST_F(TrainerTest, NanGuardSkipsThenFails) {
   EXPECT_TRUE(summary->steps[3].skipped);
   EXPECT_FALSE(summary->steps[4].skipped);
   const std::string text = (*t)->registry().Render();
-  EXPECT_NE(text.find("loom_train_nan_skipped_steps_total{job=\"standalone\",rank=\"0\"} 2"),
+  EXPECT_NE(text.find("loom_train_nan_skipped_steps_total{job_id=\"standalone\",rank=\"0\"} 2"),
             std::string::npos);
 
   setenv("LOOM_TEST_INJECT_NAN_AT_STEPS", "2,3,4", 1);
