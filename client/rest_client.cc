@@ -22,7 +22,10 @@ std::string MessageToJson(const google::protobuf::Message& m, bool pretty) {
 
 std::string ErrorMessage(const std::string& body) {
   auto j = nlohmann::json::parse(body, nullptr, false);
-  if (j.is_object() && j.contains("error") && j["error"].is_string()) return j["error"];
+  if (!j.is_object() || !j.contains("error")) return body.substr(0, 500);
+  const auto& e = j["error"];  // {"error": {"message": ...}}; older coordinators: a string
+  if (e.is_object() && e.contains("message") && e["message"].is_string()) return e["message"];
+  if (e.is_string()) return e;
   return body.substr(0, 500);
 }
 

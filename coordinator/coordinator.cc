@@ -1,6 +1,7 @@
 #include "coordinator.h"
 
 #include <google/protobuf/util/json_util.h>
+#include <google/protobuf/util/message_differencer.h>
 
 #include <chrono>
 #include <filesystem>
@@ -47,6 +48,13 @@ bool IsToken(const std::string& s, size_t max_len) {
 
 absl::Status FieldError(const std::string& field, const std::string& message) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+// Idempotency keys are scoped per user: the same request_id from two users names two requests,
+// and one user's key never reveals or returns another's job.
+std::string IdempotencyKey(absl::string_view kind, const std::string& user,
+                           const std::string& request_id) {
+  return absl::StrCat(kind, user, "\x1f", request_id);
 }
 
 std::string RankText(const std::vector<int>& ranks) {
@@ -514,9 +522,17 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
                                                           const std::string& user) {
   LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, ResolveSubmission(request));
   std::lock_guard<std::mutex> lock(mutex_);
+  const std::string key = IdempotencyKey("", user, request.request_id());
   if (!request.request_id().empty()) {
-    auto it = request_ids_.find(request.request_id());
+    auto it = request_ids_.find(key);
     if (it != request_ids_.end()) {
+      auto job = jobs_.find(it->second);
+      if (job != jobs_.end() &&
+          !google::protobuf::util::MessageDifferencer::Equals(job->second.request(), request)) {
+        return absl::AlreadyExistsError(
+            absl::StrCat("request_id: already used for ", it->second,
+                         " with a different request (a retry must repeat the request exactly)"));
+      }
       v1::SubmitJobResponse r;
       r.set_id(it->second);
       r.set_created(false);
@@ -527,10 +543,10 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   Txn txn;
   LOOM_RETURN_IF_ERROR(AddJobLocked(txn, request, spec, user, id).status());
   txn.batch.PutNextJob(next_job_ + 1);
-  if (!request.request_id().empty()) txn.batch.PutRequestId(request.request_id(), id);
+  if (!request.request_id().empty()) txn.batch.PutRequestId(key, id);
   LOOM_RETURN_IF_ERROR(Commit(txn));
   ++next_job_;
-  if (!request.request_id().empty()) request_ids_[request.request_id()] = id;
+  if (!request.request_id().empty()) request_ids_[key] = id;
   registry_.Increment("loom_coordinator_jobs_submitted_total");
   wake_.notify_all();
   v1::SubmitJobResponse r;
@@ -572,8 +588,15 @@ absl::StatusOr<v1::CreateSweepResponse> Coordinator::CreateSweep(const v1::Sweep
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  const std::string key = absl::StrCat("sweep:", spec.request_id());
+  const std::string key = IdempotencyKey("sweep:", user, spec.request_id());
   if (!spec.request_id().empty() && request_ids_.count(key)) {
+    auto sweep = sweeps_.find(request_ids_[key]);
+    if (sweep != sweeps_.end() &&
+        !google::protobuf::util::MessageDifferencer::Equals(sweep->second.spec(), spec)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("request_id: already used for ", request_ids_[key],
+                       " with a different sweep (a retry must repeat the request exactly)"));
+    }
     v1::CreateSweepResponse r;
     r.set_id(request_ids_[key]);
     r.set_created(false);

@@ -153,7 +153,8 @@ class Coordinator {
   std::map<std::string, int64_t> event_counts_;
   std::map<std::string, v1::Worker> workers_;
   std::map<std::string, v1::CheckpointEntry> checkpoints_;
-  std::map<std::string, std::string> request_ids_;  // also "sweep:<key>" -> sweep id
+  // IdempotencyKey(user, request_id) -> job id; "sweep:" + IdempotencyKey(...) -> sweep id.
+  std::map<std::string, std::string> request_ids_;
   std::map<std::string, v1::Sweep> sweeps_;
   int64_t next_sweep_ = 1;
   std::map<std::string, std::string> credentials_;       // worker id -> credential

@@ -50,7 +50,7 @@ int HttpCode(const absl::Status& s) {
 }
 
 void SendStatus(HttpResponse& res, const absl::Status& s) {
-  SetJsonError(res, HttpCode(s), s.message());
+  SetJsonError(res, HttpCode(s), s.message(), absl::StatusCodeToString(s.code()));
 }
 
 // A message as JSON; a message that cannot be printed is a 500 that says so, never an empty 200.
@@ -183,12 +183,12 @@ bool CheckParams(const HttpRequest& req, HttpResponse& res,
     bool ok = false;
     for (const char* a : allowed) ok |= k == a;
     if (!ok) {
-      SetJsonError(res, 400, absl::StrCat("unknown query parameter '", k.substr(0, 60), "'"));
+      SetJsonError(res, 400, absl::StrCat(k.substr(0, 60), ": unknown query parameter"));
       return false;
     }
     if (req.ParamCount(k) > 1) {
       SetJsonError(res, 400,
-                   absl::StrCat("query parameter '", k.substr(0, 60), "' given more than once"));
+                   absl::StrCat(k.substr(0, 60), ": query parameter given more than once"));
       return false;
     }
   }

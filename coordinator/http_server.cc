@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
@@ -151,11 +152,80 @@ std::string HttpRequest::Param(const std::string& key) const {
   return it == params.end() ? "" : it->second;
 }
 
-void SetJsonError(HttpResponse& res, int status, absl::string_view message) {
+namespace {
+
+absl::string_view CanonicalStatus(int http) {
+  switch (http) {
+    case 400:
+    case 411:
+    case 413:
+    case 415:
+    case 431:
+      return "INVALID_ARGUMENT";
+    case 401:
+      return "UNAUTHENTICATED";
+    case 403:
+      return "PERMISSION_DENIED";
+    case 404:
+      return "NOT_FOUND";
+    case 405:
+    case 501:
+      return "UNIMPLEMENTED";
+    case 408:
+      return "DEADLINE_EXCEEDED";
+    case 409:
+      return "ABORTED";
+    case 429:
+      return "RESOURCE_EXHAUSTED";
+    case 503:
+      return "UNAVAILABLE";
+    default:
+      return http >= 200 && http < 300 ? "OK" : "INTERNAL";
+  }
+}
+
+// "spec.model.n_heads: must divide d_model" -> the field path before ": ", if it looks like one.
+std::string FieldOf(absl::string_view message) {
+  const size_t colon = message.find(": ");
+  if (colon == absl::string_view::npos || colon == 0 || colon > 200) return "";
+  const absl::string_view field = message.substr(0, colon);
+  for (char c : field) {
+    const bool ok = absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' ||
+                    c == '[' || c == ']' || c == '-';
+    if (!ok) return "";
+  }
+  return std::string(field);
+}
+
+}  // namespace
+
+std::string ErrorBody(int status, absl::string_view message, absl::string_view rpc_status) {
+  std::vector<std::string> details;
+  if (std::string field = FieldOf(message); !field.empty()) {
+    details.push_back(absl::StrCat(
+        R"({"@type":"type.googleapis.com/google.rpc.BadRequest","fieldViolations":[{"field":")",
+        JsonEscape(field), R"(","description":")", JsonEscape(message.substr(field.size() + 2)),
+        R"("}]})"));
+  }
+  if (status == 429 || status == 503) {
+    details.push_back(
+        absl::StrCat(R"({"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":")",
+                     kRetryAfterSeconds, R"(s"})"));
+  }
+  return absl::StrCat(R"({"error":{"code":)", status, R"(,"status":")",
+                      rpc_status.empty() ? CanonicalStatus(status) : rpc_status, R"(","message":")",
+                      JsonEscape(message), R"(","details":[)", absl::StrJoin(details, ","),
+                      "]}}\n");
+}
+
+void SetJsonError(HttpResponse& res, int status, absl::string_view message,
+                  absl::string_view rpc_status) {
   res.status = status;
   res.content_type = "application/json";
-  res.body = absl::StrCat("{\"error\":\"", JsonEscape(message), "\"}\n");
+  res.body = ErrorBody(status, message, rpc_status);
   res.stream = nullptr;
+  if (status == 429 || status == 503)
+    res.SetHeader("Retry-After", std::to_string(kRetryAfterSeconds));
 }
 
 // One client connection: buffered reads with deadlines, request parsing, response writing.
@@ -559,11 +629,15 @@ void HttpServer::AcceptLoop() {
     std::unique_lock<std::mutex> lock(mutex_);
     if (static_cast<int>(queue_.size()) >= options_.max_queued_connections) {
       lock.unlock();
-      static constexpr char kBusy[] =
-          "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-          "Content-Length: 40\r\nConnection: close\r\n\r\n{\"error\":\"server busy: try again "
-          "later\"}";
-      (void)!::send(fd, kBusy, sizeof(kBusy) - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      static const std::string busy = [] {
+        const std::string body = ErrorBody(503, "server busy: try again later");
+        return absl::StrCat(
+            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            "Retry-After: ",
+            kRetryAfterSeconds, "\r\nContent-Length: ", body.size(),
+            "\r\nConnection: close\r\n\r\n", body);
+      }();
+      (void)!::send(fd, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
       ::close(fd);
       continue;
     }

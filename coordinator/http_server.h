@@ -75,8 +75,20 @@ struct HttpResponse {
 
 using HttpHandler = std::function<void(const HttpRequest&, HttpResponse&)>;
 
-// {"error": message} with the status: the shape of every error the API returns.
-void SetJsonError(HttpResponse& res, int status, absl::string_view message);
+// The shape of every error the API returns, google.rpc.Status style:
+//   {"error": {"code": 400, "status": "INVALID_ARGUMENT", "message": "spec.steps: must be > 0",
+//              "details": [{"@type": "type.googleapis.com/google.rpc.BadRequest",
+//                           "fieldViolations": [{"field": "spec.steps", "description": "..."}]}]}}
+// `code` is the HTTP status; `status` the canonical code name (`rpc_status`, or derived from the
+// HTTP status when empty). A message of the form "field.path: why" also yields a BadRequest
+// field violation, so a client can put the error next to the field. 429 and 503 carry
+// Retry-After (seconds) and a RetryInfo detail.
+void SetJsonError(HttpResponse& res, int status, absl::string_view message,
+                  absl::string_view rpc_status = "");
+// The error body alone (for responses written before a handler runs).
+std::string ErrorBody(int status, absl::string_view message, absl::string_view rpc_status = "");
+// Seconds a client should wait before retrying a 429 or 503.
+inline constexpr int kRetryAfterSeconds = 1;
 
 struct HttpServerOptions {
   int threads = 16;

@@ -24,6 +24,7 @@ from loom_testlib import Service, control_plane_arg_parser, stop_all  # noqa: E4
 
 PROCS = []
 USER_TOKEN = "alice-token-0123456789abcdef"
+BOB_TOKEN = "bob-token-0123456789abcdef01"
 WORKER_TOKEN = "worker-token-0123456789abcdef"  # the enrolment token: good for registration only
 
 
@@ -31,7 +32,7 @@ class Cluster(Service):
     """The coordinator (fast heartbeats, a 256 KiB body limit) and the node-a / node-b agents."""
 
     def __init__(self, args, tmp):
-        super().__init__(args, tmp, {"alice": USER_TOKEN}, WORKER_TOKEN,
+        super().__init__(args, tmp, {"alice": USER_TOKEN, "bob": BOB_TOKEN}, WORKER_TOKEN,
                          ["--heartbeat-ms", "200", "--lost-after-ms", "4000", "--term-grace-ms", "2000",
                           "--max-body-bytes", "262144"], PROCS)
 
@@ -175,7 +176,7 @@ def test_cancel_mid_run(c):
         time.sleep(0.1)
     assert not any(w["used_slots"] for w in c.worker_ids().values()), c.worker_ids()
     status, parsed, _ = api.request("POST", f"/v1/jobs/{job_id}/cancel")
-    assert status == 409 and "already cancelled" in parsed["error"]
+    assert status == 409 and "already cancelled" in parsed["error"]["message"]
     print(f"ok: cancel mid-run ({job_id})")
 
 
@@ -212,7 +213,7 @@ def test_kill_rank(c):
     body = micro(5)
     body["init_from"] = cat[0]["id"]
     status, parsed, _ = api.request("POST", "/v1/jobs", body)
-    assert status == 400 and "no longer on disk" in parsed["error"], parsed
+    assert status == 400 and "no longer on disk" in parsed["error"]["message"], parsed
     print(f"ok: kill -9 of rank 1 -> restarted from a checkpoint, finished at step 240 ({job_id})")
 
 
@@ -312,6 +313,31 @@ def test_concurrent_submissions(c):
     print("ok: 200 concurrent submissions from 8 clients, each accepted once, ids unique")
 
 
+def test_idempotency_keys(c):
+    """request_id is scoped per user: a replay returns the same job, a replay with another request
+    is a 409 naming the job, and another user's identical key is another request."""
+    api = c.api
+    body = micro(10, world=1)
+    body["pool"] = {"pool": "nowhere"}  # stays queued
+    body["request_id"] = "idem-1"
+    s1, p1, t1 = api.request("POST", "/v1/jobs", body)
+    assert s1 == 201 and p1["created"], t1
+    s2, p2, t2 = api.request("POST", "/v1/jobs", body)
+    assert s2 == 200 and p2 == {"id": p1["id"], "created": False}, t2
+    changed = json.loads(json.dumps(body))
+    changed["priority"] = 5
+    s3, p3, t3 = api.request("POST", "/v1/jobs", changed)
+    assert s3 == 409 and p3["error"]["status"] == "ALREADY_EXISTS" and p1["id"] in p3["error"]["message"], t3
+    fields = [v["field"] for d in p3["error"]["details"] for v in d.get("fieldViolations", [])]
+    assert fields == ["request_id"], p3
+    s4, p4, t4 = api.request("POST", "/v1/jobs", body, token=BOB_TOKEN)
+    assert s4 == 201 and p4["created"] and p4["id"] != p1["id"], t4
+    api.ok("POST", f"/v1/jobs/{p1['id']}/cancel")
+    s5, _, t5 = api.request("POST", f"/v1/jobs/{p4['id']}/cancel", token=BOB_TOKEN)
+    assert s5 == 200, t5
+    print("ok: idempotency keys per user; a replay with another request is 409 ALREADY_EXISTS")
+
+
 def test_hostile_requests(c):
     api = c.api
     good = micro(10, world=1)
@@ -396,7 +422,7 @@ def test_hostile_requests(c):
         want = want if isinstance(want, tuple) else (want,)
         assert status in want, f"{name}: HTTP {status}, wanted {want}: {text[:300]}"
         assert parsed is not None and "error" in parsed, f"{name}: not a JSON error: {text[:300]}"
-        assert needle.lower() in parsed["error"].lower(), f"{name}: '{needle}' not in '{parsed['error']}'"
+        assert needle.lower() in parsed["error"]["message"].lower(), f"{name}: '{needle}' not in '{parsed['error']}'"
     assert c.coordinator.poll() is None, "the coordinator died"
     c.wait_workers(2)  # the hostile agent requests changed nothing for the real agents
     status, _, text = api.request("GET", "/healthz", token=None)
@@ -442,7 +468,7 @@ def test_openapi(c, args):
                     {"address": "127.0.0.1", "slots": 1, "name": "probe-2", "labels": {"pool": "probe"}}
                     if path.endswith("register") else micro(1, world=1) if path == "/v1/jobs" else None)
             status, parsed, text = target.request(method.upper(), url, body=body, token=token)
-            assert not (status == 404 and parsed and parsed.get("error", "").startswith("no route")), \
+            assert not (status == 404 and parsed and parsed.get("error", {}).get("message", "").startswith("no route")), \
                 f"documented {method.upper()} {path} is not served: {text}"
             documented = {str(k) for k in op["responses"]}
             assert str(status) in documented, f"{method.upper()} {path}: HTTP {status} not documented ({documented})"
@@ -509,6 +535,7 @@ def main():
         c.start_worker("node-b")
         c.wait_workers(2)
         test_hostile_requests(c)
+        test_idempotency_keys(c)
         test_submit_run_succeed(c)
         test_eval_job_results_stored_with_the_job(c)
         test_cancel_mid_run(c)

@@ -3,7 +3,8 @@
 one real worker agent running real loom-train ranks, and fake workers this test registers and
 drives over HTTP itself.
 
-Every hostile request must get a 4xx with a JSON {"error": "..."} naming the problem, and change
+Every hostile request must get a 4xx with a JSON {"error": {"code", "status", "message",
+"details"}} naming the problem, and change
 nothing: the job list and the checkpoint catalogue are the same before and after, and the real
 worker stays alive. Cases: JSON nested at every depth 1..200 in every free-form (Struct) field
 and elsewhere; strings over 4096 bytes; 1 GiB bodies (chunked, Content-Length, compressed) and
@@ -14,6 +15,7 @@ paths; client paths escaping the storage root; and `loom up`'s tokens, Host and 
 Every process is killed on exit.
 """
 import gzip
+import re
 import json
 import os
 import select
@@ -65,15 +67,19 @@ def nest_list(arrays):
 
 
 def error_of(what, result, want, needles):
-    """Asserts a clean refusal: status in want, a JSON {"error": ...} holding one of needles."""
+    """Asserts a clean refusal: status in want, a JSON error object (google.rpc.Status shape)
+    whose message holds one of needles."""
     status, parsed, text = result
     want = (want,) if isinstance(want, int) else tuple(want)
     needles = (needles,) if isinstance(needles, str) else tuple(needles)
     assert status in want, f"{what}: HTTP {status}, wanted {want}: {text[:400]}"
-    assert isinstance(parsed, dict) and isinstance(parsed.get("error"), str), f"{what}: not a JSON error: {text[:400]}"
-    assert any(n.lower() in parsed["error"].lower() for n in needles), \
-        f"{what}: none of {needles} in the error '{parsed['error'][:400]}'"
-    return parsed["error"]
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    assert isinstance(error, dict) and error.get("code") == status and isinstance(error.get("message"), str) \
+        and re.fullmatch(r"[A-Z_]+", error.get("status", "")) and isinstance(error.get("details"), list), \
+        f"{what}: not a JSON error: {text[:400]}"
+    assert any(n.lower() in error["message"].lower() for n in needles), \
+        f"{what}: none of {needles} in the error '{error['message'][:400]}'"
+    return error["message"]
 
 
 class Hostile:
@@ -554,7 +560,11 @@ class Hostile:
             buf += data
         s.close()
         r = parse_response(buf, eof=True)
-        return r["status"], (r["parsed"] or {}).get("error", r["text"]), None
+        error = (r["parsed"] or {}).get("error")
+        if r["status"] == 429:  # the client is told when to come back, in the header and the body
+            assert r["headers"].get("retry-after") == "1", r["headers"]
+            assert {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "1s"} in error["details"], error
+        return r["status"], error["message"] if isinstance(error, dict) else r["text"], None
 
     def test_log_followers(self, job_id):
         api = self.api
@@ -920,7 +930,7 @@ def parse_response(buf, eof=False, head_only=False):
             parsed = json.loads(text)
         except ValueError:
             parsed = None
-        return {"status": status, "parsed": parsed, "text": text}
+        return {"status": status, "parsed": parsed, "text": text, "headers": headers}
 
 
 def main():

@@ -206,7 +206,9 @@ def test_report_matches_raw_results(up, tmp):
     for query, field in (("metric=perplexity", "metric"), ("select=median", "select"),
                          ("metrics=accuracy", "metrics")):
         status, body, text = up.api.request("GET", f"/v1/sweeps/{sweep['id']}/report?{query}")
-        assert status == 400 and field in body["error"], (query, status, text)
+        assert status == 400 and field in body["error"]["message"], (query, status, text)
+        violations = [v for d in body["error"]["details"] for v in d.get("fieldViolations", [])]
+        assert [v["field"] for v in violations] == [field], (query, body)
     # The other formats and the plot.
     csv = up.loom("sweep", "report", sweep["id"], "--format", "csv").splitlines()
     assert csv[0].startswith("kind,cell,baseline,n,mean") and len(csv) == 4, csv
@@ -281,7 +283,7 @@ def test_partial_report_and_cancel(up, tmp):
     for j in cancelled["jobs"]:
         assert up.api.job(j["job_id"])["state"] == "cancelled"
     status, parsed, _ = up.api.request("GET", "/v1/sweeps/sweep-424242")
-    assert status == 404 and "not found" in parsed["error"], parsed
+    assert status == 404 and "not found" in parsed["error"]["message"], parsed
     bad = write(tmp, "bad.yaml", SWEEP.format(steps=10, seeds="[1, 1]", request_id="bad-1"))
     r = subprocess.run([up.args.loom, "sweep", "submit", bad], env=up.env, capture_output=True, text=True)
     assert r.returncode == 2 and "seeds" in r.stderr, r.stderr
