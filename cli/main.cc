@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -16,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "CLI/CLI.hpp"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -28,6 +30,8 @@
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 #include "loom/v1/control.pb.h"
+#include "output.h"
+#include "prometheus.h"
 #include "rest_client.h"
 #include "sweep_commands.h"
 
@@ -35,38 +39,6 @@ namespace fs = std::filesystem;
 
 namespace loom::cli {
 namespace {
-
-constexpr char kUsage[] = R"(usage: loom <command> [args] [flags]
-
-commands:
-  up                      run a local coordinator and workers on this box until Ctrl-C
-                            --workers N (default 1) --slots S (default 2) --port P (default 8470)
-                            --data-dir DIR (default runs/loom-up) --labels k=v,...
-                            --prometheus-dir DIR (file_sd targets; default DATA_DIR/prometheus-targets)
-  submit FILE             submit a job: a job spec (docs/jobs.md) or {"spec": ..., "world_size": ...}
-                            as JSON or YAML; --world-size N --priority P --pool k=v,...
-                            --max-restarts N --init-from CHECKPOINT_ID --request-id KEY --name NAME
-                            --follow (wait, showing progress; exit status says how it ended)
-  list                    jobs (--state S, --limit N)
-  status JOB              state, progress, events, checkpoints, evaluations (--follow: until done)
-  logs JOB                the job's logs (-f / --follow: stream until the job ends)
-  cancel JOB
-  checkpoints             the checkpoint catalogue with lineage (--job JOB)
-  workers                 registered workers and their slots
-  sweep submit FILE       a sweep (docs/sweeps.md): cells x seeds as jobs; --follow (then the report)
-  sweep list | status ID | cancel ID
-  sweep report ID         per cell mean, sd and 95% interval; paired differences against the
-                            baseline cell (paired t and bootstrap); --format table|json|csv
-                            --plot out.png (metric vs step, seed bands); --metric
-                            eval_loss|accuracy|exact_match and --select final|best|test
-                            report another metric than the sweep's own
-  plot JOB                the job's loss and tokens/s curves as a PNG (gnuplot)
-                            --output FILE (default JOB.png)
-
-common flags: --coordinator URL (default $LOOM_COORDINATOR, then http://127.0.0.1:8470)
-              --token-file F (default $LOOM_TOKEN: a user token; for a loopback coordinator
-              started by `loom up`, the token it wrote)   --json (machine-readable)
-)";
 
 // Where `loom up` leaves the user token of a local coordinator for the CLI to find:
 // ${XDG_CONFIG_HOME:-$HOME/.config}/loom/local-<port>.token (mode 0600). "" without a home.
@@ -159,7 +131,12 @@ class Cli {
     } else {
       token = LocalToken(url);
     }
-    json_ = args.Has("json");
+    if (args.Has("json")) {
+      output_ = Output::kJson;
+    } else {
+      LOOM_ASSIGN_OR_RETURN(output_, ParseOutput(args.Get("output", "table")));
+    }
+    json_ = output_ != Output::kTable;
     LOOM_ASSIGN_OR_RETURN(client_, client::RestClient::Create(url, token, 15000));
     return absl::OkStatus();
   }
@@ -213,9 +190,10 @@ class Cli {
     v1::SubmitJobResponse resp;
     LOOM_RETURN_IF_ERROR(client_->Call("POST", "/v1/jobs", &req, &resp));
     if (json_) {
-      std::cout << client::MessageToJson(resp) << "\n";
+      std::cout << FormatMessage(resp, output_) << "\n";
     } else {
-      std::cout << (resp.created() ? "submitted " : "already submitted as ") << resp.id() << "\n";
+      std::cout << (resp.created() ? "submitted " : "already submitted as ") << resp.id()
+                << std::endl;
     }
     if (args.Has("follow")) return Follow(resp.id());
     return absl::OkStatus();
@@ -257,7 +235,7 @@ class Cli {
       if (job.state() == "succeeded" || job.state() == "failed" || job.state() == "cancelled") {
         if (tty && !json_) std::cout << "\n";
         if (json_)
-          std::cout << client::MessageToJson(job) << "\n";
+          std::cout << FormatMessage(job, output_) << "\n";
         else
           PrintResults(job);
         if (job.state() != "succeeded") {
@@ -294,10 +272,11 @@ class Cli {
     }
   }
 
+  // The newest `--limit` jobs (0: all), oldest first like the API's pages.
   absl::Status List(const CliArgs& args) {
-    LOOM_ASSIGN_OR_RETURN(int64_t limit, args.GetInt("limit", 500, 1, 100000));
+    LOOM_ASSIGN_OR_RETURN(int64_t limit, args.GetInt("limit", 50, 0, 10000000));
     std::string token;
-    v1::ListJobsResponse all;
+    std::deque<v1::Job> newest;
     do {
       std::string path = "/v1/jobs?page_size=500";
       if (args.Has("state")) absl::StrAppend(&path, "&state=", args.Get("state"));
@@ -305,12 +284,15 @@ class Cli {
       v1::ListJobsResponse page;
       LOOM_RETURN_IF_ERROR(client_->Call("GET", path, nullptr, &page));
       for (auto& j : *page.mutable_jobs()) {
-        if (all.jobs_size() < limit) *all.add_jobs() = std::move(j);
+        newest.push_back(std::move(j));
+        if (limit > 0 && static_cast<int64_t>(newest.size()) > limit) newest.pop_front();
       }
       token = page.next_page_token();
-    } while (!token.empty() && all.jobs_size() < limit);
+    } while (!token.empty());
+    v1::ListJobsResponse all;
+    for (auto& j : newest) *all.add_jobs() = std::move(j);
     if (json_) {
-      std::cout << client::MessageToJson(all) << "\n";
+      std::cout << FormatMessage(all, output_) << "\n";
       return absl::OkStatus();
     }
     std::cout << absl::StrFormat("%-11s %-20s %-10s %5s %-40s\n", "ID", "NAME", "STATE", "RANKS",
@@ -326,7 +308,7 @@ class Cli {
     if (args.Has("follow")) return Follow(id);
     LOOM_ASSIGN_OR_RETURN(v1::Job job, GetJob(id));
     if (json_) {
-      std::cout << client::MessageToJson(job, true) << "\n";
+      std::cout << FormatMessage(job, output_) << "\n";
       return absl::OkStatus();
     }
     std::cout << job.id() << "  " << job.name() << "\n  state     " << job.state() << " ("
@@ -362,7 +344,7 @@ class Cli {
     LOOM_RETURN_IF_ERROR(
         client_->Call("POST", absl::StrCat("/v1/jobs/", id, "/cancel"), nullptr, &job));
     if (json_)
-      std::cout << client::MessageToJson(job) << "\n";
+      std::cout << FormatMessage(job, output_) << "\n";
     else
       std::cout << id << " " << job.state() << "\n";
     return absl::OkStatus();
@@ -374,7 +356,7 @@ class Cli {
     if (args.Has("job")) path += "?job=" + args.Get("job");
     LOOM_RETURN_IF_ERROR(client_->Call("GET", path, nullptr, &r));
     if (json_) {
-      std::cout << client::MessageToJson(r) << "\n";
+      std::cout << FormatMessage(r, output_) << "\n";
       return absl::OkStatus();
     }
     std::cout << absl::StrFormat("%-22s %-9s %8s %-22s %s\n", "ID", "KIND", "STEP", "PARENT",
@@ -410,7 +392,7 @@ class Cli {
     }
     if (points == 0)
       return absl::NotFoundError(absl::StrCat("job ", id, " has logged no training steps yet"));
-    const std::string out = args.Get("output", id + ".png");
+    const std::string out = args.Get("file", id + ".png");
     const fs::path tmp = fs::temp_directory_path() / absl::StrCat("loom-plot-", ::getpid(), ".dat");
     std::ofstream(tmp) << data.str();
     const std::string script = absl::StrCat(
@@ -437,7 +419,7 @@ class Cli {
     v1::ListWorkersResponse r;
     LOOM_RETURN_IF_ERROR(client_->Call("GET", "/v1/workers", nullptr, &r));
     if (json_) {
-      std::cout << client::MessageToJson(r) << "\n";
+      std::cout << FormatMessage(r, output_) << "\n";
       return absl::OkStatus();
     }
     std::cout << absl::StrFormat("%-12s %-16s %-6s %5s %-20s %s\n", "ID", "NAME", "STATE", "SLOTS",
@@ -454,10 +436,11 @@ class Cli {
   }
 
   client::RestClient& client() { return *client_; }
-  bool json() const { return json_; }
+  Output output() const { return output_; }
 
  private:
-  bool json_ = false;
+  bool json_ = false;  // machine-readable output (json or yaml): no progress lines
+  Output output_ = Output::kTable;
   std::unique_ptr<client::RestClient> client_;
 };
 
@@ -586,106 +569,220 @@ absl::Status Up(const CliArgs& args) {
   return absl::OkStatus();
 }
 
-absl::Status Run(int argc, char** argv) {
-  if (argc < 2 || std::string(argv[1]) == "help" || std::string(argv[1]) == "--help") {
-    std::cout << kUsage;
-    return argc < 2 ? absl::InvalidArgumentError("missing command") : absl::OkStatus();
+// Exit codes (docs/control-plane.md, CLI): what a script can branch on.
+enum ExitCode : int {
+  kExitOk = 0,
+  kExitError = 1,        // anything else (a local I/O failure, an internal error)
+  kExitUsage = 2,        // a bad command line, flag value or input file
+  kExitNotFound = 3,     // the coordinator has no such job, sweep or checkpoint
+  kExitRefused = 4,      // the coordinator refused the request (4xx: invalid, forbidden, conflict)
+  kExitJobFailed = 5,    // --follow: the job ended failed or cancelled
+  kExitUnreachable = 6,  // the coordinator could not be reached or is unavailable (503)
+};
+
+int ExitCodeOf(const absl::Status& s) {
+  if (s.ok()) return kExitOk;
+  if (auto http = s.GetPayload(client::kHttpStatusPayload)) {
+    const std::string code(*http);
+    if (code == "404") return kExitNotFound;
+    if (code == "503") return kExitUnreachable;
+    return code[0] == '4' ? kExitRefused : kExitError;
   }
-  const std::string cmd = argv[1];
-  int first = 2;
-  std::string positional;
-  if (argc > 2 && argv[2][0] != '-') {
-    positional = argv[2];
-    first = 3;
+  switch (s.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+      return kExitUsage;
+    case absl::StatusCode::kAborted:
+      return kExitJobFailed;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+      return kExitUnreachable;
+    default:
+      return kExitError;
   }
-  // "-f" is the usual spelling of --follow for logs.
-  std::vector<std::string> storage;
-  std::vector<char*> rest = {argv[0]};
-  for (int i = first; i < argc; ++i) {
-    storage.push_back(std::string(argv[i]) == "-f" ? "--follow" : argv[i]);
+}
+
+constexpr char kExitCodesHelp[] = R"(
+exit codes: 0 ok, 2 usage (bad flag, value or file), 3 not found, 4 refused by the coordinator,
+            5 job failed or cancelled (--follow), 6 coordinator unreachable, 1 other errors
+environment: LOOM_COORDINATOR (URL), LOOM_TOKEN (a user token))";
+
+// The command line, parsed by CLI11 into the flag map the commands read (CliArgs): every
+// option a command was given, by its long name; switches as "true".
+class CommandLine {
+ public:
+  CommandLine() : app_("loom: the command-line client of a Loom coordinator", "loom") {
+    app_.set_version_flag("--version", VersionText());
+    app_.require_subcommand(1);
+    app_.footer(kExitCodesHelp);
+    app_.fallthrough();  // common flags may follow the command: loom logs JOB -f --coordinator U
+    app_.add_option("--coordinator",
+                    "coordinator URL (default $LOOM_COORDINATOR, then "
+                    "http://127.0.0.1:8470)")
+        ->type_name("URL");
+    app_.add_option("--token-file",
+                    "file holding a user token (default $LOOM_TOKEN; for a "
+                    "loopback coordinator started by `loom up`, the token it wrote)")
+        ->type_name("FILE");
+    app_.add_option("-o,--output", "table (default) | json | yaml: every field of the result")
+        ->type_name("FORMAT");
+    app_.add_flag("--json", "the same as -o json");
   }
-  for (auto& s : storage) rest.push_back(s.data());
-  const std::set<std::string> common = {"coordinator", "token-file"};
-  auto parse = [&](std::set<std::string> flags, std::set<std::string> switches) {
-    flags.insert(common.begin(), common.end());
-    switches.insert("json");
-    return CliArgs::Parse(static_cast<int>(rest.size()), rest.data(), 1, flags, switches);
-  };
-  auto need_positional = [&](const char* what) -> absl::Status {
-    if (positional.empty())
-      return absl::InvalidArgumentError(absl::StrCat("loom ", cmd, ": missing ", what));
-    return absl::OkStatus();
-  };
-  Cli cli;
-  if (cmd == "up") {
-    if (!positional.empty())
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", positional, "'"));
-    LOOM_ASSIGN_OR_RETURN(
-        CliArgs args,
-        CliArgs::Parse(static_cast<int>(rest.size()), rest.data(), 1,
-                       {"workers", "slots", "port", "data-dir", "labels", "prometheus-dir"}));
-    return Up(args);
+
+  CLI::App& app() { return app_; }
+
+  CLI::App* Command(const std::string& name, const std::string& help) {
+    return app_.add_subcommand(name, help);
   }
-  if (cmd == "submit") {
-    LOOM_RETURN_IF_ERROR(need_positional("job file"));
-    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"world-size", "priority", "pool", "max-restarts",
-                                               "init-from", "request-id", "name"},
-                                              {"follow"}));
-    LOOM_RETURN_IF_ERROR(cli.Init(args));
-    return cli.Submit(positional, args);
+  static void Flag(CLI::App* cmd, const std::string& name, const std::string& type,
+                   const std::string& help) {
+    cmd->add_option("--" + name, help)->type_name(type);
   }
-  if (cmd == "list") {
-    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"state", "limit"}, {}));
-    LOOM_RETURN_IF_ERROR(cli.Init(args));
-    return cli.List(args);
+  static void Switch(CLI::App* cmd, const std::string& names, const std::string& help) {
+    cmd->add_flag(names, help);
   }
-  if (cmd == "status" || cmd == "logs" || cmd == "cancel") {
-    LOOM_RETURN_IF_ERROR(need_positional("job id"));
-    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({}, {"follow"}));
-    LOOM_RETURN_IF_ERROR(cli.Init(args));
-    if (cmd == "status") return cli.Status(positional, args);
-    if (cmd == "logs") return cli.Logs(positional, args);
-    return cli.Cancel(positional);
-  }
-  if (cmd == "checkpoints") {
-    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"job"}, {}));
-    LOOM_RETURN_IF_ERROR(cli.Init(args));
-    return cli.Checkpoints(args);
-  }
-  if (cmd == "plot") {
-    LOOM_RETURN_IF_ERROR(need_positional("job id"));
-    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({"output"}, {}));
-    LOOM_RETURN_IF_ERROR(cli.Init(args));
-    return cli.Plot(positional, args);
-  }
-  if (cmd == "sweep") {
-    // loom sweep <what> [FILE | ID] [flags]
-    std::string what = positional, arg;
-    if (!rest.empty() && rest.size() > 1 && rest[1][0] != '-') {
-      arg = rest[1];
-      rest.erase(rest.begin() + 1);
+
+  // The flags given to `cmd` and to loom itself, as CliArgs.
+  CliArgs ArgsOf(const CLI::App* cmd) const {
+    std::map<std::string, std::string> values;
+    for (const CLI::App* a : {static_cast<const CLI::App*>(&app_), cmd}) {
+      for (const CLI::Option* o : a->get_options()) {
+        if (o->count() == 0 || o->get_lnames().empty()) continue;
+        const std::string& name = o->get_lnames()[0];
+        if (name == "help" || name == "version") continue;
+        values[name] =
+            o->get_expected_min() == 0 || o->results().empty() ? "true" : o->results().back();
+      }
     }
-    LOOM_ASSIGN_OR_RETURN(CliArgs args,
-                          parse({"request-id", "format", "plot", "metric", "select"}, {"follow"}));
-    LOOM_RETURN_IF_ERROR(cli.Init(args));
-    return RunSweepCommand(cli.client(), what, arg, args, cli.json());
+    return CliArgs::FromValues(std::move(values));
   }
-  if (cmd == "workers") {
-    LOOM_ASSIGN_OR_RETURN(CliArgs args, parse({}, {}));
+
+ private:
+  static std::string VersionText() {
+    const metrics::BuildInfo& b = metrics::GetBuildInfo();
+    return absl::StrCat("loom ", b.version, " (commit ", b.commit, ", LibTorch ", b.torch, ")");
+  }
+  CLI::App app_;
+};
+
+absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
+  CLI::App& app = line.app();
+  using C = CommandLine;
+  std::string file, job, sweep_arg;
+
+  CLI::App* up = line.Command("up", "run a local coordinator and workers on this box until Ctrl-C");
+  C::Flag(up, "workers", "N", "worker agents (default 1)");
+  C::Flag(up, "slots", "N", "trainer ranks per worker (default 2)");
+  C::Flag(up, "port", "PORT", "coordinator port on 127.0.0.1 (default 8470)");
+  C::Flag(up, "data-dir", "DIR", "state, checkpoints and logs (default runs/loom-up)");
+  C::Flag(up, "labels", "K=V,...", "worker labels k=v,...");
+  C::Flag(up, "prometheus-dir", "DIR", "file_sd targets (default DATA_DIR/prometheus-targets)");
+
+  CLI::App* submit = line.Command(
+      "submit",
+      "submit a job: a job spec (docs/jobs.md) or {\"spec\": ..., \"world_size\": ...}, "
+      "JSON or YAML");
+  submit->add_option("file", file, "the job file")->required();
+  C::Flag(submit, "world-size", "N", "ranks, one slot each (default 1)");
+  C::Flag(submit, "priority", "P", "-1000..1000, higher first (default 0)");
+  C::Flag(submit, "pool", "K=V,...", "labels a worker must carry, k=v,...");
+  C::Flag(submit, "max-restarts", "N", "retries after the job's own failures (default 3)");
+  C::Flag(submit, "init-from", "CHECKPOINT", "start from the weights of this catalogue checkpoint");
+  C::Flag(submit, "request-id", "KEY", "idempotency key: a retry returns the same job");
+  C::Flag(submit, "name", "NAME", "the job's name");
+  C::Switch(submit, "-f,--follow", "wait, showing progress; the exit code says how it ended");
+
+  CLI::App* list = line.Command("list", "jobs, newest last");
+  C::Flag(list, "state", "STATE", "only jobs in this state (queued, running, succeeded, ...)");
+  C::Flag(list, "limit", "N", "the newest N jobs (default 50; 0: all)");
+
+  CLI::App* status =
+      line.Command("status", "a job's state, progress, events, checkpoints and evaluations");
+  CLI::App* logs = line.Command("logs", "a job's logs");
+  CLI::App* cancel = line.Command("cancel", "cancel a job");
+  CLI::App* plot = line.Command("plot", "a job's loss and tokens/s curves as a PNG (gnuplot)");
+  for (CLI::App* c : {status, logs, cancel, plot}) c->add_option("job", job, "job id")->required();
+  C::Switch(status, "-f,--follow", "until the job ends");
+  C::Switch(logs, "-f,--follow", "stream until the job ends");
+  C::Flag(plot, "file", "PNG", "the PNG to write (default JOB.png)");
+
+  CLI::App* checkpoints = line.Command("checkpoints", "the checkpoint catalogue with lineage");
+  C::Flag(checkpoints, "job", "JOB", "only this job's checkpoints");
+  CLI::App* workers = line.Command("workers", "registered workers and their slots");
+
+  CLI::App* sweep = line.Command("sweep",
+                                 "sweeps: cells x seeds as jobs, reports with intervals "
+                                 "(docs/sweeps.md)");
+  sweep->require_subcommand(1);
+  sweep->fallthrough();
+  CLI::App* s_submit = sweep->add_subcommand("submit", "submit a sweep file");
+  s_submit->add_option("file", sweep_arg, "the sweep file (YAML or JSON)")->required();
+  C::Flag(s_submit, "request-id", "KEY", "idempotency key");
+  C::Switch(s_submit, "-f,--follow", "wait, then print the report");
+  sweep->add_subcommand("list", "sweeps");
+  CLI::App* s_status = sweep->add_subcommand("status", "a sweep's jobs and their states");
+  CLI::App* s_cancel = sweep->add_subcommand("cancel", "cancel a sweep and its jobs");
+  CLI::App* s_report = sweep->add_subcommand(
+      "report", "per cell mean, sd and 95% interval; paired differences against the baseline");
+  for (CLI::App* c : {s_status, s_cancel, s_report})
+    c->add_option("sweep", sweep_arg, "sweep id")->required();
+  C::Flag(s_report, "format", "FORMAT", "table | json | csv (default: table, or -o)");
+  C::Flag(s_report, "plot", "PNG", "also write metric vs step per cell (PNG)");
+  C::Flag(s_report, "metric", "METRIC",
+          "eval_loss | accuracy | exact_match (default: the sweep's)");
+  C::Flag(s_report, "select", "SELECTION", "final | best | test (default: the sweep's)");
+  C::Switch(s_report, "-f,--follow", "");  // accepted for symmetry with submit; no effect
+
+  if (argc > 1 && argv[1][0] != '-') {
+    bool known = false;
+    for (const CLI::App* c : app.get_subcommands({})) known |= c->get_name() == argv[1];
+    if (!known) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown command '", argv[1], "' (loom --help lists them)"));
+    }
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    std::exit(app.exit(e));
+  } catch (const CLI::CallForAllHelp& e) {
+    std::exit(app.exit(e));
+  } catch (const CLI::CallForVersion& e) {
+    std::exit(app.exit(e));
+  } catch (const CLI::ParseError& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(e.what(), " (loom --help, or loom <command> --help)"));
+  }
+
+  Cli cli;
+  if (up->parsed()) return Up(line.ArgsOf(up));
+  for (CLI::App* c : {submit, list, status, logs, cancel, plot, checkpoints, workers}) {
+    if (!c->parsed()) continue;
+    const CliArgs args = line.ArgsOf(c);
     LOOM_RETURN_IF_ERROR(cli.Init(args));
+    if (c == submit) return cli.Submit(file, args);
+    if (c == list) return cli.List(args);
+    if (c == status) return cli.Status(job, args);
+    if (c == logs) return cli.Logs(job, args);
+    if (c == cancel) return cli.Cancel(job);
+    if (c == plot) return cli.Plot(job, args);
+    if (c == checkpoints) return cli.Checkpoints(args);
     return cli.Workers();
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown command '", cmd, "' (loom help)"));
+  for (CLI::App* c : sweep->get_subcommands()) {
+    const CliArgs args = line.ArgsOf(c);
+    LOOM_RETURN_IF_ERROR(cli.Init(args));
+    return RunSweepCommand(cli.client(), c->get_name(), sweep_arg, args, cli.output());
+  }
+  return absl::InvalidArgumentError("missing command (loom --help)");
 }
 
 }  // namespace
 }  // namespace loom::cli
 
 int main(int argc, char** argv) {
-  absl::Status s = loom::cli::Run(argc, argv);
-  if (!s.ok()) {
-    std::cerr << "loom: " << s.message() << "\n";
-    return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-  }
-  return 0;
+  loom::cli::CommandLine line;
+  const absl::Status s = loom::cli::Dispatch(line, argc, argv);
+  if (!s.ok()) std::cerr << "loom: " << s.message() << "\n";
+  return loom::cli::ExitCodeOf(s);
 }

@@ -148,7 +148,7 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
 }
 
 absl::Status Report(client::RestClient& client, const std::string& id, const CliArgs& args,
-                    bool json) {
+                    Output output) {
   v1::SweepReport r;
   std::string query;
   for (const char* name : {"metric", "select"}) {
@@ -164,15 +164,17 @@ absl::Status Report(client::RestClient& client, const std::string& id, const Cli
   }
   LOOM_RETURN_IF_ERROR(
       client.Call("GET", absl::StrCat("/v1/sweeps/", id, "/report", query), nullptr, &r));
-  const std::string format = args.Get("format", json ? "json" : "table");
-  if (format == "json") {
-    std::cout << client::MessageToJson(r, true) << "\n";
+  const std::string format = args.Get("format", output == Output::kJson   ? "json"
+                                                : output == Output::kYaml ? "yaml"
+                                                                          : "table");
+  if (format == "json" || format == "yaml") {
+    std::cout << FormatMessage(r, format == "json" ? Output::kJson : Output::kYaml) << "\n";
   } else if (format == "csv") {
     PrintReportCsv(r);
   } else if (format == "table") {
     PrintReportTable(r);
   } else {
-    return absl::InvalidArgumentError("--format: table | json | csv");
+    return absl::InvalidArgumentError("--format: table | json | yaml | csv");
   }
   if (args.Has("plot")) {
     v1::Sweep sweep;
@@ -185,7 +187,8 @@ absl::Status Report(client::RestClient& client, const std::string& id, const Cli
 }  // namespace
 
 absl::Status RunSweepCommand(client::RestClient& client, const std::string& what,
-                             const std::string& arg, const CliArgs& args, bool json) {
+                             const std::string& arg, const CliArgs& args, Output output) {
+  const bool json = output != Output::kTable;  // machine-readable: no progress lines
   if (what != "list" && arg.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("loom sweep ", what, ": missing ",
                                                    what == "submit" ? "sweep file" : "sweep id"));
@@ -196,7 +199,7 @@ absl::Status RunSweepCommand(client::RestClient& client, const std::string& what
     v1::CreateSweepResponse r;
     LOOM_RETURN_IF_ERROR(client.Call("POST", "/v1/sweeps", &spec, &r));
     if (json) {
-      std::cout << client::MessageToJson(r) << "\n";
+      std::cout << FormatMessage(r, output) << "\n";
     } else {
       std::cout << (r.created() ? "submitted " : "already submitted: ") << r.id() << " ("
                 << r.jobs() << " jobs)" << std::endl;
@@ -210,13 +213,13 @@ absl::Status RunSweepCommand(client::RestClient& client, const std::string& what
       if (s.state() != "running") break;
       std::this_thread::sleep_for(std::chrono::seconds(2));
     }
-    return Report(client, r.id(), args, json);
+    return Report(client, r.id(), args, output);
   }
   if (what == "list") {
     v1::ListSweepsResponse r;
     LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps", nullptr, &r));
     if (json) {
-      std::cout << client::MessageToJson(r) << "\n";
+      std::cout << FormatMessage(r, output) << "\n";
       return absl::OkStatus();
     }
     std::cout << absl::StrFormat("%-14s %-24s %-10s %5s  %s\n", "ID", "NAME", "STATE", "CELLS",
@@ -233,7 +236,7 @@ absl::Status RunSweepCommand(client::RestClient& client, const std::string& what
                              ? client.Call("POST", "/v1/sweeps/" + arg + "/cancel", nullptr, &s)
                              : client.Call("GET", "/v1/sweeps/" + arg, nullptr, &s));
     if (json) {
-      std::cout << client::MessageToJson(s) << "\n";
+      std::cout << FormatMessage(s, output) << "\n";
       return absl::OkStatus();
     }
     std::cout << s.id() << "  " << s.name() << "  " << s.state() << "  (" << Counts(s) << ")\n";
@@ -243,7 +246,7 @@ absl::Status RunSweepCommand(client::RestClient& client, const std::string& what
     }
     return absl::OkStatus();
   }
-  if (what == "report") return Report(client, arg, args, json);
+  if (what == "report") return Report(client, arg, args, output);
   return absl::InvalidArgumentError(absl::StrCat("unknown sweep command '", what,
                                                  "' (submit | list | status | cancel | report)"));
 }

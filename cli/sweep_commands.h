@@ -6,13 +6,14 @@
 
 #include "absl/status/status.h"
 #include "loom/cli_args.h"
+#include "output.h"
 #include "rest_client.h"
 
 namespace loom::cli {
 
 // `what`: submit | list | status | cancel | report; `arg`: the file (submit) or the sweep id.
 absl::Status RunSweepCommand(client::RestClient& client, const std::string& what,
-                             const std::string& arg, const CliArgs& args, bool json);
+                             const std::string& arg, const CliArgs& args, Output output);
 
 }  // namespace loom::cli
 

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "loom/spec.h"
@@ -29,7 +30,15 @@ std::string ErrorMessage(const std::string& body) {
   return body.substr(0, 500);
 }
 
+absl::Status StatusFromHttpCode(int status, const std::string& body);
+
 absl::Status StatusFromHttp(int status, const std::string& body) {
+  absl::Status s = StatusFromHttpCode(status, body);
+  if (!s.ok()) s.SetPayload(kHttpStatusPayload, absl::Cord(std::to_string(status)));
+  return s;
+}
+
+absl::Status StatusFromHttpCode(int status, const std::string& body) {
   if (status >= 200 && status < 300) return absl::OkStatus();
   const std::string msg = absl::StrCat("HTTP ", status, ": ", ErrorMessage(body));
   switch (status) {

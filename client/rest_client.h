@@ -51,6 +51,10 @@ class RestClient {
   std::unique_ptr<httplib::Client> http_;
 };
 
+// Errors from the coordinator carry its HTTP status under this payload type URL ("404"), so
+// callers can tell "the server refused" from "the input was bad" (the CLI's exit codes).
+inline constexpr char kHttpStatusPayload[] = "type.loom.dev/http-status";
+
 std::string MessageToJson(const google::protobuf::Message& m, bool pretty = false);
 // The "error" field of an error body, or the body itself.
 std::string ErrorMessage(const std::string& body);

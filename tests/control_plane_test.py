@@ -12,12 +12,15 @@ document validated by swagger-cli and matching the served routes. Every process 
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loom_testlib import Service, control_plane_arg_parser, stop_all  # noqa: E402
@@ -120,6 +123,12 @@ def test_submit_run_succeed(c):
     assert any(j["id"] == job_id for j in listed["jobs"])
     assert f"{job_id}/40" in c.cli("checkpoints").stdout
     assert "alive" in c.cli("workers").stdout
+    # -o json and -o yaml print every field, defaults included (priority 0, restarts 0).
+    as_json = json.loads(c.cli("status", job_id, "-o", "json").stdout)
+    assert as_json["priority"] == 0 and as_json["restarts"] == 0 and as_json["id"] == job_id, as_json
+    as_yaml = yaml.safe_load(c.cli("-o", "yaml", "status", job_id).stdout)
+    assert as_yaml == as_json, (as_yaml, as_json)
+    test_cli_exit_codes(c)
     # A second job fine-tunes from the first one's checkpoint: lineage in the catalogue.
     body = micro(10)
     body["init_from"] = f"{job_id}/40"
@@ -130,6 +139,29 @@ def test_submit_run_succeed(c):
     status, _, log = api.request("GET", f"/v1/jobs/{child}/logs")
     assert "init-from" in log or "initialised from" in log or "init from" in log, log[-3000:]
     print(f"ok: submit -> run -> succeed ({job_id}), fine-tune lineage ({child})")
+
+
+def test_cli_exit_codes(c):
+    """The documented exit codes (loom --help): not found 3, refused 4, job failed 5."""
+    r = c.cli("status", "job-999999", check=False)
+    assert r.returncode == 3 and "not found" in r.stderr, (r.returncode, r.stderr)
+    bad = os.path.join(c.tmp, "bad-job.json")
+    with open(bad, "w") as f:
+        json.dump({"preset": "micro", "steps": -1}, f)
+    r = c.cli("submit", bad, check=False)
+    assert r.returncode == 4 and "steps" in r.stderr, (r.returncode, r.stderr)
+    good = os.path.join(c.tmp, "long-job.json")
+    with open(good, "w") as f:
+        json.dump(micro(100000, world=1), f)
+    env = {**c.env, "LOOM_COORDINATOR": f"http://127.0.0.1:{c.port}", "LOOM_TOKEN": USER_TOKEN}
+    follow = subprocess.Popen([c.args.loom, "submit", good, "--follow"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = follow.stdout.readline()
+    job_id = re.match(r"submitted (job-\d+)", first).group(1)
+    c.api.ok("POST", f"/v1/jobs/{job_id}/cancel")
+    _, err = follow.communicate(timeout=60)
+    assert follow.returncode == 5 and "cancelled" in err, (follow.returncode, err)
+    print("ok: CLI exit codes: not found 3, refused 4, job cancelled under --follow 5")
 
 
 def test_eval_job_results_stored_with_the_job(c):

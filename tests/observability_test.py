@@ -59,6 +59,12 @@ def check_static(src, tmp, bin_dir):
     r = subprocess.run(["systemd-analyze", "verify", *sorted(glob.glob(os.path.join(units, "*.service")))],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "loom" not in r.stderr, r.stdout + r.stderr
+    # Hardening: systemd's own exposure score of each shipped unit, at most 4.0 ("OK").
+    for path in sorted(glob.glob(os.path.join(src, "deploy", "systemd", "*.service"))):
+        r = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", path],
+                           capture_output=True, text=True, timeout=120, cwd=tmp)
+        m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout + r.stderr)
+        assert m and float(m.group(1)) <= 4.0, f"{path}: {m and m.group(0)}\n{r.stdout[-3000:]}"
     # Kubernetes: every document parses and has what the cluster needs.
     with open(os.path.join(src, "deploy", "kubernetes", "loom.yaml")) as f:
         docs = [d for d in yaml.safe_load_all(f) if d]
@@ -279,7 +285,7 @@ def check_live(args, tmp):
     wait_for("the job to finish", lambda: json.loads(run([args.loom, "status", job_id, "--json"], env=env).stdout)
              ["state"] == "succeeded", 180)
     png = os.path.join(tmp, "plot.png")
-    r = run([args.loom, "plot", job_id, "--output", png], env=env)
+    r = run([args.loom, "plot", job_id, "--file", png], env=env)
     points = int(re.search(r"\((\d+) points\)", r.stdout).group(1))
     assert points >= 50, r.stdout  # 600 steps logged every 10
     with open(png, "rb") as f:

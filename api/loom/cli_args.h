@@ -19,6 +19,13 @@ class CliArgs {
                                        const std::set<std::string>& flags,
                                        const std::set<std::string>& switches = {});
 
+  // Flags parsed elsewhere (the loom CLI parses with CLI11): name -> value, "true" for switches.
+  static CliArgs FromValues(std::map<std::string, std::string> values) {
+    CliArgs args;
+    args.values_ = std::move(values);
+    return args;
+  }
+
   bool Has(const std::string& name) const { return values_.count(name) > 0; }
   std::string Get(const std::string& name, const std::string& fallback = "") const;
   absl::StatusOr<std::string> Require(const std::string& name) const;
