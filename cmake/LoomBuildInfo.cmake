@@ -4,7 +4,9 @@
 #   cmake -DSOURCE_DIR=... -DOUTPUT=... -DVERSION=... -DTORCH=... -P LoomBuildInfo.cmake
 set(commit "unknown")
 find_program(GIT git)
-if(GIT AND EXISTS "${SOURCE_DIR}/.git")
+if(DEFINED ENV{LOOM_COMMIT} AND NOT "$ENV{LOOM_COMMIT}" STREQUAL "")
+  set(commit "$ENV{LOOM_COMMIT}")  # a build without the .git directory (the Dockerfile)
+elseif(GIT AND EXISTS "${SOURCE_DIR}/.git")
   execute_process(COMMAND "${GIT}" -C "${SOURCE_DIR}" rev-parse --short=12 HEAD
                   OUTPUT_VARIABLE commit OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
   execute_process(COMMAND "${GIT}" -C "${SOURCE_DIR}" status --porcelain --untracked-files=no

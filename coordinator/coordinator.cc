@@ -1240,11 +1240,11 @@ void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r
   // Every failed rank, the likely cause first: a rank killed by a signal makes its peers exit
   // with a communication error right after.
   std::vector<std::string> killed, exited;
-  bool bad_input = false, lease = false;
+  bool bad_input = false, infra = false;
   for (const auto& rank : r.ranks()) {
     if (rank.running() || rank.exit_code() == 0) continue;
     bad_input |= rank.exit_code() == kExitBadInput;
-    lease |= rank.exit_code() == kExitLeaseExpired;
+    infra |= rank.exit_code() == kExitLeaseExpired || rank.exit_code() == kExitStopped;
     (rank.exit_code() > 128 ? killed : exited)
         .push_back(
             absl::StrCat("rank ", rank.rank(), " on ", wid, ": ", rank.detail().substr(0, 200)));
@@ -1254,7 +1254,7 @@ void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r
     const std::string failure = absl::StrJoin(killed, "; ");
     FailAttempt(txn, job, failure,
                 bad_input ? Failure::kBadInput
-                : lease   ? Failure::kInfra
+                : infra   ? Failure::kInfra
                           : Failure::kJob);
     return;
   }

@@ -440,7 +440,7 @@ TEST_F(CoordinatorTest, ForgedReportsAreRefusedAndChangeNothing) {
   EXPECT_EQ(cat->checkpoints_size(), 0);
 }
 
-TEST_F(CoordinatorTest, BadInputFailsAtOnceAndLeaseExpiryIsInfrastructure) {
+TEST_F(CoordinatorTest, BadInputFailsAtOnceLeaseExpiryAndStopsAreInfrastructure) {
   const std::string w = RegisterWorker("a", 2);
   const std::string id = Submit(MicroJob(1));
   c_->Tick();
@@ -451,13 +451,21 @@ TEST_F(CoordinatorTest, BadInputFailsAtOnceAndLeaseExpiryIsInfrastructure) {
   EXPECT_EQ(job.infra_restarts(), 1);
   c_->Tick();
   ASSERT_EQ(Job(id).state(), "scheduled");
-  Beat(w, id, 2, {{0, kExitBadInput}});
+  // Stopped by SIGTERM after a checkpoint (preemption): infrastructure too.
+  Beat(w, id, 2, {{0, kExitStopped}});
+  job = Job(id);
+  EXPECT_EQ(job.state(), "queued");
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_EQ(job.infra_restarts(), 2);
+  c_->Tick();
+  ASSERT_EQ(Job(id).state(), "scheduled");
+  Beat(w, id, 3, {{0, kExitBadInput}});
   job = Job(id);
   EXPECT_EQ(job.state(), "failed");
   EXPECT_NE(job.reason().find("bad input"), std::string::npos) << job.reason();
   EXPECT_EQ(job.restarts(), 0);
-  ASSERT_EQ(job.history_size(), 2);
-  EXPECT_FALSE(job.history(1).end_reason().empty());
+  ASSERT_EQ(job.history_size(), 3);
+  EXPECT_FALSE(job.history(2).end_reason().empty());
 }
 
 TEST_F(CoordinatorTest, RetentionKeepsWhatQueuedJobsStartFrom) {

@@ -86,11 +86,53 @@ def check_static(src, tmp, bin_dir):
         if d["kind"] in ("StatefulSet", "DaemonSet"):
             sel = d["spec"]["selector"]["matchLabels"]
             assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items(), d["metadata"]["name"]
+    check_workloads(src, [d for d in docs if d["kind"] in ("StatefulSet", "DaemonSet")])
     # Slurm.
     script = os.path.join(src, "deploy", "slurm", "loom-workers.sbatch")
     run(["bash", "-n", script])
     run(["shellcheck", script])
+    with open(script) as f:
+        text = f.read()
+    lead = int(re.search(r"^#SBATCH --signal=B:TERM@(\d+)$", text, re.M).group(1))
+    grace_ms = int(re.search(r"--term-grace-ms (\d+)", text).group(1))
+    assert grace_ms < lead * 1000, "ranks must be able to checkpoint before the walltime"
     print("ok: promtool config/rules/tests, systemd-analyze verify, Kubernetes fields, Slurm bash -n + shellcheck")
+
+
+def check_workloads(src, workloads):
+    """Every pod runs the Dockerfile's image as its non-root user, read-only, without
+    capabilities, with startup/readiness/liveness probes on a declared port and resource
+    requests (never BestEffort); GPU workers tolerate the GPU taint and give the agent's rank
+    shutdown (--term-grace-ms) time to finish within the pod's grace period."""
+    with open(os.path.join(src, "Dockerfile")) as f:
+        dockerfile = f.read()
+    assert re.search(r"^FROM debian:12 AS build$", dockerfile, re.M), "the build stage is Debian 12"
+    assert "scripts/install-deps" in dockerfile and "scripts/runtime-packages" in dockerfile
+    user = re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.M)
+    assert user and user[-1][0] != "0", f"the image must run as a non-root uid: {user}"
+    tag = re.search(r"docker build -t (\S+)", dockerfile).group(1)
+    for w in workloads:
+        name, pod = w["metadata"]["name"], w["spec"]["template"]["spec"]
+        psc = pod["securityContext"]
+        assert psc["runAsNonRoot"] and str(psc["runAsUser"]) == user[-1][0], (name, psc)
+        assert psc["seccompProfile"]["type"] == "RuntimeDefault", (name, psc)
+        for c in pod["containers"]:
+            assert c["image"] == tag, f"{name}: image {c['image']}, the Dockerfile builds {tag}"
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False, (name, sc)
+            assert sc["capabilities"]["drop"] == ["ALL"], (name, sc)
+            ports = {p["containerPort"] for p in c["ports"]}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[probe]["httpGet"]["path"] == "/healthz" and c[probe]["httpGet"]["port"] in ports, \
+                    (name, probe, c.get(probe))
+            req = c["resources"]["requests"]
+            assert req.get("cpu") and req.get("memory") and c["resources"]["limits"].get("memory"), (name, req)
+            mounts = {m["mountPath"] for m in c["volumeMounts"]}
+            assert "/tmp" in mounts, f"{name}: a writable /tmp on a read-only root filesystem"
+        if w["kind"] == "DaemonSet":
+            assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"]), (name, pod.get("tolerations"))
+            grace_ms = int(re.search(r"--term-grace-ms (\d+)", " ".join(pod["containers"][0]["args"])).group(1))
+            assert grace_ms < pod["terminationGracePeriodSeconds"] * 1000, (grace_ms, pod["terminationGracePeriodSeconds"])
 
 
 def used_metric_names(src):

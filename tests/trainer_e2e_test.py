@@ -60,6 +60,32 @@ def test_exact_resume(loom, tmp):
     print("exact resume: 40 losses and", len(a), "tensors bitwise equal")
 
 
+def test_sigterm_checkpoints_and_resumes_exactly(loom, tmp):
+    """SIGTERM (preemption, walltime): the step in flight finishes, a checkpoint is written at
+    that step (not a multiple of the interval), the exit code is 76, and resuming from it gives
+    the same losses as an uninterrupted run."""
+    path = spec(tmp, "term", steps=100000, checkpoint={"dir": os.path.join(tmp, "term"), "interval": 100000})
+    proc = subprocess.Popen([loom, "train", "--spec", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    PROCS.append(proc)
+    jsonl = os.path.join(tmp, "term.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and len(step_losses(jsonl) if os.path.exists(jsonl) else {}) < 25:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 76, (proc.returncode, err[-2000:])
+    stopped = int(re.search(r"stopped at step (\d+) on request \(SIGTERM\)", err).group(1))
+    assert stopped >= 25 and os.path.isdir(os.path.join(tmp, "term", f"step-{stopped:08d}")), (stopped, os.listdir(os.path.join(tmp, "term")))
+    target = stopped + 5
+    run(loom, ["--spec", spec(tmp, "term-ref", steps=100000), "--stop-after", str(target)])
+    p = run(loom, ["--spec", path, "--resume", os.path.join(tmp, "term"), "--stop-after", str(target)])
+    assert f"at step {stopped}" in p.stdout, p.stdout
+    ref, resumed = step_losses(os.path.join(tmp, "term-ref.jsonl")), step_losses(jsonl)
+    for step in range(1, target + 1):
+        assert ref[step] == resumed[step], f"step {step}: {ref[step]} != {resumed[step]}"
+    print(f"SIGTERM: stopped at step {stopped} with a checkpoint (exit 76); resume matches bitwise to step {target}")
+
+
 def test_kill_during_checkpoint(loom, tmp):
     path = spec(tmp, "crash")
     env = {**os.environ, "LOOM_TEST_CHECKPOINT_PAUSE": "20:60000"}
@@ -189,6 +215,7 @@ def main():
     try:
         test_exact_resume(args.loom_train, tmp)
         test_kill_during_checkpoint(args.loom_train, tmp)
+        test_sigterm_checkpoints_and_resumes_exactly(args.loom_train, tmp)
         test_flipped_byte(args.loom_train, tmp)
         test_init_from_and_bad_inputs(args.loom_train, tmp)
         test_train_on_packed_shards(args.loom_train, args.loom_data, tmp)

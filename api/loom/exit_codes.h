@@ -9,6 +9,9 @@ namespace loom {
 inline constexpr int kExitBadInput = 2;
 // The rank's lease ran out (its agent lost the coordinator): an infrastructure failure.
 inline constexpr int kExitLeaseExpired = 75;
+// The rank was asked to stop (SIGTERM: preemption, walltime, a drained node) and stopped after
+// writing a checkpoint: an infrastructure event, the job resumes from that checkpoint.
+inline constexpr int kExitStopped = 76;
 
 }  // namespace loom
 

@@ -4,6 +4,7 @@
 //   plugins    list the plugins found on the search path, and those that failed to load
 //   devices    report CPU threads and CUDA devices
 #include <google/protobuf/util/json_util.h>
+#include <signal.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -413,6 +414,11 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string command = argv[1];
+  // SIGTERM (preemption, walltime, the agent stopping): finish the step, checkpoint, exit 76.
+  struct sigaction on_term {};
+  on_term.sa_handler = [](int) { RequestStop(); };
+  sigemptyset(&on_term.sa_mask);
+  sigaction(SIGTERM, &on_term, nullptr);
   absl::Status status;
   try {
     if (command == "train") {
@@ -434,6 +440,7 @@ int main(int argc, char** argv) {
   }
   if (!status.ok()) {
     std::cerr << "loom-train " << command << ": " << status.message() << "\n";
+    if (absl::IsCancelled(status)) return loom::kExitStopped;  // stopped by SIGTERM, checkpointed
     return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ? loom::kExitBadInput : 1;
   }
   return 0;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -959,6 +960,20 @@ absl::Status Trainer::ReasoningEvaluate(TrainSummary* summary) {
   return absl::OkStatus();
 }
 
+namespace {
+std::atomic<bool> g_stop_requested{false};
+}  // namespace
+
+void RequestStop(bool stop) { g_stop_requested.store(stop, std::memory_order_relaxed); }
+
+absl::StatusOr<bool> Trainer::StopRequested() {
+  const bool local = g_stop_requested.load(std::memory_order_relaxed);
+  if (comm_->world_size() == 1) return local;
+  // One scalar per step: a signal may reach some ranks and not others (other nodes).
+  LOOM_ASSIGN_OR_RETURN(const double any, comm_->AllReduceMean(local ? 1.0 : 0.0));
+  return any > 0;
+}
+
 absl::StatusOr<TrainSummary> Trainer::Run() {
   TrainSummary summary;
   if (spec_.kind() == "eval") {  // no training: score the init-from weights
@@ -1179,6 +1194,14 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
         LOOM_RETURN_IF_ERROR(save());
       }
       if (stop_early) break;
+      LOOM_ASSIGN_OR_RETURN(const bool stop, StopRequested());
+      if (stop) {
+        if (checkpoints && last_saved != step_) LOOM_RETURN_IF_ERROR(save());
+        return absl::CancelledError(absl::StrCat(
+            "stopped at step ", step_, " on request (SIGTERM)",
+            checkpoints ? absl::StrCat("; checkpoint ", summary.last_checkpoint, " written")
+                        : std::string("; no checkpoint directory, nothing saved")));
+      }
     }
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("step ", step_ + 1, ": ", e.what()));

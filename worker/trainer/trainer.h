@@ -175,12 +175,19 @@ struct TrainSummary {
   double best_validation_loss = -1, test_loss = -1, test_accuracy = -1, test_exact_match = -1;
 };
 
+// Asks every Trainer in this process to stop: after the current step all ranks agree on it, write
+// a checkpoint and Run() returns a Cancelled status (loom-train exits with kExitStopped).
+// Async-signal-safe: loom-train calls it from its SIGTERM handler.
+void RequestStop(bool stop = true);
+
 class Trainer {
  public:
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(const v1::JobSpec& resolved,
                                                          const PluginLoader& loader,
                                                          TrainerOptions options);
   ~Trainer();
+  // Whether any rank was asked to stop (a collective when world_size > 1).
+  absl::StatusOr<bool> StopRequested();
 
   absl::StatusOr<TrainSummary> Run();
 
