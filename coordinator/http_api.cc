@@ -388,12 +388,12 @@ void InstallCommon(HttpServer& server, Coordinator& coordinator, const ApiOption
   server.SetFilter([options](const HttpRequest& req, HttpResponse& res) {
     return HostAndOriginFilter(req, res, options);
   });
-  server.Route("GET", "/healthz", [](const HttpRequest&, HttpResponse& res) {
+  server.Route("GET", "/healthz", "none", [](const HttpRequest&, HttpResponse& res) {
     res.content_type = "text/plain";
     res.body = "ok\n";
   });
-  server.SetLogger([c](const HttpRequest& req, const HttpResponse& res, double seconds) {
-    const std::string route = RouteLabel(req.method, req.path);
+  server.SetLogger([c, &server](const HttpRequest& req, const HttpResponse& res, double seconds) {
+    const std::string route = server.RouteTemplate(req.method, req.path);
     c->registry().Increment("loom_coordinator_http_requests_total", 1,
                             {{"route", route}, {"code", std::to_string(res.status)}});
     if (route != "/v1/jobs/{id}/logs") {
@@ -435,43 +435,6 @@ absl::Status CheckJsonDepth(absl::string_view json, int max_depth) {
 
 absl::Status CheckMessageLimits(const Message& message) { return CheckLimitsAt(message, "", 0); }
 
-std::string RouteLabel(const std::string& method, const std::string& path) {
-  static const std::vector<std::pair<const Route*, std::regex>> patterns = [] {
-    std::vector<std::pair<const Route*, std::regex>> out;
-    for (const Route& r : Routes()) {
-      std::string re = std::regex_replace(std::string(r.path), std::regex(R"(\{id\})"), "[^/]+");
-      out.emplace_back(&r, std::regex(re));
-    }
-    return out;
-  }();
-  for (const auto& [route, re] : patterns) {
-    if (method == route->method && std::regex_match(path, re)) return route->path;
-  }
-  return "other";
-}
-
-const std::vector<Route>& Routes() {
-  static const std::vector<Route> routes = {
-      {"GET", "/healthz", "none"},
-      {"GET", "/metrics", "none"},
-      {"POST", "/v1/jobs", "user"},
-      {"GET", "/v1/jobs", "user"},
-      {"GET", "/v1/jobs/{id}", "user"},
-      {"POST", "/v1/jobs/{id}/cancel", "user"},
-      {"GET", "/v1/jobs/{id}/logs", "user"},
-      {"GET", "/v1/checkpoints", "user"},
-      {"GET", "/v1/workers", "user"},
-      {"POST", "/v1/sweeps", "user"},
-      {"GET", "/v1/sweeps", "user"},
-      {"GET", "/v1/sweeps/{id}", "user"},
-      {"POST", "/v1/sweeps/{id}/cancel", "user"},
-      {"GET", "/v1/sweeps/{id}/report", "user"},
-      {"POST", "/v1/agent/register", "enrolment"},
-      {"POST", "/v1/agent/heartbeat", "worker"},
-  };
-  return routes;
-}
-
 absl::StatusOr<std::map<std::string, std::string>> ReadUserTokens(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("--user-tokens: cannot open '", path, "'"));
@@ -507,12 +470,12 @@ absl::StatusOr<std::string> ReadWorkerToken(const std::string& path) {
 void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
   Coordinator* c = &coordinator;
   InstallCommon(server, coordinator, options);
-  server.Route("GET", "/metrics", [c](const HttpRequest&, HttpResponse& res) {
+  server.Route("GET", "/metrics", "none", [c](const HttpRequest&, HttpResponse& res) {
     res.content_type = "text/plain; version=0.0.4";
     res.body = c->RenderMetrics();
   });
   using Req = const HttpRequest&;
-  server.Route("POST", "/v1/jobs",
+  server.Route("POST", "/v1/jobs", "user",
                UserRoute(c, options,
                          [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
                            v1::SubmitJobRequest request;
@@ -522,7 +485,7 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
                            SendMessage(res, *r, r->created() ? 201 : 200);
                          }));
   server.Route(
-      "GET", "/v1/jobs",
+      "GET", "/v1/jobs", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
         if (!CheckParams(req, res, {"state", "page_size", "page_token"})) return;
         int64_t page_size;
@@ -533,14 +496,14 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
         SendMessage(res, *r);
       }));
   server.Route(
-      "GET", R"(/v1/jobs/([^/]+))",
+      "GET", "/v1/jobs/{id}", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
         if (!CheckParams(req, res, {})) return;
         auto r = c->GetJob(req.matches[0]);
         if (!r.ok()) return SendStatus(res, r.status());
         SendMessage(res, *r);
       }));
-  server.Route("POST", R"(/v1/jobs/([^/]+)/cancel)",
+  server.Route("POST", "/v1/jobs/{id}/cancel", "user",
                UserRoute(c, options,
                          [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
                            if (!CheckParams(req, res, {})) return;
@@ -551,13 +514,13 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   auto limits =
       std::make_shared<FollowerLimits>(options.max_followers_per_user, options.max_followers);
   server.Route(
-      "GET", R"(/v1/jobs/([^/]+)/logs)",
+      "GET", "/v1/jobs/{id}/logs", "user",
       UserRoute(c, options,
                 [limits](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
                   ServeLogs(c, limits.get(), user, req, res);
                 }));
   server.Route(
-      "GET", "/v1/checkpoints",
+      "GET", "/v1/checkpoints", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
         if (!CheckParams(req, res, {"job"})) return;
         auto r = c->ListCheckpoints(req.Param("job"));
@@ -565,12 +528,12 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
         SendMessage(res, *r);
       }));
   server.Route(
-      "GET", "/v1/workers",
+      "GET", "/v1/workers", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
         if (!CheckParams(req, res, {})) return;
         SendMessage(res, c->ListWorkers());
       }));
-  server.Route("POST", "/v1/sweeps",
+  server.Route("POST", "/v1/sweeps", "user",
                UserRoute(c, options,
                          [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
                            v1::SweepSpec spec;
@@ -580,20 +543,20 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
                            SendMessage(res, *r, r->created() ? 201 : 200);
                          }));
   server.Route(
-      "GET", "/v1/sweeps",
+      "GET", "/v1/sweeps", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
         if (!CheckParams(req, res, {})) return;
         SendMessage(res, c->ListSweeps());
       }));
   server.Route(
-      "GET", R"(/v1/sweeps/([^/]+))",
+      "GET", "/v1/sweeps/{id}", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
         if (!CheckParams(req, res, {})) return;
         auto r = c->GetSweep(req.matches[0]);
         if (!r.ok()) return SendStatus(res, r.status());
         SendMessage(res, *r);
       }));
-  server.Route("POST", R"(/v1/sweeps/([^/]+)/cancel)",
+  server.Route("POST", "/v1/sweeps/{id}/cancel", "user",
                UserRoute(c, options,
                          [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
                            if (!CheckParams(req, res, {})) return;
@@ -602,7 +565,7 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
                            SendMessage(res, *r);
                          }));
   server.Route(
-      "GET", R"(/v1/sweeps/([^/]+)/report)",
+      "GET", "/v1/sweeps/{id}/report", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
         if (!CheckParams(req, res, {"metric", "select"})) return;
         auto r = c->ReportSweep(req.matches[0], req.Param("metric"), req.Param("select"));
@@ -610,7 +573,7 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
         SendMessage(res, *r);
       }));
   // Agent routes live on the agent listener only.
-  server.Route("POST", R"(/v1/agent/.*)", [](const HttpRequest& req, HttpResponse& res) {
+  server.RoutePattern("POST", R"(/v1/agent/.*)", [](const HttpRequest& req, HttpResponse& res) {
     SetJsonError(res, 404,
                  absl::StrCat("no route POST ", req.path.substr(0, 100),
                               " on the user listener: agents use the agent port (--agent-port)"));
@@ -620,7 +583,7 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
 void InstallAgentRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
   Coordinator* c = &coordinator;
   InstallCommon(server, coordinator, options);
-  server.Route("POST", "/v1/agent/register",
+  server.Route("POST", "/v1/agent/register", "enrolment",
                [c, options](const HttpRequest& req, HttpResponse& res) {
                  if (!AuthenticateEnrolment(req, res, options) || !CheckParams(req, res, {}))
                    return;
@@ -630,7 +593,7 @@ void InstallAgentRoutes(HttpServer& server, Coordinator& coordinator, const ApiO
                  if (!r.ok()) return SendStatus(res, r.status());
                  SendMessage(res, *r);
                });
-  server.Route("POST", "/v1/agent/heartbeat",
+  server.Route("POST", "/v1/agent/heartbeat", "worker",
                [c, options](const HttpRequest& req, HttpResponse& res) {
                  const std::string worker = AuthenticateWorker(req, res, options, *c);
                  if (worker.empty() || !CheckParams(req, res, {})) return;

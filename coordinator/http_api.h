@@ -3,7 +3,8 @@
 // heartbeats), each with its own threads so users cannot starve the agents' heartbeats. Also
 // the request checks every route shares: Host/Origin, JSON content type, nesting and string
 // limits, the JSON mapping of the control.proto messages. api/openapi.yaml documents exactly
-// the routes in Routes(); a test keeps the two in sync.
+// the routes the Install*Routes functions register (HttpServer::Routes(); coordinator_test
+// compares the two).
 #ifndef LOOM_COORDINATOR_HTTP_API_H_
 #define LOOM_COORDINATOR_HTTP_API_H_
 
@@ -20,15 +21,6 @@
 #include "http_server.h"
 
 namespace loom::coordinator {
-
-struct Route {
-  const char* method;  // GET | POST
-  const char* path;    // OpenAPI form: /v1/jobs/{id}
-  const char* auth;    // none | user | enrolment | worker
-};
-const std::vector<Route>& Routes();
-// The route template a request path matches ("other" if none): the metrics label.
-std::string RouteLabel(const std::string& method, const std::string& path);
 
 // Limits on what a JSON body may hold (checked before and after parsing).
 inline constexpr int kMaxJsonDepth = 32;         // nesting of the whole body

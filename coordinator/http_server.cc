@@ -558,8 +558,30 @@ class HttpServer::Connection : public StreamSink {
 
 HttpServer::~HttpServer() { Stop(); }
 
-void HttpServer::Route(const std::string& method, const std::string& pattern, HttpHandler handler) {
-  routes_.push_back({method, std::regex(pattern), std::move(handler)});
+void HttpServer::Route(const std::string& method, const std::string& path, const std::string& auth,
+                       HttpHandler handler) {
+  const std::string pattern = std::regex_replace(path, std::regex(R"(\{[a-z_]+\})"), "([^/]+)");
+  routes_.push_back({method, std::regex(pattern), std::move(handler), path, auth});
+}
+
+void HttpServer::RoutePattern(const std::string& method, const std::string& pattern,
+                              HttpHandler handler) {
+  routes_.push_back({method, std::regex(pattern), std::move(handler), "", ""});
+}
+
+std::vector<HttpServer::RouteInfo> HttpServer::Routes() const {
+  std::vector<RouteInfo> out;
+  for (const RouteEntry& r : routes_) {
+    if (!r.path.empty()) out.push_back({r.method, r.path, r.auth});
+  }
+  return out;
+}
+
+std::string HttpServer::RouteTemplate(const std::string& method, const std::string& path) const {
+  for (const RouteEntry& r : routes_) {
+    if (!r.path.empty() && r.method == method && std::regex_match(path, r.pattern)) return r.path;
+  }
+  return "other";
 }
 
 absl::StatusOr<int> HttpServer::Listen(const std::string& address, int port) {

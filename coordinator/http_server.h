@@ -109,8 +109,23 @@ class HttpServer {
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
 
-  // pattern: a regex matched against the whole decoded path; groups go to request.matches.
-  void Route(const std::string& method, const std::string& pattern, HttpHandler handler);
+  // A documented route: `path` in OpenAPI form ("/v1/jobs/{id}": each {name} matches one path
+  // segment, in order into request.matches) and who may call it (none | user | enrolment |
+  // worker, as the document's security says). Routes() lists these, so the OpenAPI document is
+  // checked against the router itself.
+  void Route(const std::string& method, const std::string& path, const std::string& auth,
+             HttpHandler handler);
+  // An undocumented route: `pattern` is a regex matched against the whole decoded path (groups
+  // go to request.matches), e.g. a refusal that points a client at the other listener.
+  void RoutePattern(const std::string& method, const std::string& pattern, HttpHandler handler);
+
+  struct RouteInfo {
+    std::string method, path, auth;
+  };
+  // The documented routes, in the order they were added.
+  std::vector<RouteInfo> Routes() const;
+  // The documented path template a request matches, or "other" (a bounded metrics label).
+  std::string RouteTemplate(const std::string& method, const std::string& path) const;
   // Runs before routing on every request; returns true when it answered (e.g. a 403).
   void SetFilter(std::function<bool(const HttpRequest&, HttpResponse&)> filter) {
     filter_ = std::move(filter);
@@ -132,6 +147,7 @@ class HttpServer {
     std::string method;
     std::regex pattern;
     HttpHandler handler;
+    std::string path, auth;  // empty for RoutePattern
   };
   class Connection;
 

@@ -57,12 +57,13 @@ class HttpServerTest : public ::testing::Test {
     o.head_timeout_ms = 500;
     o.body_timeout_ms = 500;
     server_ = std::make_unique<HttpServer>(o);
-    server_->Route("POST", "/echo",
+    server_->Route("POST", "/echo", "none",
                    [](const HttpRequest& req, HttpResponse& res) { res.body = req.body; });
-    server_->Route("GET", R"(/items/([a-z]+))", [](const HttpRequest& req, HttpResponse& res) {
-      res.body = absl::StrCat(req.matches[0], ":", req.Param("q"));
-    });
-    server_->Route("GET", "/stream", [](const HttpRequest&, HttpResponse& res) {
+    server_->RoutePattern("GET", R"(/items/([a-z]+))",
+                          [](const HttpRequest& req, HttpResponse& res) {
+                            res.body = absl::StrCat(req.matches[0], ":", req.Param("q"));
+                          });
+    server_->Route("GET", "/stream", "none", [](const HttpRequest&, HttpResponse& res) {
       res.stream = [](StreamSink& sink) {
         for (int i = 0; i < 3; ++i) sink.Write(absl::StrCat("part", i, "\n"));
       };
@@ -176,7 +177,8 @@ TEST(HttpServerIsolationTest, BusyServerDoesNotStarveAnother) {
   o.threads = 1;
   o.head_timeout_ms = 5000;
   HttpServer users(o), agents(o);
-  agents.Route("GET", "/healthz", [](const HttpRequest&, HttpResponse& res) { res.body = "ok"; });
+  agents.Route("GET", "/healthz", "none",
+               [](const HttpRequest&, HttpResponse& res) { res.body = "ok"; });
   auto up = users.Listen("127.0.0.1", 0);
   auto ap = agents.Listen("127.0.0.1", 0);
   ASSERT_TRUE(up.ok() && ap.ok());
