@@ -351,10 +351,13 @@ class Cli {
   }
 
   absl::Status Checkpoints(const CliArgs& args) {
-    v1::ListCheckpointsResponse r;
-    std::string path = "/v1/checkpoints";
-    if (args.Has("job")) path += "?job=" + args.Get("job");
-    LOOM_RETURN_IF_ERROR(client_->Call("GET", path, nullptr, &r));
+    std::string path = "/v1/checkpoints?page_size=500";
+    if (args.Has("job")) path += "&job=" + args.Get("job");
+    LOOM_ASSIGN_OR_RETURN(
+        v1::ListCheckpointsResponse r,
+        client::AllPages<v1::ListCheckpointsResponse>(*client_, path, [](auto& all, auto& page) {
+          all.mutable_checkpoints()->MergeFrom(page.checkpoints());
+        }));
     if (json_) {
       std::cout << FormatMessage(r, output_) << "\n";
       return absl::OkStatus();
@@ -416,8 +419,11 @@ class Cli {
   }
 
   absl::Status Workers() {
-    v1::ListWorkersResponse r;
-    LOOM_RETURN_IF_ERROR(client_->Call("GET", "/v1/workers", nullptr, &r));
+    LOOM_ASSIGN_OR_RETURN(v1::ListWorkersResponse r,
+                          client::AllPages<v1::ListWorkersResponse>(
+                              *client_, "/v1/workers?page_size=500", [](auto& all, auto& page) {
+                                all.mutable_workers()->MergeFrom(page.workers());
+                              }));
     if (json_) {
       std::cout << FormatMessage(r, output_) << "\n";
       return absl::OkStatus();

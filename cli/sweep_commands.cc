@@ -216,8 +216,11 @@ absl::Status RunSweepCommand(client::RestClient& client, const std::string& what
     return Report(client, r.id(), args, output);
   }
   if (what == "list") {
-    v1::ListSweepsResponse r;
-    LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps", nullptr, &r));
+    LOOM_ASSIGN_OR_RETURN(v1::ListSweepsResponse r,
+                          client::AllPages<v1::ListSweepsResponse>(
+                              client, "/v1/sweeps?page_size=500", [](auto& all, auto& page) {
+                                all.mutable_sweeps()->MergeFrom(page.sweeps());
+                              }));
     if (json) {
       std::cout << FormatMessage(r, output) << "\n";
       return absl::OkStatus();

@@ -51,6 +51,23 @@ class RestClient {
   std::unique_ptr<httplib::Client> http_;
 };
 
+// Every page of a paged list: GET `path` (which has a query already), then again with each
+// next_page_token, `merge(all, page)` appending a page's entries to the result.
+template <typename List, typename Merge>
+absl::StatusOr<List> AllPages(RestClient& client, const std::string& path, Merge merge) {
+  List all;
+  std::string token;
+  do {
+    List page;
+    absl::Status s =
+        client.Call("GET", token.empty() ? path : path + "&page_token=" + token, nullptr, &page);
+    if (!s.ok()) return s;
+    merge(all, page);
+    token = page.next_page_token();
+  } while (!token.empty());
+  return all;
+}
+
 // Errors from the coordinator carry its HTTP status under this payload type URL ("404"), so
 // callers can tell "the server refused" from "the input was bad" (the CLI's exit codes).
 inline constexpr char kHttpStatusPayload[] = "type.loom.dev/http-status";

@@ -671,10 +671,18 @@ absl::StatusOr<v1::Sweep> Coordinator::GetSweep(const std::string& id) {
   return SweepWithStates(it->second);
 }
 
-v1::ListSweepsResponse Coordinator::ListSweeps() {
+absl::StatusOr<v1::ListSweepsResponse> Coordinator::ListSweeps(int page_size,
+                                                               const std::string& page_token) {
+  LOOM_RETURN_IF_ERROR(CheckPageSize(page_size));
+  LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "sweeps", ""));
   std::lock_guard<std::mutex> lock(mutex_);
   v1::ListSweepsResponse out;
-  for (const auto& [id, sweep] : sweeps_) {
+  for (auto it = sweeps_.upper_bound(after); it != sweeps_.end(); ++it) {
+    const v1::Sweep& sweep = it->second;
+    if (out.sweeps_size() == page_size) {
+      out.set_next_page_token(EncodePageToken("sweeps", "", out.sweeps(page_size - 1).id()));
+      break;
+    }
     v1::Sweep* s = out.add_sweeps();
     *s = SweepWithStates(sweep);
     s->clear_jobs();  // the list stays small; GET /v1/sweeps/{id} has them
@@ -730,14 +738,14 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const std::string& st
     return FieldError("state", absl::StrCat("unknown state '", state.substr(0, 40), "'; one of ",
                                             absl::StrJoin(kStates, ", ")));
   }
-  if (page_size < 1 || page_size > 500) return FieldError("page_size", "must be in 1..500");
-  if (!page_token.empty() && !IsValidId(page_token)) return FieldError("page_token", "malformed");
+  LOOM_RETURN_IF_ERROR(CheckPageSize(page_size));
+  LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "jobs", state));
   std::lock_guard<std::mutex> lock(mutex_);
   v1::ListJobsResponse out;
-  for (auto it = jobs_.upper_bound(page_token); it != jobs_.end(); ++it) {
+  for (auto it = jobs_.upper_bound(after); it != jobs_.end(); ++it) {
     if (!state.empty() && it->second.state() != state) continue;
     if (out.jobs_size() == page_size) {
-      out.set_next_page_token(out.jobs(out.jobs_size() - 1).id());
+      out.set_next_page_token(EncodePageToken("jobs", state, out.jobs(page_size - 1).id()));
       break;
     }
     v1::Job* j = out.add_jobs();
@@ -790,18 +798,27 @@ std::vector<std::string> Coordinator::PinnedBy(const std::string& checkpoint_id)
 }
 
 absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
-    const std::string& job_id) {
+    const std::string& job_id, int page_size, const std::string& page_token) {
   if (!job_id.empty() && !IsValidId(job_id)) return FieldError("job", "malformed job id");
+  LOOM_RETURN_IF_ERROR(CheckPageSize(page_size));
+  LOOM_ASSIGN_OR_RETURN(const std::string after,
+                        DecodePageToken(page_token, "checkpoints", job_id));
+  // Ordered by job, then step: the key "<job>/<step, zero-padded>" sorts that way.
+  auto key = [](const v1::CheckpointEntry& c) {
+    return absl::StrFormat("%s/%020d", c.job_id(), c.step());
+  };
   std::lock_guard<std::mutex> lock(mutex_);
   v1::ListCheckpointsResponse out;
-  std::vector<const v1::CheckpointEntry*> list;
+  std::map<std::string, const v1::CheckpointEntry*> list;
   for (const auto& [id, c] : checkpoints_) {
-    if (job_id.empty() || c.job_id() == job_id) list.push_back(&c);
+    if ((job_id.empty() || c.job_id() == job_id) && key(c) > after) list.emplace(key(c), &c);
   }
-  std::sort(list.begin(), list.end(), [](const auto* a, const auto* b) {
-    return a->job_id() != b->job_id() ? a->job_id() < b->job_id() : a->step() < b->step();
-  });
-  for (const auto* c : list) {
+  for (const auto& [k, c] : list) {
+    if (out.checkpoints_size() == page_size) {
+      out.set_next_page_token(
+          EncodePageToken("checkpoints", job_id, key(out.checkpoints(page_size - 1))));
+      break;
+    }
     v1::CheckpointEntry* e = out.add_checkpoints();
     *e = *c;
     std::error_code ec;
@@ -811,10 +828,18 @@ absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
   return out;
 }
 
-v1::ListWorkersResponse Coordinator::ListWorkers() {
+absl::StatusOr<v1::ListWorkersResponse> Coordinator::ListWorkers(int page_size,
+                                                                 const std::string& page_token) {
+  LOOM_RETURN_IF_ERROR(CheckPageSize(page_size));
+  LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "workers", ""));
   std::lock_guard<std::mutex> lock(mutex_);
   v1::ListWorkersResponse out;
-  for (const auto& [id, w] : workers_) {
+  for (auto it = workers_.upper_bound(after); it != workers_.end(); ++it) {
+    const auto& [id, w] = *it;
+    if (out.workers_size() == page_size) {
+      out.set_next_page_token(EncodePageToken("workers", "", out.workers(page_size - 1).id()));
+      break;
+    }
     v1::Worker* o = out.add_workers();
     *o = w;
     o->set_used_slots(UsedSlots(id));

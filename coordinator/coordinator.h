@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "loom/exit_codes.h"
 #include "loom/v1/control.pb.h"
+#include "paging.h"
 #include "prometheus.h"
 #include "scheduler.h"
 #include "state_store.h"
@@ -55,19 +56,24 @@ class Coordinator {
                                                 const std::string& page_token);
   absl::StatusOr<v1::Job> GetJob(const std::string& id);
   absl::StatusOr<v1::Job> Cancel(const std::string& id, const std::string& user);
-  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& job_id);
+  // Lists are paged (paging.h): page_size in 1..500, page_token from the previous page.
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& job_id,
+                                                              int page_size = kMaxPageSize,
+                                                              const std::string& page_token = "");
 
   // Sweeps (docs/sweeps.md): every (cell, seed) becomes an ordinary job, all in one commit.
   absl::StatusOr<v1::CreateSweepResponse> CreateSweep(const v1::SweepSpec& spec,
                                                       const std::string& user);
   absl::StatusOr<v1::Sweep> GetSweep(const std::string& id);
-  v1::ListSweepsResponse ListSweeps();
+  absl::StatusOr<v1::ListSweepsResponse> ListSweeps(int page_size = kMaxPageSize,
+                                                    const std::string& page_token = "");
   // Cancels every job of the sweep that has not ended.
   absl::StatusOr<v1::Sweep> CancelSweep(const std::string& id, const std::string& user);
   // The sweep's report; a non-empty metric or select replaces the sweep's own (400 if unknown).
   absl::StatusOr<v1::SweepReport> ReportSweep(const std::string& id, const std::string& metric = "",
                                               const std::string& select = "");
-  v1::ListWorkersResponse ListWorkers();
+  absl::StatusOr<v1::ListWorkersResponse> ListWorkers(int page_size = kMaxPageSize,
+                                                      const std::string& page_token = "");
 
   absl::StatusOr<v1::RegisterWorkerResponse> Register(const v1::RegisterWorkerRequest& request);
   // The worker a heartbeat credential is bound to; Unauthenticated when unknown or revoked.

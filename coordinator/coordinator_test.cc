@@ -227,7 +227,7 @@ TEST_F(CoordinatorTest, StateSurvivesAReopen) {
   EXPECT_FALSE(again->created());
   EXPECT_EQ(again->id(), a);
   EXPECT_EQ(Submit(MicroJob()), "job-000003");
-  auto workers = c_->ListWorkers();
+  auto workers = *c_->ListWorkers();
   ASSERT_EQ(workers.workers_size(), 1);
   EXPECT_EQ(workers.workers(0).id(), w);
   EXPECT_EQ(workers.workers(0).slots(), 4);
@@ -353,7 +353,7 @@ TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
   for (const auto& e : job.events())
     lost_event |= e.reason().find("worker " + w1 + " lost") != std::string::npos;
   EXPECT_TRUE(lost_event);
-  auto workers = c_->ListWorkers();
+  auto workers = *c_->ListWorkers();
   for (const auto& w : workers.workers()) EXPECT_EQ(w.state(), w.id() == w1 ? "lost" : "alive");
   // The lost worker comes back with its stale attempt: it is told to stop it.
   auto hb = Beat(w1, id, 1, {{0, -1}});
@@ -376,10 +376,10 @@ TEST_F(CoordinatorTest, CancelStopsRanksAndRejectsTerminalJobs) {
   EXPECT_EQ(c_->Cancel("job-999999", "carol").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(c_->Cancel("../etc", "carol").status().code(), absl::StatusCode::kInvalidArgument);
   // Until the ranks are reported gone their slots stay in use.
-  auto workers = c_->ListWorkers();
+  auto workers = *c_->ListWorkers();
   EXPECT_EQ(workers.workers(0).used_slots(), 2);
   Beat(w, id, 1, {{0, 143}, {1, 143}});
-  workers = c_->ListWorkers();
+  workers = *c_->ListWorkers();
   EXPECT_EQ(workers.workers(0).used_slots(), 0);
 }
 
@@ -468,6 +468,40 @@ TEST_F(CoordinatorTest, BadInputFailsAtOnceLeaseExpiryAndStopsAreInfrastructure)
   EXPECT_FALSE(job.history(2).end_reason().empty());
 }
 
+TEST_F(CoordinatorTest, ListsPageWithOpaqueTokensBoundToTheirListAndFilter) {
+  for (int i = 0; i < 3; ++i) RegisterWorker(absl::StrCat("w", i), 1);
+  std::vector<std::string> submitted;
+  for (int i = 0; i < 5; ++i) submitted.push_back(Submit(MicroJob(1)));
+  std::vector<std::string> jobs, workers;
+  std::string token, first_token;
+  do {
+    auto page = c_->ListJobs("", 2, token);
+    ASSERT_TRUE(page.ok()) << page.status();
+    EXPECT_LE(page->jobs_size(), 2);
+    for (const auto& j : page->jobs()) jobs.push_back(j.id());
+    token = page->next_page_token();
+    if (first_token.empty()) first_token = token;
+    EXPECT_EQ(token.find("job-"), std::string::npos) << "tokens are opaque: " << token;
+  } while (!token.empty());
+  EXPECT_EQ(jobs, submitted);
+  do {
+    auto page = c_->ListWorkers(2, token);
+    ASSERT_TRUE(page.ok()) << page.status();
+    for (const auto& w : page->workers()) workers.push_back(w.name());
+    token = page->next_page_token();
+  } while (!token.empty());
+  EXPECT_EQ(workers.size(), 3u);
+  // A token only continues the list and the filter it came from.
+  auto other_filter = c_->ListJobs("queued", 2, first_token);
+  EXPECT_EQ(other_filter.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(other_filter.status().message().find("page_token"), std::string::npos);
+  EXPECT_EQ(c_->ListWorkers(2, first_token).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c_->ListJobs("", 2, "job-000001").status().code(),
+            absl::StatusCode::kInvalidArgument);  // the old raw-id form
+  EXPECT_EQ(c_->ListJobs("", 2, "%%%").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c_->ListSweeps(0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CoordinatorTest, RetentionKeepsWhatQueuedJobsStartFrom) {
   const std::string w = RegisterWorker("a", 1);
   v1::SubmitJobRequest r = MicroJob(1);
@@ -494,6 +528,16 @@ TEST_F(CoordinatorTest, RetentionKeepsWhatQueuedJobsStartFrom) {
   EXPECT_TRUE(cat->checkpoints(1).deleted());
   EXPECT_FALSE(fs::exists(CheckpointPath(parent, 20)));
   EXPECT_TRUE(cat->checkpoints(2).available());
+  // One entry per page, following the tokens: the same three, in the same order.
+  std::vector<int64_t> paged;
+  std::string token;
+  do {
+    auto page = c_->ListCheckpoints(parent, 1, token);
+    ASSERT_TRUE(page.ok()) << page.status();
+    for (const auto& e : page->checkpoints()) paged.push_back(e.step());
+    token = page->next_page_token();
+  } while (!token.empty());
+  EXPECT_EQ(paged, (std::vector<int64_t>{10, 20, 30}));
   // Once the child is over, the pin goes and retention removes step 10 too.
   ASSERT_TRUE(c_->Cancel(child_id, "x").ok());
   c_->Tick();
@@ -661,7 +705,7 @@ TEST_F(CoordinatorTest, SweepsExpandIntoTaggedJobsAtomically) {
   ASSERT_TRUE(report.ok());
   EXPECT_TRUE(report->complete());
   EXPECT_EQ(report->cells(0).failed(), 3);
-  EXPECT_EQ(c_->ListSweeps().sweeps_size(), 1);
+  EXPECT_EQ(c_->ListSweeps()->sweeps_size(), 1);
   EXPECT_EQ(c_->GetSweep("sweep-999999").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(Submit(MicroJob()), "job-000007");  // the job counter moved past the sweep's jobs
 }

@@ -522,16 +522,23 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   server.Route(
       "GET", "/v1/checkpoints", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {"job"})) return;
-        auto r = c->ListCheckpoints(req.Param("job"));
+        if (!CheckParams(req, res, {"job", "page_size", "page_token"})) return;
+        int64_t page_size;
+        if (!IntParam(req, res, "page_size", kDefaultPageSize, 1, kMaxPageSize, &page_size)) return;
+        auto r = c->ListCheckpoints(req.Param("job"), static_cast<int>(page_size),
+                                    req.Param("page_token"));
         if (!r.ok()) return SendStatus(res, r.status());
         SendMessage(res, *r);
       }));
   server.Route(
       "GET", "/v1/workers", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {})) return;
-        SendMessage(res, c->ListWorkers());
+        if (!CheckParams(req, res, {"page_size", "page_token"})) return;
+        int64_t page_size;
+        if (!IntParam(req, res, "page_size", kDefaultPageSize, 1, kMaxPageSize, &page_size)) return;
+        auto r = c->ListWorkers(static_cast<int>(page_size), req.Param("page_token"));
+        if (!r.ok()) return SendStatus(res, r.status());
+        SendMessage(res, *r);
       }));
   server.Route("POST", "/v1/sweeps", "user",
                UserRoute(c, options,
@@ -545,8 +552,12 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   server.Route(
       "GET", "/v1/sweeps", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {})) return;
-        SendMessage(res, c->ListSweeps());
+        if (!CheckParams(req, res, {"page_size", "page_token"})) return;
+        int64_t page_size;
+        if (!IntParam(req, res, "page_size", kDefaultPageSize, 1, kMaxPageSize, &page_size)) return;
+        auto r = c->ListSweeps(static_cast<int>(page_size), req.Param("page_token"));
+        if (!r.ok()) return SendStatus(res, r.status());
+        SendMessage(res, *r);
       }));
   server.Route(
       "GET", "/v1/sweeps/{id}", "user",
