@@ -137,7 +137,9 @@ class Cli {
       LOOM_ASSIGN_OR_RETURN(output_, ParseOutput(args.Get("output", "table")));
     }
     json_ = output_ != Output::kTable;
-    LOOM_ASSIGN_OR_RETURN(client_, client::RestClient::Create(url, token, 15000));
+    const char* env_ca = std::getenv("LOOM_CA_FILE");
+    const std::string ca_file = args.Get("ca-file", env_ca ? env_ca : "");
+    LOOM_ASSIGN_OR_RETURN(client_, client::RestClient::Create(url, token, 15000, ca_file));
     return absl::OkStatus();
   }
 
@@ -611,7 +613,7 @@ int ExitCodeOf(const absl::Status& s) {
 constexpr char kExitCodesHelp[] = R"(
 exit codes: 0 ok, 2 usage (bad flag, value or file), 3 not found, 4 refused by the coordinator,
             5 job failed or cancelled (--follow), 6 coordinator unreachable, 1 other errors
-environment: LOOM_COORDINATOR (URL), LOOM_TOKEN (a user token))";
+environment: LOOM_COORDINATOR (URL), LOOM_TOKEN (a user token), LOOM_CA_FILE (--ca-file))";
 
 // The command line, parsed by CLI11 into the flag map the commands read (CliArgs): every
 // option a command was given, by its long name; switches as "true".
@@ -629,6 +631,10 @@ class CommandLine {
     app_.add_option("--token-file",
                     "file holding a user token (default $LOOM_TOKEN; for a "
                     "loopback coordinator started by `loom up`, the token it wrote)")
+        ->type_name("FILE");
+    app_.add_option("--ca-file",
+                    "PEM file of the CA that signed an https:// coordinator's "
+                    "certificate (default $LOOM_CA_FILE, then the system's CAs)")
         ->type_name("FILE");
     app_.add_option("-o,--output", "table (default) | json | yaml: every field of the result")
         ->type_name("FORMAT");

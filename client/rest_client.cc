@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/json_util.h>
 #include <httplib.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -64,10 +65,18 @@ absl::Status StatusFromHttpCode(int status, const std::string& body) {
 
 absl::StatusOr<std::unique_ptr<RestClient>> RestClient::Create(const std::string& url,
                                                                const std::string& token,
-                                                               int timeout_ms) {
-  if (!absl::StartsWith(url, "http://")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("coordinator URL '", url, "': expected http://host:port"));
+                                                               int timeout_ms,
+                                                               const std::string& ca_file) {
+  const bool https = absl::StartsWith(url, "https://");
+  if (!https && !absl::StartsWith(url, "http://")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "coordinator URL '", url, "': expected http://host:port or https://host:port"));
+  }
+  if (!ca_file.empty() && !https) {
+    return absl::InvalidArgumentError("--ca-file: only for an https:// coordinator URL");
+  }
+  if (!ca_file.empty() && ::access(ca_file.c_str(), R_OK) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--ca-file: cannot read '", ca_file, "'"));
   }
   std::unique_ptr<RestClient> c(new RestClient());
   c->url_ = url;
@@ -81,6 +90,10 @@ absl::StatusOr<std::unique_ptr<RestClient>> RestClient::Create(const std::string
   c->http_->set_read_timeout(sec, usec);
   c->http_->set_write_timeout(sec, usec);
   if (!token.empty()) c->http_->set_bearer_token_auth(token.c_str());
+  if (https) {
+    c->http_->enable_server_certificate_verification(true);
+    if (!ca_file.empty()) c->http_->set_ca_cert_path(ca_file.c_str());
+  }
   return c;
 }
 
@@ -88,6 +101,12 @@ RestClient::~RestClient() = default;
 
 namespace {
 absl::Status Unreachable(const std::string& url, httplib::Error e) {
+  if (e == httplib::Error::SSLServerVerification) {
+    return absl::UnavailableError(
+        absl::StrCat("coordinator ", url,
+                     ": its TLS certificate is not trusted (or not for this host name); "
+                     "--ca-file names the CA that signed it"));
+  }
   return absl::UnavailableError(
       absl::StrCat("coordinator ", url, " unreachable: ", httplib::to_string(e)));
 }

@@ -25,10 +25,12 @@ struct HttpResult {
 
 class RestClient {
  public:
-  // url: http://host:port
+  // url: http://host:port or https://host:port. Over https the server's certificate is verified
+  // (chain and host name) against `ca_file` (PEM) when given, else the system's CA store.
   static absl::StatusOr<std::unique_ptr<RestClient>> Create(const std::string& url,
                                                             const std::string& token,
-                                                            int timeout_ms = 10000);
+                                                            int timeout_ms = 10000,
+                                                            const std::string& ca_file = "");
   ~RestClient();
 
   absl::StatusOr<HttpResult> Get(const std::string& path);

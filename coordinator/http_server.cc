@@ -5,6 +5,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -228,11 +230,62 @@ void SetJsonError(HttpResponse& res, int status, absl::string_view message,
     res.SetHeader("Retry-After", std::to_string(kRetryAfterSeconds));
 }
 
-// One client connection: buffered reads with deadlines, request parsing, response writing.
+absl::StatusOr<std::shared_ptr<ssl_ctx_st>> LoadTlsContext(const std::string& cert_file,
+                                                           const std::string& key_file) {
+  auto openssl_error = [] {
+    char buf[256] = "unknown error";
+    if (unsigned long e = ERR_get_error(); e != 0) ERR_error_string_n(e, buf, sizeof(buf));
+    return std::string(buf);
+  };
+  std::shared_ptr<SSL_CTX> ctx(SSL_CTX_new(TLS_server_method()), SSL_CTX_free);
+  if (!ctx) return absl::InternalError("TLS: cannot create a context: " + openssl_error());
+  SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION);
+  SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  if (SSL_CTX_use_certificate_chain_file(ctx.get(), cert_file.c_str()) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls-cert: cannot load '", cert_file, "': ", openssl_error()));
+  }
+  if (SSL_CTX_use_PrivateKey_file(ctx.get(), key_file.c_str(), SSL_FILETYPE_PEM) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls-key: cannot load '", key_file, "': ", openssl_error()));
+  }
+  if (SSL_CTX_check_private_key(ctx.get()) != 1) {
+    return absl::InvalidArgumentError("--tls-key: does not match the certificate of --tls-cert");
+  }
+  return std::shared_ptr<ssl_ctx_st>(ctx);
+}
+
+// One client connection: buffered reads with deadlines, request parsing, response writing; in
+// TLS mode the same over an SSL session on the non-blocking socket.
 class HttpServer::Connection : public StreamSink {
  public:
-  Connection(int fd, const HttpServerOptions& options) : fd_(fd), options_(options) {}
-  ~Connection() override { ::close(fd_); }
+  Connection(int fd, const HttpServerOptions& options) : fd_(fd), options_(options) {
+    if (options_.tls) {
+      ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) | O_NONBLOCK);
+      ssl_ = SSL_new(options_.tls.get());
+      if (ssl_ != nullptr) SSL_set_fd(ssl_, fd_);
+    }
+  }
+  ~Connection() override {
+    if (ssl_ != nullptr) SSL_free(ssl_);
+    ::close(fd_);
+  }
+
+  // The TLS handshake, within head_timeout_ms (a client that never finishes it holds a thread
+  // no longer than one that never sends a request head). Always true without TLS.
+  bool Handshake() {
+    if (!options_.tls) return true;
+    if (ssl_ == nullptr) return false;
+    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.head_timeout_ms);
+    for (;;) {
+      ERR_clear_error();
+      const int r = SSL_accept(ssl_);
+      if (r == 1) return true;
+      const int e = SSL_get_error(ssl_, r);
+      if (e != SSL_ERROR_WANT_READ && e != SSL_ERROR_WANT_WRITE) return false;
+      if (!Wait(e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT, deadline)) return false;
+    }
+  }
 
   // Reads the next request. Returns false with `refusal` set when it cannot be served (or with a
   // silent refusal when the client went away or stayed idle).
@@ -245,19 +298,14 @@ class HttpServer::Connection : public StreamSink {
   bool WriteAll(absl::string_view data) {
     const auto deadline = Clock::now() + std::chrono::milliseconds(options_.write_timeout_ms);
     while (!data.empty()) {
-      const ssize_t n = ::send(fd_, data.data(), data.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      const ssize_t n = Send(data.data(), data.size());
       if (n > 0) {
         data.remove_prefix(static_cast<size_t>(n));
-        continue;
+      } else if (n == kWantRead || n == kWantWrite) {
+        if (!Wait(n == kWantRead ? POLLIN : POLLOUT, deadline)) return false;
+      } else {
+        return false;
       }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        pollfd p{fd_, POLLOUT, 0};
-        const int left = MsLeft(deadline);
-        if (left == 0 || ::poll(&p, 1, left) <= 0) return false;
-        continue;
-      }
-      return false;
     }
     return true;
   }
@@ -294,6 +342,7 @@ class HttpServer::Connection : public StreamSink {
   // After an error the client may still be sending: stop writing, drain for a bounded time so
   // the error reaches it before the reset that closing a socket with unread data causes.
   void LingerClose() {
+    if (ssl_ != nullptr) SSL_shutdown(ssl_);  // close_notify; the peer's answer is not awaited
     ::shutdown(fd_, SHUT_WR);
     const auto deadline = Clock::now() + std::chrono::milliseconds(1000);
     char buf[16 << 10];
@@ -309,18 +358,67 @@ class HttpServer::Connection : public StreamSink {
   }
 
  private:
-  // Appends what the socket has (at most `max` bytes) to in_; false on EOF, error or deadline.
-  bool Fill(Clock::time_point deadline, size_t max) {
+  // Results of Recv/Send besides a byte count (> 0), EOF (0) and a failure (-1): wait until the
+  // socket is readable or writable and try again (a TLS record may need either).
+  static constexpr ssize_t kWantRead = -2, kWantWrite = -3;
+
+  ssize_t Recv(char* buf, size_t n) {
+    if (ssl_ == nullptr) {
+      const ssize_t r = ::recv(fd_, buf, n, MSG_DONTWAIT);
+      if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return kWantRead;
+      return r;
+    }
+    ERR_clear_error();
+    const int r = SSL_read(ssl_, buf, static_cast<int>(std::min<size_t>(n, 1 << 30)));
+    return r > 0 ? r : SslResult(r);
+  }
+  ssize_t Send(const char* buf, size_t n) {
+    if (ssl_ == nullptr) {
+      const ssize_t r = ::send(fd_, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return kWantWrite;
+      return r;
+    }
+    ERR_clear_error();
+    const int r = SSL_write(ssl_, buf, static_cast<int>(std::min<size_t>(n, 1 << 30)));
+    return r > 0 ? r : SslResult(r);
+  }
+  ssize_t SslResult(int r) {
+    switch (SSL_get_error(ssl_, r)) {
+      case SSL_ERROR_WANT_READ:
+        return kWantRead;
+      case SSL_ERROR_WANT_WRITE:
+        return kWantWrite;
+      case SSL_ERROR_ZERO_RETURN:
+        return 0;
+      default:
+        return -1;
+    }
+  }
+  // Waits for `events` on the socket until the deadline; false when it passed.
+  bool Wait(short events, Clock::time_point deadline) {
     for (;;) {
-      pollfd p{fd_, POLLIN, 0};
+      pollfd p{fd_, events, 0};
       const int left = MsLeft(deadline);
       if (left == 0) return false;
       const int r = ::poll(&p, 1, left);
       if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) return false;
+      return r > 0;
+    }
+  }
+
+  // Appends what the connection has (at most `max` bytes) to in_; false on EOF, error or
+  // deadline. TLS may hold decrypted bytes the socket no longer signals: read those first.
+  bool Fill(Clock::time_point deadline, size_t max) {
+    for (;;) {
+      const bool pending = ssl_ != nullptr && SSL_pending(ssl_) > 0;
+      if (!pending && !Wait(POLLIN, deadline)) return false;
       char buf[16 << 10];
-      const ssize_t n = ::recv(fd_, buf, std::min(sizeof(buf), max), MSG_DONTWAIT);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      const ssize_t n = Recv(buf, std::min(sizeof(buf), max));
+      if (n == kWantRead) continue;
+      if (n == kWantWrite) {
+        if (!Wait(POLLOUT, deadline)) return false;
+        continue;
+      }
       if (n <= 0) {
         eof_ = true;
         return false;
@@ -554,6 +652,7 @@ class HttpServer::Connection : public StreamSink {
   size_t head_end_ = 0;
   bool eof_ = false;
   bool http10_ = false;
+  SSL* ssl_ = nullptr;  // TLS session (options_.tls), else plain TCP
 };
 
 HttpServer::~HttpServer() { Stop(); }
@@ -659,7 +758,8 @@ void HttpServer::AcceptLoop() {
             kRetryAfterSeconds, "\r\nContent-Length: ", body.size(),
             "\r\nConnection: close\r\n\r\n", body);
       }();
-      (void)!::send(fd, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      // A TLS client cannot read a plain answer before its handshake: it just sees the close.
+      if (!options_.tls) (void)!::send(fd, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
       ::close(fd);
       continue;
     }
@@ -680,6 +780,7 @@ void HttpServer::WorkerLoop() {
       queue_.pop_front();
     }
     Connection conn(fd, options_);
+    if (!conn.Handshake()) continue;  // not TLS, or too slow: closed without an answer
     for (int n = 0; n < options_.max_requests_per_connection && !stop_; ++n) {
       HttpRequest request;
       HttpResponse response;

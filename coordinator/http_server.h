@@ -23,6 +23,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <regex>
 #include <string>
@@ -32,6 +33,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+
+struct ssl_ctx_st;  // OpenSSL's SSL_CTX
 
 namespace loom::coordinator {
 
@@ -90,7 +93,14 @@ std::string ErrorBody(int status, absl::string_view message, absl::string_view r
 // Seconds a client should wait before retrying a 429 or 503.
 inline constexpr int kRetryAfterSeconds = 1;
 
+// A TLS server context (TLS 1.2 or newer) from PEM files: the certificate chain and its private
+// key. Errors name the flag (--tls-cert, --tls-key) and say what OpenSSL found wrong.
+absl::StatusOr<std::shared_ptr<ssl_ctx_st>> LoadTlsContext(const std::string& cert_file,
+                                                           const std::string& key_file);
+
 struct HttpServerOptions {
+  // When set, every connection is TLS (LoadTlsContext); a plain-HTTP client gets nothing.
+  std::shared_ptr<ssl_ctx_st> tls;
   int threads = 16;
   int max_queued_connections = 256;  // accepted, waiting for a thread; beyond: 503 and close
   size_t max_head_bytes = 16 << 10;

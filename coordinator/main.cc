@@ -42,6 +42,8 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --max-body-bytes N      request size limit (default 1048576)
   --max-log-followers-per-user N   concurrent log streams per user (default 4)
   --prometheus-sd-file F  write a Prometheus file_sd target list for this coordinator's /metrics
+  --tls-cert F --tls-key F  serve both listeners over TLS (PEM certificate chain and key); clients
+                          then use https:// (and --ca-file for a private CA)
 )";
 
 bool IsLoopback(const std::string& addr) {
@@ -81,15 +83,29 @@ absl::StatusOr<ApiOptions> ReadApiOptions(const CliArgs& args, const std::string
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(
-      CliArgs args,
-      CliArgs::Parse(
-          argc, argv, 1,
-          {"data-dir", "storage-root", "bind", "port", "port-file", "agent-port", "agent-port-file",
-           "user-tokens", "worker-token-file", "allowed-hosts", "heartbeat-ms", "lost-after-ms",
-           "term-grace-ms", "max-infra-restarts", "aging-seconds", "reserve-after-s",
-           "max-body-bytes", "max-log-followers-per-user", "prometheus-sd-file"},
-          {"help"}));
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 1,
+                                                     {"data-dir",
+                                                      "storage-root",
+                                                      "bind",
+                                                      "port",
+                                                      "port-file",
+                                                      "agent-port",
+                                                      "agent-port-file",
+                                                      "user-tokens",
+                                                      "worker-token-file",
+                                                      "allowed-hosts",
+                                                      "heartbeat-ms",
+                                                      "lost-after-ms",
+                                                      "term-grace-ms",
+                                                      "max-infra-restarts",
+                                                      "aging-seconds",
+                                                      "reserve-after-s",
+                                                      "max-body-bytes",
+                                                      "max-log-followers-per-user",
+                                                      "prometheus-sd-file",
+                                                      "tls-cert",
+                                                      "tls-key"},
+                                                     {"help"}));
   if (args.Has("help")) {
     std::cout << kUsage;
     return absl::OkStatus();
@@ -124,6 +140,14 @@ absl::Status Run(int argc, char** argv) {
 
   LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Coordinator> coordinator, Coordinator::Open(options));
   HttpServerOptions user_options;
+  if (args.Has("tls-cert") != args.Has("tls-key")) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+  }
+  if (args.Has("tls-cert")) {
+    LOOM_ASSIGN_OR_RETURN(user_options.tls,
+                          LoadTlsContext(args.Get("tls-cert"), args.Get("tls-key")));
+  }
+  const std::string scheme = user_options.tls ? "https" : "http";
   user_options.threads = 32;
   user_options.max_body_bytes = static_cast<size_t>(max_body);
   api.max_followers = user_options.threads / 2;
@@ -148,9 +172,9 @@ absl::Status Run(int argc, char** argv) {
   coordinator->Start();
   user_server.Start();
   agent_server.Start();
-  std::cout << "loom-coordinator: listening on http://" << bind << ":" << bound
-            << " (users) and http://" << bind << ":" << agent_bound << " (agents); state in "
-            << options.data_dir << std::endl;
+  std::cout << "loom-coordinator: listening on " << scheme << "://" << bind << ":" << bound
+            << " (users) and " << scheme << "://" << bind << ":" << agent_bound
+            << " (agents); state in " << options.data_dir << std::endl;
 
   // SIGINT/SIGTERM stop the servers; the state is already on disk.
   sigset_t set;

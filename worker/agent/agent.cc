@@ -154,8 +154,8 @@ absl::Status Agent::Register() {
                       0644);
   WriteFileAtomically((fs::path(options_.work_dir) / "worker-credential").string(),
                       credential_ + "\n", 0600);
-  LOOM_ASSIGN_OR_RETURN(client_,
-                        client::RestClient::Create(options_.coordinator_url, credential_, 5000));
+  LOOM_ASSIGN_OR_RETURN(client_, client::RestClient::Create(options_.coordinator_url, credential_,
+                                                            5000, options_.ca_file));
   heartbeat_ms_ = std::max(50, resp.heartbeat_interval_ms());
   lease_ms_ = std::max(4 * heartbeat_ms_, resp.lease_ms());
   if (resp.max_body_bytes() > 0) max_body_bytes_ = resp.max_body_bytes();
@@ -587,8 +587,9 @@ absl::Status Agent::Run() {
     std::string token;
     if (cred >> token && SafeName(token)) credential_ = token;
   }
-  LOOM_ASSIGN_OR_RETURN(enrol_client_,
-                        client::RestClient::Create(options_.coordinator_url, options_.token, 5000));
+  LOOM_ASSIGN_OR_RETURN(
+      enrol_client_,
+      client::RestClient::Create(options_.coordinator_url, options_.token, 5000, options_.ca_file));
   if (options_.metrics_port != 0) {
     LOOM_ASSIGN_OR_RETURN(exporter_,
                           metrics::HttpExporter::Start(&registry_, options_.metrics_bind,

@@ -24,6 +24,7 @@ namespace loom::agent {
 
 struct AgentOptions {
   std::string coordinator_url;  // the coordinator's agent listener
+  std::string ca_file;          // PEM CA for an https:// coordinator ("" = the system's)
   std::string token;            // enrolment token: registration only
   std::string name;
   std::string address = "127.0.0.1";

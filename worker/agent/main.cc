@@ -18,7 +18,10 @@ namespace loom::agent {
 namespace {
 
 constexpr char kUsage[] = R"(usage: loom-worker [flags]
-  --coordinator URL     http://host:port (default $LOOM_COORDINATOR, then http://127.0.0.1:8470)
+  --coordinator URL     http://host:port or https://host:port (default $LOOM_COORDINATOR, then
+                        http://127.0.0.1:8470)
+  --ca-file F           PEM CA for an https:// coordinator (default $LOOM_CA_FILE, then the
+                        system's CAs)
   --token-file F        the worker token (default $LOOM_WORKER_TOKEN; none for a --local coordinator)
   --work-dir DIR        per-attempt directories and rank logs (required)
   --slots N             trainer ranks this node runs at once (default 1)
@@ -40,11 +43,12 @@ void OnSignal(int) {
 
 absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
-      CliArgs args, CliArgs::Parse(argc, argv, 1,
-                                   {"coordinator", "token-file", "work-dir", "slots", "labels",
-                                    "name", "address", "loom-train", "plugin-dir", "term-grace-ms",
-                                    "metrics-port", "metrics-bind", "prometheus-sd-file"},
-                                   {"help"}));
+      CliArgs args,
+      CliArgs::Parse(argc, argv, 1,
+                     {"coordinator", "ca-file", "token-file", "work-dir", "slots", "labels", "name",
+                      "address", "loom-train", "plugin-dir", "term-grace-ms", "metrics-port",
+                      "metrics-bind", "prometheus-sd-file"},
+                     {"help"}));
   if (args.Has("help")) {
     std::cout << kUsage;
     return absl::OkStatus();
@@ -52,6 +56,8 @@ absl::Status Run(int argc, char** argv) {
   AgentOptions o;
   const char* env_url = std::getenv("LOOM_COORDINATOR");
   o.coordinator_url = args.Get("coordinator", env_url ? env_url : "http://127.0.0.1:8470");
+  const char* env_ca = std::getenv("LOOM_CA_FILE");
+  o.ca_file = args.Get("ca-file", env_ca ? env_ca : "");
   if (args.Has("token-file")) {
     std::ifstream in(args.Get("token-file"));
     if (!in)
