@@ -115,6 +115,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
   LOOM_ASSIGN_OR_RETURN(c->store_,
                         StateStore::Open((fs::path(options.data_dir) / "state").string()));
   LOOM_RETURN_IF_ERROR(c->Load());
+  LOOM_RETURN_IF_ERROR(c->MigrateCheckpointIds());
   auto& r = c->registry_;
   r.DeclareGauge("loom_coordinator_jobs", "Jobs by state");
   r.DeclareGauge("loom_coordinator_workers", "Workers by state");
@@ -179,10 +180,57 @@ const v1::AttemptRecord* HistoryOf(const v1::Job& job, int attempt) {
 }
 
 std::string ParentJob(const std::string& checkpoint_id) {
-  return checkpoint_id.substr(0, checkpoint_id.find('/'));
+  return checkpoint_id.substr(0, checkpoint_id.find_first_of("./"));
 }
 
 }  // namespace
+
+std::string CheckpointId(const std::string& job_id, int64_t step) {
+  return absl::StrCat(job_id, ".", step);
+}
+
+absl::StatusOr<std::string> CanonicalCheckpointId(const std::string& id, const std::string& field) {
+  const size_t sep = id.find_first_of("./");
+  int64_t step = -1;
+  if (sep == std::string::npos || !IsValidId(id.substr(0, sep)) ||
+      id.find_first_of("./", sep + 1) != std::string::npos ||
+      !absl::SimpleAtoi(id.substr(sep + 1), &step) || step < 0 ||
+      id.substr(sep + 1) != std::to_string(step)) {
+    return FieldError(field, absl::StrCat("'", id.substr(0, 100),
+                                          "' is not a checkpoint id (<job id>.<step>, e.g. "
+                                          "job-000001.150)"));
+  }
+  return CheckpointId(id.substr(0, sep), step);
+}
+
+// State written before checkpoint ids were "<job>.<step>": catalogue keys, ids and parents,
+// jobs' checkpoint lists and init_from are rewritten once, in one synced commit.
+absl::Status Coordinator::MigrateCheckpointIds() {
+  auto canonical = [](const std::string& id) {
+    auto c = CanonicalCheckpointId(id, "checkpoint id");
+    return c.ok() ? *c : id;
+  };
+  StateStore::Batch batch;
+  std::map<std::string, v1::CheckpointEntry> migrated;
+  for (auto& [id, entry] : checkpoints_) {
+    v1::CheckpointEntry e = entry;
+    e.set_id(canonical(id));
+    if (!e.parent().empty()) e.set_parent(canonical(e.parent()));
+    if (e.id() != id) batch.DeleteCheckpoint(id);
+    if (e.id() != id || e.parent() != entry.parent()) batch.PutCheckpoint(e);
+    migrated[e.id()] = std::move(e);
+  }
+  checkpoints_ = std::move(migrated);
+  for (auto& [id, job] : jobs_) {
+    const std::string before = job.SerializeAsString();
+    for (auto& c : *job.mutable_checkpoints()) c = canonical(c);
+    if (!job.request().init_from().empty()) {
+      job.mutable_request()->set_init_from(canonical(job.request().init_from()));
+    }
+    if (job.SerializeAsString() != before) batch.PutJob(job);
+  }
+  return batch.empty() ? absl::OkStatus() : store_->Commit(batch, true);
+}
 
 absl::Status Coordinator::Load() {
   LOOM_ASSIGN_OR_RETURN(LoadedState state, store_->Load());
@@ -518,8 +566,13 @@ absl::StatusOr<v1::Job> Coordinator::AddJobLocked(Txn& txn, const v1::SubmitJobR
   return job;
 }
 
-absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobRequest& request,
+absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobRequest& raw,
                                                           const std::string& user) {
+  v1::SubmitJobRequest request = raw;  // with init_from in the canonical id form
+  if (!request.init_from().empty()) {
+    LOOM_ASSIGN_OR_RETURN(*request.mutable_init_from(),
+                          CanonicalCheckpointId(request.init_from(), "init_from"));
+  }
   LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, ResolveSubmission(request));
   std::lock_guard<std::mutex> lock(mutex_);
   const std::string key = IdempotencyKey("", user, request.request_id());
@@ -555,8 +608,13 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   return r;
 }
 
-absl::StatusOr<v1::CreateSweepResponse> Coordinator::CreateSweep(const v1::SweepSpec& spec,
+absl::StatusOr<v1::CreateSweepResponse> Coordinator::CreateSweep(const v1::SweepSpec& raw,
                                                                  const std::string& user) {
+  v1::SweepSpec spec = raw;
+  if (!spec.base().init_from().empty()) {
+    LOOM_ASSIGN_OR_RETURN(*spec.mutable_base()->mutable_init_from(),
+                          CanonicalCheckpointId(spec.base().init_from(), "base.init_from"));
+  }
   if (spec.name().size() > 128) return FieldError("name", "at most 128 characters");
   if (!spec.request_id().empty() && !IsToken(spec.request_id(), 128)) {
     return FieldError("request_id", "1..128 characters of [A-Za-z0-9._:/-]");
@@ -1115,7 +1173,7 @@ absl::Status Coordinator::ValidateReport(const v1::AttemptReport& r,
 
 void Coordinator::CatalogueCheckpoint(Txn& txn, v1::Job& job, int64_t step,
                                       const std::string& path) {
-  const std::string cid = absl::StrCat(job.id(), "/", step);
+  const std::string cid = CheckpointId(job.id(), step);
   if (checkpoints_.count(cid)) return;
   Save(txn, job);
   SaveCheckpoint(txn, cid);
@@ -1145,7 +1203,7 @@ void Coordinator::CatalogueCheckpoint(Txn& txn, v1::Job& job, int64_t step,
 // catalogue, newer catalogued ones that vanished from disk too, so no later attempt picks them.
 void Coordinator::ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r) {
   auto mark = [&](int64_t step, const std::string& why) {
-    const std::string cid = absl::StrCat(job.id(), "/", step);
+    const std::string cid = CheckpointId(job.id(), step);
     auto it = checkpoints_.find(cid);
     if (it != checkpoints_.end() && !it->second.damaged().empty()) return;
     AddEvent(txn, job, "", absl::StrCat("checkpoint at step ", step, " skipped: ", why));
@@ -1221,7 +1279,7 @@ void Coordinator::ApplyRetention(Txn& txn, const std::string& job_id) {
   auto on_disk = storage::ListCheckpoints(cfg.dir());
   if (!on_disk.ok()) return;
   for (const storage::CheckpointRef& ref : *on_disk) {
-    if (ref.step < oldest_kept && !checkpoints_.count(absl::StrCat(job_id, "/", ref.step)) &&
+    if (ref.step < oldest_kept && !checkpoints_.count(CheckpointId(job_id, ref.step)) &&
         (cfg.keep_every() == 0 || ref.step % cfg.keep_every() != 0)) {
       txn.deletes.push_back(ref.dir);
     }

@@ -41,6 +41,13 @@ struct CoordinatorOptions {
 bool IsTerminal(const std::string& state);
 bool IsValidId(const std::string& id);
 
+// Checkpoint ids are "<job id>.<step>" (job-000001.150): one path segment, so a URL can hold
+// one. The older "<job id>/<step>" is still accepted wherever an id is given (init_from) and
+// state written with it is migrated when the coordinator opens it.
+std::string CheckpointId(const std::string& job_id, int64_t step);
+// The canonical form of either spelling; InvalidArgument (naming `field`) otherwise.
+absl::StatusOr<std::string> CanonicalCheckpointId(const std::string& id, const std::string& field);
+
 class Coordinator {
  public:
   static absl::StatusOr<std::unique_ptr<Coordinator>> Open(const CoordinatorOptions& options);
@@ -115,6 +122,7 @@ class Coordinator {
 
   explicit Coordinator(const CoordinatorOptions& options) : options_(options) {}
   absl::Status Load();
+  absl::Status MigrateCheckpointIds();
   absl::StatusOr<v1::JobSpec> ResolveSubmission(const v1::SubmitJobRequest& request);
 
   // All below: mutex_ held.

@@ -502,6 +502,54 @@ TEST_F(CoordinatorTest, ListsPageWithOpaqueTokensBoundToTheirListAndFilter) {
   EXPECT_EQ(c_->ListSweeps(0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(CoordinatorTest, CheckpointIdsArePathSafeAndOldStateIsMigrated) {
+  EXPECT_EQ(*CanonicalCheckpointId("job-000001/150", "init_from"), "job-000001.150");
+  EXPECT_EQ(*CanonicalCheckpointId("job-000001.150", "init_from"), "job-000001.150");
+  for (const char* bad : {"job-000001", "job-000001/", "job-000001/x", "job-000001/1/2", "../x/1",
+                          "job-000001/-1", "job-000001/007"}) {
+    auto s = CanonicalCheckpointId(bad, "init_from");
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.status().message().find("init_from"), std::string::npos) << bad;
+  }
+  // State as a coordinator before this change wrote it: "<job>/<step>" everywhere.
+  c_.reset();
+  {
+    auto store = StateStore::Open((fs::path(options_.data_dir) / "state").string());
+    ASSERT_TRUE(store.ok()) << store.status();
+    StateStore::Batch b;
+    v1::CheckpointEntry parent, child;
+    parent.set_id("job-000001/10");
+    parent.set_job_id("job-000001");
+    parent.set_step(10);
+    child.set_id("job-000002/5");
+    child.set_job_id("job-000002");
+    child.set_step(5);
+    child.set_parent("job-000001/10");
+    b.PutCheckpoint(parent);
+    b.PutCheckpoint(child);
+    v1::Job job;
+    job.set_id("job-000002");
+    job.set_state("succeeded");
+    job.mutable_request()->set_init_from("job-000001/10");
+    job.add_checkpoints("job-000002/5");
+    b.PutJob(job);
+    ASSERT_TRUE((*store)->Commit(b, true).ok());
+  }
+  for (int reopen = 0; reopen < 2; ++reopen) {  // migrated once, then stable
+    Reopen();
+    auto cat = c_->ListCheckpoints("");
+    ASSERT_TRUE(cat.ok());
+    ASSERT_EQ(cat->checkpoints_size(), 2);
+    EXPECT_EQ(cat->checkpoints(0).id(), "job-000001.10");
+    EXPECT_EQ(cat->checkpoints(1).id(), "job-000002.5");
+    EXPECT_EQ(cat->checkpoints(1).parent(), "job-000001.10");
+    const v1::Job job = Job("job-000002");
+    EXPECT_EQ(job.request().init_from(), "job-000001.10");
+    ASSERT_EQ(job.checkpoints_size(), 1);
+    EXPECT_EQ(job.checkpoints(0), "job-000002.5");
+  }
+}
+
 TEST_F(CoordinatorTest, RetentionKeepsWhatQueuedJobsStartFrom) {
   const std::string w = RegisterWorker("a", 1);
   v1::SubmitJobRequest r = MicroJob(1);

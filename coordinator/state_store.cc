@@ -47,6 +47,9 @@ void StateStore::Batch::PutWorker(const v1::Worker& worker) {
 void StateStore::Batch::PutCheckpoint(const v1::CheckpointEntry& entry) {
   batch_->Put(absl::StrCat("ckpt/", entry.id()), entry.SerializeAsString());
 }
+void StateStore::Batch::DeleteCheckpoint(const std::string& id) {
+  batch_->Delete(absl::StrCat("ckpt/", id));
+}
 void StateStore::Batch::PutRequestId(const std::string& key, const std::string& job_id) {
   batch_->Put(absl::StrCat("request/", key), job_id);
 }

@@ -46,6 +46,7 @@ class StateStore {
     void PutEvent(const std::string& job_id, const v1::JobEvent& event);
     void PutWorker(const v1::Worker& worker);
     void PutCheckpoint(const v1::CheckpointEntry& entry);
+    void DeleteCheckpoint(const std::string& id);
     void PutRequestId(const std::string& key, const std::string& job_id);
     void PutNextJob(int64_t next);
     void PutLogOffset(const std::string& key, int64_t offset);

@@ -121,7 +121,7 @@ def test_submit_run_succeed(c):
     assert "succeeded" in r.stdout and "checkpoint at step 40" in r.stdout, r.stdout
     listed = json.loads(c.cli("list", "--json").stdout)
     assert any(j["id"] == job_id for j in listed["jobs"])
-    assert f"{job_id}/40" in c.cli("checkpoints").stdout
+    assert f"{job_id}.40" in c.cli("checkpoints").stdout
     assert "alive" in c.cli("workers").stdout
     # -o json and -o yaml print every field, defaults included (priority 0, restarts 0).
     as_json = json.loads(c.cli("status", job_id, "-o", "json").stdout)
@@ -131,11 +131,11 @@ def test_submit_run_succeed(c):
     test_cli_exit_codes(c)
     # A second job fine-tunes from the first one's checkpoint: lineage in the catalogue.
     body = micro(10)
-    body["init_from"] = f"{job_id}/40"
+    body["init_from"] = f"{job_id}/40"  # the old id form is still accepted
     child = submit(api, body)
     api.wait(child, lambda j: j["state"] == "succeeded", "the fine-tune to succeed")
     cat = api.ok("GET", f"/v1/checkpoints?job={child}")["checkpoints"]
-    assert cat and all(x["parent"] == f"{job_id}/40" for x in cat), cat
+    assert cat and all(x["parent"] == f"{job_id}.40" for x in cat), cat  # ... and stored canonical
     status, _, log = api.request("GET", f"/v1/jobs/{child}/logs")
     assert "init-from" in log or "initialised from" in log or "init from" in log, log[-3000:]
     print(f"ok: submit -> run -> succeed ({job_id}), fine-tune lineage ({child})")
@@ -174,7 +174,7 @@ def test_eval_job_results_stored_with_the_job(c):
     ev = {"spec": {"kind": "eval", "threads": 1,
                    "reasoning_eval": {"task": "arithmetic", "problems": 3, "samples": 2,
                                       "generation": {"max_new_tokens": 8}}},
-          "world_size": 1, "pool": {"pool": "cpu"}, "init_from": f"{pre}/10"}
+          "world_size": 1, "pool": {"pool": "cpu"}, "init_from": f"{pre}.10"}
     job_id = submit(api, ev)
     job = api.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"), "the eval job")
     assert job["state"] == "succeeded", job
@@ -213,7 +213,7 @@ def test_cancel_mid_run(c):
 
 
 def wait_checkpoint(api, job_id, min_step):
-    return api.wait(job_id, lambda j: any(int(x.split("/")[1]) >= min_step for x in j["checkpoints"]) and
+    return api.wait(job_id, lambda j: any(int(x.rsplit(".", 1)[1]) >= min_step for x in j["checkpoints"]) and
                     j["state"] == "running", f"a checkpoint at step >= {min_step}")
 
 
@@ -237,7 +237,7 @@ def test_kill_rank(c):
     _, _, log = api.request("GET", f"/v1/jobs/{job_id}/logs")
     assert "rank 1 killed by signal 9" in log, log[-3000:]
     assert "resume: " in log and "attempt 2" in log, log[-3000:]
-    steps = [int(x.split("/")[1]) for x in job["checkpoints"]]
+    steps = [int(x.rsplit(".", 1)[1]) for x in job["checkpoints"]]
     assert steps[-1] == 240, steps
     # keep_last 2: the catalogue keeps every entry and says which are still on disk.
     cat = api.ok("GET", f"/v1/checkpoints?job={job_id}")["checkpoints"]

@@ -207,7 +207,7 @@ def submit(api, body):
 
 
 def newest_checkpoint(job):
-    return max([int(c.rsplit("/", 1)[1]) for c in job.get("checkpoints", [])] or [0])
+    return max([int(c.rsplit(".", 1)[1]) for c in job.get("checkpoints", [])] or [0])
 
 
 def reasons(job):
@@ -442,13 +442,13 @@ class Matrix:
         assert skipped, f"no 'checkpoint at step {newest} skipped' event: {reasons(job)}"
         damaged = [x.get("damaged") for x in seen + [x for x in self.api.catalogue(job["id"])
                                                      if int(x["step"]) == newest] if x.get("damaged")]
-        assert damaged, f"catalogue entry {job['id']}/{newest} never marked damaged: {seen[-3:]}"
-        print(f"ok: (c) 4 bytes flipped in {job['id']}/{newest}, rank killed: \"{skipped[0]}\", catalogue "
+        assert damaged, f"catalogue entry {job['id']}.{newest} never marked damaged: {seen[-3:]}"
+        print(f"ok: (c) 4 bytes flipped in {job['id']}.{newest}, rank killed: \"{skipped[0]}\", catalogue "
               f"damaged \"{damaged[0]}\", resumed from step {resumed}, final weights = the reference's")
 
     def case_d_deleted_dir(self):
         job, newest, resumed, _ = self._damage_then_kill(shutil.rmtree, "deleted step directory")
-        print(f"ok: (d) step directory {job['id']}/{newest} deleted, rank killed: resumed from step {resumed}, "
+        print(f"ok: (d) step directory {job['id']}.{newest} deleted, rank killed: resumed from step {resumed}, "
               f"final weights = the reference's")
 
     def case_e_pinned_by_queued_child(self):
