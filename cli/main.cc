@@ -646,9 +646,14 @@ class CommandLine {
   CLI::App* Command(const std::string& name, const std::string& help) {
     return app_.add_subcommand(name, help);
   }
-  static void Flag(CLI::App* cmd, const std::string& name, const std::string& type,
-                   const std::string& help) {
-    cmd->add_option("--" + name, help)->type_name(type);
+  struct FlagSpec {
+    const char* name;  // without the leading --
+    const char* type;  // the value's placeholder in --help
+    const char* help;
+  };
+  static void Flags(CLI::App* cmd, std::initializer_list<FlagSpec> flags) {
+    for (const FlagSpec& f : flags)
+      cmd->add_option(std::string("--") + f.name, f.help)->type_name(f.type);
   }
   static void Switch(CLI::App* cmd, const std::string& names, const std::string& help) {
     cmd->add_flag(names, help);
@@ -683,30 +688,32 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
   std::string file, job, sweep_arg;
 
   CLI::App* up = line.Command("up", "run a local coordinator and workers on this box until Ctrl-C");
-  C::Flag(up, "workers", "N", "worker agents (default 1)");
-  C::Flag(up, "slots", "N", "trainer ranks per worker (default 2)");
-  C::Flag(up, "port", "PORT", "coordinator port on 127.0.0.1 (default 8470)");
-  C::Flag(up, "data-dir", "DIR", "state, checkpoints and logs (default runs/loom-up)");
-  C::Flag(up, "labels", "K=V,...", "worker labels k=v,...");
-  C::Flag(up, "prometheus-dir", "DIR", "file_sd targets (default DATA_DIR/prometheus-targets)");
+  C::Flags(up,
+           {{"workers", "N", "worker agents (default 1)"},
+            {"slots", "N", "trainer ranks per worker (default 2)"},
+            {"port", "PORT", "coordinator port on 127.0.0.1 (default 8470)"},
+            {"data-dir", "DIR", "state, checkpoints and logs (default runs/loom-up)"},
+            {"labels", "K=V,...", "worker labels k=v,..."},
+            {"prometheus-dir", "DIR", "file_sd targets (default DATA_DIR/prometheus-targets)"}});
 
   CLI::App* submit = line.Command(
       "submit",
       "submit a job: a job spec (docs/jobs.md) or {\"spec\": ..., \"world_size\": ...}, "
       "JSON or YAML");
   submit->add_option("file", file, "the job file")->required();
-  C::Flag(submit, "world-size", "N", "ranks, one slot each (default 1)");
-  C::Flag(submit, "priority", "P", "-1000..1000, higher first (default 0)");
-  C::Flag(submit, "pool", "K=V,...", "labels a worker must carry, k=v,...");
-  C::Flag(submit, "max-restarts", "N", "retries after the job's own failures (default 3)");
-  C::Flag(submit, "init-from", "CHECKPOINT", "start from the weights of this catalogue checkpoint");
-  C::Flag(submit, "request-id", "KEY", "idempotency key: a retry returns the same job");
-  C::Flag(submit, "name", "NAME", "the job's name");
+  C::Flags(submit,
+           {{"world-size", "N", "ranks, one slot each (default 1)"},
+            {"priority", "P", "-1000..1000, higher first (default 0)"},
+            {"pool", "K=V,...", "labels a worker must carry, k=v,..."},
+            {"max-restarts", "N", "retries after the job's own failures (default 3)"},
+            {"init-from", "CHECKPOINT", "start from the weights of this catalogue checkpoint"},
+            {"request-id", "KEY", "idempotency key: a retry returns the same job"},
+            {"name", "NAME", "the job's name"}});
   C::Switch(submit, "-f,--follow", "wait, showing progress; the exit code says how it ended");
 
   CLI::App* list = line.Command("list", "jobs, newest last");
-  C::Flag(list, "state", "STATE", "only jobs in this state (queued, running, succeeded, ...)");
-  C::Flag(list, "limit", "N", "the newest N jobs (default 50; 0: all)");
+  C::Flags(list, {{"state", "STATE", "only jobs in this state (queued, running, succeeded, ...)"},
+                  {"limit", "N", "the newest N jobs (default 50; 0: all)"}});
 
   CLI::App* status =
       line.Command("status", "a job's state, progress, events, checkpoints and evaluations");
@@ -716,10 +723,10 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
   for (CLI::App* c : {status, logs, cancel, plot}) c->add_option("job", job, "job id")->required();
   C::Switch(status, "-f,--follow", "until the job ends");
   C::Switch(logs, "-f,--follow", "stream until the job ends");
-  C::Flag(plot, "file", "PNG", "the PNG to write (default JOB.png)");
+  C::Flags(plot, {{"file", "PNG", "the PNG to write (default JOB.png)"}});
 
   CLI::App* checkpoints = line.Command("checkpoints", "the checkpoint catalogue with lineage");
-  C::Flag(checkpoints, "job", "JOB", "only this job's checkpoints");
+  C::Flags(checkpoints, {{"job", "JOB", "only this job's checkpoints"}});
   CLI::App* workers = line.Command("workers", "registered workers and their slots");
 
   CLI::App* sweep = line.Command("sweep",
@@ -729,7 +736,7 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
   sweep->fallthrough();
   CLI::App* s_submit = sweep->add_subcommand("submit", "submit a sweep file");
   s_submit->add_option("file", sweep_arg, "the sweep file (YAML or JSON)")->required();
-  C::Flag(s_submit, "request-id", "KEY", "idempotency key");
+  C::Flags(s_submit, {{"request-id", "KEY", "idempotency key"}});
   C::Switch(s_submit, "-f,--follow", "wait, then print the report");
   sweep->add_subcommand("list", "sweeps");
   CLI::App* s_status = sweep->add_subcommand("status", "a sweep's jobs and their states");
@@ -738,11 +745,11 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
       "report", "per cell mean, sd and 95% interval; paired differences against the baseline");
   for (CLI::App* c : {s_status, s_cancel, s_report})
     c->add_option("sweep", sweep_arg, "sweep id")->required();
-  C::Flag(s_report, "format", "FORMAT", "table | json | csv (default: table, or -o)");
-  C::Flag(s_report, "plot", "PNG", "also write metric vs step per cell (PNG)");
-  C::Flag(s_report, "metric", "METRIC",
-          "eval_loss | accuracy | exact_match (default: the sweep's)");
-  C::Flag(s_report, "select", "SELECTION", "final | best | test (default: the sweep's)");
+  C::Flags(s_report,
+           {{"format", "FORMAT", "table | json | yaml | csv (default: table, or -o)"},
+            {"plot", "PNG", "also write metric vs step per cell (PNG)"},
+            {"metric", "METRIC", "eval_loss | accuracy | exact_match (default: the sweep's)"},
+            {"select", "SELECTION", "final | best | test (default: the sweep's)"}});
   C::Switch(s_report, "-f,--follow", "");  // accepted for symmetry with submit; no effect
 
   if (argc > 1 && argv[1][0] != '-') {

@@ -206,6 +206,21 @@ bool IntParam(const HttpRequest& req, HttpResponse& res, const char* name, int64
   return true;
 }
 
+// page_size of a paged list (paging.h); false when it answered a 400.
+bool PageSize(const HttpRequest& req, HttpResponse& res, int* out) {
+  int64_t n;
+  if (!IntParam(req, res, "page_size", kDefaultPageSize, 1, kMaxPageSize, &n)) return false;
+  *out = static_cast<int>(n);
+  return true;
+}
+
+// The result as JSON, or its error.
+template <typename T>
+void Reply(HttpResponse& res, const absl::StatusOr<T>& r) {
+  if (!r.ok()) return SendStatus(res, r.status());
+  SendMessage(res, *r);
+}
+
 // "host:port", "[v6]:port" or "host" -> the host, lower case.
 std::string HostPart(absl::string_view authority) {
   if (absl::StartsWith(authority, "[")) {
@@ -522,23 +537,19 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   server.Route(
       "GET", "/v1/checkpoints", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {"job", "page_size", "page_token"})) return;
-        int64_t page_size;
-        if (!IntParam(req, res, "page_size", kDefaultPageSize, 1, kMaxPageSize, &page_size)) return;
-        auto r = c->ListCheckpoints(req.Param("job"), static_cast<int>(page_size),
-                                    req.Param("page_token"));
-        if (!r.ok()) return SendStatus(res, r.status());
-        SendMessage(res, *r);
+        int page_size;
+        if (!CheckParams(req, res, {"job", "page_size", "page_token"}) ||
+            !PageSize(req, res, &page_size))
+          return;
+        Reply(res, c->ListCheckpoints(req.Param("job"), page_size, req.Param("page_token")));
       }));
   server.Route(
       "GET", "/v1/workers", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {"page_size", "page_token"})) return;
-        int64_t page_size;
-        if (!IntParam(req, res, "page_size", kDefaultPageSize, 1, kMaxPageSize, &page_size)) return;
-        auto r = c->ListWorkers(static_cast<int>(page_size), req.Param("page_token"));
-        if (!r.ok()) return SendStatus(res, r.status());
-        SendMessage(res, *r);
+        int page_size;
+        if (!CheckParams(req, res, {"page_size", "page_token"}) || !PageSize(req, res, &page_size))
+          return;
+        Reply(res, c->ListWorkers(page_size, req.Param("page_token")));
       }));
   server.Route("POST", "/v1/sweeps", "user",
                UserRoute(c, options,
@@ -552,12 +563,10 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   server.Route(
       "GET", "/v1/sweeps", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {"page_size", "page_token"})) return;
-        int64_t page_size;
-        if (!IntParam(req, res, "page_size", kDefaultPageSize, 1, kMaxPageSize, &page_size)) return;
-        auto r = c->ListSweeps(static_cast<int>(page_size), req.Param("page_token"));
-        if (!r.ok()) return SendStatus(res, r.status());
-        SendMessage(res, *r);
+        int page_size;
+        if (!CheckParams(req, res, {"page_size", "page_token"}) || !PageSize(req, res, &page_size))
+          return;
+        Reply(res, c->ListSweeps(page_size, req.Param("page_token")));
       }));
   server.Route(
       "GET", "/v1/sweeps/{id}", "user",
