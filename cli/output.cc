@@ -1,6 +1,5 @@
 #include "output.h"
 
-#include <google/protobuf/util/json_util.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
@@ -9,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "rest_client.h"
 
 namespace loom::cli {
 namespace {
@@ -70,12 +70,8 @@ absl::StatusOr<Output> ParseOutput(const std::string& name) {
 }
 
 std::string FormatMessage(const google::protobuf::Message& m, Output output) {
-  google::protobuf::util::JsonPrintOptions options;
-  options.preserve_proto_field_names = true;
-  options.always_print_primitive_fields = true;
   // One line per document: `-o json` output is JSON lines when a command prints several.
-  std::string json;
-  (void)google::protobuf::util::MessageToJsonString(m, &json, options);
+  const std::string json = client::MessageToJson(m, /*pretty=*/false, /*with_defaults=*/true);
   if (output != Output::kYaml) return json;
   YAML::Emitter out;
   EmitYaml(out, nlohmann::ordered_json::parse(json));

@@ -13,10 +13,11 @@
 
 namespace loom::client {
 
-std::string MessageToJson(const google::protobuf::Message& m, bool pretty) {
+std::string MessageToJson(const google::protobuf::Message& m, bool pretty, bool with_defaults) {
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
   options.add_whitespace = pretty;
+  options.always_print_primitive_fields = with_defaults;
   std::string json;
   (void)google::protobuf::util::MessageToJsonString(m, &json, options);
   return json;
@@ -31,36 +32,37 @@ std::string ErrorMessage(const std::string& body) {
   return body.substr(0, 500);
 }
 
-absl::Status StatusFromHttpCode(int status, const std::string& body);
-
-absl::Status StatusFromHttp(int status, const std::string& body) {
-  absl::Status s = StatusFromHttpCode(status, body);
-  if (!s.ok()) s.SetPayload(kHttpStatusPayload, absl::Cord(std::to_string(status)));
-  return s;
-}
-
-absl::Status StatusFromHttpCode(int status, const std::string& body) {
-  if (status >= 200 && status < 300) return absl::OkStatus();
-  const std::string msg = absl::StrCat("HTTP ", status, ": ", ErrorMessage(body));
+namespace {
+// The absl code for an HTTP error status.
+absl::StatusCode CodeOfHttpStatus(int status) {
   switch (status) {
     case 400:
-      return absl::InvalidArgumentError(msg);
+      return absl::StatusCode::kInvalidArgument;
     case 401:
-      return absl::UnauthenticatedError(msg);
+      return absl::StatusCode::kUnauthenticated;
     case 403:
-      return absl::PermissionDeniedError(msg);
+      return absl::StatusCode::kPermissionDenied;
     case 404:
-      return absl::NotFoundError(msg);
+      return absl::StatusCode::kNotFound;
     case 409:
-      return absl::FailedPreconditionError(msg);
+      return absl::StatusCode::kFailedPrecondition;
     case 413:
     case 429:
-      return absl::ResourceExhaustedError(msg);
+      return absl::StatusCode::kResourceExhausted;
     case 503:
-      return absl::UnavailableError(msg);
+      return absl::StatusCode::kUnavailable;
     default:
-      return absl::InternalError(msg);
+      return absl::StatusCode::kInternal;
   }
+}
+
+}  // namespace
+
+absl::Status StatusFromHttp(int status, const std::string& body) {
+  if (status >= 200 && status < 300) return absl::OkStatus();
+  absl::Status s(CodeOfHttpStatus(status), absl::StrCat("HTTP ", status, ": ", ErrorMessage(body)));
+  s.SetPayload(kHttpStatusPayload, absl::Cord(std::to_string(status)));
+  return s;
 }
 
 absl::StatusOr<std::unique_ptr<RestClient>> RestClient::Create(const std::string& url,

@@ -74,7 +74,9 @@ absl::StatusOr<List> AllPages(RestClient& client, const std::string& path, Merge
 // callers can tell "the server refused" from "the input was bad" (the CLI's exit codes).
 inline constexpr char kHttpStatusPayload[] = "type.loom.dev/http-status";
 
-std::string MessageToJson(const google::protobuf::Message& m, bool pretty = false);
+// with_defaults: also fields at their default values (0, "", false), as the coordinator prints.
+std::string MessageToJson(const google::protobuf::Message& m, bool pretty = false,
+                          bool with_defaults = false);
 // The "error" field of an error body, or the body itself.
 std::string ErrorMessage(const std::string& body);
 absl::Status StatusFromHttp(int status, const std::string& body);
