@@ -20,6 +20,7 @@ const std::map<unsigned, std::string> kDigests = {
     {3, "68f8e71e7a68cf30"},  // AttentionCache, NewCache / ForwardCached (KV-cache decoding)
     {4, "e4f6e921edd4815f"},  // sft_plugin.h: SFT objective plugins (LOOM_PLUGIN_KIND_SFT)
     {5, "69c822277ec55cdc"},  // one create wrapper and entry macro for every kind
+    {6, "89129a5dc5a9d87d"},  // AttentionCache::KeepRows / AppendRows (continuous batching)
                               // (LOOM_DEFINE_PLUGIN)
 };
 

@@ -6,8 +6,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -374,6 +376,60 @@ class Cli {
     return absl::OkStatus();
   }
 
+  // The directory of a checkpoint: a directory as given, or a catalogue id (job-000002.150, or
+  // the older job-000002/150) looked up in the coordinator's catalogue.
+  absl::StatusOr<std::string> CheckpointPath(const std::string& ref) {
+    if (fs::is_directory(ref)) return fs::absolute(ref).string();
+    std::string id = ref;
+    std::replace(id.begin(), id.end(), '/', '.');
+    const size_t dot = id.rfind('.');
+    if (dot == std::string::npos || dot == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--checkpoint: '", ref, "' is neither a directory nor a checkpoint id (job-000002.150)"));
+    }
+    LOOM_ASSIGN_OR_RETURN(v1::ListCheckpointsResponse r,
+                          client::AllPages<v1::ListCheckpointsResponse>(
+                              *client_, "/v1/checkpoints?page_size=500&job=" + id.substr(0, dot),
+                              [](auto& all, auto& page) {
+                                all.mutable_checkpoints()->MergeFrom(page.checkpoints());
+                              }));
+    for (const auto& c : r.checkpoints()) {
+      if (c.id() != id) continue;
+      if (!c.available()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("--checkpoint: ", id, " was deleted by retention"));
+      }
+      if (!c.damaged().empty()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("--checkpoint: ", id, " is damaged: ", c.damaged()));
+      }
+      return c.path();
+    }
+    return absl::NotFoundError(absl::StrCat("--checkpoint: no checkpoint ", id,
+                                            " in the catalogue (loom checkpoints lists them)"));
+  }
+
+  // `loom serve`: resolves the checkpoint, then becomes loom-serve (docs/serve.md).
+  absl::Status Serve(const CliArgs& args) {
+    LOOM_ASSIGN_OR_RETURN(std::string ref, args.Require("checkpoint"));
+    LOOM_ASSIGN_OR_RETURN(std::string path, CheckpointPath(ref));
+    std::error_code ec;
+    const fs::path bin = fs::read_symlink("/proc/self/exe", ec).parent_path() / "loom-serve";
+    std::vector<std::string> argv = {bin.string(), "--checkpoint", path};
+    if (!fs::is_directory(ref)) argv.insert(argv.end(), {"--model-name", ref});
+    for (const char* flag :
+         {"bind", "port", "port-file", "token-file", "model-name", "max-batch", "max-queue",
+          "max-tokens", "max-n", "device", "threads", "tls-cert", "tls-key"}) {
+      if (args.Has(flag)) argv.insert(argv.end(), {absl::StrCat("--", flag), args.Get(flag)});
+    }
+    std::vector<char*> cargv;
+    for (auto& a : argv) cargv.push_back(a.data());
+    cargv.push_back(nullptr);
+    ::execv(cargv[0], cargv.data());
+    return absl::UnavailableError(
+        absl::StrCat("cannot run ", bin.string(), ": ", std::strerror(errno)));
+  }
+
   // Loss and throughput over steps from the job's log (rank 0's progress lines), drawn by gnuplot.
   absl::Status Plot(const std::string& id, const CliArgs& args) {
     std::string log;
@@ -729,6 +785,24 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
   C::Flags(checkpoints, {{"job", "JOB", "only this job's checkpoints"}});
   CLI::App* workers = line.Command("workers", "registered workers and their slots");
 
+  CLI::App* serve = line.Command(
+      "serve", "serve a checkpoint over an OpenAI-compatible API until Ctrl-C (docs/serve.md)");
+  C::Flags(serve,
+           {{"checkpoint", "REF", "a catalogue id (job-000002.150) or a checkpoint directory"},
+            {"port", "PORT", "listen port (default 8000)"},
+            {"bind", "ADDR", "listen address (default 127.0.0.1)"},
+            {"port-file", "FILE", "write the bound port here once listening"},
+            {"model-name", "NAME", "the model id clients name (default: REF)"},
+            {"max-batch", "N", "rows decoded together (default 32)"},
+            {"max-queue", "N", "sequences waiting before 429 (default 256)"},
+            {"max-tokens", "N", "most tokens one sequence may generate (default 1024)"},
+            {"max-n", "N", "most choices per prompt (default 16)"},
+            {"device", "DEVICE", "cpu | cuda | auto (default auto)"},
+            {"threads", "N", "LibTorch threads (default: all cores)"},
+            {"tls-cert", "PEM", "serve HTTPS with this certificate chain"},
+            {"tls-key", "PEM", "and this private key"}});
+  serve->get_option("--checkpoint")->required();
+
   CLI::App* sweep = line.Command("sweep",
                                  "sweeps: cells x seeds as jobs, reports with intervals "
                                  "(docs/sweeps.md)");
@@ -775,7 +849,7 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
 
   Cli cli;
   if (up->parsed()) return Up(line.ArgsOf(up));
-  for (CLI::App* c : {submit, list, status, logs, cancel, plot, checkpoints, workers}) {
+  for (CLI::App* c : {submit, list, status, logs, cancel, plot, checkpoints, workers, serve}) {
     if (!c->parsed()) continue;
     const CliArgs args = line.ArgsOf(c);
     LOOM_RETURN_IF_ERROR(cli.Init(args));
@@ -786,6 +860,7 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
     if (c == cancel) return cli.Cancel(job);
     if (c == plot) return cli.Plot(job, args);
     if (c == checkpoints) return cli.Checkpoints(args);
+    if (c == serve) return cli.Serve(args);
     return cli.Workers();
   }
   for (CLI::App* c : sweep->get_subcommands()) {

@@ -795,6 +795,7 @@ void HttpServer::WorkerLoop() {
         }
         break;
       }
+      request.client_connected = [&conn] { return conn.ClientConnected(); };
       Dispatch(request, response);
       const std::string connection = absl::AsciiStrToLower(request.Header("connection"));
       const bool keep_alive = !response.stream && connection != "close" &&

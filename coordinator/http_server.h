@@ -45,6 +45,9 @@ struct HttpRequest {
   std::vector<std::pair<std::string, std::string>> headers;  // names in lower case
   std::multimap<std::string, std::string> params;            // query parameters, decoded
   std::vector<std::string> matches;                          // the route's regex groups
+  // False once the client has closed its side (a handler that waits long, e.g. for generated
+  // tokens, polls it to stop work nobody will read).
+  std::function<bool()> client_connected = [] { return true; };
 
   // The first value of a header (lower-case name), "" when absent.
   std::string Header(absl::string_view lower_name) const;

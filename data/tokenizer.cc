@@ -7,23 +7,6 @@
 namespace loom::data {
 namespace {
 
-class ByteTokenizer : public Tokenizer {
- public:
-  std::vector<uint32_t> Encode(std::string_view text) const override {
-    std::vector<uint32_t> out(text.size());
-    for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
-    return out;
-  }
-  std::string Decode(const std::vector<uint32_t>& ids) const override {
-    std::string out;
-    for (uint32_t id : ids) out.push_back(static_cast<char>(id & 0xff));
-    return out;
-  }
-  int64_t vocab_size() const override { return 256; }
-  int64_t eos_id() const override { return -1; }
-  std::string Describe() const override { return "byte"; }
-};
-
 class SentencePieceTokenizer : public Tokenizer {
  public:
   SentencePieceTokenizer(std::string path, std::unique_ptr<SentencePieceModel> model)
@@ -48,7 +31,7 @@ class SentencePieceTokenizer : public Tokenizer {
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> MakeTokenizer(const std::string& kind,
                                                          const std::string& model) {
-  if (kind == "byte") return std::make_unique<ByteTokenizer>();
+  if (kind == "byte") return MakeByteTokenizer();
   if (kind == "sentencepiece") {
     if (model.empty())
       return absl::InvalidArgumentError("tokenizer_model: required for sentencepiece");

@@ -23,6 +23,9 @@ class Tokenizer {
   virtual std::string Describe() const = 0;
 };
 
+// The byte-level tokenizer (in loom_data: usable without libsentencepiece).
+std::unique_ptr<Tokenizer> MakeByteTokenizer();
+
 // kind "byte" (model ignored) or "sentencepiece" (model = path of a .model file).
 absl::StatusOr<std::unique_ptr<Tokenizer>> MakeTokenizer(const std::string& kind,
                                                          const std::string& model);

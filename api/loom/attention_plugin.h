@@ -67,6 +67,16 @@ class AttentionCache {
   virtual int64_t tokens() const = 0;
   // Bytes of tensor memory the cache holds now.
   virtual int64_t bytes() const = 0;
+
+  // Continuous batching (loom-serve): rows leave and join a running batch between steps.
+  // Keeps only the rows `rows` (int64 [R], indices into this cache's batch, in that order).
+  virtual void KeepRows(const torch::Tensor& rows) = 0;
+  // Appends the rows of `other` (made by the same layer's NewCache(), on the same device) after
+  // this cache's rows. The cache holding fewer tokens is left-padded to the other's count with
+  // entries in segment kPadSegment, which no query attends to; a cache without segments gets
+  // segment 1 for its tokens, so later calls on the merged cache must pass segments.
+  virtual void AppendRows(const AttentionCache& other) = 0;
+  static constexpr int64_t kPadSegment = -1;
 };
 
 class AttentionLayer : public torch::nn::Module {

@@ -24,6 +24,8 @@ double Uniform(std::mt19937_64& rng) {  // 53 random bits, the same on every pla
 
 }  // namespace
 
+std::mt19937_64 SequenceRng(uint64_t seed) { return std::mt19937_64(Mix(seed)); }
+
 uint32_t SampleToken(const torch::Tensor& logits, const SamplingOptions& o, std::mt19937_64& rng) {
   torch::Tensor row = logits.detach().to(torch::kCPU, torch::kFloat64).contiguous();
   const auto* l = row.data_ptr<double>();
@@ -115,7 +117,7 @@ absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
           pos[r][pad + i] = i;
           seg[r][pad + i] = 1;
         }
-        rng.emplace_back(Mix(req.seed));
+        rng.push_back(SequenceRng(req.seed));
       }
       DecodeState state = model.NewDecodeState();
       ModelInputs in;

@@ -55,6 +55,10 @@ absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
                                                  const TokenDecoder& decode,
                                                  GenerationStats* stats = nullptr);
 
+// The random stream of a sequence with `seed` (SplitMix64 of it): Generate and loom-serve draw
+// the same samples for the same seed.
+std::mt19937_64 SequenceRng(uint64_t seed);
+
 // The next token from one row of logits (any float dtype, any device): argmax when greedy, else
 // temperature then top-p, drawing u in [0, 1) from `rng`. Exposed for tests.
 uint32_t SampleToken(const torch::Tensor& logits, const SamplingOptions& options,

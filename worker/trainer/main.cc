@@ -20,6 +20,7 @@
 #include "checkpoint.h"
 #include "corpus.h"
 #include "devices.h"
+#include "inference_commands.h"
 #include "lease.h"
 #include "loom/blas_core.h"
 #include "loom/cli_args.h"
@@ -53,6 +54,12 @@ commands:
                 --input x.safetensors --output y.safetensors
   describe    per-layer attention kind, parameters and forward FLOPs/token of a model
                 --preset NAME or --model model.json, --context N (default max_seq_len)
+  generate    continue a prompt with a checkpoint's model (the batch generator; JSON out)
+                --checkpoint DIR (a step directory or a checkpoint root: its newest)
+                --prompt TEXT | --prompt-tokens 1,2,3  --max-new-tokens N (16)
+                --greedy | --temperature T --top-p P --seed S
+  score       log-probability of each token given the ones before (one full forward; JSON)
+                --checkpoint DIR  --tokens 1,2,3 | --text TEXT
   plugins     list loadable plugins and load errors
   devices     report CPU threads and CUDA devices
 common flags: --plugin-dir DIR[:DIR...] (default: $LOOM_PLUGIN_PATH, then <exe>/../lib/loom/plugins)
@@ -66,32 +73,9 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string&
   return s.str();
 }
 
-// Loads plugins from --plugin-dir or the default search path; load failures are printed and
-// skipped so one broken library never takes the others down.
+// Loads plugins from --plugin-dir or the default search path (LoadPluginDirectories).
 absl::Status LoadPlugins(const CliArgs& args, PluginLoader& loader, bool verbose) {
-  std::vector<std::string> dirs;
-  if (args.Has("plugin-dir")) {
-    for (auto d : absl::StrSplit(args.Get("plugin-dir"), ':', absl::SkipEmpty()))
-      dirs.emplace_back(d);
-  } else {
-    dirs = PluginLoader::DefaultSearchPath();
-  }
-  LoadReport report = loader.LoadDirectories(dirs);
-  for (const absl::Status& s : report.failures) {
-    std::cerr << "warning: " << s.message() << "\n";
-  }
-  if (verbose) {
-    std::cout << "search path:";
-    for (const auto& d : dirs) std::cout << " " << d;
-    std::cout << "\n";
-  }
-  if (loader.plugins().empty()) {
-    std::string searched;
-    for (const auto& d : dirs) searched += (searched.empty() ? "" : ":") + d;
-    return absl::NotFoundError(
-        absl::StrCat("no plugins found in ", searched, " (set --plugin-dir or LOOM_PLUGIN_PATH)"));
-  }
-  return absl::OkStatus();
+  return LoadPluginDirectories(args.Get("plugin-dir"), loader, verbose);
 }
 
 absl::Status ApplyThreads(const CliArgs& args) {
@@ -371,6 +355,21 @@ absl::Status RunDescribe(int argc, char** argv) {
   return absl::OkStatus();
 }
 
+// generate | score: a checkpoint's model as inference_commands.h describes.
+absl::Status RunInference(const std::string& command, int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args,
+      CliArgs::Parse(argc, argv, 2,
+                     {"checkpoint", "prompt", "prompt-tokens", "max-new-tokens", "temperature",
+                      "top-p", "seed", "tokens", "text", "plugin-dir", "threads"},
+                     {"greedy"}));
+  LOOM_RETURN_IF_ERROR(ApplyThreads(args));
+  PluginLoader loader;
+  LOOM_RETURN_IF_ERROR(LoadPlugins(args, loader, false));
+  return command == "generate" ? RunGenerateCommand(args, loader, std::cout)
+                               : RunScoreCommand(args, loader, std::cout);
+}
+
 absl::Status RunPlugins(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2, {"plugin-dir"}));
   PluginLoader loader;
@@ -427,6 +426,8 @@ int main(int argc, char** argv) {
       status = RunAttention(argc, argv);
     } else if (command == "describe") {
       status = RunDescribe(argc, argv);
+    } else if (command == "generate" || command == "score") {
+      status = RunInference(command, argc, argv);
     } else if (command == "plugins") {
       status = RunPlugins(argc, argv);
     } else if (command == "devices") {

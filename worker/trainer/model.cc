@@ -59,6 +59,16 @@ int64_t DecodeState::bytes() const {
   return total;
 }
 
+void DecodeState::KeepRows(const torch::Tensor& rows) {
+  for (auto& c : caches) c->KeepRows(rows);
+}
+
+void DecodeState::AppendRows(const DecodeState& other) {
+  TORCH_CHECK(other.caches.size() == caches.size(), "decode state: ", other.caches.size(),
+              " layers appended to ", caches.size());
+  for (size_t i = 0; i < caches.size(); ++i) caches[i]->AppendRows(*other.caches[i]);
+}
+
 absl::StatusOr<std::shared_ptr<Transformer>> Transformer::Create(const v1::ModelConfig& config,
                                                                  const PluginLoader& loader) {
   LOOM_ASSIGN_OR_RETURN(v1::ModelConfig c, ResolveModelConfig(config));

@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -166,6 +167,20 @@ absl::StatusOr<const LoadedPlugin*> PluginLoader::Find(const std::string& name,
                                             "' (loaded: ", absl::StrJoin(names, ", "), ")"));
   }
   return &it->second;
+}
+
+absl::Status LoadPluginDirectories(const std::string& flag, PluginLoader& loader, bool verbose) {
+  std::vector<std::string> dirs;
+  for (auto d : absl::StrSplit(flag, ':', absl::SkipEmpty())) dirs.emplace_back(d);
+  if (dirs.empty()) dirs = PluginLoader::DefaultSearchPath();
+  LoadReport report = loader.LoadDirectories(dirs);
+  for (const absl::Status& s : report.failures) std::cerr << "warning: " << s.message() << "\n";
+  if (verbose) std::cout << "search path: " << absl::StrJoin(dirs, " ") << "\n";
+  if (loader.plugins().empty()) {
+    return absl::NotFoundError(absl::StrCat("no plugins found in ", absl::StrJoin(dirs, ":"),
+                                            " (set --plugin-dir or LOOM_PLUGIN_PATH)"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace loom::trainer

@@ -62,6 +62,11 @@ class PluginLoader {
   std::string last_loaded_;
 };
 
+// Loads every plugin in `dirs` (a --plugin-dir value, DIR[:DIR...]; "" = DefaultSearchPath()).
+// A library that fails to load is reported on stderr and skipped, so one broken library never
+// takes the others down; NotFound when no plugin loaded at all. verbose: prints the path.
+absl::Status LoadPluginDirectories(const std::string& dirs, PluginLoader& loader, bool verbose);
+
 }  // namespace loom::trainer
 
 #endif  // LOOM_WORKER_TRAINER_PLUGIN_LOADER_H_

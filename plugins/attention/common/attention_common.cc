@@ -206,6 +206,89 @@ int64_t DefinedBytes(std::initializer_list<const torch::Tensor*> tensors) {
 
 int64_t KeyValueCache::bytes() const { return DefinedBytes({&k_, &v_, &segments_}); }
 
+void KeepCacheRows(std::initializer_list<torch::Tensor*> tensors, const torch::Tensor& rows) {
+  for (torch::Tensor* t : tensors) {
+    if (t->defined()) *t = t->index_select(0, rows.to(t->device(), torch::kInt64));
+  }
+}
+
+int64_t LeadingPadTokens(const torch::Tensor& segments) {
+  if (!segments.defined() || segments.size(0) == 0) return 0;
+  torch::Tensor real = (segments != AttentionCache::kPadSegment).any(0).to(torch::kCPU);
+  const auto* r = real.data_ptr<bool>();
+  int64_t n = 0;
+  while (n < real.numel() && !r[n]) ++n;
+  return n;
+}
+
+namespace {
+
+torch::Tensor PadFront(const torch::Tensor& t, int64_t dim, int64_t count, int64_t fill) {
+  if (count == 0) return t;
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes[static_cast<size_t>(dim)] = count;
+  return torch::cat({torch::full(sizes, fill, t.options()), t}, dim);
+}
+
+}  // namespace
+
+void AppendCacheRows(const std::vector<CacheTensor>& tensors, torch::Tensor& my_segments,
+                     const torch::Tensor& their_segments, int64_t my_kept, int64_t their_kept) {
+  TORCH_CHECK(!tensors.empty() && tensors.front().mine->defined(), "AppendRows: empty cache");
+  const int64_t kept = std::max(my_kept, their_kept);
+  const int64_t my_rows = tensors.front().mine->size(0),
+                their_rows = tensors.front().theirs.size(0);
+  for (const CacheTensor& c : tensors) {
+    TORCH_CHECK(c.mine->defined() == c.theirs.defined(),
+                "AppendRows: the caches come from differently configured layers");
+    if (!c.mine->defined()) continue;
+    *c.mine = torch::cat({PadFront(*c.mine, c.token_dim, (kept - my_kept) * c.per_token, 0),
+                          PadFront(c.theirs, c.token_dim, (kept - their_kept) * c.per_token, 0)},
+                         0);
+  }
+  if (!my_segments.defined() && !their_segments.defined() && my_kept == their_kept) return;
+  auto segments = [&](const torch::Tensor& s, int64_t rows, int64_t length) {
+    torch::Tensor all =
+        s.defined() ? s
+                    : torch::ones({rows, length}, torch::TensorOptions()
+                                                      .dtype(torch::kInt64)
+                                                      .device(tensors.front().mine->device()));
+    return PadFront(all, 1, kept - length, AttentionCache::kPadSegment);
+  };
+  my_segments = torch::cat(
+      {segments(my_segments, my_rows, my_kept), segments(their_segments, their_rows, their_kept)},
+      0);
+}
+
+void KeyValueCache::KeepRows(const torch::Tensor& rows) {
+  if (rows.numel() == 0) {
+    *this = KeyValueCache(window_);
+    return;
+  }
+  KeepCacheRows({&k_, &v_, &segments_}, rows);
+  const int64_t drop = LeadingPadTokens(segments_);
+  if (drop == 0) return;
+  const int64_t kept = k_.size(2) - drop;
+  k_ = k_.narrow(2, drop, kept);
+  v_ = v_.narrow(2, drop, kept);
+  segments_ = segments_.narrow(1, drop, kept);
+  tokens_ -= drop;
+}
+
+void KeyValueCache::AppendRows(const AttentionCache& base) {
+  const auto* other = dynamic_cast<const KeyValueCache*>(&base);
+  TORCH_CHECK(other != nullptr && other->window_ == window_,
+              "attention cache: AppendRows needs a cache made by the same layer");
+  if (other->tokens_ == 0) return;
+  if (tokens_ == 0) {
+    *this = *other;
+    return;
+  }
+  AppendCacheRows({{&k_, other->k_, 2, 1}, {&v_, other->v_, 2, 1}}, segments_, other->segments_,
+                  k_.size(2), other->k_.size(2));
+  tokens_ = std::max(tokens_, other->tokens_);
+}
+
 KeyValueCache::View KeyValueCache::Append(const torch::Tensor& k, const torch::Tensor& v,
                                           const torch::Tensor& segments) {
   const int64_t b = k.size(0), t = k.size(2);

@@ -55,6 +55,8 @@ class KeyValueCache : public AttentionCache {
   explicit KeyValueCache(int64_t window) : window_(window) {}
   int64_t tokens() const override { return tokens_; }
   int64_t bytes() const override;
+  void KeepRows(const torch::Tensor& rows) override;
+  void AppendRows(const AttentionCache& other) override;
 
   struct View {
     torch::Tensor k, v;     // [B, Hk, L, w]: cached then new
@@ -82,6 +84,22 @@ void CheckCacheContinues(const char* who, int64_t cached_rows, bool cached_segme
                          bool segments);
 torch::Tensor SameSegment(const torch::Tensor& query_segments, const torch::Tensor& key_segments);
 int64_t DefinedBytes(std::initializer_list<const torch::Tensor*> tensors);
+
+// Continuous batching for every cache layout. KeepCacheRows index-selects the batch rows of the
+// defined tensors. AppendCacheRows concatenates two caches' rows: each CacheTensor says where a
+// tensor keeps its tokens (dim, entries per token); the cache keeping fewer tokens is left-padded
+// with zeros, its segments with AttentionCache::kPadSegment (undefined segments count as 1).
+struct CacheTensor {
+  torch::Tensor* mine;
+  torch::Tensor theirs;
+  int64_t token_dim = 2, per_token = 1;
+};
+void KeepCacheRows(std::initializer_list<torch::Tensor*> tensors, const torch::Tensor& rows);
+// Leading tokens that are padding (kPadSegment) in every row of segments [B, L]: once the rows
+// that needed them have left, a cache drops them (memory, and attention over fewer keys).
+int64_t LeadingPadTokens(const torch::Tensor& segments);
+void AppendCacheRows(const std::vector<CacheTensor>& tensors, torch::Tensor& my_segments,
+                     const torch::Tensor& their_segments, int64_t my_kept, int64_t their_kept);
 
 // Base of plugins built on the four projections: validates the common spec (throws
 // InvalidAttentionSpec naming the field), keeps its shape fields and registers the projections

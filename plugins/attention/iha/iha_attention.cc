@@ -101,6 +101,42 @@ torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInput
 
 int64_t IhaCache::bytes() const { return DefinedBytes({&keys, &values, &positions, &segments}); }
 
+void IhaCache::KeepRows(const torch::Tensor& rows) {
+  if (rows.numel() == 0) {
+    *this = IhaCache();
+    return;
+  }
+  KeepCacheRows({&keys, &values, &positions, &segments}, rows);
+  const int64_t drop = LeadingPadTokens(segments);
+  if (drop == 0) return;
+  const int64_t kept = segments.size(1) - drop, per_token = heads_layout ? 1 : p;
+  keys = keys.narrow(heads_layout ? 1 : 2, drop * per_token, kept * per_token);
+  values = values.narrow(heads_layout ? 1 : 2, drop * per_token, kept * per_token);
+  if (positions.defined()) positions = positions.narrow(1, drop, kept);
+  segments = segments.narrow(1, drop, kept);
+  tokens_ -= drop;
+}
+
+void IhaCache::AppendRows(const AttentionCache& base) {
+  const auto* other = dynamic_cast<const IhaCache*>(&base);
+  TORCH_CHECK(other != nullptr, "iha cache: AppendRows needs a cache made by an IHA layer");
+  if (other->tokens_ == 0) return;
+  if (tokens_ == 0) {
+    *this = *other;
+    return;
+  }
+  TORCH_CHECK(other->heads_layout == heads_layout && other->p == p,
+              "iha cache: AppendRows needs a cache made by the same layer");
+  // pseudo: [B, H, L·P, d]; heads: [B, L, H, d] and positions [B, L].
+  const int64_t dim = heads_layout ? 1 : 2, per_token = heads_layout ? 1 : p;
+  AppendCacheRows({{&keys, other->keys, dim, per_token},
+                   {&values, other->values, dim, per_token},
+                   {&positions, other->positions, 1, 1}},
+                  segments, other->segments, keys.size(dim) / per_token,
+                  other->keys.size(dim) / per_token);
+  tokens_ = std::max(tokens_, other->tokens_);
+}
+
 std::unique_ptr<AttentionCache> IhaAttention::NewCache() const {
   return std::make_unique<IhaCache>();
 }
@@ -176,6 +212,8 @@ torch::Tensor IhaAttention::ForwardCached(const torch::Tensor& x, const Attentio
   cache->positions = tail(all_pos, 1, 1);
   cache->segments = tail(all_seg, 1, 1);
   cache->tokens_ += t;
+  cache->heads_layout = cache_heads_;
+  cache->p = p;
   return proj_.o->forward(heads.reshape({b, t, n_heads_ * head_dim_}));
 }
 

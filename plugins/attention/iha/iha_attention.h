@@ -32,9 +32,13 @@ class IhaCache : public AttentionCache {
  public:
   int64_t tokens() const override { return tokens_; }
   int64_t bytes() const override;
+  void KeepRows(const torch::Tensor& rows) override;
+  void AppendRows(const AttentionCache& other) override;
 
  private:
   friend class IhaAttention;
+  bool heads_layout = false;  // set by the layer on its first ForwardCached call
+  int64_t p = 1;
   int64_t tokens_ = 0;
   torch::Tensor keys, values;  // pseudo: [B, H, L·P, d]; heads: [B, L, H, d]
   torch::Tensor positions;     // heads: int64 [B, L]

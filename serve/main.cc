@@ -1,0 +1,175 @@
+// loom-serve: serves one checkpoint over an OpenAI-compatible HTTP API (docs/serve.md).
+// `loom serve` resolves a catalogue id through the coordinator and runs this program.
+#include <signal.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "checkpoint_model.h"
+#include "http_server.h"
+#include "loom/blas_core.h"
+#include "loom/cli_args.h"
+#include "loom/exit_codes.h"
+#include "loom/status_macros.h"
+#include "plugin_loader.h"
+#include "server.h"
+
+namespace loom::serve {
+namespace {
+
+constexpr char kUsage[] = R"(usage: loom-serve --checkpoint DIR [flags]
+
+Serves a checkpoint (a step directory, or a checkpoint root: its newest intact checkpoint) over
+an OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
+/detokenize, /healthz, /metrics (docs/serve.md).
+
+flags:
+  --bind ADDR          listen address (default 127.0.0.1)
+  --port P             port (default 8000; 0 = any free port, see --port-file)
+  --port-file F        write the bound port to F once listening
+  --token-file F       clients must send "Authorization: Bearer <first line of F>"
+  --model-name NAME    the model id clients name (default: the checkpoint's job and step)
+  --max-batch N        rows decoded together (default 32)
+  --max-queue N        sequences waiting for a row before 429 (default 256)
+  --max-tokens N       most tokens one sequence may generate (default 1024)
+  --max-n N            most choices per prompt (default 16)
+  --device cpu|cuda|auto  (default auto)   --threads T (LibTorch threads; default all cores)
+  --tls-cert F --tls-key F   serve HTTPS
+  --plugin-dir DIR[:DIR]
+)";
+
+absl::StatusOr<std::string> ReadToken(const std::string& path) {
+  std::ifstream in(path);
+  std::string token;
+  if (!in || !std::getline(in, token))
+    return absl::InvalidArgumentError(absl::StrCat("--token-file: cannot read '", path, "'"));
+  token = std::string(absl::StripAsciiWhitespace(token));
+  if (token.empty()) return absl::InvalidArgumentError("--token-file: the file is empty");
+  return token;
+}
+
+// "job-000002.150" for <root>/.../step-00000150 of a job's checkpoint directory, else the name.
+std::string DefaultModelName(const trainer::CheckpointModel& m) {
+  const std::string job = m.spec.name().empty() ? "loom" : m.spec.name();
+  return absl::StrCat(job, ".", m.step);
+}
+
+absl::StatusOr<ServeOptions> OptionsFromArgs(const CliArgs& args,
+                                             const trainer::CheckpointModel& m) {
+  ServeOptions o;
+  o.model_name = args.Get("model-name", DefaultModelName(m));
+  if (args.Has("token-file")) {
+    LOOM_ASSIGN_OR_RETURN(o.token, ReadToken(args.Get("token-file")));
+  }
+  LOOM_ASSIGN_OR_RETURN(int64_t max_batch, args.GetInt("max-batch", 32, 1, 1024));
+  LOOM_ASSIGN_OR_RETURN(int64_t max_queue, args.GetInt("max-queue", 256, 1, 100000));
+  LOOM_ASSIGN_OR_RETURN(o.limits.max_tokens, args.GetInt("max-tokens", 1024, 1, 1 << 24));
+  LOOM_ASSIGN_OR_RETURN(int64_t max_n, args.GetInt("max-n", 16, 1, 1024));
+  o.engine.max_batch = static_cast<int>(max_batch);
+  o.engine.max_queue = static_cast<int>(max_queue);
+  o.limits.max_n = static_cast<int>(max_n);
+  o.limits.max_sequences = static_cast<int>(std::min<int64_t>(max_queue, 1024));
+  return o;
+}
+
+absl::StatusOr<torch::Device> PickDevice(const std::string& flag) {
+  const bool cuda = torch::cuda::is_available();
+  if (flag == "cpu" || (flag == "auto" && !cuda)) return torch::Device(torch::kCPU);
+  if (flag == "cuda" || flag == "auto") {
+    if (!cuda) return absl::FailedPreconditionError("--device cuda: no GPU is visible");
+    return torch::Device(torch::kCUDA);
+  }
+  return absl::InvalidArgumentError("--device: want cpu | cuda | auto");
+}
+
+absl::Status Run(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args, CliArgs::Parse(argc, argv, 1,
+                                   {"checkpoint", "bind", "port", "port-file", "token-file",
+                                    "model-name", "max-batch", "max-queue", "max-tokens", "max-n",
+                                    "device", "threads", "tls-cert", "tls-key", "plugin-dir"},
+                                   {}));
+  LOOM_ASSIGN_OR_RETURN(std::string where, args.Require("checkpoint"));
+  LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 0, 0, 1024));
+  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
+  LOOM_ASSIGN_OR_RETURN(torch::Device device, PickDevice(args.Get("device", "auto")));
+  trainer::PluginLoader loader;
+  LOOM_RETURN_IF_ERROR(trainer::LoadPluginDirectories(args.Get("plugin-dir"), loader, false));
+  LOOM_ASSIGN_OR_RETURN(trainer::CheckpointModel model,
+                        trainer::LoadCheckpointModel(where, loader, device, torch::kFloat32));
+  LOOM_ASSIGN_OR_RETURN(ServeOptions options, OptionsFromArgs(args, model));
+  std::cout << "loom-serve: " << model.dir << " (step " << model.step << ", "
+            << model.model->NumParameters() << " parameters, context "
+            << model.model->config().max_seq_len() << ", "
+            << (model.objective ? "chat template" : "no chat template") << ") as '"
+            << options.model_name << "'" << std::endl;
+
+  coordinator::HttpServerOptions http_options;
+  if (args.Has("tls-cert") || args.Has("tls-key")) {
+    LOOM_ASSIGN_OR_RETURN(http_options.tls,
+                          coordinator::LoadTlsContext(args.Get("tls-cert"), args.Get("tls-key")));
+  }
+  // A thread per waiting request: every row and every queued sequence can have its client.
+  http_options.threads = options.engine.max_batch + std::min(options.engine.max_queue, 256) + 4;
+  http_options.max_body_bytes = 8 << 20;
+  http_options.write_timeout_ms = 30000;
+  Server server(std::move(model), options);
+  coordinator::HttpServer http(http_options);
+  server.AddRoutes(http);
+  http.SetLogger([&](const coordinator::HttpRequest& req, const coordinator::HttpResponse& res,
+                     double seconds) {
+    server.LogRequest(req, res, seconds, http.RouteTemplate(req.method, req.path));
+  });
+  LOOM_ASSIGN_OR_RETURN(int64_t port, args.GetInt("port", 8000, 0, 65535));
+  const std::string bind = args.Get("bind", "127.0.0.1");
+  LOOM_ASSIGN_OR_RETURN(int bound, http.Listen(bind, static_cast<int>(port)));
+  if (args.Has("port-file")) {
+    const std::string file = args.Get("port-file"), tmp = file + ".tmp";
+    std::ofstream(tmp) << bound << "\n";
+    std::filesystem::rename(tmp, file);
+  }
+  http.Start();
+  std::cout << "loom-serve: listening on " << (http_options.tls ? "https" : "http") << "://" << bind
+            << ":" << bound << "/v1" << std::endl;
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  int sig = 0;
+  sigwait(&set, &sig);
+  http.Stop();
+  std::cout << "loom-serve: stopped" << std::endl;
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace loom::serve
+
+int main(int argc, char** argv) {
+  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
+  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::cout << loom::serve::kUsage;
+    return 0;
+  }
+  sigset_t set;  // the stop signals are taken by sigwait in Run, in every thread blocked
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  absl::Status s;
+  try {
+    s = loom::serve::Run(argc, argv);
+  } catch (const std::exception& e) {
+    s = absl::InternalError(e.what());
+  }
+  if (!s.ok()) {
+    std::cerr << "loom-serve: " << s.message() << "\n";
+    return absl::IsInvalidArgument(s) || absl::IsNotFound(s) ? loom::kExitBadInput : 1;
+  }
+  return 0;
+}

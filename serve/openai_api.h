@@ -1,0 +1,85 @@
+// The OpenAI wire format of loom-serve: request parsing with errors that name the field, and the
+// response bodies of /v1/completions and /v1/chat/completions (whole and streamed) in exactly the
+// shape the official clients and lm-evaluation-harness's `local-completions` read.
+#ifndef LOOM_SERVE_OPENAI_API_H_
+#define LOOM_SERVE_OPENAI_API_H_
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "engine.h"
+#include "loom/sft_plugin.h"
+#include "tokenizer.h"
+
+namespace loom::serve {
+
+// {"error": {"message", "type", "param", "code"}} with the HTTP status it goes with.
+struct ApiError {
+  int status = 400;
+  std::string message, type = "invalid_request_error", param, code;
+};
+nlohmann::json ErrorJson(const ApiError& e);
+// InvalidArgument "field: why" → 400 with param = field; NotFound → 404; ResourceExhausted → 429;
+// Unavailable → 503; anything else → 500.
+ApiError ErrorFromStatus(const absl::Status& s);
+
+struct ServeLimits {
+  int64_t context = 0;        // the model's max_seq_len
+  int64_t vocab = 0;          // token ids must be below this
+  int64_t max_tokens = 1024;  // most tokens one sequence may ask for
+  int max_n = 16;             // choices per prompt
+  int max_sequences = 64;     // prompts × n in one request
+  int max_logprobs = 20;      // top alternatives per token
+};
+
+// Sampling fields both endpoints share, checked against the limits.
+struct CommonRequest {
+  std::string model;
+  int n = 1;
+  bool stream = false, include_usage = false;
+  bool has_seed = false;
+  SequenceParams params;  // prompt empty; filled per prompt
+};
+
+struct CompletionRequest {
+  CommonRequest common;
+  std::vector<std::vector<uint32_t>> prompts;
+  bool echo = false;
+};
+
+struct ChatRequest {
+  CommonRequest common;
+  ChatConversation conversation;
+  bool logprobs = false;
+};
+
+absl::StatusOr<CompletionRequest> ParseCompletionRequest(const nlohmann::json& body,
+                                                         const ServeLimits& limits,
+                                                         const data::Tokenizer& tokenizer);
+absl::StatusOr<ChatRequest> ParseChatRequest(const nlohmann::json& body, const ServeLimits& limits);
+
+// Text of token ids; ids past the tokenizer's vocabulary (chat-template markers) have none.
+std::string DecodeText(const data::Tokenizer& tokenizer, const std::vector<uint32_t>& ids);
+// A token as text for logprobs: its decoding when that is valid UTF-8 on its own, otherwise
+// "bytes:\xNN..." with its bytes in hex (as vLLM does), so JSON stays valid.
+std::string TokenText(const data::Tokenizer& tokenizer, uint32_t token);
+// Length of the longest prefix of `text` that does not end inside a UTF-8 sequence (streaming
+// sends whole characters only).
+size_t CompleteUtf8Prefix(const std::string& text);
+
+// One choice of a finished completion. With echo the prompt's tokens (and their logprobs, the
+// first null) come first; text_offset counts characters of the returned text.
+nlohmann::json CompletionChoice(int index, const std::vector<uint32_t>& prompt, const Sequence& s,
+                                bool echo, const data::Tokenizer& tokenizer);
+// One choice of a finished chat completion.
+nlohmann::json ChatChoice(int index, const Sequence& s, bool logprobs,
+                          const data::Tokenizer& tokenizer);
+nlohmann::json Usage(int64_t prompt_tokens, int64_t completion_tokens);
+
+}  // namespace loom::serve
+
+#endif  // LOOM_SERVE_OPENAI_API_H_

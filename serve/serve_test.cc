@@ -1,0 +1,310 @@
+// loom-serve below HTTP. The engine against references that share none of its batching: cache rows
+// joining and leaving a batch equal each row decoded alone (every attention plugin, float64,
+// 1e-10); 32 concurrent greedy requests equal the same requests served one at a time; prompt
+// log-probabilities equal a full uncached forward; stops, limits, cancellation, a full queue.
+// The server's routes are exactly those api/serve-openapi.yaml documents.
+#include <google/protobuf/util/json_util.h>
+#include <gtest/gtest.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <thread>
+
+#include "checkpoint_model.h"
+#include "engine.h"
+#include "server.h"
+
+namespace loom::serve {
+namespace {
+
+using trainer::DecodeState;
+using trainer::ModelInputs;
+using trainer::Transformer;
+
+// Every plugin once, windows included, both IHA cache layouts.
+const char kEveryPlugin[] = R"({
+  "d_model": 32, "n_layers": 7, "n_heads": 4, "vocab_size": 260, "max_seq_len": 64,
+  "rope_theta": 10000, "tie_embeddings": true,
+  "schedule": [
+    {"repeat": 1, "attention": {"plugin": "mha"}},
+    {"repeat": 1, "attention": {"plugin": "local", "window": 3}},
+    {"repeat": 1, "attention": {"plugin": "talking_heads"}},
+    {"repeat": 1, "attention": {"plugin": "diff"}},
+    {"repeat": 1, "attention": {"plugin": "iha", "options": {"p": "2", "init": "random"}}},
+    {"repeat": 1, "attention": {"plugin": "iha", "window": 2, "options": {"p": "2", "mask": "block", "kv_cache": "heads", "init": "random"}}},
+    {"repeat": 1, "attention": {"plugin": "iha", "window": 4, "options": {"p": "3", "init": "random"}}}]
+})";
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    trainer::LoadReport r = loader_.LoadDirectories({std::getenv("LOOM_PLUGIN_PATH")});
+    ASSERT_TRUE(r.failures.empty());
+    v1::ModelConfig c;
+    ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(kEveryPlugin, &c).ok());
+    torch::manual_seed(11);
+    auto model = Transformer::Create(c, loader_);
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = *model;
+    model_->to(torch::kFloat64);
+  }
+
+  // Logits [1, V] of feeding `tokens` one at a time after `prompt`, one row alone, no segments.
+  std::vector<torch::Tensor> Alone(const std::vector<int64_t>& prompt,
+                                   const std::vector<int64_t>& tokens) {
+    torch::NoGradGuard no_grad;
+    DecodeState state = model_->NewDecodeState();
+    const int64_t n = static_cast<int64_t>(prompt.size());
+    std::vector<torch::Tensor> out = {
+        model_
+            ->ForwardCached(ModelInputs{torch::tensor(prompt).view({1, n}), {}, {}, {}, {}}, state)
+            .select(1, n - 1)};
+    for (int64_t t : tokens) {
+      out.push_back(
+          model_->ForwardCached(ModelInputs{torch::tensor({t}).view({1, 1}), {}, {}, {}, {}}, state)
+              .select(1, 0));
+    }
+    return out;
+  }
+
+  trainer::PluginLoader loader_;
+  std::shared_ptr<Transformer> model_;
+};
+
+// Prefill of one prompt with segments (what the engine does), last logits [1, V].
+torch::Tensor Prefill(Transformer& m, DecodeState& s, const std::vector<int64_t>& prompt) {
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  ModelInputs in{torch::tensor(prompt).view({1, n}),
+                 torch::arange(n).view({1, n}),
+                 {},
+                 {},
+                 torch::ones({1, n}, torch::kInt64)};
+  return m.ForwardCached(in, s).select(1, n - 1);
+}
+
+// One decode step of every row: token and position per row.
+torch::Tensor Step(Transformer& m, DecodeState& s, const std::vector<int64_t>& tokens,
+                   const std::vector<int64_t>& positions) {
+  const int64_t b = static_cast<int64_t>(tokens.size());
+  ModelInputs in{torch::tensor(tokens).view({b, 1}),
+                 torch::tensor(positions).view({b, 1}),
+                 {},
+                 {},
+                 torch::ones({b, 1}, torch::kInt64)};
+  return m.ForwardCached(in, s).select(1, 0);
+}
+
+TEST_F(EngineTest, RowsJoiningAndLeavingEqualEachRowAlone) {
+  torch::NoGradGuard no_grad;
+  const std::vector<int64_t> a = {5, 9, 200, 17, 3, 3, 8}, b = {42, 7, 1},
+                             c = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
+  const std::vector<int64_t> feed = {30, 31, 32, 33, 34, 35, 36, 37};
+  const auto ra = Alone(a, feed), rb = Alone(b, feed), rc = Alone(c, feed);
+  auto close = [](const torch::Tensor& x, const torch::Tensor& y) {
+    return (x - y).abs().max().item<double>() < 1e-10;
+  };
+  DecodeState s = model_->NewDecodeState();
+  ASSERT_TRUE(close(Prefill(*model_, s, a), ra[0][0]));
+  torch::Tensor l = Step(*model_, s, {feed[0]}, {7});
+  ASSERT_TRUE(close(l[0], ra[1][0]));
+  // b joins a batch that holds 8 tokens per row: its 3 are left-padded.
+  DecodeState sb = model_->NewDecodeState();
+  ASSERT_TRUE(close(Prefill(*model_, sb, b), rb[0][0]));
+  s.AppendRows(sb);
+  l = Step(*model_, s, {feed[1], feed[0]}, {8, 3});
+  EXPECT_TRUE(close(l[0], ra[2][0])) << "row a after b joined";
+  EXPECT_TRUE(close(l[1], rb[1][0])) << "row b after joining";
+  // c (13 tokens) is longer than the batch (10): the batch's rows are padded instead.
+  DecodeState sc = model_->NewDecodeState();
+  Prefill(*model_, sc, c);
+  s.AppendRows(sc);
+  l = Step(*model_, s, {feed[2], feed[1], feed[0]}, {9, 4, 13});
+  EXPECT_TRUE(close(l[0], ra[3][0]));
+  EXPECT_TRUE(close(l[1], rb[2][0]));
+  EXPECT_TRUE(close(l[2], rc[1][0]));
+  // c leaves, then a: b's leading padding is dropped with them.
+  const int64_t before = s.tokens();
+  s.KeepRows(torch::tensor({0, 1}));
+  l = Step(*model_, s, {feed[3], feed[2]}, {10, 5});
+  EXPECT_TRUE(close(l[0], ra[4][0]));
+  EXPECT_TRUE(close(l[1], rb[3][0]));
+  s.KeepRows(torch::tensor({1}));
+  EXPECT_LT(s.tokens(), before) << "padding no row needs is dropped";
+  EXPECT_EQ(s.tokens(), 6);  // b's 3 prompt tokens and the 3 fed since
+  l = Step(*model_, s, {feed[3]}, {6});
+  EXPECT_TRUE(close(l[0], rb[4][0]));
+  // Every row left: the state is empty and takes a new row as a fresh one.
+  s.KeepRows(torch::empty({0}, torch::kInt64));
+  EXPECT_EQ(s.tokens(), 0);
+  EXPECT_EQ(s.bytes(), 0);
+}
+
+std::shared_ptr<Sequence> Greedy(std::vector<uint32_t> prompt, int64_t max_tokens) {
+  SequenceParams p;
+  p.prompt = std::move(prompt);
+  p.max_tokens = max_tokens;
+  return std::make_shared<Sequence>(p);
+}
+
+std::vector<uint32_t> Tokens(const Sequence& s) {
+  bool done = false;
+  std::vector<uint32_t> out;
+  for (const TokenOutput& t : s.Wait(0, std::chrono::milliseconds(0), &done))
+    out.push_back(t.token);
+  return out;
+}
+
+void WaitDone(const Sequence& s) {
+  for (bool done = false; !done;) s.Wait(SIZE_MAX, std::chrono::milliseconds(100), &done);
+}
+
+std::string Bytes(const std::vector<uint32_t>& ids) { return std::string(ids.begin(), ids.end()); }
+
+TEST_F(EngineTest, ConcurrentGreedyRequestsEqualSequentialOnes) {
+  std::vector<std::vector<uint32_t>> prompts;
+  std::mt19937 rng(5);
+  for (int i = 0; i < 32; ++i) {
+    std::vector<uint32_t> p(1 + rng() % 20);
+    for (auto& t : p) t = rng() % 256;
+    prompts.push_back(p);
+  }
+  std::vector<std::vector<uint32_t>> alone;
+  {
+    Engine sequential(model_, Bytes, EngineOptions{1, 64}, nullptr);
+    for (const auto& p : prompts) {
+      auto s = Greedy(p, 12 + static_cast<int64_t>(p.size()) % 7);
+      ASSERT_TRUE(sequential.Submit({s}).ok());
+      WaitDone(*s);
+      alone.push_back(Tokens(*s));
+    }
+  }
+  metrics::Registry registry("serve");
+  Engine batched(model_, Bytes, EngineOptions{32, 64}, &registry);
+  std::vector<std::shared_ptr<Sequence>> all;
+  std::vector<std::thread> clients;
+  std::mutex mu;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    clients.emplace_back([&, i] {  // staggered, so rows join a batch that is already decoding
+      std::this_thread::sleep_for(std::chrono::milliseconds(3 * (i % 8)));
+      auto s = Greedy(prompts[i], 12 + static_cast<int64_t>(prompts[i].size()) % 7);
+      EXPECT_TRUE(batched.Submit({s}).ok());
+      WaitDone(*s);
+      std::lock_guard<std::mutex> lock(mu);
+      EXPECT_EQ(Tokens(*s), alone[i]) << "request " << i;
+      EXPECT_EQ(s->finish_reason(), "length");
+      all.push_back(s);
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(all.size(), 32u);
+  const std::string text = registry.Render();
+  EXPECT_NE(text.find("loom_serve_generated_tokens_total"), std::string::npos);
+  EXPECT_NE(text.find("loom_serve_batch_size"), std::string::npos);
+}
+
+TEST_F(EngineTest, PromptLogprobsEqualAFullForward) {
+  Engine engine(model_, Bytes, EngineOptions{}, nullptr);
+  const std::vector<uint32_t> prompt = {10, 20, 30, 40, 50, 60, 70, 80, 90};
+  SequenceParams p;
+  p.prompt = prompt;
+  p.max_tokens = 1;
+  p.logprobs = 1;
+  p.prompt_logprobs = true;
+  auto s = std::make_shared<Sequence>(p);
+  auto other = Greedy({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, 5);  // padding
+  ASSERT_TRUE(engine.Submit({other, s}).ok());
+  WaitDone(*s);
+  auto full = trainer::ScoreTokens(*model_, prompt);
+  ASSERT_TRUE(full.ok());
+  const auto scores = s->prompt_scores();
+  ASSERT_EQ(scores.size(), prompt.size());
+  EXPECT_TRUE(std::isnan(scores[0].logprob));
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    EXPECT_NEAR(scores[i].logprob, (*full)[i], 1e-10) << i;
+    ASSERT_EQ(scores[i].top.size(), 1u);
+    EXPECT_GE(scores[i].top[0].logprob, scores[i].logprob);
+  }
+  bool done = false;
+  const auto generated = s->Wait(0, std::chrono::milliseconds(0), &done);
+  ASSERT_EQ(generated.size(), 1u);
+  // Greedy: the generated token is the top alternative, with the identical logprob.
+  EXPECT_EQ(generated[0].top[0].token, generated[0].token);
+  EXPECT_EQ(generated[0].top[0].logprob, generated[0].logprob);
+  auto with_next = prompt;
+  with_next.push_back(generated[0].token);
+  auto full_next = trainer::ScoreTokens(*model_, with_next);
+  EXPECT_NEAR(generated[0].logprob, full_next->back(), 1e-10);
+}
+
+TEST_F(EngineTest, StopsLimitsCancellationAndAFullQueue) {
+  Engine engine(model_, Bytes, EngineOptions{2, 3}, nullptr);
+  // max_tokens 0 scores the prompt only; the context bounds everything else.
+  auto none = Greedy({1, 2, 3}, 0);
+  auto near_end = Greedy(std::vector<uint32_t>(62, 7), 50);
+  ASSERT_TRUE(engine.Submit({none, near_end}).ok());
+  WaitDone(*none);
+  WaitDone(*near_end);
+  EXPECT_EQ(Tokens(*none).size(), 0u);
+  EXPECT_EQ(Tokens(*near_end).size(), 3u) << "62 tokens + 2 fed fill the 64-token context";
+  EXPECT_EQ(near_end->finish_reason(), "length");
+  // A stop token ends the row without being output; a stop string cuts the text.
+  auto probe = Greedy({9, 9, 9}, 6);
+  ASSERT_TRUE(engine.Submit({probe}).ok());
+  WaitDone(*probe);
+  const std::vector<uint32_t> free_run = Tokens(*probe);
+  ASSERT_EQ(free_run.size(), 6u);
+  SequenceParams p;
+  p.prompt = {9, 9, 9};
+  p.max_tokens = 6;
+  p.stop_tokens = {free_run[2]};
+  auto stopped = std::make_shared<Sequence>(p);
+  p.stop_tokens.clear();
+  p.stop = {Bytes({free_run[1], free_run[2]})};
+  auto cut = std::make_shared<Sequence>(p);
+  ASSERT_TRUE(engine.Submit({stopped, cut}).ok());
+  WaitDone(*stopped);
+  WaitDone(*cut);
+  const size_t first = std::find(free_run.begin(), free_run.end(), free_run[2]) - free_run.begin();
+  EXPECT_EQ(Tokens(*stopped), std::vector<uint32_t>(free_run.begin(), free_run.begin() + first));
+  EXPECT_EQ(stopped->finish_reason(), "stop");
+  EXPECT_EQ(cut->finish_reason(), "stop");
+  EXPECT_EQ(cut->text().find(p.stop[0]), std::string::npos);
+  // Cancelled rows leave; the queue holds 3, so 4 more are refused as a whole.
+  auto long_one = Greedy({4}, 60);
+  ASSERT_TRUE(engine.Submit({long_one}).ok());
+  long_one->Cancel();
+  WaitDone(*long_one);
+  EXPECT_EQ(long_one->finish_reason(), "cancelled");
+  EXPECT_LT(Tokens(*long_one).size(), 60u);
+  std::vector<std::shared_ptr<Sequence>> four = {Greedy({1}, 50), Greedy({1}, 50), Greedy({1}, 50),
+                                                 Greedy({1}, 50)};
+  EXPECT_TRUE(absl::IsResourceExhausted(engine.Submit(four)));
+}
+
+TEST_F(EngineTest, OpenApiDocumentsExactlyTheServedRoutes) {
+  const char* path = std::getenv("LOOM_SERVE_OPENAPI");
+  ASSERT_NE(path, nullptr);
+  YAML::Node doc = YAML::LoadFile(path);
+  trainer::CheckpointModel m;
+  m.model = model_;
+  m.tokenizer = data::MakeByteTokenizer();
+  Server server(std::move(m), ServeOptions{});
+  coordinator::HttpServer http{coordinator::HttpServerOptions{}};
+  server.AddRoutes(http);
+  std::map<std::string, bool> served, documented;  // "GET /v1/models" -> needs the token
+  for (const auto& r : http.Routes()) served[r.method + " " + r.path] = r.auth != "none";
+  for (const auto& p : doc["paths"]) {
+    for (const auto& op : p.second) {
+      std::string method;
+      for (char ch : op.first.as<std::string>()) method += static_cast<char>(std::toupper(ch));
+      const bool open = op.second["security"] && op.second["security"].size() == 0;
+      documented[method + " " + p.first.as<std::string>()] = !open;
+    }
+  }
+  EXPECT_EQ(served, documented);
+  EXPECT_EQ(served.size(), 7u);
+}
+
+}  // namespace
+}  // namespace loom::serve

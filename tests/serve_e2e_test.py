@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""loom serve end to end with real processes: `loom up` trains a small SFT model as a job, `loom
+serve` resolves its catalogue id through the coordinator and serves it, and the official
+`openai` npm client (node) talks to it: models, completions, chat, both streamed, 32
+concurrent requests (each equal to the same request served alone, greedy), and
+lm-evaluation-harness's exact loglikelihood request, whose token_logprobs are checked against
+`loom-train score` (one full, uncached forward; float32, |diff| < 2e-4) and whose greedy
+continuation against `loom-train generate` (the batch generator). Then hostile input (4xx with
+the field named), the token, a full queue (429 + Retry-After), a client that disconnects
+(its sequence is cancelled), and /metrics through promtool. Every process is killed on exit."""
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loom_testlib import free_port, kill_all, read_port_file, wait_for  # noqa: E402
+
+LOGPROB_TOLERANCE = 2e-4  # float32 forward (cached, batched) vs float32 forward (full)
+
+
+def request(port, method, path, body=None, token=None, raw=None, timeout=120):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = "Bearer " + token
+    data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+    try:
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode("utf-8", "replace")
+        retry_after = resp.getheader("Retry-After")
+    finally:
+        conn.close()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    return resp.status, parsed, text, retry_after
+
+
+def run(cmd, timeout=300):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{cmd} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    return p.stdout
+
+
+def start_serve(loom, args, tmp, name, procs):
+    port_file = os.path.join(tmp, name + ".port")
+    log = open(os.path.join(tmp, name + ".log"), "w")
+    p = subprocess.Popen([loom, "serve", "--port", "0", "--port-file", port_file, "--threads", "2"]
+                         + args, stdout=log, stderr=subprocess.STDOUT)
+    procs.append(p)
+    port = wait_for(f"{name} to listen", lambda: p.poll() is None and read_port_file(port_file)
+                    or (p.poll() is not None and -1), timeout=120)
+    assert port != -1, open(os.path.join(tmp, name + ".log")).read()
+    return port
+
+
+def train_sft_job(loom, tmp, coordinator, token_file):
+    spec = {"spec": {
+        "kind": "sft", "preset": "micro", "model": {"vocab_size": 260, "max_seq_len": 256},
+        "threads": 2, "steps": 120, "micro_batch": 8, "seq_len": 128,
+        "data": {"source": "chat", "task": "relation", "task_options": {"count": "2000", "ops": "1"}},
+        "optimizer": {"lr": 0.003, "warmup_steps": 10},
+        "checkpoint": {"interval": 120}}}
+    path = os.path.join(tmp, "sft.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    common = ["--coordinator", coordinator, "--token-file", token_file]
+    run([loom, "submit", path, "--follow"] + common, timeout=900)
+    listing = json.loads(run([loom, "checkpoints", "-o", "json"] + common))
+    ids = [c["id"] for c in listing["checkpoints"] if c["available"]]
+    assert ids, listing
+    return ids[-1], [c["path"] for c in listing["checkpoints"] if c["id"] == ids[-1]][0]
+
+
+def check_openai_client(a, port, token, model_id, checkpoint):
+    node_client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_openai_client.js")
+    module = os.path.join(a.source_dir, ".tools", "node_modules", "openai")
+    assert os.path.isdir(module), f"{module} missing: run scripts/install-deps"
+    context = [ord(c) for c in "<|user|>"] + [97, 32, 105, 115]
+    out = json.loads(run(["node", node_client, module, f"http://127.0.0.1:{port}/v1", token,
+                          json.dumps(context + [32, 98])], timeout=600))
+    assert out["models"] == [model_id], out["models"]
+
+    # Loglikelihood: token_logprobs of prompt + 1 generated token, first null.
+    ll = out["loglikelihood"]
+    lp = ll["logprobs"]["token_logprobs"]
+    prompt = context + [32, 98]
+    assert len(lp) == len(prompt) + 1 and lp[0] is None, ll
+    ref = json.loads(run([a.loom_train, "score", "--checkpoint", checkpoint, "--tokens",
+                          ",".join(map(str, prompt))]))["token_logprobs"]
+    diffs = [abs(x - y) for x, y in zip(lp[1:len(prompt)], ref[1:])]
+    assert max(diffs) < LOGPROB_TOLERANCE, (lp, ref)
+    # lm-eval's is_greedy test: each token's logprob against the max of its top_logprobs.
+    tops = ll["logprobs"]["top_logprobs"]
+    assert tops[0] is None and all(len(t) == 1 for t in tops[1:]), tops
+    assert lp[-1] == max(tops[-1].values()), "the generated (greedy) token is its own top-1"
+    assert ll["logprobs"]["text_offset"][:3] == [0, 1, 2]
+    print(f"ok: lm-eval loglikelihood request: {len(prompt) - 1} token logprobs match loom-train "
+          f"score (max |diff| {max(diffs):.2e})")
+
+    # Greedy continuation against the batch generator.
+    gen = json.loads(run([a.loom_train, "generate", "--checkpoint", checkpoint, "--prompt",
+                          "The relation ", "--greedy", "--max-new-tokens", "24"]))
+    assert out["completion"]["text"] == gen["text"], (out["completion"], gen)
+    assert out["completion_streamed"]["text"] == gen["text"], out["completion_streamed"]
+    assert out["completion_streamed"]["finish_reason"] == out["completion"]["finish_reason"]
+    chat = out["chat"]
+    assert chat["message"]["role"] == "assistant" and chat["finish_reason"] in ("stop", "length")
+    assert out["chat_streamed"]["role"] == "assistant"
+    assert out["chat_streamed"]["content"] == chat["message"]["content"], (out["chat_streamed"], chat)
+    together, alone = out["concurrent"]["together"], out["concurrent"]["alone"]
+    assert together == alone, [(i, x, y) for i, (x, y) in enumerate(zip(together, alone)) if x != y]
+    assert out["error"]["status"] == 400 and out["error"]["param"] == "max_tokens", out["error"]
+    print(f"ok: openai client: completion == loom-train generate ({gen['text']!r}), streams equal, "
+          f"chat answered {chat['message']['content'][:40]!r}, 32 concurrent == alone")
+
+
+def check_hostile_input(port, token):
+    cases = [
+        (None, "{not json", 400, "body"),
+        ({"prompt": "x", "max_tokens": 4, "bogus": 1}, None, 400, "bogus"),
+        ({"prompt": "x" * 300}, None, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": 100000}, None, 400, "max_tokens"),
+        ({"prompt": "x", "n": 1000}, None, 400, "n"),
+        ({"prompt": [[1, 2, 999999]]}, None, 400, "prompt"),
+        ({"prompt": "x", "temperature": "hot"}, None, 400, "temperature"),
+        (None, b'{"prompt": "\xff\xfe"}', 400, "body"),
+        ({"prompt": "x", "model": "gpt-4"}, None, 404, None),
+    ]
+    for body, raw, status, param in cases:
+        got, parsed, text, _ = request(port, "POST", "/v1/completions", body, token, raw=raw)
+        assert got == status, (body, raw, got, text)
+        assert parsed["error"]["message"], text
+        if param:
+            assert parsed["error"]["param"] == param, (body, text)
+    got, parsed, _, _ = request(port, "POST", "/v1/completions", {"prompt": "x"}, token=None)
+    assert got == 401 and parsed["error"]["type"] == "authentication_error", parsed
+    got, parsed, _, _ = request(port, "POST", "/v1/chat/completions",
+                                {"messages": [{"role": "wizard", "content": "x"}]}, token)
+    assert got == 400 and parsed["error"]["param"] == "messages", parsed
+    got, parsed, _, _ = request(port, "POST", "/tokenize", {"prompt": "héllo"}, token)
+    assert got == 200 and parsed["count"] == 6, parsed
+    got, parsed, _, _ = request(port, "POST", "/detokenize", {"tokens": parsed["tokens"]}, token)
+    assert got == 200 and parsed["prompt"] == "héllo", parsed
+    print(f"ok: {len(cases) + 2} hostile requests answered 4xx with the field named; tokenize round trip")
+
+
+def check_disconnect_and_queue(loom, checkpoint, tmp, token_file, token, procs):
+    """One batch row and ten queue slots: a client that disconnects while queued has its
+    sequence cancelled; more sequences than the queue holds get 429 with Retry-After."""
+    port = start_serve(loom, ["--checkpoint", checkpoint, "--token-file", token_file,
+                              "--max-batch", "1", "--max-queue", "10"], tmp, "small", procs)
+    busy = []
+    occupy = threading.Thread(target=lambda: busy.append(request(
+        port, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 255, "n": 6}, token)))
+    occupy.start()
+    time.sleep(0.2)
+    body = json.dumps({"prompt": "b", "max_tokens": 200}).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    time.sleep(0.3)
+    s.close()
+
+    def cancelled():
+        _, _, text, _ = request(port, "GET", "/metrics")
+        for line in text.splitlines():
+            if line.startswith("loom_serve_cancelled_total") and float(line.split()[-1]) >= 1:
+                return True
+        return False
+    wait_for("the disconnected client's sequence to be cancelled", cancelled, timeout=60)
+    print("ok: a client that disconnects while queued has its sequence cancelled")
+
+    results = []
+
+    def one():
+        results.append(request(port, "POST", "/v1/completions",
+                               {"prompt": "a", "max_tokens": 40, "n": 4, "temperature": 0}, token))
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads + [occupy]:
+        t.join()
+    assert busy and busy[0][0] == 200 and len(busy[0][1]["choices"]) == 6, busy
+    codes = sorted(r[0] for r in results)
+    refused = [r for r in results if r[0] == 429]
+    assert refused and all(r[3] == "1" for r in refused), codes
+    assert refused[0][1]["error"]["type"] == "rate_limit_error", refused[0]
+    assert 200 in codes, codes
+    print(f"ok: 4 requests of 4 sequences against a 10-slot queue: {codes} (429 with Retry-After)")
+
+
+def check_metrics(port, promtool):
+    _, _, text, _ = request(port, "GET", "/metrics")
+    for name in ("loom_serve_requests_total", "loom_serve_time_to_first_token_seconds",
+                 "loom_serve_inter_token_seconds", "loom_serve_queue_seconds",
+                 "loom_serve_prompt_tokens_total", "loom_serve_generated_tokens_total",
+                 "loom_serve_kv_cache_bytes", "loom_serve_batch_size", "loom_build_info"):
+        assert name in text, name
+    assert 'route="/v1/completions",code="400"' in text or 'code="400",route="/v1/completions"' in text
+    if promtool:
+        p = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+    print("ok: /metrics has the loom_serve_ family" + (" and passes promtool" if promtool else ""))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--loom", required=True)
+    ap.add_argument("--loom-train", required=True)
+    ap.add_argument("--source-dir", required=True)
+    a = ap.parse_args()
+    procs = []
+    tmp = tempfile.mkdtemp(prefix="loom-serve-e2e-")
+    try:
+        cport = free_port()
+        up = subprocess.Popen([a.loom, "up", "--workers", "1", "--slots", "1", "--port", str(cport),
+                               "--data-dir", os.path.join(tmp, "up")],
+                              stdout=open(os.path.join(tmp, "up.log"), "w"), stderr=subprocess.STDOUT)
+        procs.append(up)
+        coordinator = f"http://127.0.0.1:{cport}"
+        token_file = os.path.join(tmp, "up", "tokens", "user-token")
+        wait_for("loom up", lambda: os.path.exists(token_file) and
+                 request(cport, "GET", "/healthz")[0] == 200, timeout=60)
+        with open(token_file) as f:
+            token = f.read().strip()
+        model_id, checkpoint = train_sft_job(a.loom, tmp, coordinator, token_file)
+        print(f"ok: trained {model_id} at {checkpoint}")
+
+        port = start_serve(a.loom, ["--checkpoint", model_id, "--coordinator", coordinator,
+                                    "--token-file", token_file], tmp, "serve", procs)
+        check_openai_client(a, port, token, model_id, checkpoint)
+        check_hostile_input(port, token)
+        check_metrics(port, shutil.which("promtool"))
+        check_disconnect_and_queue(a.loom, checkpoint, tmp, token_file, token, procs)
+        for p in procs[1:]:
+            p.send_signal(signal.SIGINT)
+            assert p.wait(timeout=30) == 0, "loom-serve stops cleanly on SIGINT"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        time.sleep(1)
+        kill_all(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("serve_e2e_test: ok")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

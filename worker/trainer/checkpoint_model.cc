@@ -1,0 +1,123 @@
+#include "checkpoint_model.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <map>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "checkpoint.h"
+#include "loom/spec.h"
+#include "loom/status_macros.h"
+#include "plugin_factory.h"
+#include "tensor_io.h"
+#include "token_shards.h"
+
+namespace loom::trainer {
+namespace {
+
+absl::StatusOr<storage::LoadedCheckpoint> LoadAny(const std::string& where) {
+  if (std::filesystem::exists(std::filesystem::path(where) / "manifest.json"))
+    return storage::LoadCheckpoint(where);
+  if (!std::filesystem::is_directory(where))
+    return absl::NotFoundError(absl::StrCat("checkpoint: ", where, " is not a directory"));
+  return storage::LoadLatestCheckpoint(where, nullptr);
+}
+
+// The tokenizer a job trained with: bytes. A SentencePiece dataset's model cannot be loaded in
+// this process (Debian's libsentencepiece carries its own protobuf, data/CMakeLists.txt).
+absl::StatusOr<std::unique_ptr<data::Tokenizer>> JobTokenizer(const v1::JobSpec& spec) {
+  if (spec.data().source() != "shards") return data::MakeByteTokenizer();
+  LOOM_ASSIGN_OR_RETURN(auto shards, data::TokenShards::Open(spec.data().path(), false));
+  const std::string& described = shards->index().tokenizer;
+  if (described == "byte") return data::MakeByteTokenizer();
+  return absl::UnimplementedError(
+      absl::StrCat("checkpoint: the dataset ", spec.data().path(), " uses tokenizer '", described,
+                   "'; inference supports byte-level models only for now"));
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointModel> LoadCheckpointModel(const std::string& where,
+                                                    const PluginLoader& loader,
+                                                    const torch::Device& device,
+                                                    torch::ScalarType dtype) {
+  LOOM_ASSIGN_OR_RETURN(storage::LoadedCheckpoint loaded, LoadAny(where));
+  CheckpointModel out;
+  out.dir = loaded.dir;
+  out.step = loaded.manifest.step;
+  auto spec_json = loaded.manifest.state.find("spec");
+  if (spec_json == loaded.manifest.state.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint: ", loaded.dir, " records no job spec (written by an old Loom)"));
+  }
+  google::protobuf::util::JsonParseOptions parse;
+  parse.ignore_unknown_fields = true;
+  if (!google::protobuf::util::JsonStringToMessage(spec_json->second, &out.spec, parse).ok()) {
+    return absl::DataLossError(absl::StrCat("checkpoint: ", loaded.dir, ": unreadable job spec"));
+  }
+  if (out.spec.model().mode() != "decoder") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint: ", loaded.dir, " holds an encoder (", out.spec.model().mode(),
+                     "); only decoders generate text"));
+  }
+  LOOM_ASSIGN_OR_RETURN(out.model, Transformer::Create(out.spec.model(), loader));
+  std::map<std::string, torch::Tensor> weights;
+  constexpr char kModelPrefix[] = "model.";
+  for (const auto& shard : loaded.shards) {
+    LOOM_ASSIGN_OR_RETURN(auto part, TensorsFromFile(shard));
+    for (auto& [name, t] : part) {
+      if (absl::StartsWith(name, kModelPrefix)) weights[name.substr(sizeof(kModelPrefix) - 1)] = t;
+    }
+  }
+  if (absl::Status s = LoadIntoModule(*out.model, weights); !s.ok())
+    return absl::DataLossError(absl::StrCat("checkpoint: ", loaded.dir, ": ", s.message()));
+  out.model->to(device, dtype);
+  out.model->eval();
+  LOOM_ASSIGN_OR_RETURN(out.tokenizer, JobTokenizer(out.spec));
+  out.eos = out.tokenizer->eos_id();
+  if (out.spec.kind() == "sft" || out.spec.kind() == "eval") {
+    const bool sft = out.spec.kind() == "sft";
+    const std::string& format = sft ? out.spec.data().format() : out.spec.reasoning_eval().format();
+    LOOM_ASSIGN_OR_RETURN(
+        out.objective,
+        CreateSftObjective(loader, format.empty() ? "openthoughts" : format,
+                           sft ? out.spec.data().format_options() : google::protobuf::Struct(),
+                           out.tokenizer->vocab_size()));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<double>> ScoreTokens(Transformer& model,
+                                                const std::vector<uint32_t>& tokens) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n == 0) return absl::InvalidArgumentError("score: no tokens");
+  if (n > model.config().max_seq_len()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("score: ", n, " tokens exceed max_seq_len ", model.config().max_seq_len()));
+  }
+  std::vector<int64_t> ids(tokens.begin(), tokens.end());
+  for (int64_t id : ids) {
+    if (id >= model.config().vocab_size())
+      return absl::InvalidArgumentError(
+          absl::StrCat("score: token ", id, " outside the vocabulary"));
+  }
+  try {
+    torch::NoGradGuard no_grad;
+    const torch::Device device = model.parameters().front().device();
+    torch::Tensor in = torch::tensor(ids, torch::kInt64).view({1, n}).to(device);
+    torch::Tensor logp = torch::log_softmax(
+        model.forward(ModelInputs{in, {}, {}, {}, {}}).squeeze(0).to(torch::kCPU, torch::kFloat64),
+        -1);
+    std::vector<double> out(static_cast<size_t>(n), std::numeric_limits<double>::quiet_NaN());
+    for (int64_t i = 1; i < n; ++i) out[i] = logp[i - 1][ids[i]].item<double>();
+    return out;
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("score: ", e.what()));
+  }
+}
+
+}  // namespace loom::trainer
