@@ -386,3 +386,17 @@ def stop_all(procs, root=None):
     kill_all(procs)
     if root:
         kill_trainers_under(root)
+
+
+def redocly_lint(source_dir, spec_path):
+    """Lints an OpenAPI document with the pinned Redocly CLI (recommended rules, api/redocly.yaml):
+    it must report no error and no warning."""
+    linter = os.path.join(source_dir, ".tools", "node_modules", ".bin", "redocly")
+    assert os.access(linter, os.X_OK), f"{linter} missing: run scripts/install-deps"
+    config = os.path.join(source_dir, "api", "redocly.yaml")
+    r = subprocess.run([linter, "lint", spec_path, "--config", config], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "REDOCLY_TELEMETRY": "off",
+                                         "REDOCLY_SUPPRESS_UPDATE_NOTICE": "true"})
+    report = r.stdout + r.stderr
+    assert r.returncode == 0 and "Your API description is valid" in report, report
+    assert not re.search(r"\d+ (warning|error)s?\b", report), f"redocly lint is not clean:\n{report}"

@@ -7,7 +7,8 @@ lm-evaluation-harness's exact loglikelihood request, whose token_logprobs are ch
 `loom-train score` (one full, uncached forward; float32, |diff| < 2e-4) and whose greedy
 continuation against `loom-train generate` (the batch generator). Then hostile input (4xx with
 the field named), the token, a full queue (429 + Retry-After), a client that disconnects
-(its sequence is cancelled), and /metrics through promtool. Every process is killed on exit."""
+(its sequence is cancelled), and /metrics through promtool; the OpenAPI document is linted
+by Redocly. Every process is killed on exit."""
 import argparse
 import http.client
 import json
@@ -22,7 +23,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import free_port, kill_all, read_port_file, wait_for  # noqa: E402
+from loom_testlib import free_port, kill_all, read_port_file, redocly_lint, wait_for  # noqa: E402
 
 LOGPROB_TOLERANCE = 2e-4  # float32 forward (cached, batched) vs float32 forward (full)
 
@@ -221,6 +222,8 @@ def main():
     ap.add_argument("--loom-train", required=True)
     ap.add_argument("--source-dir", required=True)
     a = ap.parse_args()
+    redocly_lint(a.source_dir, os.path.join(a.source_dir, "api", "serve-openapi.yaml"))
+    print("ok: api/serve-openapi.yaml is lint-clean (serve_test checks it lists the served routes)")
     procs = []
     tmp = tempfile.mkdtemp(prefix="loom-serve-e2e-")
     try:
