@@ -787,20 +787,22 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
 
   CLI::App* serve = line.Command(
       "serve", "serve a checkpoint over an OpenAI-compatible API until Ctrl-C (docs/serve.md)");
-  C::Flags(serve,
-           {{"checkpoint", "REF", "a catalogue id (job-000002.150) or a checkpoint directory"},
-            {"port", "PORT", "listen port (default 8000)"},
-            {"bind", "ADDR", "listen address (default 127.0.0.1)"},
-            {"port-file", "FILE", "write the bound port here once listening"},
-            {"model-name", "NAME", "the model id clients name (default: REF)"},
-            {"max-batch", "N", "rows decoded together (default 32)"},
-            {"max-queue", "N", "sequences waiting before 429 (default 256)"},
-            {"max-tokens", "N", "most tokens one sequence may generate (default 1024)"},
-            {"max-n", "N", "most choices per prompt (default 16)"},
-            {"device", "DEVICE", "cpu | cuda | auto (default auto)"},
-            {"threads", "N", "LibTorch threads (default: all cores)"},
-            {"tls-cert", "PEM", "serve HTTPS with this certificate chain"},
-            {"tls-key", "PEM", "and this private key"}});
+  C::Flags(
+      serve,
+      {{"checkpoint", "REF", "a catalogue id (job-000002.150) or a checkpoint directory"},
+       {"port", "PORT", "listen port (default 8000)"},
+       {"bind", "ADDR", "listen address (default 127.0.0.1)"},
+       {"allowed-hosts", "H,...", "Host names it answers to (default: loopback names on loopback)"},
+       {"port-file", "FILE", "write the bound port here once listening"},
+       {"model-name", "NAME", "the model id clients name (default: REF)"},
+       {"max-batch", "N", "rows decoded together (default 32)"},
+       {"max-queue", "N", "sequences waiting before 429 (default 256)"},
+       {"max-tokens", "N", "most tokens one sequence may generate (default 1024)"},
+       {"max-n", "N", "most choices per prompt (default 16)"},
+       {"device", "DEVICE", "cpu | cuda | auto (default auto)"},
+       {"threads", "N", "LibTorch threads (default: all cores)"},
+       {"tls-cert", "PEM", "serve HTTPS with this certificate chain"},
+       {"tls-key", "PEM", "and this private key"}});
   serve->get_option("--checkpoint")->required();
 
   CLI::App* sweep = line.Command("sweep",

@@ -221,42 +221,12 @@ void Reply(HttpResponse& res, const absl::StatusOr<T>& r) {
   SendMessage(res, *r);
 }
 
-// "host:port", "[v6]:port" or "host" -> the host, lower case.
-std::string HostPart(absl::string_view authority) {
-  if (absl::StartsWith(authority, "[")) {
-    const size_t end = authority.find(']');
-    return absl::AsciiStrToLower(
-        authority.substr(0, end == absl::string_view::npos ? end : end + 1));
-  }
-  return absl::AsciiStrToLower(authority.substr(0, authority.find(':')));
-}
-
-// DNS rebinding and cross-site requests: a browser on the user's machine can reach a loopback
-// coordinator, but only with a foreign Host (rebinding) or a foreign Origin (CSRF).
+// DNS rebinding and cross-site requests (ForeignHostOrOrigin in http_server.h).
 bool HostAndOriginFilter(const HttpRequest& req, HttpResponse& res, const ApiOptions& options) {
-  const std::string host_header = req.Header("host");
-  const std::string host = HostPart(host_header);
-  if (!options.allowed_hosts.empty() && !options.allowed_hosts.count(host)) {
-    SetJsonError(res, 403,
-                 absl::StrCat("Host header '", host_header.substr(0, 100),
-                              "' is not a name this coordinator serves (--allowed-hosts)"));
-    return true;
-  }
-  const std::string origin = req.Header("origin");
-  if (origin.empty()) return false;
-  absl::string_view rest(origin);
-  const bool web = absl::ConsumePrefix(&rest, "http://") || absl::ConsumePrefix(&rest, "https://");
-  const std::string origin_host = web ? HostPart(rest) : "";
-  const bool ok = web && (options.allowed_hosts.empty()
-                              ? absl::AsciiStrToLower(rest) == absl::AsciiStrToLower(host_header)
-                              : options.allowed_hosts.count(origin_host) > 0);
-  if (!ok) {
-    SetJsonError(res, 403,
-                 absl::StrCat("Origin '", origin.substr(0, 100),
-                              "' is not allowed: cross-site requests are refused"));
-    return true;
-  }
-  return false;
+  const std::string refusal = ForeignHostOrOrigin(req, options.allowed_hosts);
+  if (refusal.empty()) return false;
+  SetJsonError(res, 403, refusal);
+  return true;
 }
 
 // Concurrent log streams: each holds a thread of the user listener until its job ends.

@@ -832,4 +832,43 @@ void HttpServer::Dispatch(HttpRequest& request, HttpResponse& response) {
   }
 }
 
+namespace {
+
+// "host:port", "[v6]:port" or "host" -> the host, lower case.
+std::string HostPart(absl::string_view authority) {
+  if (absl::StartsWith(authority, "[")) {
+    const size_t end = authority.find(']');
+    return absl::AsciiStrToLower(
+        authority.substr(0, end == absl::string_view::npos ? end : end + 1));
+  }
+  return absl::AsciiStrToLower(authority.substr(0, authority.find(':')));
+}
+
+}  // namespace
+
+std::set<std::string> DefaultAllowedHosts(const std::string& bind) {
+  if (absl::StartsWith(bind, "127.") || bind == "::1" || bind == "localhost")
+    return {"localhost", "127.0.0.1", "[::1]", "::1"};
+  return {};
+}
+
+std::string ForeignHostOrOrigin(const HttpRequest& req,
+                                const std::set<std::string>& allowed_hosts) {
+  const std::string host_header = req.Header("host");
+  if (!allowed_hosts.empty() && !allowed_hosts.count(HostPart(host_header))) {
+    return absl::StrCat("Host header '", host_header.substr(0, 100),
+                        "' is not a name this server answers to (--allowed-hosts)");
+  }
+  const std::string origin = req.Header("origin");
+  if (origin.empty()) return "";
+  absl::string_view rest(origin);
+  const bool web = absl::ConsumePrefix(&rest, "http://") || absl::ConsumePrefix(&rest, "https://");
+  const bool ok = web && (allowed_hosts.empty()
+                              ? absl::AsciiStrToLower(rest) == absl::AsciiStrToLower(host_header)
+                              : allowed_hosts.count(HostPart(rest)) > 0);
+  if (ok) return "";
+  return absl::StrCat("Origin '", origin.substr(0, 100),
+                      "' is not allowed: cross-site requests are refused");
+}
+
 }  // namespace loom::coordinator

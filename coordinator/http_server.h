@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <regex>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -100,6 +101,15 @@ inline constexpr int kRetryAfterSeconds = 1;
 // key. Errors name the flag (--tls-cert, --tls-key) and say what OpenSSL found wrong.
 absl::StatusOr<std::shared_ptr<ssl_ctx_st>> LoadTlsContext(const std::string& cert_file,
                                                            const std::string& key_file);
+
+// DNS rebinding and cross-site requests: a web page in the user's browser can reach a loopback
+// server, but only with a foreign Host (rebinding) or a foreign Origin (CSRF). Returns why a
+// request is refused ("" when it is fine): its Host must be one of `allowed_hosts` (empty = any),
+// and an Origin, when sent, must name one of them (or, with none, the request's own Host).
+std::string ForeignHostOrOrigin(const HttpRequest& req, const std::set<std::string>& allowed_hosts);
+// The names a server bound to `bind` answers to by default: the loopback names on a loopback
+// address, any otherwise.
+std::set<std::string> DefaultAllowedHosts(const std::string& bind);
 
 struct HttpServerOptions {
   // When set, every connection is TLS (LoadTlsContext); a plain-HTTP client gets nothing.

@@ -46,10 +46,6 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
                           then use https:// (and --ca-file for a private CA)
 )";
 
-bool IsLoopback(const std::string& addr) {
-  return absl::StartsWith(addr, "127.") || addr == "::1" || addr == "localhost";
-}
-
 void WritePortFile(const std::string& path, int port) {
   const std::string tmp = path + ".tmp";
   std::ofstream(tmp) << port << "\n";
@@ -74,8 +70,8 @@ absl::StatusOr<ApiOptions> ReadApiOptions(const CliArgs& args, const std::string
     for (absl::string_view h : absl::StrSplit(args.Get("allowed-hosts"), ',', absl::SkipEmpty())) {
       api.allowed_hosts.insert(absl::AsciiStrToLower(h));
     }
-  } else if (IsLoopback(bind)) {
-    api.allowed_hosts = {"localhost", "127.0.0.1", "[::1]", "::1"};
+  } else {
+    api.allowed_hosts = DefaultAllowedHosts(bind);
   }
   LOOM_ASSIGN_OR_RETURN(int64_t followers, args.GetInt("max-log-followers-per-user", 4, 1, 1000));
   api.max_followers_per_user = static_cast<int>(followers);

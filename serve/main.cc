@@ -6,8 +6,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <set>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "checkpoint_model.h"
 #include "http_server.h"
@@ -38,6 +41,8 @@ flags:
   --max-tokens N       most tokens one sequence may generate (default 1024)
   --max-n N            most choices per prompt (default 16)
   --device cpu|cuda|auto  (default auto)   --threads T (LibTorch threads; default all cores)
+  --allowed-hosts H,...  Host names it answers to (default: the loopback names on a loopback
+                       --bind, else any); an Origin header must name one of them
   --tls-cert F --tls-key F   serve HTTPS
   --plugin-dir DIR[:DIR]
 )";
@@ -120,6 +125,22 @@ absl::Status Run(int argc, char** argv) {
   Server server(std::move(model), options);
   coordinator::HttpServer http(http_options);
   server.AddRoutes(http);
+  // A web page in the user's browser can reach a loopback server: refuse foreign Host and
+  // Origin headers (DNS rebinding, cross-site requests), as the coordinator does.
+  std::set<std::string> allowed_hosts =
+      coordinator::DefaultAllowedHosts(args.Get("bind", "127.0.0.1"));
+  if (args.Has("allowed-hosts")) {
+    allowed_hosts.clear();
+    for (absl::string_view h : absl::StrSplit(args.Get("allowed-hosts"), ',', absl::SkipEmpty()))
+      allowed_hosts.insert(absl::AsciiStrToLower(h));
+  }
+  http.SetFilter(
+      [allowed_hosts](const coordinator::HttpRequest& req, coordinator::HttpResponse& res) {
+        const std::string refusal = coordinator::ForeignHostOrOrigin(req, allowed_hosts);
+        if (refusal.empty()) return false;
+        WriteError(res, {403, refusal, "invalid_request_error", "", ""});
+        return true;
+      });
   http.SetLogger([&](const coordinator::HttpRequest& req, const coordinator::HttpResponse& res,
                      double seconds) {
     server.LogRequest(req, res, seconds, http.RouteTemplate(req.method, req.path));

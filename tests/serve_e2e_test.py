@@ -48,6 +48,13 @@ def request(port, method, path, body=None, token=None, raw=None, timeout=120):
     return resp.status, parsed, text, retry_after
 
 
+def healthy(port):
+    try:
+        return request(port, "GET", "/healthz", timeout=5)[0] == 200
+    except OSError:  # not listening yet
+        return False
+
+
 def run(cmd, timeout=300):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{cmd} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
@@ -145,6 +152,13 @@ def check_hostile_input(port, token):
         assert parsed["error"]["message"], text
         if param:
             assert parsed["error"]["param"] == param, (body, text)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "x"}),
+                 headers={"Content-Type": "application/json", "Authorization": "Bearer " + token,
+                          "Origin": "http://evil.example"})
+    resp = conn.getresponse()
+    assert resp.status == 403 and b"cross-site" in resp.read(), "a foreign Origin is refused"
+    conn.close()
     got, parsed, _, _ = request(port, "POST", "/v1/completions", {"prompt": "x"}, token=None)
     assert got == 401 and parsed["error"]["type"] == "authentication_error", parsed
     got, parsed, _, _ = request(port, "POST", "/v1/chat/completions",
@@ -154,7 +168,7 @@ def check_hostile_input(port, token):
     assert got == 200 and parsed["count"] == 6, parsed
     got, parsed, _, _ = request(port, "POST", "/detokenize", {"tokens": parsed["tokens"]}, token)
     assert got == 200 and parsed["prompt"] == "héllo", parsed
-    print(f"ok: {len(cases) + 2} hostile requests answered 4xx with the field named; tokenize round trip")
+    print(f"ok: {len(cases) + 3} hostile requests answered 4xx with the field named; tokenize round trip")
 
 
 def check_disconnect_and_queue(loom, checkpoint, tmp, token_file, token, procs):
@@ -234,8 +248,7 @@ def main():
         procs.append(up)
         coordinator = f"http://127.0.0.1:{cport}"
         token_file = os.path.join(tmp, "up", "tokens", "user-token")
-        wait_for("loom up", lambda: os.path.exists(token_file) and
-                 request(cport, "GET", "/healthz")[0] == 200, timeout=60)
+        wait_for("loom up", lambda: os.path.exists(token_file) and healthy(cport), timeout=120)
         with open(token_file) as f:
             token = f.read().strip()
         model_id, checkpoint = train_sft_job(a.loom, tmp, coordinator, token_file)

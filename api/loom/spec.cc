@@ -76,6 +76,12 @@ absl::StatusOr<v1::ModelConfig> ResolveModelConfig(const v1::ModelConfig& in) {
   }
   if (c.ffn_hidden() < 0) return FieldError("ffn_hidden", "must be >= 0 (0 = 4 * d_model)");
   if (c.ffn_hidden() == 0) c.set_ffn_hidden(4 * c.d_model());
+  // Left empty when not given ("none"), so specs and their hashes stay what they were.
+  if (!c.activation_checkpointing().empty() && c.activation_checkpointing() != "none" &&
+      c.activation_checkpointing() != "full" && c.activation_checkpointing() != "selective") {
+    return FieldError("activation_checkpointing", absl::StrCat("'", c.activation_checkpointing(),
+                                                               "' is not none | full | selective"));
+  }
   if (c.ffn_activation().empty()) c.set_ffn_activation("gelu");
   if (c.ffn_activation() != "gelu" && c.ffn_activation() != "swiglu") {
     return FieldError("ffn_activation",
@@ -667,7 +673,9 @@ absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifes
 }
 
 std::string ModelHash(const v1::JobSpec& resolved) {
-  return Hex(Fnv1a(Deterministic(resolved.model())));
+  v1::ModelConfig model = resolved.model();
+  model.clear_activation_checkpointing();  // how to train, not what is trained
+  return Hex(Fnv1a(Deterministic(model)));
 }
 
 std::string SpecHash(const v1::JobSpec& resolved) {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "activation_checkpoint.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 #include "plugin_factory.h"
@@ -42,9 +43,30 @@ BlockImpl::BlockImpl(int64_t d_model, int64_t ffn_hidden, bool swiglu, double ep
   ffn_ = register_module("ffn", FeedForward(d_model, ffn_hidden, swiglu));
 }
 
+torch::Tensor BlockImpl::Attend(const torch::Tensor& x, const AttentionInputs& inputs) {
+  return attention_->forward(attention_norm_(x), inputs);
+}
+
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
-  torch::Tensor h = x + attention_->forward(attention_norm_(x), inputs);
-  return h + ffn_(ffn_norm_(h));
+  if (checkpointing_ == "full") {  // keep only the block's input
+    return Recompute(
+        [this, inputs](const torch::Tensor& in) {
+          torch::Tensor h = in + Attend(in, inputs);
+          return h + Feed(h);
+        },
+        x, parameters());
+  }
+  torch::Tensor attended;
+  if (checkpointing_ == "selective") {  // recompute the attention sublayer, keep the FFN's
+    std::vector<torch::Tensor> params = attention_->parameters();
+    for (const auto& p : attention_norm_->parameters()) params.push_back(p);
+    attended = Recompute([this, inputs](const torch::Tensor& in) { return Attend(in, inputs); }, x,
+                         params);
+  } else {
+    attended = Attend(x, inputs);
+  }
+  torch::Tensor h = x + attended;
+  return h + Feed(h);
 }
 
 torch::Tensor BlockImpl::ForwardCached(const torch::Tensor& x, const AttentionInputs& inputs,
@@ -122,6 +144,7 @@ absl::StatusOr<std::shared_ptr<Transformer>> Transformer::Build(const v1::ModelC
     seed_for(absl::StrCat("layers.", i, ".block"));
     Block block(d, c.ffn_hidden(), c.ffn_activation() == "swiglu", c.norm_eps(),
                 std::move(attention));
+    block->set_checkpointing(c.activation_checkpointing());
     model->layers_->push_back(block);
     model->blocks_.push_back(block);
   }

@@ -53,8 +53,14 @@ class BlockImpl : public torch::nn::Module {
                               AttentionCache& cache);
   const AttentionLayer& attention() const { return *attention_; }
   const FeedForwardImpl& ffn() const { return *ffn_; }
+  // model.activation_checkpointing: "" / "none", "full" or "selective".
+  void set_checkpointing(const std::string& mode) { checkpointing_ = mode; }
 
  private:
+  torch::Tensor Attend(const torch::Tensor& x, const AttentionInputs& inputs);
+  torch::Tensor Feed(const torch::Tensor& h) { return ffn_(ffn_norm_(h)); }
+
+  std::string checkpointing_;
   RMSNorm attention_norm_{nullptr}, ffn_norm_{nullptr};
   AttentionLayerPtr attention_;
   FeedForward ffn_{nullptr};

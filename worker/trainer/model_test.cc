@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <map>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 
@@ -296,6 +298,78 @@ TEST_F(ModelTest, HybridScheduleExpandsAndIsFlopMatchedUnderThePapersAccounting)
     "hybrid": {}, "schedule": [{"repeat": 1, "attention": {"plugin": "mha"}}]})"));
   ASSERT_FALSE(both.ok());
   EXPECT_NE(both.status().message().find("model.hybrid"), std::string::npos);
+}
+
+// Nodes of the autograd graph behind `t` whose name contains `name`.
+int GraphNodesNamed(const torch::Tensor& t, const std::string& name) {
+  std::vector<torch::autograd::Node*> todo = {t.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  int count = 0;
+  while (!todo.empty()) {
+    torch::autograd::Node* n = todo.back();
+    todo.pop_back();
+    if (n == nullptr || !seen.insert(n).second) continue;
+    count += n->name().find(name) != std::string::npos;
+    for (const auto& edge : n->next_edges()) todo.push_back(edge.function.get());
+  }
+  return count;
+}
+
+// Activation checkpointing trades memory for time only: for every plugin (IHA through both its
+// fused kernel's custom backward and its reference path, windows, packing), the loss and every
+// parameter's gradient with full and selective recomputation equal the plain path (float64).
+TEST_F(ModelTest, ActivationCheckpointingGivesTheSameGradientsForEveryPlugin) {
+  const std::string layers = R"(
+    "schedule": [
+      {"repeat": 1, "attention": {"plugin": "mha"}},
+      {"repeat": 1, "attention": {"plugin": "local", "window": 3}},
+      {"repeat": 1, "attention": {"plugin": "talking_heads"}},
+      {"repeat": 1, "attention": {"plugin": "diff"}},
+      {"repeat": 1, "attention": {"plugin": "iha", "options": {"p": "2", "kernel": "fused", "init": "random"}}},
+      {"repeat": 1, "attention": {"plugin": "iha", "window": 2, "options": {"p": "3", "kernel": "reference", "mask": "block", "init": "random"}}}])";
+  torch::Tensor tokens = torch::randint(0, 50, {2, 12}, torch::kInt64);
+  torch::Tensor segments =
+      torch::cat({torch::ones({2, 5}, torch::kInt64), 2 * torch::ones({2, 7}, torch::kInt64)}, 1);
+  std::map<std::string, std::map<std::string, torch::Tensor>> grads;
+  std::map<std::string, double> losses;
+  for (const std::string mode : {"none", "full", "selective"}) {
+    auto model = Transformer::Create(
+        Parse(absl::StrCat(R"({"d_model": 32, "n_layers": 6, "n_heads": 4, "vocab_size": 50,
+                              "max_seq_len": 16, "rope_theta": 10000, "tie_embeddings": true,
+                              "init_seed": 5, "activation_checkpointing": ")",
+                           mode, R"(", )", layers, "}")),
+        loader_);
+    ASSERT_TRUE(model.ok()) << model.status();
+    (*model)->to(torch::kFloat64);
+    torch::Tensor logits = (*model)->forward(ModelInputs{tokens, {}, {}, {}, segments});
+    torch::Tensor loss = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, 50}), torch::roll(tokens, -1, 1).reshape({-1}));
+    // The recomputing nodes are in the graph exactly when asked for (one per layer).
+    EXPECT_EQ(GraphNodesNamed(loss, "RecomputeFunction"), mode == "none" ? 0 : 6) << mode;
+    loss.backward();
+    losses[mode] = loss.item<double>();
+    for (const auto& p : (*model)->named_parameters()) {
+      ASSERT_TRUE(p.value().grad().defined()) << mode << " " << p.key();
+      grads[mode][p.key()] = p.value().grad().clone();
+    }
+  }
+  for (const std::string mode : {"full", "selective"}) {
+    EXPECT_EQ(losses[mode], losses["none"]) << mode;
+    ASSERT_EQ(grads[mode].size(), grads["none"].size());
+    for (const auto& [name, g] : grads["none"]) {
+      EXPECT_LT((grads[mode][name] - g).abs().max().item<double>(), 1e-10) << mode << " " << name;
+    }
+  }
+  EXPECT_GT(grads["none"].size(), 40u);
+}
+
+TEST_F(ModelTest, ActivationCheckpointingModeIsValidated) {
+  auto model = Transformer::Create(
+      Parse(R"({"d_model": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 10, "max_seq_len": 8,
+                "activation_checkpointing": "some"})"),
+      loader_);
+  ASSERT_FALSE(model.ok());
+  EXPECT_NE(model.status().message().find("activation_checkpointing"), std::string::npos);
 }
 
 }  // namespace
