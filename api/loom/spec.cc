@@ -578,9 +578,6 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (j.device() != "auto" && j.device() != "cpu" && j.device() != "cuda") {
     return SpecError("device", absl::StrCat("'", j.device(), "' is not auto | cpu | cuda"));
   }
-  if (j.precision() == "bf16" && j.device() == "cpu") {
-    return SpecError("precision", "bf16 autocast is for CUDA; use fp32 on the CPU");
-  }
 
   v1::EvalConfig* e = j.mutable_eval();
   if (e->interval() < 0) return SpecError("eval.interval", "must be >= 0 (0 = only at the end)");

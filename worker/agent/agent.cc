@@ -232,7 +232,8 @@ void Agent::StartAttempt(const v1::Assignment& as) {
                    absl::StrJoin(ranks, ","), " of ", as.world_size(), ", rendezvous ",
                    as.master_addr(), ":", a.master_port,
                    as.resume_from().empty() ? "" : ", checkpoints in " + as.resume_from(), "\n"));
-  for (int r : ranks) {
+  for (size_t local = 0; local < ranks.size(); ++local) {
+    const int r = ranks[local];
     Rank rank;
     rank.rank = r;
     rank.log_path = (fs::path(a.dir) / absl::StrFormat("rank-%d.log", r)).string();
@@ -249,6 +250,8 @@ void Agent::StartAttempt(const v1::Assignment& as) {
       ::dup2(log_fd, STDERR_FILENO);
       ::setenv("LOOM_RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOOM_WORLD_SIZE", std::to_string(as.world_size()).c_str(), 1);
+      // This job's ranks on this node count 0, 1, ...: a CUDA rank takes GPU LOCAL_RANK.
+      ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
       ::setenv("MASTER_ADDR", as.master_addr().c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
       ::setenv("LOOM_JOB_ID", as.job_id().c_str(), 1);

@@ -1,5 +1,7 @@
 #include "activation_checkpoint.h"
 
+#include "autocast.h"
+
 namespace loom::trainer {
 namespace {
 
@@ -11,6 +13,7 @@ using torch::autograd::variable_list;
 struct RecomputeState : torch::CustomClassHolder {
   TensorFn fn;
   std::vector<torch::Tensor> params;
+  AutocastState autocast;  // the recomputation runs in the forward's precision
 };
 
 struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
@@ -29,6 +32,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     torch::Tensor y;
     {
       torch::AutoGradMode enable(true);
+      AutocastScope precision(state->autocast);
       y = state->fn(x);
     }
     std::vector<torch::Tensor> inputs = {x};
@@ -51,6 +55,7 @@ torch::Tensor Recompute(const TensorFn& fn, const torch::Tensor& x,
   auto state = c10::make_intrusive<RecomputeState>();
   state->fn = fn;
   state->params = params;
+  state->autocast = AutocastState::Current();
   return RecomputeFunction::apply(x, torch::TensorList(params), state);
 }
 

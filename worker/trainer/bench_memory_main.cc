@@ -3,7 +3,8 @@
 // with and without activation checkpointing. Each (model, length, checkpointing) runs in a
 // fresh child process: the model is built, the kernel's peak-RSS counter is reset
 // (/proc/self/clear_refs), one step runs, and VmHWM − RSS before the step is the step's peak.
-// A variant stops growing once a step takes longer than --max-seconds. Prints Markdown.
+// A variant stops growing once a step takes longer than --max-seconds; --only NAME runs the
+// variants whose name contains NAME. Prints Markdown.
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -98,9 +99,9 @@ Measurement Measure(const Variant& v, int64_t length, const std::string& checkpo
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(
-      CliArgs args,
-      CliArgs::Parse(argc, argv, 1, {"lengths", "threads", "d-model", "layers", "max-seconds"}));
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 1,
+                                                     {"lengths", "threads", "d-model", "layers",
+                                                      "max-seconds", "only"}));
   LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 2, 1, 1024));
   LOOM_ASSIGN_OR_RETURN(int64_t d_model, args.GetInt("d-model", 256, 8, 8192));
   LOOM_ASSIGN_OR_RETURN(int64_t layers, args.GetInt("layers", 5, 1, 64));
@@ -113,7 +114,7 @@ absl::Status Run(int argc, char** argv) {
       {"global IHA P=2",
        R"("schedule": [{"repeat": 1, "attention": {"plugin": "iha", "options": {"p": "2"}}}])"},
       {"hybrid 4 local IHA : 1 global MHA",
-       R"("hybrid": {"local_per_global": 4, "iha_options": {"p": "2"}})"}};
+       R"("hybrid": {"local_per_global": 4, "iha_options": {"p": 2}})"}};
   std::cout << absl::StrFormat(
       "d_model %d, 8 heads, %d layers, vocab 256, batch 1, fp32; one step (forward, loss, "
       "backward, no optimizer); %d LibTorch threads; peak RSS of the step in MiB (seconds)\n\n",
@@ -125,6 +126,7 @@ absl::Status Run(int argc, char** argv) {
   }
   std::cout << head << "\n" << rule << std::endl;
   for (const Variant& v : variants) {
+    if (v.name.find(args.Get("only")) == std::string::npos) continue;  // --only: a substring
     for (const std::string mode : {"none", "full"}) {
       std::string row = absl::StrCat("| ", v.name, " | ", mode, " |");
       bool stop = false;

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "autocast.h"
 #include "corpus.h"
 #include "lease.h"
 #include "loom/spec.h"
@@ -229,7 +230,12 @@ absl::Status BatchSource::Restore(const std::string& state) {
   return absl::OkStatus();
 }
 
-BatchScore ScoreBatch(const torch::Tensor& logits, const TrainBatch& batch, bool with_accuracy) {
+BatchScore ScoreBatch(const torch::Tensor& model_logits, const TrainBatch& batch,
+                      bool with_accuracy) {
+  // Under bf16 autocast the head's logits are bf16: the loss is taken in fp32.
+  const torch::Tensor logits = model_logits.is_floating_point() && model_logits.element_size() < 4
+                                   ? model_logits.to(torch::kFloat32)
+                                   : model_logits;
   BatchScore score;
   const torch::Tensor targets = batch.targets.to(logits.device());
   const torch::Tensor mask = targets >= 0;
@@ -255,6 +261,15 @@ BatchScore ScoreBatch(const torch::Tensor& logits, const TrainBatch& batch, bool
     score.exact = ((mask & ~right).sum(1) == 0).sum().item<int64_t>();
   }
   return score;
+}
+
+// The GPU of this rank: LOCAL_RANK (set by the worker agent, torchrun and Slurm launchers)
+// modulo the visible devices, so the ranks of one node do not share device 0.
+static int8_t LocalCudaDevice() {
+  int64_t local = 0;
+  if (const char* v = std::getenv("LOCAL_RANK"); v != nullptr) (void)absl::SimpleAtoi(v, &local);
+  const int64_t devices = std::max<int64_t>(1, static_cast<int64_t>(torch::cuda::device_count()));
+  return static_cast<int8_t>(std::max<int64_t>(0, local) % devices);
 }
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& resolved,
@@ -289,15 +304,8 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
         "device: cuda requested, but this LibTorch has no CUDA or no GPU is visible");
   }
   device_ = (spec_.device() == "cuda" || (spec_.device() == "auto" && cuda))
-                ? torch::Device(torch::kCUDA)
+                ? torch::Device(torch::kCUDA, LocalCudaDevice())
                 : torch::Device(torch::kCPU);
-  if (spec_.precision() == "bf16" && !device_.is_cuda()) {
-    return absl::FailedPreconditionError(
-        "precision: bf16 autocast needs a CUDA device; use fp32 on the CPU");
-  }
-  if (spec_.precision() == "bf16") {
-    return absl::UnimplementedError("precision: bf16 autocast is not implemented yet; use fp32");
-  }
   dtype_ = spec_.precision() == "fp64" ? torch::kFloat64 : torch::kFloat32;
 
   LOOM_ASSIGN_OR_RETURN(model_, Transformer::Create(spec_.model(), loader));
@@ -592,6 +600,11 @@ TrainBatch Trainer::NextLocalBatch() {
           rows(global.cols),   rows(global.positions), rows(global.segments)};
 }
 
+torch::Tensor Trainer::Forward(const TrainBatch& batch) {
+  AutocastScope precision(spec_.precision() == "bf16", device_);
+  return model_->forward(Inputs(batch));
+}
+
 ModelInputs Trainer::Inputs(const TrainBatch& batch) const {
   ModelInputs in;
   in.tokens = batch.inputs.to(device_);
@@ -836,7 +849,7 @@ Trainer::EvalResult Trainer::Evaluate() {
   ScoreTotals totals;  // the mean of the fixed held-out batches' losses
   for (int64_t i = 0; i < spec_.eval().batches(); ++i) {
     TrainBatch batch = source->Next(spec_.micro_batch());
-    totals.Add(ScoreBatch(model_->forward(Inputs(batch)), batch, true), 1.0);
+    totals.Add(ScoreBatch(Forward(batch), batch, true), 1.0);
   }
   model_->train();
   EvalResult r;
@@ -856,7 +869,7 @@ Trainer::EvalResult Trainer::EvaluateSplit(const TaskSplit& split, const std::st
     std::vector<const data::Example*> refs;
     for (size_t i = from; i < std::min(n, from + b); ++i) refs.push_back(&split.examples[i]);
     TrainBatch batch = TaskBatch(refs, split.mask_padding);
-    BatchScore s = ScoreBatch(model_->forward(Inputs(batch)), batch, true);
+    BatchScore s = ScoreBatch(Forward(batch), batch, true);
     totals.Add(s, static_cast<double>(s.scored));
   }
   model_->train();
@@ -1095,7 +1108,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
           RECORD_USER_SCOPE("loom::next_batch");  // named in profiles (op_profile.h)
           return NextLocalBatch();
         }();
-        torch::Tensor loss = ScoreBatch(model_->forward(Inputs(batch)), batch, false).loss;
+        torch::Tensor loss = ScoreBatch(Forward(batch), batch, false).loss;
         (loss / static_cast<double>(spec_.grad_accum())).backward();
         loss_sum += loss.item<double>();
       }

@@ -218,6 +218,8 @@ class Trainer {
   void RecordEval(const EvalResult& r, const std::string& split, int64_t epoch);
   absl::Status ReasoningEvaluate(TrainSummary* summary);  // rank 0: reasoning_eval, logged
   ModelInputs Inputs(const TrainBatch& batch) const;
+  // The model's logits for a batch, under bf16 autocast when precision is bf16.
+  torch::Tensor Forward(const TrainBatch& batch);
   TrainBatch NextLocalBatch();  // this rank's rows of the global micro-batch
   void LogLine(const std::string& line);
   void WriteJsonl(const std::string& json);
