@@ -55,6 +55,17 @@ TEST(JobSpec, PaperPresetMatchesTheSpec) {
   EXPECT_EQ(resolved->model().head_dim(), 128);
 }
 
+TEST(JobSpec, LossScalingDefaultsByPrecision) {
+  auto fp16 = Resolve(R"({"preset": "micro", "precision": "fp16", "device": "cuda"})");
+  ASSERT_TRUE(fp16.ok()) << fp16.status();
+  EXPECT_EQ(fp16->loss_scale().mode(), "dynamic");
+  EXPECT_DOUBLE_EQ(fp16->loss_scale().initial(), 65536);
+  EXPECT_EQ(fp16->loss_scale().growth_interval(), 2000);
+  auto bf16 = Resolve(R"({"preset": "micro", "precision": "bf16"})");
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  EXPECT_EQ(bf16->loss_scale().mode(), "none");
+}
+
 TEST(JobSpec, BadSpecsNameTheField) {
   struct Bad {
     const char* json;
@@ -81,6 +92,18 @@ TEST(JobSpec, BadSpecsNameTheField) {
       {R"({"preset": "micro", "optimizer": {"clip_norm": -1}})", "optimizer.clip_norm"},
       {R"({"preset": "micro", "precision": "fp8"})", "precision"},
       {R"({"preset": "micro", "device": "tpu"})", "device"},
+      {R"({"preset": "micro", "precision": "fp16", "device": "cpu"})", "precision"},
+      {R"({"preset": "micro", "loss_scale": {"mode": "static"}})", "loss_scale.mode"},
+      {R"({"preset": "micro", "eval": {"lengths": [64]}})", "eval.lengths"},  // not a task
+      {R"({"preset": "micro", "data": {"source": "task", "task": "needle"},
+           "eval": {"lengths": [64, 1000000]}})",
+       "eval.lengths[1]"},
+      {R"({"preset": "micro", "precision": "fp16", "loss_scale": {"mode": "none"}})",
+       "loss_scale.mode"},
+      {R"({"preset": "micro", "loss_scale": {"initial": 0.5}})", "loss_scale.initial"},
+      {R"({"preset": "micro", "loss_scale": {"initial": 1e300}})", "loss_scale.initial"},
+      {R"({"preset": "micro", "loss_scale": {"growth_interval": -1}})",
+       "loss_scale.growth_interval"},
       {R"({"preset": "micro", "data": {"source": "web"}})", "data.source"},
       {R"({"preset": "micro", "data": {"tokenizer": "gpt2"}})", "data.tokenizer"},
       {R"({"preset": "micro", "data": {"source": "shards"}})", "data.path"},

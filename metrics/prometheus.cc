@@ -208,6 +208,9 @@ void DeclareTrainMetrics(Registry& r) {
   r.DeclareCounter("loom_train_nan_skipped_steps_total",
                    "Steps skipped for a non-finite loss or gradient.");
   r.DeclareCounter("loom_train_checkpoint_bytes_total", "Bytes written to checkpoints.");
+  r.DeclareGauge("loom_train_loss_scale", "Dynamic loss scale (loss_scale.mode dynamic).");
+  r.DeclareCounter("loom_train_loss_scale_overflows_total",
+                   "Steps skipped because the scaled gradients overflowed.");
   r.DeclareHistogram("loom_train_step_seconds", "Wall time of one optimizer step.",
                      {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60});
   r.DeclareHistogram("loom_train_checkpoint_write_seconds",

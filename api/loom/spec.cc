@@ -354,6 +354,27 @@ bool IsPluginName(const std::string& s) {
   return true;
 }
 
+// loss_scale: the mode defaults by precision (fp16 needs scaling: its gradients underflow).
+absl::Status NormalizeLossScale(v1::JobSpec& j) {
+  v1::LossScaleConfig* ls = j.mutable_loss_scale();
+  if (ls->mode().empty()) ls->set_mode(j.precision() == "fp16" ? "dynamic" : "none");
+  if (ls->mode() != "none" && ls->mode() != "dynamic") {
+    return SpecError("loss_scale.mode", absl::StrCat("'", ls->mode(), "' is not none | dynamic"));
+  }
+  if (j.precision() == "fp16" && ls->mode() == "none") {
+    return SpecError("loss_scale.mode", "fp16 needs dynamic (its gradients underflow without it)");
+  }
+  if (ls->initial() == 0) ls->set_initial(65536);
+  if (!(ls->initial() >= 1 && ls->initial() <= 0x1p127)) {
+    return SpecError("loss_scale.initial", "must be in [1, 2^127] (0 = 65536)");
+  }
+  if (ls->growth_interval() == 0) ls->set_growth_interval(2000);
+  if (ls->growth_interval() < 1 || ls->growth_interval() > 1000000000) {
+    return SpecError("loss_scale.growth_interval", "must be in [1, 10^9] (0 = 2000)");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ResolveReasoningEval(v1::JobSpec& j) {
   v1::ReasoningEvalConfig* r = j.mutable_reasoning_eval();
   if (r->source().empty()) r->set_source("builtin");
@@ -571,13 +592,19 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (j.has_model() && j.model().init_seed() == 0) j.mutable_model()->set_init_seed(j.seed());
 
   if (j.precision().empty()) j.set_precision("fp32");
-  if (j.precision() != "fp32" && j.precision() != "fp64" && j.precision() != "bf16") {
-    return SpecError("precision", absl::StrCat("'", j.precision(), "' is not fp32 | fp64 | bf16"));
+  if (j.precision() != "fp32" && j.precision() != "fp64" && j.precision() != "bf16" &&
+      j.precision() != "fp16") {
+    return SpecError("precision",
+                     absl::StrCat("'", j.precision(), "' is not fp32 | fp64 | bf16 | fp16"));
   }
   if (j.device().empty()) j.set_device("auto");
   if (j.device() != "auto" && j.device() != "cpu" && j.device() != "cuda") {
     return SpecError("device", absl::StrCat("'", j.device(), "' is not auto | cpu | cuda"));
   }
+  if (j.precision() == "fp16" && j.device() == "cpu") {
+    return SpecError("precision", "fp16 autocast needs device cuda; on the CPU use bf16");
+  }
+  LOOM_RETURN_IF_ERROR(NormalizeLossScale(j));
 
   v1::EvalConfig* e = j.mutable_eval();
   if (e->interval() < 0) return SpecError("eval.interval", "must be >= 0 (0 = only at the end)");
@@ -596,6 +623,18 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     }
   }
   if (e->patience() < 0) return SpecError("eval.patience", "must be >= 0 (0 = no early stopping)");
+  if (e->lengths_size() > 0) {
+    if (d->source() != "task") return SpecError("eval.lengths", "is only for data.source task");
+    if (d->has_splits()) return SpecError("eval.lengths", "cannot be combined with data.splits");
+    if (e->lengths_size() > 16) return SpecError("eval.lengths", "at most 16 lengths");
+    for (int i = 0; i < e->lengths_size(); ++i) {
+      if (e->lengths(i) < 16 || (j.has_model() && e->lengths(i) > j.model().max_seq_len())) {
+        return SpecError(
+            absl::StrCat("eval.lengths[", i, "]"),
+            absl::StrCat("must be in [16, model.max_seq_len = ", j.model().max_seq_len(), "]"));
+      }
+    }
+  }
   if (e->patience() > 0 && !d->has_splits()) {
     return SpecError("eval.patience", "needs data.splits (early stopping on the validation split)");
   }

@@ -384,10 +384,18 @@ void Agent::Poll() {
                               labels);
         }
         a.tokens_seen = seen;
-        // Created at 0 with the job's first step, so increase() sees the first skip too.
-        const bool skipped =
-            j.contains("skipped") && j["skipped"].is_boolean() && j["skipped"].get<bool>();
-        registry_.Increment("loom_train_nan_skipped_steps_total", skipped ? 1 : 0, labels);
+        // Created at 0 with the job's first step, so increase() sees the first skip too. A step
+        // the loss scaler skipped (an fp16 overflow) is not a divergence.
+        auto flag = [&](const char* key) {
+          return j.contains(key) && j[key].is_boolean() && j[key].get<bool>();
+        };
+        const bool overflowed = flag("overflowed");
+        registry_.Increment("loom_train_nan_skipped_steps_total",
+                            flag("skipped") && !overflowed ? 1 : 0, labels);
+        if (j.contains("loss_scale")) {
+          registry_.Set("loom_train_loss_scale", num("loss_scale"), labels);
+          registry_.Increment("loom_train_loss_scale_overflows_total", overflowed ? 1 : 0, labels);
+        }
         a.progress.set_step(static_cast<int64_t>(num("step")));
         a.progress.set_loss(num("loss"));
         a.progress.set_tokens_per_second(num("tokens_per_second"));

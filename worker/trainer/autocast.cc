@@ -12,12 +12,12 @@ void Apply(const AutocastState& s) {
 #if LOOM_TORCH_AT_LEAST(2, 4)
   at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
   at::autocast::set_autocast_enabled(at::kCPU, s.cpu);
-  at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+  at::autocast::set_autocast_dtype(at::kCUDA, s.cuda_dtype);
   at::autocast::set_autocast_enabled(at::kCUDA, s.cuda);
 #else
   at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
   at::autocast::set_cpu_enabled(s.cpu);
-  at::autocast::set_autocast_gpu_dtype(at::kBFloat16);
+  at::autocast::set_autocast_gpu_dtype(s.cuda_dtype);
   at::autocast::set_enabled(s.cuda);
 #endif
 }
@@ -29,9 +29,11 @@ AutocastState AutocastState::Current() {
 #if LOOM_TORCH_AT_LEAST(2, 4)
   s.cpu = at::autocast::is_autocast_enabled(at::kCPU);
   s.cuda = at::autocast::is_autocast_enabled(at::kCUDA);
+  s.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
 #else
   s.cpu = at::autocast::is_cpu_enabled();
   s.cuda = at::autocast::is_enabled();
+  s.cuda_dtype = at::autocast::get_autocast_gpu_dtype();
 #endif
   return s;
 }
@@ -40,9 +42,11 @@ AutocastScope::AutocastScope(AutocastState state) : previous_(AutocastState::Cur
   Apply(state);
 }
 
-AutocastScope::AutocastScope(bool enabled, const torch::Device& device)
-    : AutocastScope(enabled ? AutocastState{device.is_cpu(), device.is_cuda()}
-                            : AutocastState::Current()) {}
+AutocastScope::AutocastScope(const std::string& precision, const torch::Device& device)
+    : AutocastScope(precision == "bf16" || precision == "fp16"
+                        ? AutocastState{device.is_cpu(), device.is_cuda(),
+                                        precision == "fp16" ? at::kHalf : at::kBFloat16}
+                        : AutocastState::Current()) {}
 
 AutocastScope::~AutocastScope() {
   const AutocastState now = AutocastState::Current();

@@ -20,6 +20,7 @@
 #include "autocast.h"
 #include "corpus.h"
 #include "lease.h"
+#include "loom/blas_core.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 #include "plugin_factory.h"
@@ -331,6 +332,23 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   }
   optimizer_ = std::make_unique<AdamW>(
       params, AdamWConfig{o.beta1(), o.beta2(), o.eps(), o.weight_decay()}, owns);
+  if (spec_.precision() == "fp16" && !device_.is_cuda()) {
+    return absl::FailedPreconditionError(
+        "precision: fp16 autocast needs a CUDA device (this run is on the CPU); use bf16");
+  }
+  if (spec_.precision() == "bf16" && device_.is_cpu() && !DetectCpuVectorFeatures().avx512) {
+    // LibTorch's CPU bf16 GEMMs need AVX-512 (oneDNN); without it they fall back to scalar
+    // loops (measured 16x slower than fp32 on an AVX2 EPYC).
+    LogLine(
+        "precision: bf16 on a CPU without AVX-512: LibTorch's bf16 matmuls fall back to a "
+        "slow path here (about 10-16x fp32's time); fp32 is faster on this machine");
+  }
+  if (spec_.loss_scale().mode() == "dynamic") {
+    LossScaler::Options scaling;
+    scaling.initial = spec_.loss_scale().initial();
+    scaling.growth_interval = spec_.loss_scale().growth_interval();
+    loss_scaler_ = std::make_unique<LossScaler>(scaling);
+  }
 
   if (spec_.kind() != "pretrain") {
     // The chat objective: data.format for sft training and its eval, reasoning_eval.format for
@@ -480,6 +498,16 @@ absl::Status Trainer::SetupData() {
       train_data_ = std::make_unique<TaskSampler>(task, d.seed());
     }
     make_eval_data_ = [task, eval_seed] { return std::make_unique<TaskSampler>(task, eval_seed); };
+    for (int64_t length : spec_.eval().lengths()) {  // made now: a bad length fails before training
+      auto at = data::MakeTask(d.task(), text, length);
+      if (!at.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("eval.lengths: ", length, ": ", at.status().message()));
+      }
+      std::shared_ptr<const data::Task> sized = std::move(*at);
+      length_eval_data_.emplace_back(
+          length, [sized, eval_seed] { return std::make_unique<TaskSampler>(sized, eval_seed); });
+    }
     return absl::OkStatus();
   }
   std::shared_ptr<const TokenStream> train, eval;
@@ -601,7 +629,7 @@ TrainBatch Trainer::NextLocalBatch() {
 }
 
 torch::Tensor Trainer::Forward(const TrainBatch& batch) {
-  AutocastScope precision(spec_.precision() == "bf16", device_);
+  AutocastScope precision(spec_.precision(), device_);
   return model_->forward(Inputs(batch));
 }
 
@@ -717,6 +745,11 @@ absl::Status Trainer::ApplyCheckpoint(const storage::LoadedCheckpoint& loaded, b
       LOOM_ASSIGN_OR_RETURN(std::string early, get("split.early_stop"));
       LOOM_RETURN_IF_ERROR(RestoreEarlyStop(early));
     }
+    if (loss_scaler_) {
+      // A checkpoint written without loss scaling resumes at the configured initial scale.
+      auto it = m.state.find("loss_scale");
+      if (it != m.state.end()) LOOM_RETURN_IF_ERROR(loss_scaler_->Restore(it->second));
+    }
     auto rng = tensors.find(kTorchRng);
     if (rng == tensors.end())
       return absl::DataLossError(absl::StrCat(what, ": shard lacks ", kTorchRng));
@@ -785,6 +818,7 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
                     {"zero_stage", zero_ ? "1" : "0"},
                     {"spec", spec_json}};
   if (validation_split_) manifest.state["split.early_stop"] = EarlyStopState();
+  if (loss_scaler_) manifest.state["loss_scale"] = loss_scaler_->State();
   RequireLease("before a checkpoint commit");
   auto dir = writer.Commit(manifest);
   if (!dir.ok()) {
@@ -804,6 +838,25 @@ absl::StatusOr<std::string> Trainer::SaveCheckpoint() {
                           ",\"dir\":", JsonString(*dir), ",\"seconds\":", JsonNumber(seconds),
                           ",\"bytes\":", bytes, "}"));
   return *dir;
+}
+
+// After the gradient norm: a finite loss with non-finite gradients is an overflow of the scaled
+// backward pass; the step is skipped (not counted as a divergence) and the scale backed off.
+void Trainer::UpdateLossScale(bool finite, StepRecord* r, TrainSummary* summary) {
+  r->overflowed = !finite && std::isfinite(r->loss);
+  const double before = loss_scaler_->scale();
+  const bool changed = loss_scaler_->Update(finite);
+  registry_.Set("loom_train_loss_scale", loss_scaler_->scale(), labels_);
+  if (r->overflowed) {
+    ++summary->loss_scale_overflows;
+    registry_.Increment("loom_train_loss_scale_overflows_total", 1, labels_);
+    LogLine(absl::StrFormat(
+        "step %d: gradients overflowed at loss scale %g; update skipped, loss scale now %g",
+        r->step, before, loss_scaler_->scale()));
+  } else if (changed && finite) {
+    LogLine(absl::StrFormat("step %d: loss scale %g -> %g after %d clean steps", r->step, before,
+                            loss_scaler_->scale(), spec_.loss_scale().growth_interval()));
+  }
 }
 
 absl::Status Trainer::BroadcastOwnedParameters() {
@@ -842,19 +895,20 @@ struct ScoreTotals {
 
 }  // namespace
 
-Trainer::EvalResult Trainer::Evaluate() {
+Trainer::EvalResult Trainer::Evaluate() { return EvaluateBatches(*make_eval_data_(), 0); }
+
+Trainer::EvalResult Trainer::EvaluateBatches(BatchSource& source, int64_t length) {
   torch::NoGradGuard no_grad;
   model_->eval();
-  std::unique_ptr<BatchSource> source = make_eval_data_();
   ScoreTotals totals;  // the mean of the fixed held-out batches' losses
   for (int64_t i = 0; i < spec_.eval().batches(); ++i) {
-    TrainBatch batch = source->Next(spec_.micro_batch());
+    TrainBatch batch = source.Next(spec_.micro_batch());
     totals.Add(ScoreBatch(Forward(batch), batch, true), 1.0);
   }
   model_->train();
   EvalResult r;
   totals.Into(&r.loss, &r.accuracy, &r.exact_match);
-  RecordEval(r, "", 0);
+  RecordEval(r, "", 0, length);
   return r;
 }
 
@@ -879,14 +933,16 @@ Trainer::EvalResult Trainer::EvaluateSplit(const TaskSplit& split, const std::st
   return r;
 }
 
-void Trainer::RecordEval(const EvalResult& r, const std::string& split, int64_t epoch) {
-  if (split != "test") {  // the gauges follow the held-out (validation) evaluations
+void Trainer::RecordEval(const EvalResult& r, const std::string& split, int64_t epoch,
+                         int64_t length) {
+  if (split != "test" && length == 0) {  // the gauges follow the held-out (validation) evaluations
     registry_.Set("loom_train_eval_loss", r.loss, labels_);
     registry_.Set("loom_train_eval_accuracy_ratio", r.accuracy, labels_);
     registry_.Set("loom_train_eval_exact_match_ratio", r.exact_match, labels_);
   }
-  const std::string where =
+  std::string where =
       split.empty() ? "" : absl::StrCat(",\"split\":", JsonString(split), ",\"epoch\":", epoch);
+  if (length > 0) absl::StrAppend(&where, ",\"length\":", length);
   WriteJsonl(absl::StrCat("{\"event\":\"eval\"", where, ",\"step\":", step_, ",\"eval_loss\":",
                           JsonNumber(r.loss), ",\"accuracy\":", JsonNumber(r.accuracy),
                           ",\"exact_match\":", JsonNumber(r.exact_match), "}"));
@@ -1109,7 +1165,8 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
           return NextLocalBatch();
         }();
         torch::Tensor loss = ScoreBatch(Forward(batch), batch, false).loss;
-        (loss / static_cast<double>(spec_.grad_accum())).backward();
+        torch::Tensor scaled = loss_scaler_ ? loss_scaler_->Scale(loss) : loss;
+        (scaled / static_cast<double>(spec_.grad_accum())).backward();
         loss_sum += loss.item<double>();
       }
       StepRecord r;
@@ -1134,11 +1191,19 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
                               ? spec_.optimizer().clip_norm()
                               : std::numeric_limits<double>::infinity();
       RECORD_USER_SCOPE("loom::clip_and_update");
+      if (loss_scaler_) {
+        r.loss_scale = loss_scaler_->scale();
+        loss_scaler_->Unscale(params);  // the reduced gradients are identical on every rank
+      }
       r.grad_norm = torch::nn::utils::clip_grad_norm_(params, clip);
-      if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) {
+      const bool finite = std::isfinite(r.loss) && std::isfinite(r.grad_norm);
+      if (loss_scaler_) UpdateLossScale(finite, &r, &summary);
+      if (finite) {
         optimizer_->Step(lr);
         if (zero_) LOOM_RETURN_IF_ERROR(BroadcastOwnedParameters());
         consecutive_nan_ = 0;
+      } else if (r.overflowed) {
+        r.skipped = true;  // a finite loss whose scaled gradients overflowed: not a divergence
       } else {
         r.skipped = true;
         ++consecutive_nan_;
@@ -1168,10 +1233,13 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       WriteJsonl(absl::StrCat(
           "{\"event\":\"step\",\"step\":", r.step, ",\"loss\":", JsonNumber(r.loss),
           ",\"lr\":", JsonNumber(r.lr), ",\"grad_norm\":", JsonNumber(r.grad_norm),
-          ",\"step_seconds\":", JsonNumber(r.seconds),
-          ",\"tokens_per_second\":", JsonNumber(r.tokens_per_second),
-          ",\"mfu\":", JsonNumber(r.mfu), ",\"tokens_seen\":", tokens_seen_,
-          ",\"skipped\":", r.skipped ? "true" : "false", ",\"time_unix_ms\":", UnixMillis(), "}"));
+          ",\"step_seconds\":", JsonNumber(r.seconds), ",\"tokens_per_second\":",
+          JsonNumber(r.tokens_per_second), ",\"mfu\":", JsonNumber(r.mfu),
+          ",\"tokens_seen\":", tokens_seen_, ",\"skipped\":", r.skipped ? "true" : "false",
+          loss_scaler_ ? absl::StrCat(",\"loss_scale\":", JsonNumber(r.loss_scale),
+                                      ",\"overflowed\":", r.overflowed ? "true" : "false")
+                       : "",
+          ",\"time_unix_ms\":", UnixMillis(), "}"));
 
       if (consecutive_nan_ >= spec_.max_nan_skips()) {
         return absl::DataLossError(absl::StrCat("step ", step_, ": ", consecutive_nan_,
@@ -1223,6 +1291,14 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
   if ((step_ >= total || stop_early || (options_.stop_after > 0 && step_ >= options_.stop_after)) &&
       last_eval_step != step_) {
     evaluate();
+  }
+  if (step_ >= total && comm_->rank() == 0) {
+    for (const auto& [length, make] : length_eval_data_) {
+      const EvalResult e = EvaluateBatches(*make(), length);
+      summary.length_evals.push_back({length, e.loss, e.accuracy, e.exact_match});
+      LogLine(absl::StrFormat("eval at length %d: loss %.4f  accuracy %.4f  exact match %.4f",
+                              length, e.loss, e.accuracy, e.exact_match));
+    }
   }
   if (splits) {
     summary.epochs = epoch_of(step_);

@@ -28,6 +28,7 @@
 #include "http_exporter.h"
 #include "loom/sft_plugin.h"
 #include "loom/v1/job.pb.h"
+#include "loss_scaler.h"
 #include "model.h"
 #include "prometheus.h"
 #include "reasoning_eval.h"
@@ -155,7 +156,9 @@ struct TrainerOptions {
 struct StepRecord {
   int64_t step = 0;
   double loss = 0, lr = 0, grad_norm = 0, seconds = 0, tokens_per_second = 0, mfu = 0;
+  double loss_scale = 0;  // the dynamic loss scale this step ran at; 0 without loss scaling
   bool skipped = false;
+  bool overflowed = false;  // skipped because the scaled gradients overflowed (loss scaling)
 };
 
 struct TrainSummary {
@@ -165,6 +168,13 @@ struct TrainSummary {
   int64_t final_step = 0;
   std::string last_checkpoint;
   int64_t nan_skipped = 0;
+  int64_t loss_scale_overflows = 0;  // steps skipped by the loss scaler (not counted above)
+  // eval.lengths: the held-out evaluation at each extra sequence length, at the end of the run.
+  struct LengthEval {
+    int64_t length = 0;
+    double loss = 0, accuracy = 0, exact_match = 0;
+  };
+  std::vector<LengthEval> length_evals;
   // Reasoning evaluation (eval jobs; sft jobs after training): -1 when none ran.
   double reasoning_pass_at_1 = -1, reasoning_maj_at_k = -1, reasoning_answered = -1;
   std::string reasoning_details;  // JSON file with every sample ("" when not written)
@@ -209,16 +219,19 @@ class Trainer {
                                std::chrono::steady_clock::time_point start);
   absl::StatusOr<std::string> SaveCheckpoint();
   absl::Status BroadcastOwnedParameters();
+  void UpdateLossScale(bool finite, StepRecord* r, TrainSummary* summary);
   struct EvalResult {
     double loss = 0, accuracy = 0, exact_match = 0;
   };
   EvalResult Evaluate();
+  // The fixed held-out batches of `source`; the JSONL eval event names `length` when > 0.
+  EvalResult EvaluateBatches(BatchSource& source, int64_t length);
   // The whole validation or test split in order; JSONL eval event with "split" and "epoch".
   EvalResult EvaluateSplit(const TaskSplit& split, const std::string& name, int64_t epoch);
-  void RecordEval(const EvalResult& r, const std::string& split, int64_t epoch);
+  void RecordEval(const EvalResult& r, const std::string& split, int64_t epoch, int64_t length = 0);
   absl::Status ReasoningEvaluate(TrainSummary* summary);  // rank 0: reasoning_eval, logged
   ModelInputs Inputs(const TrainBatch& batch) const;
-  // The model's logits for a batch, under bf16 autocast when precision is bf16.
+  // The model's logits for a batch, under autocast when precision is bf16 or fp16.
   torch::Tensor Forward(const TrainBatch& batch);
   TrainBatch NextLocalBatch();  // this rank's rows of the global micro-batch
   void LogLine(const std::string& line);
@@ -230,6 +243,7 @@ class Trainer {
   torch::ScalarType dtype_ = torch::kFloat32;
   std::shared_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<LossScaler> loss_scaler_;  // loss_scale.mode dynamic; null otherwise
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<GradientReducer> reducer_;  // several ranks: all-reduce overlapped with backward
   bool zero_ = false;                         // ZeRO-1 active (zero_stage 1 and several ranks)
@@ -237,6 +251,8 @@ class Trainer {
   SftObjectivePtr objective_;                 // sft and eval jobs: the chat objective plugin
   std::unique_ptr<BatchSource> train_data_;
   std::function<std::unique_ptr<BatchSource>()> make_eval_data_;  // a fresh, fixed-seed source
+  // eval.lengths: each length with its held-out source (the task built at that length).
+  std::vector<std::pair<int64_t, std::function<std::unique_ptr<BatchSource>()>>> length_eval_data_;
   // data.splits: the fixed validation and test splits (null without splits) and the
   // early-stopping state at the last epoch end, saved in checkpoints ("split.early_stop").
   std::shared_ptr<const TaskSplit> validation_split_, test_split_;
