@@ -127,7 +127,7 @@ absl::Status Run(int argc, char** argv) {
   std::cout << head << "\n" << rule << std::endl;
   for (const Variant& v : variants) {
     if (v.name.find(args.Get("only")) == std::string::npos) continue;  // --only: a substring
-    for (const std::string mode : {"none", "full"}) {
+    for (const std::string mode : {"none", "selective", "full"}) {
       std::string row = absl::StrCat("| ", v.name, " | ", mode, " |");
       bool stop = false;
       for (int64_t l : lengths) {

@@ -106,12 +106,14 @@ struct Measured {
 
 absl::StatusOr<Measured> RunSchedule(const Width& w, const Variant& v, int64_t layers,
                                      int64_t batch, int64_t warmup, int64_t steps,
-                                     PluginLoader& loader, bool profile) {
+                                     PluginLoader& loader, bool profile,
+                                     const std::string& precision = "fp32") {
   const std::string json = absl::StrCat(
-      R"({"preset": "tiny-cpu", "steps": )", warmup + steps, R"(, "micro_batch": )", batch,
-      R"(, "seq_len": )", w.seq_len, R"(, "eval": {"batches": 1}, "model": {"n_layers": )", layers,
-      R"(, "d_model": )", w.d_model, R"(, "n_heads": )", w.heads, R"(, "ffn_hidden": )",
-      4 * w.d_model, R"(, "max_seq_len": )", w.seq_len, ", ", v.schedule_json, "}}");
+      R"({"preset": "tiny-cpu", "precision": ")", precision, R"(", "steps": )", warmup + steps,
+      R"(, "micro_batch": )", batch, R"(, "seq_len": )", w.seq_len,
+      R"(, "eval": {"batches": 1}, "model": {"n_layers": )", layers, R"(, "d_model": )", w.d_model,
+      R"(, "n_heads": )", w.heads, R"(, "ffn_hidden": )", 4 * w.d_model, R"(, "max_seq_len": )",
+      w.seq_len, ", ", v.schedule_json, "}}");
   v1::JobSpec spec;
   LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, v.name, &spec));
   LOOM_ASSIGN_OR_RETURN(v1::JobSpec resolved, ResolveJobSpec(spec));
@@ -160,7 +162,8 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(CliArgs args,
                         CliArgs::Parse(argc, argv, 1,
                                        {"steps", "warmup", "seq-len", "batch", "threads", "p",
-                                        "plugin-dir", "layers", "widths", "profile"}));
+                                        "plugin-dir", "layers", "widths", "profile"},
+                                       {"bf16"}));
   LOOM_ASSIGN_OR_RETURN(int64_t steps, args.GetInt("steps", 20, 1, 100000));
   LOOM_ASSIGN_OR_RETURN(int64_t warmup, args.GetInt("warmup", 3, 0, 1000));
   LOOM_ASSIGN_OR_RETURN(int64_t seq_len, args.GetInt("seq-len", 256, 16, 8192));
@@ -221,6 +224,19 @@ absl::Status Run(int argc, char** argv) {
             "| %s | %.3g | %.1f | %.0f | %.2f | %.2f | %.1f%% | %.1f%% |\n", v.name,
             m.flops_per_token, 1e3 * m.step_s, rate, rate / tps[ti][0], achieved / 1e9,
             100 * achieved / ceiling, 100 * m.sys_per_user);
+      }
+    }
+    if (args.Has("bf16")) {  // mixed precision against the fp32 rows above (last thread count)
+      std::cout << absl::StrFormat("\nbf16 autocast vs fp32 (%d threads, the same steps):\n\n",
+                                   torch::get_num_threads())
+                << "| schedule | fp32 tokens/s | bf16 tokens/s | bf16 vs fp32 |\n"
+                << "| --- | ---: | ---: | ---: |\n";
+      for (size_t i = 0; i < variants.size(); ++i) {
+        LOOM_ASSIGN_OR_RETURN(Measured m, RunSchedule(w, variants[i], layers, batch, warmup, steps,
+                                                      loader, false, "bf16"));
+        const double rate = static_cast<double>(batch * w.seq_len) / m.step_s;
+        std::cout << absl::StrFormat("| %s | %.0f | %.0f | %.2fx |\n", variants[i].name,
+                                     tps.back()[i], rate, rate / tps.back()[i]);
       }
     }
     if (thread_counts.size() > 1) {
