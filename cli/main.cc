@@ -486,15 +486,16 @@ class Cli {
       std::cout << FormatMessage(r, output_) << "\n";
       return absl::OkStatus();
     }
-    std::cout << absl::StrFormat("%-12s %-16s %-6s %5s %-20s %s\n", "ID", "NAME", "STATE", "SLOTS",
-                                 "LABELS", "LAST HEARTBEAT");
+    std::cout << absl::StrFormat("%-12s %-16s %-6s %5s %-20s %-14s %s\n", "ID", "NAME", "STATE",
+                                 "SLOTS", "LABELS", "GPUS", "LAST HEARTBEAT");
     for (const auto& w : r.workers()) {
-      std::string labels;
+      std::string labels, gpus = w.gpus().empty() ? "-" : "";
       for (const auto& [k, v] : w.labels())
         absl::StrAppend(&labels, labels.empty() ? "" : ",", k, "=", v);
-      std::cout << absl::StrFormat("%-12s %-16s %-6s %2d/%-2d %-20s %s\n", w.id(),
+      for (const auto& g : w.gpus()) absl::StrAppend(&gpus, gpus.empty() ? "" : ",", g.index());
+      std::cout << absl::StrFormat("%-12s %-16s %-6s %2d/%-2d %-20s %-14s %s\n", w.id(),
                                    w.name().substr(0, 16), w.state(), w.used_slots(), w.slots(),
-                                   labels, FormatTime(w.last_heartbeat_ms()));
+                                   labels, gpus, FormatTime(w.last_heartbeat_ms()));
     }
     return absl::OkStatus();
   }

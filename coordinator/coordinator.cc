@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -924,6 +925,39 @@ void Coordinator::RevokeCredential(Txn& txn, const std::string& worker_id) {
   txn.batch.DeleteCredential(worker_id);
 }
 
+namespace {
+
+bool Printable(const std::string& s, size_t max) {
+  if (s.size() > max) return false;
+  for (unsigned char c : s)
+    if (c < 0x20 || c > 0x7e) return false;
+  return true;
+}
+
+// A worker's GPU inventory: one rank per GPU, so never more slots than GPUs.
+absl::Status CheckGpus(const v1::RegisterWorkerRequest& request) {
+  if (request.gpus_size() > 256) return FieldError("gpus", "at most 256 GPUs");
+  std::set<int32_t> seen;
+  for (int i = 0; i < request.gpus_size(); ++i) {
+    const v1::Gpu& g = request.gpus(i);
+    const std::string field = absl::StrCat("gpus[", i, "]");
+    if (g.index() < 0 || g.index() > 1023 || !seen.insert(g.index()).second) {
+      return FieldError(field + ".index", "must be distinct, in 0..1023");
+    }
+    if (!Printable(g.uuid(), 96)) return FieldError(field + ".uuid", "at most 96 printable ASCII");
+    if (!Printable(g.model(), 128))
+      return FieldError(field + ".model", "at most 128 printable ASCII");
+    if (g.memory_bytes() < 0) return FieldError(field + ".memory_bytes", "must be >= 0");
+  }
+  if (request.gpus_size() > 0 && request.slots() > request.gpus_size()) {
+    return FieldError("slots", absl::StrCat("exceeds the worker's ", request.gpus_size(),
+                                            " GPUs (one GPU per rank)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
     const v1::RegisterWorkerRequest& request) {
   if (request.slots() < 1 || request.slots() > 4096)
@@ -939,6 +973,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
   if (!request.worker_id().empty() && !IsValidId(request.worker_id())) {
     return FieldError("worker_id", "malformed");
   }
+  LOOM_RETURN_IF_ERROR(CheckGpus(request));
   std::lock_guard<std::mutex> lock(mutex_);
   Txn txn;
   std::string id = request.worker_id();
@@ -977,6 +1012,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
   w.set_address(request.address());
   w.set_slots(request.slots());
   *w.mutable_labels() = request.labels();
+  *w.mutable_gpus() = request.gpus();
   w.set_state("alive");
   w.set_last_heartbeat_ms(now);
   txn.batch.PutWorker(w);

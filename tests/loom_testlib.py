@@ -330,13 +330,14 @@ class Service:
             time.sleep(0.25)  # exited: the fixed port may still be taken; try again
         raise AssertionError(f"loom-coordinator exited at start-up {tries} time(s) (ports {port}, {agent_port})")
 
-    def start_worker(self, name, labels="pool=cpu", slots=2, coordinator_url=None, term_grace_ms=3000):
+    def start_worker(self, name, labels="pool=cpu", slots=2, coordinator_url=None, term_grace_ms=3000,
+                     extra=("--gpus", "none")):
         log = open(os.path.join(self.tmp, f"{name}.log"), "a")
         p = subprocess.Popen(
             [self.args.worker, "--coordinator", coordinator_url or f"http://127.0.0.1:{self.agent_port}",
              "--token-file", self.enrolment_file, "--work-dir", os.path.join(self.tmp, name),
              "--slots", str(slots), "--name", name, "--labels", labels, "--term-grace-ms", str(term_grace_ms),
-             "--loom-train", self.args.loom_train],
+             "--loom-train", self.args.loom_train, *extra],
             stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
         self.procs.append(p)

@@ -88,7 +88,7 @@ void WriteFileAtomically(const std::string& path, const std::string& text, mode_
 
 }  // namespace
 
-Agent::Agent(AgentOptions options) : options_(std::move(options)) {
+Agent::Agent(AgentOptions options) : options_(std::move(options)), gpu_pool_(options_.gpus) {
   DeclareMetrics();
   // Every series says which node and pool it comes from, whatever discovers the target.
   metrics::Labels node = {{"worker", options_.name}};
@@ -138,6 +138,7 @@ absl::Status Agent::Register() {
   req.set_name(options_.name);
   req.set_address(options_.address);
   req.set_slots(options_.slots);
+  *req.mutable_gpus() = {options_.gpus.begin(), options_.gpus.end()};
   req.set_credential(credential_);
   req.mutable_labels()->insert(options_.labels.begin(), options_.labels.end());
   v1::RegisterWorkerResponse resp;
@@ -237,8 +238,20 @@ void Agent::StartAttempt(const v1::Assignment& as) {
     Rank rank;
     rank.rank = r;
     rank.log_path = (fs::path(a.dir) / absl::StrFormat("rank-%d.log", r)).string();
-    const int log_fd =
-        ::open(rank.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    // A GPU node binds each rank to a GPU of its own; none free means an earlier attempt's
+    // processes still hold it, and the rank fails to start rather than share it.
+    std::string no_gpu;
+    if (!gpu_pool_.empty()) {
+      absl::StatusOr<int> gpu = gpu_pool_.Take();
+      if (gpu.ok())
+        rank.gpu = *gpu;
+      else
+        no_gpu = std::string(gpu.status().message());
+    }
+    const std::string visible = rank.gpu >= 0 ? VisibleDeviceName(gpu_pool_.gpu(rank.gpu)) : "";
+    const int log_fd = !no_gpu.empty() ? -1
+                                       : ::open(rank.log_path.c_str(),
+                                                O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     const pid_t parent = ::getpid();
     const pid_t pid = log_fd < 0 ? -1 : ::fork();
     if (pid == 0) {
@@ -252,7 +265,13 @@ void Agent::StartAttempt(const v1::Assignment& as) {
       ::setenv("LOOM_WORLD_SIZE", std::to_string(as.world_size()).c_str(), 1);
       // This job's ranks on this node count 0, 1, ...: a CUDA rank takes GPU LOCAL_RANK.
       ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+      // torchrun's names too, so that launch code written for it works unchanged.
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(ranks.size()).c_str(), 1);
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(as.world_size()).c_str(), 1);
+      if (!visible.empty()) ::setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
       ::setenv("MASTER_ADDR", as.master_addr().c_str(), 1);
+      ::setenv("LOOM_NODE_ADDR", options_.address.c_str(), 1);  // Gloo binds to this node's own
       ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
       ::setenv("LOOM_JOB_ID", as.job_id().c_str(), 1);
       ::setenv("LOOM_WORKER_NAME", options_.name.c_str(), 1);
@@ -272,11 +291,18 @@ void Agent::StartAttempt(const v1::Assignment& as) {
     if (pid < 0) {
       rank.running = false;
       rank.exit_code = 127;
-      rank.detail = absl::StrCat("failed to start: ", std::strerror(errno));
+      rank.detail =
+          absl::StrCat("failed to start: ", no_gpu.empty() ? std::strerror(errno) : no_gpu.c_str());
+      gpu_pool_.Give(rank.gpu);
+      rank.gpu = -1;
     } else {
       ::setpgid(pid, pid);  // also from the parent, so a cancel right away finds the group
       rank.pid = pid;
       rank.running = true;
+      if (!visible.empty()) {
+        AppendCombined(a, absl::StrCat("[agent ", options_.name, "] rank ", r, " (local ", local,
+                                       "): CUDA_VISIBLE_DEVICES=", visible, "\n"));
+      }
     }
     a.ranks.push_back(std::move(rank));
   }
@@ -318,6 +344,8 @@ void Agent::Poll() {
         if (got == r.pid) {
           exited = true;
           r.running = false;
+          gpu_pool_.Give(r.gpu);  // the process is gone: its GPU is free for the next attempt
+          r.gpu = -1;
           if (WIFEXITED(st)) {
             r.exit_code = WEXITSTATUS(st);
             r.detail = absl::StrCat("exited ", r.exit_code);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "gpus.h"
 #include "http_exporter.h"
 #include "loom/v1/control.pb.h"
 #include "prometheus.h"
@@ -29,6 +30,7 @@ struct AgentOptions {
   std::string name;
   std::string address = "127.0.0.1";
   int slots = 1;
+  std::vector<v1::Gpu> gpus;  // empty: a CPU node; else each rank is bound to one of them
   std::map<std::string, std::string> labels;
   std::string work_dir;       // per-attempt directories, the worker id file
   std::string loom_train;     // trainer binary
@@ -58,6 +60,7 @@ class Agent {
     std::string log_path;
     int64_t log_read = 0;
     std::string partial;
+    int gpu = -1;  // its GPU in the node's pool, held until the process is reaped
   };
   struct Attempt {
     std::string job_id;
@@ -100,6 +103,7 @@ class Agent {
   void DeclareMetrics();
 
   AgentOptions options_;
+  GpuPool gpu_pool_;
   metrics::Registry registry_{"worker"};
   std::unique_ptr<metrics::HttpExporter> exporter_;
   std::unique_ptr<client::RestClient> enrol_client_;  // enrolment token: POST register

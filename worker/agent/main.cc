@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <climits>
 #include <filesystem>
 #include <fstream>
@@ -24,7 +25,9 @@ constexpr char kUsage[] = R"(usage: loom-worker [flags]
                         system's CAs)
   --token-file F        the worker token (default $LOOM_WORKER_TOKEN; none for a --local coordinator)
   --work-dir DIR        per-attempt directories and rank logs (required)
-  --slots N             trainer ranks this node runs at once (default 1)
+  --slots N             trainer ranks this node runs at once (default: one per GPU, else 1)
+  --gpus LIST           auto (default: NVML discovery), none, or device indices such as 0,1,2,3;
+                        each rank gets a GPU of its own (CUDA_VISIBLE_DEVICES)
   --labels k=v,...      pool labels (e.g. pool=cpu,zone=a)
   --name NAME           display name (default host name)
   --address HOST        where other nodes reach this one's ranks (default 127.0.0.1)
@@ -36,6 +39,20 @@ constexpr char kUsage[] = R"(usage: loom-worker [flags]
   --prometheus-sd-file F  write a Prometheus file_sd target list for this exporter
 )";
 
+// "NVIDIA H200" -> "nvidia-h200": a label value the coordinator accepts.
+std::string LabelValue(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text) {
+    if (std::isalnum(c))
+      out += static_cast<char>(std::tolower(c));
+    else if ((c == '-' || c == '.' || c == '_' || c == ' ') && !out.empty() && out.back() != '-')
+      out += '-';
+    if (out.size() == 63) break;
+  }
+  while (!out.empty() && out.back() == '-') out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
 Agent* g_agent = nullptr;
 void OnSignal(int) {
   if (g_agent != nullptr) g_agent->Stop();
@@ -45,9 +62,9 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
       CliArgs args,
       CliArgs::Parse(argc, argv, 1,
-                     {"coordinator", "ca-file", "token-file", "work-dir", "slots", "labels", "name",
-                      "address", "loom-train", "plugin-dir", "term-grace-ms", "metrics-port",
-                      "metrics-bind", "prometheus-sd-file"},
+                     {"coordinator", "ca-file", "token-file", "work-dir", "slots", "gpus", "labels",
+                      "name", "address", "loom-train", "plugin-dir", "term-grace-ms",
+                      "metrics-port", "metrics-bind", "prometheus-sd-file"},
                      {"help"}));
   if (args.Has("help")) {
     std::cout << kUsage;
@@ -69,7 +86,15 @@ absl::Status Run(int argc, char** argv) {
     o.token = t;
   }
   LOOM_ASSIGN_OR_RETURN(o.work_dir, args.Require("work-dir"));
-  LOOM_ASSIGN_OR_RETURN(int64_t slots, args.GetInt("slots", 1, 1, 4096));
+  std::string no_gpus;
+  LOOM_ASSIGN_OR_RETURN(o.gpus, GpusFromFlag(args.Get("gpus", "auto"), &no_gpus));
+  const int64_t gpu_count = static_cast<int64_t>(o.gpus.size());
+  LOOM_ASSIGN_OR_RETURN(int64_t slots,
+                        args.GetInt("slots", gpu_count > 0 ? gpu_count : 1, 1, 4096));
+  if (gpu_count > 0 && slots > gpu_count) {
+    return absl::InvalidArgumentError(absl::StrCat("--slots: ", slots, " exceeds this node's ",
+                                                   gpu_count, " GPUs (one GPU per rank)"));
+  }
   o.slots = static_cast<int>(slots);
   LOOM_ASSIGN_OR_RETURN(int64_t grace, args.GetInt("term-grace-ms", 10000, 0, 3600000));
   o.term_grace_ms = static_cast<int>(grace);
@@ -84,6 +109,16 @@ absl::Status Run(int argc, char** argv) {
     }
     o.labels[p.first] = p.second;
   }
+  // Pools can select a GPU model: gpu_model=nvidia-h200 when every GPU is the same model.
+  if (!o.gpus.empty() && !o.gpus[0].model().empty() && !o.labels.count("gpu_model")) {
+    bool same = true;
+    for (const auto& g : o.gpus) same &= g.model() == o.gpus[0].model();
+    if (same) o.labels["gpu_model"] = LabelValue(o.gpus[0].model());
+  }
+  std::cerr << "loom-worker: "
+            << (o.gpus.empty() ? absl::StrCat("CPU node (", no_gpus, ")")
+                               : absl::StrCat(o.gpus.size(), " GPU(s), one per rank"))
+            << ", " << o.slots << " slot(s)\n";
   char host[HOST_NAME_MAX + 1] = {};
   ::gethostname(host, sizeof(host) - 1);
   o.name = args.Get("name", host);

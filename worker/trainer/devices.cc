@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 #ifdef LOOM_HAVE_CUDA
@@ -33,6 +34,24 @@ DeviceReport DetectDevices() {
   r.cuda_status = "built without CUDA (-DLOOM_CUDA=OFF or no toolkit found)";
 #endif
   return r;
+}
+
+absl::StatusOr<int> CudaDeviceForRank(const char* local_rank, int visible) {
+  if (visible < 1) return absl::FailedPreconditionError("no CUDA device is visible to this rank");
+  int local = 0;
+  if (local_rank != nullptr && (!absl::SimpleAtoi(local_rank, &local) || local < 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("LOCAL_RANK '", local_rank, "' is not a non-negative number"));
+  }
+  if (visible == 1) return 0;  // bound to one GPU by the launcher
+  if (local >= visible) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("LOCAL_RANK ", local, " but only ", visible,
+                     " CUDA devices are visible: ranks would share a GPU (bind one GPU per rank "
+                     "with CUDA_VISIBLE_DEVICES, or run at most ",
+                     visible, " ranks per node)"));
+  }
+  return local;
 }
 
 absl::Status CudaSelfTest(int device) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace loom::trainer {
 
@@ -21,6 +22,12 @@ struct DeviceReport {
 };
 
 DeviceReport DetectDevices();
+
+// The CUDA device of this rank among the `visible` ones: the only one when the launcher bound the
+// rank to a single GPU (the worker agent sets CUDA_VISIBLE_DEVICES per rank), else LOCAL_RANK
+// (torchrun, Slurm). `local_rank` is the LOCAL_RANK variable (null: 0). A LOCAL_RANK beyond the
+// visible devices is an error, never a silently shared GPU.
+absl::StatusOr<int> CudaDeviceForRank(const char* local_rank, int visible);
 
 // Runs a small kernel on `device` and checks its result: a GPU that is listed but broken
 // (driver mismatch, ECC fault) fails here rather than mid-training.

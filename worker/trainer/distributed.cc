@@ -92,6 +92,7 @@ absl::StatusOr<DistributedConfig> DistributedConfigFromEnv(const std::string& ba
       !s.ok())
     return s;
   if (const char* addr = Env("LOOM_MASTER_ADDR", "MASTER_ADDR")) c.master_addr = addr;
+  if (const char* addr = std::getenv("LOOM_NODE_ADDR"); addr != nullptr) c.node_addr = addr;
   if (c.rank >= c.world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("LOOM_RANK: ", c.rank, " is not below LOOM_WORLD_SIZE ", c.world_size));
@@ -153,7 +154,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
     }
 #endif
     auto options = c10d::ProcessGroupGloo::Options::create(config.timeout);
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(config.master_addr));
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(
+        config.node_addr.empty() ? config.master_addr : config.node_addr));
     comm->impl_->group = c10::make_intrusive<c10d::ProcessGroupGloo>(
         comm->impl_->store, config.rank, config.world_size, options);
   } catch (const std::exception& e) {

@@ -30,6 +30,9 @@ struct DistributedConfig {
   int rank = 0;
   int world_size = 1;
   std::string master_addr = "127.0.0.1";
+  // This node's own address, which Gloo's sockets bind to (LOOM_NODE_ADDR, set by the worker
+  // agent from its --address); "" = master_addr, right only when every rank is on its node.
+  std::string node_addr;
   int master_port = 0;
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
 };

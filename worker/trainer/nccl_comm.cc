@@ -8,6 +8,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "devices.h"
 
 namespace loom::trainer {
 namespace {
@@ -43,9 +44,9 @@ absl::StatusOr<std::unique_ptr<NcclComm>> NcclComm::Create(
   std::unique_ptr<NcclComm> c(new NcclComm());
   c->impl_ = std::make_unique<Impl>();
   c->rank_ = rank;
-  int local = rank;
-  if (const char* v = std::getenv("LOCAL_RANK"); v != nullptr) (void)absl::SimpleAtoi(v, &local);
-  c->device_ = local % devices;
+  auto device = CudaDeviceForRank(std::getenv("LOCAL_RANK"), devices);
+  if (!device.ok()) return device.status();
+  c->device_ = *device;
   if (auto s = Cuda(cudaSetDevice(c->device_), "cudaSetDevice"); !s.ok()) return s;
   ncclUniqueId id;
   if (rank == 0) {

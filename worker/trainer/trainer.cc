@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "autocast.h"
 #include "corpus.h"
+#include "devices.h"
 #include "lease.h"
 #include "loom/blas_core.h"
 #include "loom/spec.h"
@@ -264,15 +265,6 @@ BatchScore ScoreBatch(const torch::Tensor& model_logits, const TrainBatch& batch
   return score;
 }
 
-// The GPU of this rank: LOCAL_RANK (set by the worker agent, torchrun and Slurm launchers)
-// modulo the visible devices, so the ranks of one node do not share device 0.
-static int8_t LocalCudaDevice() {
-  int64_t local = 0;
-  if (const char* v = std::getenv("LOCAL_RANK"); v != nullptr) (void)absl::SimpleAtoi(v, &local);
-  const int64_t devices = std::max<int64_t>(1, static_cast<int64_t>(torch::cuda::device_count()));
-  return static_cast<int8_t>(std::max<int64_t>(0, local) % devices);
-}
-
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const v1::JobSpec& resolved,
                                                          const PluginLoader& loader,
                                                          TrainerOptions options) {
@@ -304,9 +296,13 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
     return absl::FailedPreconditionError(
         "device: cuda requested, but this LibTorch has no CUDA or no GPU is visible");
   }
-  device_ = (spec_.device() == "cuda" || (spec_.device() == "auto" && cuda))
-                ? torch::Device(torch::kCUDA, LocalCudaDevice())
-                : torch::Device(torch::kCPU);
+  if (spec_.device() == "cuda" || (spec_.device() == "auto" && cuda)) {
+    // The model, the data and NCCL all use this rank's GPU (CudaDeviceForRank).
+    LOOM_ASSIGN_OR_RETURN(const int gpu,
+                          CudaDeviceForRank(std::getenv("LOCAL_RANK"),
+                                            static_cast<int>(torch::cuda::device_count())));
+    device_ = torch::Device(torch::kCUDA, static_cast<int8_t>(gpu));
+  }
   dtype_ = spec_.precision() == "fp64" ? torch::kFloat64 : torch::kFloat32;
 
   LOOM_ASSIGN_OR_RETURN(model_, Transformer::Create(spec_.model(), loader));
