@@ -303,6 +303,10 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
                                             static_cast<int>(torch::cuda::device_count())));
     device_ = torch::Device(torch::kCUDA, static_cast<int8_t>(gpu));
   }
+  if (spec_.precision() == "fp16" && !device_.is_cuda()) {
+    return absl::FailedPreconditionError(
+        "precision: fp16 autocast needs a CUDA device (this run is on the CPU); use bf16");
+  }
   dtype_ = spec_.precision() == "fp64" ? torch::kFloat64 : torch::kFloat32;
 
   LOOM_ASSIGN_OR_RETURN(model_, Transformer::Create(spec_.model(), loader));
@@ -328,10 +332,6 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
   }
   optimizer_ = std::make_unique<AdamW>(
       params, AdamWConfig{o.beta1(), o.beta2(), o.eps(), o.weight_decay()}, owns);
-  if (spec_.precision() == "fp16" && !device_.is_cuda()) {
-    return absl::FailedPreconditionError(
-        "precision: fp16 autocast needs a CUDA device (this run is on the CPU); use bf16");
-  }
   if (spec_.precision() == "bf16" && device_.is_cpu() && !DetectCpuVectorFeatures().avx512) {
     // LibTorch's CPU bf16 GEMMs need AVX-512 (oneDNN); without it they fall back to scalar
     // loops (measured 16x slower than fp32 on an AVX2 EPYC).
