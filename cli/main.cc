@@ -609,7 +609,10 @@ absl::Status Up(const CliArgs& args) {
     children.push_back(spawn(argv));
   }
   std::cout << "loom up: coordinator " << url << " with " << workers << " worker(s) x " << slots
-            << " slot(s); state in " << data << "\n"
+            << " slot(s); state in " << data
+            << "\n"
+            // The fragment never reaches a server; the page keeps it in this tab only.
+            << "  console: " << url << "/#token=" << user_token << "\n"
             << "  try: LOOM_COORDINATOR=" << url << " loom submit examples/tiny-iha.yaml --follow\n"
             << "  the user token is in " << (tokens / "user-token").string()
             << (cli_token_file.empty() ? "" : " (the loom CLI finds it by itself)") << "\n"

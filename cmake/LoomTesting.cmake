@@ -15,7 +15,7 @@ endif()
 include(GoogleTest)
 
 function(loom_test name)
-  cmake_parse_arguments(T "TORCH" "TIMEOUT" "SOURCES;LIBS;LABELS;ENV" ${ARGN})
+  cmake_parse_arguments(T "TORCH" "TIMEOUT;COST" "SOURCES;LIBS;LABELS;ENV" ${ARGN})
   add_executable(${name} ${T_SOURCES})
   target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
   if(T_TORCH)
@@ -30,4 +30,8 @@ function(loom_test name)
   add_test(NAME ${name} COMMAND ${name})
   set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
                        ENVIRONMENT "OMP_NUM_THREADS=1;LOOM_PLUGIN_PATH=${LOOM_PLUGIN_OUTPUT_DIR};LOOM_SOURCE_DIR=${PROJECT_SOURCE_DIR};${T_ENV}")
+  # COST (seconds, measured): a fresh clone has no timings, and ctest -j starts costly tests first.
+  if(T_COST)
+    set_tests_properties(${name} PROPERTIES COST ${T_COST})
+  endif()
 endfunction()

@@ -11,9 +11,11 @@
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "checkpoint.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
@@ -109,6 +111,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
   c->options_.storage_root = fs::weakly_canonical(fs::absolute(options.storage_root), ec).string();
   fs::create_directories(c->options_.storage_root, ec);
   fs::create_directories(fs::path(options.data_dir) / "logs", ec);
+  if (!ec) fs::create_directories(fs::path(options.data_dir) / "series", ec);
   if (ec) {
     return absl::UnavailableError(
         absl::StrCat("cannot create '", options.data_dir, "': ", ec.message()));
@@ -792,25 +795,60 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
 
 absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const std::string& state, int page_size,
                                                            const std::string& page_token) {
-  if (!state.empty() &&
-      std::find(std::begin(kStates), std::end(kStates), state) == std::end(kStates)) {
-    return FieldError("state", absl::StrCat("unknown state '", state.substr(0, 40), "'; one of ",
+  JobFilter filter;
+  filter.state = state;
+  return ListJobs(filter, page_size, page_token);
+}
+
+absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const JobFilter& f, int page_size,
+                                                           const std::string& page_token) {
+  if (!f.state.empty() &&
+      std::find(std::begin(kStates), std::end(kStates), f.state) == std::end(kStates)) {
+    return FieldError("state", absl::StrCat("unknown state '", f.state.substr(0, 40), "'; one of ",
                                             absl::StrJoin(kStates, ", ")));
   }
+  for (const auto& [name, value] : {std::pair<const char*, const std::string&>{"user", f.user},
+                                    {"kind", f.kind},
+                                    {"sweep", f.sweep}}) {
+    if (value.size() > 128) return FieldError(name, "at most 128 characters");
+  }
   LOOM_RETURN_IF_ERROR(CheckPageSize(page_size));
-  LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "jobs", state));
+  // The old token format carries the state alone; the other filters extend it.
+  std::string key = f.state;
+  if (!f.user.empty() || !f.kind.empty() || !f.sweep.empty() || f.newest_first) {
+    key = absl::StrJoin(
+        {f.state, f.user, f.kind, f.sweep, std::string(f.newest_first ? "desc" : "")}, "\x1e");
+  }
+  LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "jobs", key));
   std::lock_guard<std::mutex> lock(mutex_);
+  auto matches = [&](const v1::Job& j) {
+    return (f.state.empty() || j.state() == f.state) &&
+           (f.user.empty() || j.submitted_by() == f.user) &&
+           (f.kind.empty() || (j.spec().kind().empty() ? "pretrain" : j.spec().kind()) == f.kind) &&
+           (f.sweep.empty() || j.sweep_id() == f.sweep);
+  };
   v1::ListJobsResponse out;
-  for (auto it = jobs_.upper_bound(after); it != jobs_.end(); ++it) {
-    if (!state.empty() && it->second.state() != state) continue;
+  auto add = [&](const v1::Job& job) {
+    if (!matches(job)) return true;
     if (out.jobs_size() == page_size) {
-      out.set_next_page_token(EncodePageToken("jobs", state, out.jobs(page_size - 1).id()));
-      break;
+      out.set_next_page_token(EncodePageToken("jobs", key, out.jobs(page_size - 1).id()));
+      return false;
     }
     v1::Job* j = out.add_jobs();
-    *j = it->second;
-    auto w = waiting_reason_.find(it->first);
+    *j = job;
+    auto w = waiting_reason_.find(job.id());
     if (j->state() == "queued" && w != waiting_reason_.end()) j->set_reason(w->second);
+    return true;
+  };
+  if (f.newest_first) {
+    auto end = after.empty() ? jobs_.end() : jobs_.lower_bound(after);
+    for (auto it = std::make_reverse_iterator(end); it != jobs_.rend(); ++it) {
+      if (!add(it->second)) break;
+    }
+  } else {
+    for (auto it = jobs_.upper_bound(after); it != jobs_.end(); ++it) {
+      if (!add(it->second)) break;
+    }
   }
   return out;
 }
@@ -1155,6 +1193,46 @@ void Coordinator::AppendLog(Txn& txn, const v1::AttemptReport& report,
   txn.progress.PutLogOffset(key, end);
 }
 
+std::string Coordinator::SeriesPath(const std::string& job_id) const {
+  return (fs::path(options_.data_dir) / "series" / (job_id + ".tsv")).string();
+}
+
+// Rank 0's step points, one line each ("attempt step loss lr tokens/s grad_norm time_ms"), by
+// their index in the attempt's sequence: the points received per (attempt, worker) drop resent
+// ones after a lost reply, as AppendLog does for bytes.
+void Coordinator::AppendSteps(Txn& txn, const v1::AttemptReport& report,
+                              const std::string& worker_id) {
+  if (report.steps().empty() || report.attempt() < 1) return;
+  const std::string key =
+      absl::StrCat("steps:", report.job_id(), "/", report.attempt(), "/", worker_id);
+  int64_t& have = log_offsets_[key];
+  const int64_t end = report.steps_offset() + report.steps_size();
+  if (end <= have) return;
+  std::string lines;
+  for (int64_t i = std::max<int64_t>(0, have - report.steps_offset()); i < report.steps_size();
+       ++i) {
+    const v1::StepPoint& p = report.steps(static_cast<int>(i));
+    absl::StrAppendFormat(&lines, "%d\t%d\t%.10g\t%.10g\t%.10g\t%.10g\t%d\n", report.attempt(),
+                          p.step(), p.loss(), p.learning_rate(), p.tokens_per_second(),
+                          p.grad_norm(), p.time_ms());
+  }
+  // A bound per job, as a disk quota: a broken or hostile agent cannot fill the coordinator's disk
+  // (a million steps take ~60 MB); beyond it the points are acknowledged and dropped.
+  std::error_code ec;
+  const auto size = fs::file_size(SeriesPath(report.job_id()), ec);
+  if (!ec && size > kMaxSeriesBytes) {
+    have = end;
+    txn.progress.PutLogOffset(key, end);
+    return;
+  }
+  std::ofstream out(SeriesPath(report.job_id()), std::ios::app | std::ios::binary);
+  out << lines;
+  out.flush();
+  if (!out) return;  // not recorded: the agent resends them
+  have = end;
+  txn.progress.PutLogOffset(key, end);
+}
+
 // A report is refused whole (nothing applied) when it names an attempt the worker was not given
 // or a checkpoint outside the job's own directory: a forged or broken agent changes nothing.
 absl::Status Coordinator::ValidateReport(const v1::AttemptReport& r,
@@ -1186,6 +1264,17 @@ absl::Status Coordinator::ValidateReport(const v1::AttemptReport& r,
     }
     return absl::OkStatus();
   };
+  if (r.steps_size() > kMaxStepsPerReport || r.steps_offset() < 0 ||
+      r.steps_offset() > (int64_t{1} << 40)) {
+    return FieldError("attempts.steps", absl::StrCat("at most ", kMaxStepsPerReport,
+                                                     " points per report, from an offset >= 0"));
+  }
+  for (const auto& p : r.steps()) {
+    if (p.step() < 0 || p.step() > (int64_t{1} << 40) || p.time_ms() < 0) {
+      return FieldError("attempts.steps",
+                        absl::StrCat("step ", p.step(), " or time ", p.time_ms(), " out of range"));
+    }
+  }
   for (const auto& c : r.checkpoints()) {
     LOOM_RETURN_IF_ERROR(check_path(c.step(), c.path(), "attempts.checkpoints"));
   }
@@ -1431,7 +1520,10 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   for (const v1::AttemptReport& r : request.attempts()) {
     reported.insert({r.job_id(), r.attempt()});
     auto jit = jobs_.find(r.job_id());
-    if (jit != jobs_.end()) AppendLog(txn, r, worker);
+    if (jit != jobs_.end()) {
+      AppendLog(txn, r, worker);
+      AppendSteps(txn, r, worker);
+    }
     int ranks_running = 0;
     for (const auto& rank : r.ranks()) ranks_running += rank.running() ? 1 : 0;
     const bool current = jit != jobs_.end() && IsActive(jit->second.state()) &&
@@ -1625,6 +1717,75 @@ absl::StatusOr<Coordinator::LogChunk> Coordinator::ReadLog(const std::string& id
   chunk.next_offset = offset + static_cast<int64_t>(chunk.data.size());
   chunk.done = terminal && chunk.next_offset >= size;
   return chunk;
+}
+
+namespace {
+
+// One line of a series file; false for a torn or foreign line.
+bool ParseStepLine(absl::string_view line, int* attempt, v1::StepPoint* p) {
+  std::vector<absl::string_view> f = absl::StrSplit(line, '\t');
+  int64_t step, time_ms;
+  double loss, lr, tps, grad;
+  if (f.size() != 7 || !absl::SimpleAtoi(f[0], attempt) || !absl::SimpleAtoi(f[1], &step) ||
+      !absl::SimpleAtod(f[2], &loss) || !absl::SimpleAtod(f[3], &lr) ||
+      !absl::SimpleAtod(f[4], &tps) || !absl::SimpleAtod(f[5], &grad) ||
+      !absl::SimpleAtoi(f[6], &time_ms)) {
+    return false;
+  }
+  p->set_step(step);
+  p->set_loss(loss);
+  p->set_learning_rate(lr);
+  p->set_tokens_per_second(tps);
+  p->set_grad_norm(grad);
+  p->set_time_ms(time_ms);
+  return true;
+}
+
+// At most max_points per series: every k-th point and always the last one.
+void Thin(v1::AttemptSeries& series, int max_points) {
+  const int n = series.points_size();
+  series.set_total_points(n);
+  if (n <= max_points) return;
+  const int k = (n + max_points - 1) / max_points;
+  google::protobuf::RepeatedPtrField<v1::StepPoint> kept;
+  for (int i = 0; i < n; ++i) {
+    if (i % k == 0 || i == n - 1) *kept.Add() = series.points(i);
+  }
+  series.mutable_points()->Swap(&kept);
+}
+
+}  // namespace
+
+absl::StatusOr<v1::JobMetricsResponse> Coordinator::JobMetrics(const std::string& id,
+                                                               int max_points) {
+  if (!IsValidId(id)) return absl::InvalidArgumentError("job id: malformed");
+  if (max_points < 10 || max_points > 100000) {
+    return FieldError("max_points", "must be in 10..100000");
+  }
+  v1::JobMetricsResponse out;
+  out.set_job_id(id);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
+    *out.mutable_evals() = it->second.evals();
+  }
+  std::ifstream in(SeriesPath(id), std::ios::binary);
+  std::map<int, v1::AttemptSeries> by_attempt;
+  std::string line;
+  while (std::getline(in, line)) {
+    int attempt;
+    v1::StepPoint p;
+    if (!ParseStepLine(line, &attempt, &p)) continue;
+    v1::AttemptSeries& s = by_attempt[attempt];
+    s.set_attempt(attempt);
+    *s.add_points() = std::move(p);
+  }
+  for (auto& [attempt, s] : by_attempt) {
+    Thin(s, max_points);
+    *out.add_series() = std::move(s);
+  }
+  return out;
 }
 
 std::string Coordinator::RenderMetrics() {

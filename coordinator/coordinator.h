@@ -61,6 +61,13 @@ class Coordinator {
                                                const std::string& user);
   absl::StatusOr<v1::ListJobsResponse> ListJobs(const std::string& state, int page_size,
                                                 const std::string& page_token);
+  // Every filter that is non-empty must match; `newest_first` pages from the highest id down.
+  struct JobFilter {
+    std::string state, user, kind, sweep;
+    bool newest_first = false;
+  };
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const JobFilter& filter, int page_size,
+                                                const std::string& page_token);
   absl::StatusOr<v1::Job> GetJob(const std::string& id);
   absl::StatusOr<v1::Job> Cancel(const std::string& id, const std::string& user);
   // Lists are paged (paging.h): page_size in 1..500, page_token from the previous page.
@@ -97,6 +104,12 @@ class Coordinator {
     bool done = false;
   };
   absl::StatusOr<LogChunk> ReadLog(const std::string& id, int64_t offset, int64_t max);
+
+  // The job's training curves (rank 0's steps, one series per attempt, each thinned to at most
+  // max_points) and its evaluations: what the console draws.
+  absl::StatusOr<v1::JobMetricsResponse> JobMetrics(const std::string& id, int max_points);
+  static constexpr int kMaxStepsPerReport = 10000;
+  static constexpr uintmax_t kMaxSeriesBytes = uintmax_t{256} << 20;  // per job
 
   metrics::Registry& registry() { return registry_; }
   std::string RenderMetrics();
@@ -147,6 +160,8 @@ class Coordinator {
   void ScheduleLocked(Txn& txn);
   void AppendLog(Txn& txn, const v1::AttemptReport& report, const std::string& worker_id);
   std::string LogPath(const std::string& job_id) const;
+  void AppendSteps(Txn& txn, const v1::AttemptReport& report, const std::string& worker_id);
+  std::string SeriesPath(const std::string& job_id) const;
   absl::Status ResolvePaths(v1::JobSpec& spec, const std::string& job_id) const;
   absl::StatusOr<std::string> InsideRoot(const std::string& field, const std::string& value) const;
   std::string CheckpointDir(const v1::Job& job) const { return job.spec().checkpoint().dir(); }

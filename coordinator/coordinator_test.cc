@@ -783,6 +783,109 @@ TEST_F(CoordinatorTest, ListsPaginateAndFilter) {
 
 // The document against the router itself: the routes the coordinator's two listeners register
 // (InstallUserRoutes, InstallAgentRoutes), not a second list kept by hand.
+// Rank 0's steps become the job's curves: resent points are dropped, each attempt is its own
+// series (a resumed attempt repeats steps), the series survive a reopen, long ones are thinned.
+TEST_F(CoordinatorTest, StepPointsBecomePerAttemptCurves) {
+  const std::string w = RegisterWorker("a", 1);
+  v1::SubmitJobRequest r = MicroJob(1);
+  r.set_max_restarts(2);
+  const std::string id = Submit(r);
+  c_->Tick();
+  ASSERT_EQ(Beat(w, "", 0, {}).assignments_size(), 1);
+  auto steps = [&](int attempt, int64_t offset, int64_t first, int n, bool finished = false) {
+    v1::HeartbeatRequest req;
+    req.set_worker_id(w);
+    v1::AttemptReport* a = req.add_attempts();
+    a->set_job_id(id);
+    a->set_attempt(attempt);
+    v1::RankStatus* rank = a->add_ranks();
+    rank->set_running(!finished);
+    rank->set_exit_code(finished ? 137 : 0);
+    a->set_finished(finished);
+    a->set_steps_offset(offset);
+    for (int i = 0; i < n; ++i) {
+      v1::StepPoint* p = a->add_steps();
+      p->set_step(first + i);
+      p->set_loss(5.0 - 0.01 * static_cast<double>(first + i));
+      p->set_learning_rate(1e-3);
+      p->set_time_ms(1000 + first + i);
+    }
+    return c_->Heartbeat(req, w);
+  };
+  ASSERT_TRUE(steps(1, 0, 1, 30).ok());
+  ASSERT_TRUE(steps(1, 20, 21, 15).ok());  // a lost reply: points 20..29 come again
+  auto m = c_->JobMetrics(id, 2000);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->series_size(), 1);
+  ASSERT_EQ(m->series(0).points_size(), 35);
+  for (int i = 0; i < 35; ++i) EXPECT_EQ(m->series(0).points(i).step(), i + 1);
+  EXPECT_DOUBLE_EQ(m->series(0).points(34).loss(), 5.0 - 0.35);
+  // The attempt dies; the next resumes from step 20 and logs 21.. again in its own series.
+  ASSERT_TRUE(steps(1, 35, 36, 0, true).ok());
+  c_->Tick();
+  ASSERT_EQ(Beat(w, "", 0, {}).assignments_size(), 1);
+  ASSERT_EQ(Job(id).attempt(), 2);
+  ASSERT_TRUE(steps(2, 0, 21, 5).ok());
+  Reopen();
+  m = c_->JobMetrics(id, 2000);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->series_size(), 2);
+  EXPECT_EQ(m->series(1).attempt(), 2);
+  EXPECT_EQ(m->series(1).points(0).step(), 21);
+  EXPECT_EQ(m->series(0).points_size(), 35);
+  // Thinned: every k-th point and the last.
+  m = c_->JobMetrics(id, 10);
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(m->series(0).total_points(), 35);
+  EXPECT_LE(m->series(0).points_size(), 10);
+  EXPECT_EQ(m->series(0).points(m->series(0).points_size() - 1).step(), 35);
+  EXPECT_EQ(c_->JobMetrics(id, 5).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c_->JobMetrics("job-999999", 100).status().code(), absl::StatusCode::kNotFound);
+  // A worker cannot flood the coordinator or write negative steps.
+  auto flood = steps(2, 5, 26, Coordinator::kMaxStepsPerReport + 1);
+  EXPECT_EQ(flood.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(flood.status().message().find("attempts.steps"), std::string::npos);
+  EXPECT_EQ(steps(2, 5, -7, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c_->JobMetrics(id, 2000)->series(1).points_size(), 5);
+}
+
+TEST_F(CoordinatorTest, JobListsFilterByUserKindAndSweepNewestFirst) {
+  Submit(MicroJob());
+  auto bob = c_->Submit(MicroJob(), "bob");
+  ASSERT_TRUE(bob.ok()) << bob.status();
+  Submit(MicroJob());
+  Coordinator::JobFilter f;
+  f.user = "bob";
+  auto page = c_->ListJobs(f, 10, "");
+  ASSERT_TRUE(page.ok()) << page.status();
+  ASSERT_EQ(page->jobs_size(), 1);
+  EXPECT_EQ(page->jobs(0).id(), bob->id());
+  f = {};
+  f.kind = "pretrain";
+  EXPECT_EQ(c_->ListJobs(f, 10, "")->jobs_size(), 3);
+  f.kind = "sft";
+  EXPECT_EQ(c_->ListJobs(f, 10, "")->jobs_size(), 0);
+  f = {};
+  f.sweep = "sweep-000001";
+  EXPECT_EQ(c_->ListJobs(f, 10, "")->jobs_size(), 0);
+  // Newest first, paged; a token only continues its own filter and order.
+  f = {};
+  f.newest_first = true;
+  std::vector<std::string> ids;
+  std::string token, first;
+  do {
+    auto p = c_->ListJobs(f, 2, token);
+    ASSERT_TRUE(p.ok()) << p.status();
+    for (const auto& j : p->jobs()) ids.push_back(j.id());
+    token = p->next_page_token();
+    if (first.empty()) first = token;
+  } while (!token.empty());
+  EXPECT_EQ(ids, (std::vector<std::string>{"job-000003", "job-000002", "job-000001"}));
+  EXPECT_EQ(c_->ListJobs("", 2, first).status().code(), absl::StatusCode::kInvalidArgument);
+  f.user = std::string(200, 'u');
+  EXPECT_EQ(c_->ListJobs(f, 2, "").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(CoordinatorTest, OpenApiDocumentsExactlyTheRegisteredRoutes) {
   const char* path = std::getenv("LOOM_OPENAPI");
   ASSERT_NE(path, nullptr);

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "console.h"
 #include "loom/spec.h"
 
 namespace loom::coordinator {
@@ -455,6 +456,7 @@ absl::StatusOr<std::string> ReadWorkerToken(const std::string& path) {
 void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
   Coordinator* c = &coordinator;
   InstallCommon(server, coordinator, options);
+  console::InstallConsoleRoutes(server);
   server.Route("GET", "/metrics", "none", [c](const HttpRequest&, HttpResponse& res) {
     res.content_type = "text/plain; version=0.0.4";
     res.body = c->RenderMetrics();
@@ -472,13 +474,32 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   server.Route(
       "GET", "/v1/jobs", "user",
       UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {"state", "page_size", "page_token"})) return;
+        if (!CheckParams(req, res,
+                         {"state", "user", "kind", "sweep", "order", "page_size", "page_token"}))
+          return;
         int64_t page_size;
         if (!IntParam(req, res, "page_size", 50, 1, 500, &page_size)) return;
-        auto r =
-            c->ListJobs(req.Param("state"), static_cast<int>(page_size), req.Param("page_token"));
+        Coordinator::JobFilter filter;
+        filter.state = req.Param("state");
+        filter.user = req.Param("user");
+        filter.kind = req.Param("kind");
+        filter.sweep = req.Param("sweep");
+        const std::string order = req.Param("order");
+        if (!order.empty() && order != "asc" && order != "desc") {
+          return SetJsonError(res, 400, "order: expected asc or desc");
+        }
+        filter.newest_first = order == "desc";
+        auto r = c->ListJobs(filter, static_cast<int>(page_size), req.Param("page_token"));
         if (!r.ok()) return SendStatus(res, r.status());
         SendMessage(res, *r);
+      }));
+  server.Route(
+      "GET", "/v1/jobs/{id}/metrics", "user",
+      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {"max_points"})) return;
+        int64_t max_points;
+        if (!IntParam(req, res, "max_points", 2000, 10, 100000, &max_points)) return;
+        Reply(res, c->JobMetrics(req.matches[0], static_cast<int>(max_points)));
       }));
   server.Route(
       "GET", "/v1/jobs/{id}", "user",

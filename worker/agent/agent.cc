@@ -28,6 +28,11 @@ namespace fs = std::filesystem;
 namespace loom::agent {
 namespace {
 
+// Step points per attempt per heartbeat (~50 bytes each), and the most kept unacknowledged
+// while the coordinator is unreachable (the oldest go first).
+constexpr size_t kStepsPerHeartbeat = 2000;
+constexpr size_t kMaxPendingSteps = 200000;
+
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -343,6 +348,7 @@ void Agent::Poll() {
         const pid_t got = ::waitpid(r.pid, &st, WNOHANG);
         if (got == r.pid) {
           exited = true;
+          rank_exited_ = true;  // report it now: the slot is free for the next job
           r.running = false;
           gpu_pool_.Give(r.gpu);  // the process is gone: its GPU is free for the next attempt
           r.gpu = -1;
@@ -429,6 +435,17 @@ void Agent::Poll() {
         a.progress.set_tokens_per_second(num("tokens_per_second"));
         a.progress.set_tokens_seen(static_cast<int64_t>(num("tokens_seen")));
         a.progress.set_update_time_ms(now);
+        v1::StepPoint& p = a.steps.emplace_back();
+        p.set_step(std::max<int64_t>(0, static_cast<int64_t>(num("step"))));
+        p.set_loss(num("loss"));
+        p.set_learning_rate(num("lr"));
+        p.set_tokens_per_second(num("tokens_per_second"));
+        p.set_grad_norm(num("grad_norm"));
+        p.set_time_ms(std::max<int64_t>(0, now));
+        if (a.steps.size() > kMaxPendingSteps) {
+          a.steps.pop_front();
+          ++a.steps_acked;
+        }
       } else if (event == "checkpoint" && j.contains("dir") && j["dir"].is_string()) {
         v1::CheckpointReport c;
         c.set_step(static_cast<int64_t>(num("step")));
@@ -526,6 +543,10 @@ v1::HeartbeatRequest Agent::BuildHeartbeat(std::map<std::string, int64_t>* log_e
     for (const auto& c : a.skipped) *r->add_skipped() = c;
     *r->mutable_resumed() = a.resumed;
     r->set_master_port(a.master_port);
+    // Curves: the oldest unacknowledged points, a bounded number per heartbeat.
+    r->set_steps_offset(a.steps_acked);
+    const size_t n = std::min<size_t>(a.steps.size(), kStepsPerHeartbeat);
+    for (size_t i = 0; i < n; ++i) *r->add_steps() = a.steps[i];
     // Logs are what can grow: together they take at most half of the coordinator's body limit.
     const int64_t budget = std::max<int64_t>(
         1024, std::min<int64_t>(options_.max_log_chunk,
@@ -564,6 +585,8 @@ absl::Status Agent::Heartbeat(bool* registered) {
         a.checkpoints.clear();
         a.skipped.clear();
         a.resumed.Clear();
+        a.steps_acked += static_cast<int64_t>(a.steps.size());
+        a.steps.clear();
       }
     }
     return s;
@@ -587,6 +610,8 @@ void Agent::Acknowledge(const v1::HeartbeatRequest& sent,
     a.checkpoints.erase(a.checkpoints.begin(), a.checkpoints.begin() + r.checkpoints_size());
     a.evals.erase(a.evals.begin(), a.evals.begin() + r.evals_size());
     a.skipped.erase(a.skipped.begin(), a.skipped.begin() + r.skipped_size());
+    a.steps.erase(a.steps.begin(), a.steps.begin() + r.steps_size());
+    a.steps_acked += r.steps_size();
   }
   for (const auto& c : resp.cancels()) {
     auto it = attempts_.find(Key(c.job_id(), c.attempt()));
@@ -598,7 +623,7 @@ void Agent::Acknowledge(const v1::HeartbeatRequest& sent,
     bool finished = true;
     for (const Rank& r : it->second.ranks) finished &= !r.running;
     if (finished && it->second.log_sent >= it->second.log_written &&
-        it->second.checkpoints.empty()) {
+        it->second.checkpoints.empty() && it->second.steps.empty()) {
       const std::string job = it->second.job_id;
       attempts_.erase(it);
       bool other = false;
@@ -650,6 +675,7 @@ absl::Status Agent::Run() {
   bool registered = false;
   bool reachable = true;
   int64_t next_heartbeat = 0;
+  int64_t follow_up_at = 0;
   while (!stop_) {
     Poll();
     const int64_t now = NowMs();
@@ -682,6 +708,16 @@ absl::Status Agent::Run() {
         if (!registered) next_heartbeat = 0;  // register again right away
         if (s.ok() && !attempts_.empty() && just_assigned_) next_heartbeat = 0;
       }
+    }
+    // A rank exited: report it at once, and ask again shortly after the coordinator's next
+    // scheduling pass (a quarter heartbeat), which places what waited for the freed slot.
+    if (registered && rank_exited_) {
+      rank_exited_ = false;
+      next_heartbeat = 0;
+      follow_up_at = NowMs() + heartbeat_ms_ / 3;
+    } else if (follow_up_at != 0 && NowMs() >= follow_up_at) {
+      follow_up_at = 0;
+      next_heartbeat = std::min(next_heartbeat, NowMs());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }

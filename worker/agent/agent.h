@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -76,6 +77,8 @@ class Agent {
     std::vector<v1::EvalResult> evals;              // not yet acknowledged
     std::vector<v1::SkippedCheckpoint> skipped;     // not yet acknowledged
     v1::ResumeReport resumed;                       // sent until the attempt is forgotten
+    std::deque<v1::StepPoint> steps;                // not yet acknowledged, from steps_acked
+    int64_t steps_acked = 0;                        // index of steps.front() in the attempt
     std::string lease_path;                         // the ranks' lease (LOOM_LEASE_FILE)
     bool lease_expired = false;  // stopped for that: exits are reported as kExitLeaseExpired
     std::string combined_log;    // path of the combined log of all ranks
@@ -115,6 +118,7 @@ class Agent {
   int64_t lease_expiry_ms_ = 0;  // steady clock; 0 until the first successful registration
   int64_t max_body_bytes_ = 1 << 20;
   bool just_assigned_ = false;
+  bool rank_exited_ = false;                 // since the last heartbeat: send the next one at once
   std::map<std::string, Attempt> attempts_;  // Key(job, attempt)
   std::atomic<bool> stop_{false};
 };

@@ -1,0 +1,79 @@
+#include "console.h"
+
+#include <cstddef>
+#include <map>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace loom::console {
+
+struct EmbeddedFile {
+  const char* name;
+  const unsigned char* data;
+  size_t size;
+};
+extern const EmbeddedFile kEmbeddedFiles[];
+extern const size_t kEmbeddedFileCount;
+
+namespace {
+
+const std::map<std::string, std::string, std::less<>>& Files() {
+  static const auto* files = [] {
+    auto* m = new std::map<std::string, std::string, std::less<>>;
+    for (size_t i = 0; i < kEmbeddedFileCount; ++i) {
+      const EmbeddedFile& f = kEmbeddedFiles[i];
+      (*m)[f.name] = std::string(reinterpret_cast<const char*>(f.data), f.size);
+    }
+    return m;
+  }();
+  return *files;
+}
+
+std::string ContentType(absl::string_view name) {
+  if (absl::EndsWith(name, ".html")) return "text/html; charset=utf-8";
+  if (absl::EndsWith(name, ".js")) return "text/javascript; charset=utf-8";
+  if (absl::EndsWith(name, ".css")) return "text/css; charset=utf-8";
+  return "application/octet-stream";
+}
+
+// Scripts and styles from this origin only, requests to this origin only, never framed: an
+// injected string cannot run, and the token never leaves for another site.
+constexpr char kContentSecurityPolicy[] =
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'";
+
+void Serve(absl::string_view name, coordinator::HttpResponse& res) {
+  const std::string* body = ConsoleFile(name);
+  if (body == nullptr) {
+    coordinator::SetJsonError(res, 404, absl::StrCat("no console file '", name.substr(0, 80), "'"));
+    return;
+  }
+  res.content_type = ContentType(name);
+  res.body = *body;
+  res.SetHeader("Content-Security-Policy", kContentSecurityPolicy);
+  res.SetHeader("X-Content-Type-Options", "nosniff");
+  res.SetHeader("X-Frame-Options", "DENY");
+  res.SetHeader("Referrer-Policy", "no-referrer");
+  res.SetHeader("Cache-Control", "no-cache");
+}
+
+}  // namespace
+
+const std::string* ConsoleFile(absl::string_view name) {
+  auto it = Files().find(name);
+  return it == Files().end() ? nullptr : &it->second;
+}
+
+void InstallConsoleRoutes(coordinator::HttpServer& server) {
+  server.Route("GET", "/", "none",
+               [](const coordinator::HttpRequest&, coordinator::HttpResponse& res) {
+                 Serve("index.html", res);
+               });
+  server.Route("GET", "/console/{file}", "none",
+               [](const coordinator::HttpRequest& req, coordinator::HttpResponse& res) {
+                 Serve(req.matches[0], res);
+               });
+}
+
+}  // namespace loom::console

@@ -1,0 +1,353 @@
+// The web console in a real browser: Debian's headless Chromium driven by puppeteer-core against
+// a live `loom up` (coordinator + one worker, real training on the CPU). It logs in, finds the
+// demo job, checks that the loss chart holds exactly the points the trainer logged (read from
+// the page's chart data, compared with the trainer's JSONL), follows the log to its end, gets a
+// field error for an invalid spec next to its line, submits and cancels a job, fine-tunes from a
+// checkpoint and opens the lineage of the fine-tune. Screenshots of each page go to --out.
+//
+// node tests/console_test.js --loom build/bin/loom --source-dir . --out build/console-screenshots
+'use strict';
+const assert = require('node:assert/strict');
+const { spawn } = require('node:child_process');
+const fs = require('node:fs');
+const os = require('node:os');
+const path = require('node:path');
+
+const args = Object.fromEntries(process.argv.slice(2).reduce((acc, a, i, all) =>
+  (a.startsWith('--') ? [...acc, [a.slice(2), all[i + 1]]] : acc), []));
+const source = path.resolve(args['source-dir'] || '.');
+module.paths.unshift(path.join(source, '.tools', 'node_modules'));
+const puppeteer = require('puppeteer-core');
+const yaml = require('js-yaml');
+const out = path.resolve(args.out || 'console-screenshots');
+const chromium = args.chromium || '/usr/bin/chromium';
+fs.mkdirSync(out, { recursive: true });
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'loom-console-'));
+let up = null, browser = null, page = null;
+const problems = [], requests = [];
+
+async function cleanup() {
+  if (browser) await browser.close().catch(() => {});
+  if (up && up.exitCode === null) {
+    up.kill('SIGINT');
+    await Promise.race([new Promise((r) => up.once('exit', r)), sleep(15000)]);
+    if (up.exitCode === null) up.kill('SIGKILL');
+  }
+  fs.rmSync(tmp, { recursive: true, force: true });
+}
+const deadline = setTimeout(async () => {
+  console.error('FAIL: console_test did not finish within 720 s');
+  await cleanup();
+  process.exit(1);
+}, 720000);
+
+// `loom up` on a free port; resolves with the console URL it prints.
+function startLoomUp() {
+  up = spawn(args.loom, ['up', '--workers', '1', '--slots', '2', '--labels', 'pool=cpu', '--port', '0', '--data-dir',
+    path.join(tmp, 'up')], {
+    env: { ...process.env, OMP_NUM_THREADS: '1', XDG_CONFIG_HOME: path.join(tmp, 'xdg') },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  const logFile = fs.createWriteStream(path.join(out, 'loom-up.log'));
+  up.stderr.pipe(logFile);
+  return new Promise((resolve, reject) => {
+    let text = '';
+    up.stdout.on('data', (d) => {
+      logFile.write(d);
+      text += d;
+      const m = /console: (http:\/\/127\.0\.0\.1:(\d+))\/#token=(\S+)/.exec(text);
+      if (m) resolve({ base: m[1], token: m[3], url: `${m[1]}/#token=${m[3]}` });
+    });
+    up.once('exit', (code) => reject(new Error(`loom up exited with ${code}`)));
+    setTimeout(() => reject(new Error('loom up printed no console URL in 30 s')), 30000);
+  });
+}
+
+async function rest(base, token, method, p, body) {
+  const res = await fetch(base + p, {
+    method, body: body && JSON.stringify(body),
+    headers: { ...(token ? { Authorization: `Bearer ${token}` } : {}),
+      ...(body ? { 'Content-Type': 'application/json' } : {}) },
+  });
+  const text = await res.text();
+  let json = null;
+  try { json = JSON.parse(text); } catch (e) { json = null; }
+  return { status: res.status, json, text, type: res.headers.get('content-type'),
+    csp: res.headers.get('content-security-policy') };
+}
+
+async function waitFor(what, fn, timeoutMs = 120000) {
+  const end = Date.now() + timeoutMs;
+  for (;;) {
+    const v = await fn();
+    if (v) return v;
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await sleep(250);
+  }
+}
+// A screenshot, after checking that no value was rendered as a JavaScript placeholder.
+async function shot(page, name, fullPage = false) {
+  const text = await page.$eval('main', (el) => el.innerText);
+  assert.doesNotMatch(text, /\b(null|undefined)\b|\[object Object\]/, `${name}: a placeholder on the page`);
+  await page.screenshot({ path: path.join(out, `${name}.png`), fullPage });
+}
+const textOf = (page, sel) => page.$eval(sel, (el) => el.textContent);
+async function setEditor(page, text) {
+  await page.$eval('#spec-editor', (el, v) => {
+    el.value = v;
+    el.dispatchEvent(new Event('input'));
+  }, text);
+}
+
+async function main() {
+  const { base, token, url } = await startLoomUp();
+  console.log(`loom up: ${base}`);
+  // The page holds no data: served without a token, while the API still wants one.
+  const index = await rest(base, '', 'GET', '/');
+  assert.equal(index.status, 200);
+  assert.match(index.type, /^text\/html/);
+  assert.match(index.csp, /script-src 'self'/);
+  assert.equal((await rest(base, '', 'GET', '/console/nope.js')).status, 404);
+  assert.equal((await rest(base, '', 'GET', '/v1/jobs')).status, 401);
+  const demo = yaml.load(fs.readFileSync(path.join(source, 'examples/tiny-iha.yaml'), 'utf8'));
+  await waitFor('an alive worker', async () =>
+    ((await rest(base, token, 'GET', '/v1/workers')).json.workers || []).some((w) => w.state === 'alive'));
+  const submitted = await rest(base, token, 'POST', '/v1/jobs', demo);
+  assert.equal(submitted.status, 201, submitted.text);
+  const demoId = submitted.json.id;
+
+  browser = await puppeteer.launch({ executablePath: chromium, headless: true,
+    args: ['--no-sandbox', '--disable-gpu', '--disable-dev-shm-usage'] });
+  page = await browser.newPage();
+  await page.setViewport({ width: 1280, height: 800 });
+  page.on('pageerror', (e) => problems.push(`page error: ${e.message}`));
+  page.on('console', (m) => {
+    // A refused request (the invalid spec's 400) is logged by Chromium; everything else is a bug.
+    if (m.type() === 'error' && !/Failed to load resource/.test(m.text())) problems.push(m.text());
+  });
+  page.on('request', (r) => requests.push({ url: r.url(), method: r.method(), headers: r.headers() }));
+
+  // Log in: a wrong token is refused on the form; the URL `loom up` printed logs in.
+  await page.goto(`${base}/`);
+  await page.waitForSelector('#token');
+  await page.type('#token', 'not-a-valid-token-0000');
+  await page.click('form button[type=submit]');
+  await page.waitForFunction(() => document.querySelector('#login-error').textContent.length > 0);
+  assert.match(await textOf(page, '#login-error'), /invalid token/);
+  await shot(page, 'login');
+  const loggedInAt = requests.length;  // before: the wrong token's one check
+  await page.goto(url);
+  await page.waitForSelector(`tr[data-job="${demoId}"]`);
+  assert.equal(await page.evaluate(() => location.hash), '#/jobs', 'the token is dropped from the URL');
+  assert.equal(await page.evaluate(() => sessionStorage.getItem('loom.token')), token);
+  assert.equal(await page.evaluate(() => document.cookie), '');
+  assert.match(await textOf(page, `tr[data-job="${demoId}"]`), /tiny-iha/);
+  await shot(page, 'jobs');
+
+  // The job page: the log is followed while the job runs, to its last line.
+  await page.click(`tr[data-job="${demoId}"] a`);
+  await page.waitForSelector('#chart-loss');
+  await waitFor('log lines', () => page.$eval('#log', (el) => /\[rank 0\]/.test(el.textContent)));
+  const early = (await textOf(page, '#log')).length;
+  await shot(page, 'job-running');
+  await waitFor('the demo job to succeed', async () =>
+    (await rest(base, token, 'GET', `/v1/jobs/${demoId}`)).json.state === 'succeeded', 400000);
+  await waitFor('the end of the log', () => page.$eval('#log-status', (el) => /end of log/.test(el.textContent)), 30000);
+  const log = await textOf(page, '#log');
+  assert.ok(log.length > early, 'the followed log grew');
+  assert.match(log, /\[agent local-0\] rank 0 exited 0/, 'the followed log reached the last line');
+  await waitFor('the final state on the page', () => page.$eval('.job-head', (el) => /succeeded/.test(el.textContent)), 10000);
+
+  // The chart holds exactly what rank 0 logged: every step's loss, and the evaluations.
+  const job = (await rest(base, token, 'GET', `/v1/jobs/${demoId}`)).json;
+  // The worker agent's copy of rank 0's JSONL (its work dir, as `loom up` lays it out).
+  const jsonl = path.join(tmp, 'up', 'worker-0', 'jobs', demoId, 'attempt-001', 'metrics.jsonl');
+  const logged = fs.readFileSync(jsonl, 'utf8').split('\n').filter(Boolean)
+    .map((l) => JSON.parse(l)).filter((e) => e.event === 'step');
+  assert.equal(logged.length, 150);
+  await waitFor('all points drawn', () => page.evaluate((n) =>
+    (window.loomConsole.charts.loss?.lines?.[0]?.xs.length || 0) === n, logged.length), 10000);
+  const chart = await page.evaluate(() => window.loomConsole.charts.loss.lines);
+  const train = chart.find((l) => l.label === 'attempt 1');
+  assert.deepEqual(train.xs, logged.map((e) => e.step));
+  train.ys.forEach((y, i) => assert.ok(Math.abs(y - logged[i].loss) <= 1e-8 * Math.abs(logged[i].loss),
+    `step ${logged[i].step}: chart ${y} vs logged ${logged[i].loss}`));
+  const evalLine = chart.find((l) => l.label === 'eval loss · attempt 1');
+  assert.deepEqual(evalLine.xs, job.evals.filter((e) => e.kind !== 'reasoning').map((e) => Number(e.step)));
+  const lr = await page.evaluate(() => window.loomConsole.charts.learning_rate.lines[0]);
+  lr.ys.forEach((y, i) => assert.ok(Math.abs(y - logged[i].lr) <= 1e-8 * logged[i].lr + 1e-15));
+  // uPlot's own data: the x values are the logged steps and the evaluations' steps.
+  const uplotX = await page.evaluate(() => Array.from(window.loomConsole.charts.loss.data[0]));
+  const steps = [...new Set([...train.xs, ...evalLine.xs])].sort((a, b) => a - b);
+  assert.deepEqual(uplotX, steps, 'uPlot was given every step');
+  assert.match(await textOf(page, '#timeline'), /checkpoint at step 150/);
+  await shot(page, 'job', true);
+  console.log(`ok: chart = ${logged.length} logged steps, log followed to its end`);
+
+  // Submit: an invalid spec gets the coordinator's field error next to the line it names.
+  await page.goto(`${base}/#/submit`);
+  await page.waitForSelector('#spec-editor');
+  const bad = yaml.dump({ ...demo, spec: { ...demo.spec, name: 'console-bad', optimizer: { lr: -0.5 } } });
+  await setEditor(page, bad);
+  await page.click('#submit');
+  await page.waitForSelector('.note.field-error');
+  const note = await page.$eval('.note.field-error', (el) => ({ field: el.dataset.field, text: el.textContent,
+    top: el.getBoundingClientRect().top }));
+  assert.equal(note.field, 'spec.optimizer.lr');
+  assert.match(note.text, /spec\.optimizer\.lr: must be in \(0, 10\]/);
+  const lrLine = bad.split('\n').findIndex((l) => /^\s*lr:/.test(l)) + 1;
+  const marked = await page.$$eval('.gutter .bad', (els) => els.map((e) => Number(e.dataset.line)));
+  assert.deepEqual(marked, [lrLine]);
+  const lineTop = await page.$eval(`.gutter [data-line="${lrLine}"]`, (el) => el.getBoundingClientRect().top);
+  assert.ok(Math.abs(note.top - lineTop) < 12, `the note sits next to line ${lrLine}`);
+  await shot(page, 'submit-error');
+
+  // A valid one is queued and shown.
+  const long = yaml.dump({ ...demo, spec: { ...demo.spec, name: 'console-long', steps: 100000,
+    checkpoint: { interval: 20, keep_last: 1 }, eval: { interval: 100000, batches: 1 } } });
+  await setEditor(page, long);
+  await page.click('#submit');
+  await page.waitForFunction(() => /^#\/jobs\/job-/.test(location.hash));
+  const longId = decodeURIComponent((await page.evaluate(() => location.hash)).split('/')[2]);
+  const stepOf = async () => Number((await rest(base, token, 'GET', `/v1/jobs/${longId}`)).json.progress?.step || 0);
+  await waitFor('the long job past its first checkpoint', async () => (await stepOf()) >= 30, 120000);
+  // The worker page shows the attempt running there.
+  await page.goto(`${base}/#/workers`);
+  await page.waitForFunction((id) => [...document.querySelectorAll('tr[data-worker] td')]
+    .some((td) => td.textContent.includes(id)), { timeout: 10000 }, longId);
+  assert.match(await textOf(page, 'tr[data-worker]'), /pool=cpu/);
+  await shot(page, 'workers');
+  // A rank dies (SIGKILL): attempt 2 resumes from the checkpoint at step 20 and draws its own
+  // line from there; neither line goes back over itself.
+  // (The full path: other suites running at the same time have jobs with the same id.)
+  const killed = spawn('pkill', ['-KILL', '-f', path.join(tmp, 'up', 'worker-0', 'jobs', longId, 'attempt-001/')]);
+  assert.equal(await new Promise((r) => killed.once('exit', r)), 0, 'pkill found the rank');
+  await page.goto(`${base}/#/jobs/${longId}`);
+  await page.waitForFunction(() => (window.loomConsole.charts.loss?.lines || [])
+    .some((l) => l.label === 'attempt 2' && l.xs.length >= 5), { timeout: 120000 });
+  const lines = await page.evaluate(() => window.loomConsole.charts.loss.lines.filter((l) => !l.dashed));
+  assert.deepEqual(lines.map((l) => l.label), ['attempt 1', 'attempt 2']);
+  for (const l of lines) l.xs.forEach((x, i) => i && assert.ok(x > l.xs[i - 1], `${l.label} goes back at ${x}`));
+  const [a1, a2] = lines;
+  assert.equal(a2.xs[0], 21, 'attempt 2 resumed from the checkpoint at step 20');
+  assert.ok(a1.xs[a1.xs.length - 1] >= 30, 'attempt 1 got past step 30 before it died');
+  await page.waitForFunction(() => /resumed from/.test(document.querySelector('#timeline').textContent), { timeout: 10000 });
+  await page.$eval('#chart-loss', (el) => el.scrollIntoView());
+  await shot(page, 'job-restarted');
+  // Its cancel button cancels it.
+  await page.click('#cancel');
+  await page.waitForFunction(() => /cancelled/.test(document.querySelector('.job-head')?.textContent || ''),
+    { timeout: 60000 });
+  assert.equal((await rest(base, token, 'GET', `/v1/jobs/${longId}`)).json.state, 'cancelled');
+  await shot(page, 'job-cancelled');
+
+  // Fine-tune from the demo's last checkpoint: the form is pre-filled with it.
+  await page.goto(`${base}/#/checkpoints`);
+  const last = `${demoId}.150`;
+  await page.waitForSelector(`a[data-finetune="${last}"]`);
+  await shot(page, 'checkpoints');
+  await page.click(`a[data-finetune="${last}"]`);
+  await page.waitForFunction((id) => document.querySelector('#spec-editor')?.value.includes(`init_from: ${id}`),
+    { timeout: 10000 }, last);
+  const prefilled = yaml.load(await page.$eval('#spec-editor', (el) => el.value));
+  assert.equal(prefilled.init_from, last);
+  assert.equal(prefilled.spec.name, 'tiny-iha-ft');
+  assert.deepEqual(prefilled.spec.model, demo.spec.model);
+  await shot(page, 'submit-finetune');
+  const sft = yaml.load(fs.readFileSync(path.join(source, 'examples/tiny-sft.yaml'), 'utf8'));
+  const ft = { ...prefilled, spec: { ...sft.spec, name: 'tiny-sft-console', steps: 10,
+    checkpoint: { interval: 10, keep_last: 1 }, eval: { interval: 10, batches: 1 },
+    reasoning_eval: { problems: 2, samples: 2, generation: { max_new_tokens: 24 } } } };
+  await setEditor(page, yaml.dump(ft));
+  await page.click('#submit');
+  await page.waitForFunction((old) => /^#\/jobs\/job-/.test(location.hash) && !location.hash.endsWith(old),
+    {}, longId);
+  const ftId = decodeURIComponent((await page.evaluate(() => location.hash)).split('/')[2]);
+  await waitFor('the fine-tune to succeed', async () =>
+    (await rest(base, token, 'GET', `/v1/jobs/${ftId}`)).json.state === 'succeeded', 300000);
+  await page.waitForFunction(() => /Pass@1/.test(document.body.textContent), { timeout: 10000 });
+  await page.click('.job-head a[href^="#/lineage/"]');
+  await page.waitForSelector(`[data-node="${ftId}"]`);
+  await page.waitForFunction((a, b) => !!document.querySelector(`[data-edge="${a}->${b}"]`) &&
+    /checkpoints: 10/.test(document.querySelector(`[data-node="${b}"]`).textContent), { timeout: 15000 }, demoId, ftId);
+  const nodes = await page.$$eval('[data-node]', (els) => els.map((e) => e.dataset.node).sort());
+  assert.deepEqual(nodes, [demoId, ftId].sort(), 'the lineage of the fine-tune: its parent and itself');
+  assert.match(await textOf(page, `[data-edge="${demoId}->${ftId}"]`), new RegExp(`checkpoint ${last}`));
+  await shot(page, 'lineage');
+  console.log(`ok: fine-tune ${ftId} from ${last}, lineage drawn`);
+
+  // A sweep: 2 learning rates x 2 paired seeds, run while the phone-width checks go on.
+  const tiny = { ...demo.spec, steps: 10, checkpoint: { interval: 10, keep_last: 1 }, eval: { interval: 10, batches: 2 } };
+  const sweep = await rest(base, token, 'POST', '/v1/sweeps', { name: 'console-lr', base: { ...demo, spec: tiny },
+    grid: { 'optimizer.lr': [0.001, 0.003] }, seeds: [1, 2] });
+  assert.equal(sweep.status, 201, sweep.text);
+
+  // The phone width: nothing wider than the screen, every control labelled.
+  await page.setViewport({ width: 390, height: 844 });
+  for (const [view, name] of [['#/jobs', 'phone-jobs'], [`#/jobs/${demoId}`, 'phone-job'], ['#/submit', 'phone-submit']]) {
+    await page.goto(`${base}/${view}`);
+    await page.waitForSelector('#page-title');
+    await sleep(800);
+    const width = await page.evaluate(() => document.documentElement.scrollWidth);
+    assert.ok(width <= 391, `${view} is ${width}px wide at phone width`);
+    const unlabelled = await page.$$eval('input, select, textarea', (els) => els.filter((e) =>
+      !e.getAttribute('aria-label') && !(e.id && document.querySelector(`label[for="${e.id}"]`))).map((e) => e.outerHTML));
+    assert.deepEqual(unlabelled, [], `${view}: controls without a label`);
+    await shot(page, name);
+  }
+  await page.setViewport({ width: 1280, height: 800 });
+  // Keyboard: the skip link comes first; from a page's heading Tab reaches its first control;
+  // Enter on a focused job link opens the job.
+  assert.equal(await page.evaluate(() =>
+    document.querySelector('a[href], button, input, select, textarea, [tabindex]:not([tabindex="-1"])').className), 'skip');
+  await page.goto(`${base}/#/jobs`);
+  await page.waitForSelector(`tr[data-job="${demoId}"] a`);
+  assert.equal(await page.evaluate(() => document.activeElement.id), 'page-title');
+  await page.keyboard.press('Tab');
+  assert.equal(await page.evaluate(() => document.activeElement.id), 'filter-state');
+  await page.focus(`tr[data-job="${demoId}"] a`);
+  await page.keyboard.press('Enter');
+  await page.waitForFunction((id) => location.hash === `#/jobs/${id}`, { timeout: 5000 }, demoId);
+
+  // The sweep's report: both cells with their 95% intervals, the paired difference.
+  await waitFor('the sweep to finish', async () =>
+    (await rest(base, token, 'GET', `/v1/sweeps/${sweep.json.id}`)).json.state === 'finished', 180000);
+  await page.goto(`${base}/#/sweeps/${sweep.json.id}`);
+  await page.waitForFunction(() => /complete/.test(document.querySelector('main').textContent), { timeout: 15000 });
+  const [cells, diffs] = await page.$$eval('main table', (ts) => ts.map((t) => [...t.tBodies[0].rows].map((r) => r.innerText)));
+  assert.equal(cells.length, 2, cells.join('\n'));
+  for (const c of cells) assert.match(c, /\t2\t0\t0\t[-\d.e]+\t\[[-\d.e]+, [-\d.e]+\]/, c);
+  assert.equal(diffs.length, 1);
+  assert.match(diffs[0], /^optimizer.lr=0.003\toptimizer.lr=0.001\t2\t/);
+  await shot(page, 'sweep');
+
+  // Every API request the page made carried the user's token; nothing else was fetched.
+  const isApi = (r) => new URL(r.url).pathname.startsWith('/v1/');
+  const api = requests.slice(loggedInAt).filter(isApi);
+  assert.deepEqual(requests.slice(0, loggedInAt).filter(isApi).map((r) => r.headers.authorization),
+    ['Bearer not-a-valid-token-0000']);
+  assert.ok(api.length > 20);
+  for (const r of requests) {
+    const u = new URL(r.url);
+    assert.equal(u.origin, base, `request to another origin: ${r.url}`);
+    assert.ok(u.pathname === '/' || u.pathname.startsWith('/console/') || u.pathname.startsWith('/v1/'), r.url);
+  }
+  for (const r of api) assert.equal(r.headers.authorization, `Bearer ${token}`, `${r.method} ${r.url}`);
+  assert.deepEqual(problems, [], 'console errors or CSP violations in the page');
+  console.log(`ok: ${requests.length} requests, ${api.length} to the API, all with the bearer token; screenshots in ${out}`);
+}
+
+main().then(async () => {
+  clearTimeout(deadline);
+  await cleanup();
+  console.log('PASS console_test');
+}, async (e) => {
+  clearTimeout(deadline);
+  console.error(`FAIL: ${e.stack || e}`);
+  if (problems.length) console.error(`page problems:\n  ${problems.join('\n  ')}`);
+  if (page) await shot(page, 'failure').catch(() => {});
+  await cleanup();
+  process.exit(1);
+});
