@@ -5,8 +5,11 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "loom/cli_args.h"
 #include "loom/status_macros.h"
@@ -19,14 +22,20 @@ namespace {
 constexpr char kUsage[] = R"(usage: loom-data <command> [flags]
 
   pack --output DIR --input FILE[,FILE...] [--format text|lines|jsonl] [--field text]
-       [--tokenizer byte|sentencepiece] [--tokenizer-model M] [--shard-tokens N] [--eos]
+       [--tokenizer byte|sentencepiece|bpe|TOKENIZER.json] [--tokenizer-model M]
+       [--shard-tokens N] [--eos] [--threads N]
        [--on-error fail|skip]
       text: each file is one document; lines: each non-empty line; jsonl: one JSON object per
       line, the document in --field (default "text"). Malformed JSONL lines fail the run with
-      their line number, or are skipped and counted with --on-error skip.
+      their line number, or are skipped and counted with --on-error skip. --threads N tokenizes
+      batches of documents on N threads (the shards are the same for any N). --tokenizer
+      TOKENIZER.json (or bpe with --tokenizer-model) is a Hugging Face byte-level BPE file.
   info DIR          print the index
   verify DIR        check sizes, CRC-32C checksums and token ids of every shard
   train-tokenizer --input FILE[,FILE...] --vocab-size N --output PREFIX
+  encode --tokenizer T [--tokenizer-model M] --input FILE
+      each line of FILE is base64 of a byte string; prints one JSON line per input line,
+      {"ids": [...], "decoded": "<base64 of Decode(ids)>"} (tokenizer parity tests)
 )";
 
 std::vector<std::string> Inputs(const CliArgs& args) {
@@ -34,6 +43,26 @@ std::vector<std::string> Inputs(const CliArgs& args) {
   for (auto part : absl::StrSplit(args.Get("input"), ',', absl::SkipEmpty()))
     out.emplace_back(part);
   return out;
+}
+
+absl::Status Encode(const CliArgs& args) {
+  LOOM_ASSIGN_OR_RETURN(std::string input, args.Require("input"));
+  LOOM_ASSIGN_OR_RETURN(auto tokenizer,
+                        MakeTokenizer(args.Get("tokenizer", "byte"), args.Get("tokenizer-model")));
+  std::ifstream in(input, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--input: cannot open '", input, "'"));
+  std::string line, bytes;
+  int64_t n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (!absl::Base64Unescape(line, &bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(input, ":", n, ": not base64"));
+    }
+    const std::vector<uint32_t> ids = tokenizer->Encode(bytes);
+    std::cout << "{\"ids\": [" << absl::StrJoin(ids, ",") << "], \"decoded\": \""
+              << absl::Base64Escape(tokenizer->Decode(ids)) << "\"}\n";
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Pack(const CliArgs& args) {
@@ -62,11 +91,32 @@ absl::Status Pack(const CliArgs& args) {
   LOOM_ASSIGN_OR_RETURN(
       auto writer, TokenShardWriter::Create(output, tokenizer->vocab_size(), tokenizer->Describe(),
                                             static_cast<uint64_t>(shard_tokens)));
+  LOOM_ASSIGN_OR_RETURN(const int64_t threads, args.GetInt("threads", 1, 1, 256));
   int64_t skipped = 0;
-  auto add = [&](const std::string& text) -> absl::Status {
-    std::vector<uint32_t> ids = tokenizer->Encode(text);
-    if (eos) ids.push_back(static_cast<uint32_t>(tokenizer->eos_id()));
-    return writer->AddDocument(ids);
+  // Documents are tokenized in batches, each split over the threads, and written in order.
+  std::vector<std::string> batch;
+  size_t batch_bytes = 0;
+  auto flush = [&]() -> absl::Status {
+    std::vector<std::vector<uint32_t>> ids(batch.size());
+    auto work = [&](size_t first, size_t step) {
+      for (size_t i = first; i < batch.size(); i += step) ids[i] = tokenizer->Encode(batch[i]);
+    };
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(work, t, threads);
+    work(0, static_cast<size_t>(threads));
+    for (auto& t : pool) t.join();
+    for (auto& d : ids) {
+      if (eos) d.push_back(static_cast<uint32_t>(tokenizer->eos_id()));
+      LOOM_RETURN_IF_ERROR(writer->AddDocument(d));
+    }
+    batch.clear();
+    batch_bytes = 0;
+    return absl::OkStatus();
+  };
+  auto add = [&](std::string text) -> absl::Status {
+    batch_bytes += text.size();
+    batch.push_back(std::move(text));
+    return batch.size() >= 4096 || batch_bytes >= (32u << 20) ? flush() : absl::OkStatus();
   };
   for (const std::string& path : Inputs(args)) {
     std::ifstream in(path, std::ios::binary);
@@ -103,6 +153,7 @@ absl::Status Pack(const CliArgs& args) {
       LOOM_RETURN_IF_ERROR(add(j[field].get<std::string>()));
     }
   }
+  LOOM_RETURN_IF_ERROR(flush());
   LOOM_ASSIGN_OR_RETURN(TokenIndex index, writer->Finish());
   std::cout << "packed " << index.documents << " documents, " << index.total_tokens << " tokens ("
             << index.dtype << ", vocabulary " << index.vocab_size << ", " << index.tokenizer
@@ -141,9 +192,12 @@ int main(int argc, char** argv) {
   if (command == "pack") {
     auto args = CliArgs::Parse(argc, argv, 2,
                                {"output", "input", "format", "field", "tokenizer",
-                                "tokenizer-model", "shard-tokens", "on-error"},
+                                "tokenizer-model", "shard-tokens", "on-error", "threads"},
                                {"eos"});
     status = args.ok() ? Pack(*args) : args.status();
+  } else if (command == "encode") {
+    auto args = CliArgs::Parse(argc, argv, 2, {"input", "tokenizer", "tokenizer-model"});
+    status = args.ok() ? Encode(*args) : args.status();
   } else if (command == "info" || command == "verify") {
     status = argc == 3 ? Info(argv[2], command == "verify")
                        : absl::InvalidArgumentError(absl::StrCat(command, " takes one directory"));

@@ -1,7 +1,10 @@
 #include "tokenizer.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "bpe_tokenizer.h"
+#include "loom/status_macros.h"
 #include "sentencepiece_bridge.h"
 
 namespace loom::data {
@@ -32,6 +35,13 @@ class SentencePieceTokenizer : public Tokenizer {
 absl::StatusOr<std::unique_ptr<Tokenizer>> MakeTokenizer(const std::string& kind,
                                                          const std::string& model) {
   if (kind == "byte") return MakeByteTokenizer();
+  // A Hugging Face tokenizer.json, named by kind bpe + model or by its path alone.
+  if (kind == "bpe" || absl::EndsWith(kind, ".json")) {
+    const std::string path = kind == "bpe" ? model : kind;
+    if (path.empty()) return absl::InvalidArgumentError("tokenizer_model: required for bpe");
+    LOOM_ASSIGN_OR_RETURN(auto bpe, BpeTokenizer::Load(path));
+    return std::unique_ptr<Tokenizer>(std::move(bpe));
+  }
   if (kind == "sentencepiece") {
     if (model.empty())
       return absl::InvalidArgumentError("tokenizer_model: required for sentencepiece");
@@ -42,7 +52,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeTokenizer(const std::string& kind
     return std::make_unique<SentencePieceTokenizer>(model, std::move(loaded));
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("tokenizer: '", kind, "' is not byte | sentencepiece"));
+      absl::StrCat("tokenizer: '", kind, "' is not byte | sentencepiece | bpe | <tokenizer.json>"));
 }
 
 absl::Status TrainSentencePiece(const std::vector<std::string>& inputs, int vocab_size,

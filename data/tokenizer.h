@@ -19,14 +19,15 @@ class Tokenizer {
   virtual std::string Decode(const std::vector<uint32_t>& ids) const = 0;
   virtual int64_t vocab_size() const = 0;
   virtual int64_t eos_id() const = 0;  // -1 when the tokenizer has none
-  // "byte" or "sentencepiece:<model path>".
+  // "byte", "sentencepiece:<model path>" or "bpe:<tokenizer.json path>".
   virtual std::string Describe() const = 0;
 };
 
 // The byte-level tokenizer (in loom_data: usable without libsentencepiece).
 std::unique_ptr<Tokenizer> MakeByteTokenizer();
 
-// kind "byte" (model ignored) or "sentencepiece" (model = path of a .model file).
+// kind "byte" (model ignored), "sentencepiece" (model = path of a .model file), "bpe" (model =
+// a Hugging Face tokenizer.json; bpe_tokenizer.h) or the path of a tokenizer.json itself.
 absl::StatusOr<std::unique_ptr<Tokenizer>> MakeTokenizer(const std::string& kind,
                                                          const std::string& model);
 

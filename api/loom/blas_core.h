@@ -101,6 +101,14 @@ inline void ReexecWithBestBlasCore(char** argv) {
                "OPENBLAS_CORETYPE=%s (LOOM_BLAS_CORE_KEEP=1 keeps them)\n",
                current, better == "Haswell" ? "AVX2" : "AVX-512", better.c_str());
   std::fflush(stderr);
+  // The resolved path rather than /proc/self/exe: the process keeps its name ("loom-train", not
+  // "exe") for ps, pkill and /proc/<pid>/comm.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    execv(self, argv);
+  }
   execv("/proc/self/exe", argv);
   std::fprintf(stderr, "loom: restart failed; continuing with the %s kernels\n", current);
 }

@@ -1,0 +1,423 @@
+#include "bpe_tokenizer.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <algorithm>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "loom/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace loom::data {
+namespace {
+
+using Json = nlohmann::json;
+
+// GPT-2's pre-tokenizer regex: what ByteLevel(use_regex: true) splits with.
+constexpr char kGpt2Pattern[] =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+void AppendUtf8(uint32_t cp, std::string* out) {
+  if (cp < 0x80) {
+    out->push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+// The allowed range of the second byte after a lead byte (the rest are 80..BF), and the length.
+bool LeadByte(uint8_t b, int* len, uint8_t* lo, uint8_t* hi) {
+  *lo = 0x80;
+  *hi = 0xBF;
+  if (b >= 0xC2 && b <= 0xDF) {
+    *len = 2;
+  } else if (b >= 0xE0 && b <= 0xEF) {
+    *len = 3;
+    if (b == 0xE0) *lo = 0xA0;
+    if (b == 0xED) *hi = 0x9F;
+  } else if (b >= 0xF0 && b <= 0xF4) {
+    *len = 4;
+    if (b == 0xF0) *lo = 0x90;
+    if (b == 0xF4) *hi = 0x8F;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// GPT-2's bytes_to_unicode: printable bytes map to themselves, the others to U+0100 upward.
+std::vector<uint32_t> ByteToCodepoint() {
+  std::vector<uint32_t> map(256, 0);
+  std::vector<bool> direct(256, false);
+  for (int b = '!'; b <= '~'; ++b) direct[b] = true;
+  for (int b = 0xA1; b <= 0xAC; ++b) direct[b] = true;
+  for (int b = 0xAE; b <= 0xFF; ++b) direct[b] = true;
+  uint32_t next = 256;
+  for (int b = 0; b < 256; ++b) map[b] = direct[b] ? static_cast<uint32_t>(b) : next++;
+  return map;
+}
+
+absl::Status Invalid(const std::string& path, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": ", what));
+}
+
+// The regex of the file's pre-tokenizer: a Split (behavior Isolated) followed by ByteLevel
+// without its own regex (Llama-3), or ByteLevel with GPT-2's regex.
+absl::StatusOr<std::string> PreTokenizerPattern(const Json& j, const std::string& path) {
+  const Json& pre = j.value("pre_tokenizer", Json());
+  std::vector<Json> steps;
+  if (pre.is_object() && pre.value("type", "") == "Sequence" && pre["pretokenizers"].is_array()) {
+    for (const Json& p : pre["pretokenizers"]) steps.push_back(p);
+  } else if (pre.is_object()) {
+    steps.push_back(pre);
+  }
+  std::string pattern;
+  bool byte_level = false;
+  for (const Json& p : steps) {
+    const std::string type = p.is_object() ? p.value("type", "") : "";
+    if (type == "Split") {
+      const Json& pat = p.value("pattern", Json());
+      if (!pat.is_object() || !pat.value("Regex", Json()).is_string() || !pattern.empty()) {
+        return Invalid(path, "pre_tokenizer: one Split with a Regex pattern is supported");
+      }
+      if (p.value("behavior", "") != "Isolated" || p.value("invert", false)) {
+        return Invalid(path, "pre_tokenizer.Split: only behavior Isolated, invert false");
+      }
+      pattern = pat["Regex"].get<std::string>();
+    } else if (type == "ByteLevel") {
+      if (p.value("add_prefix_space", false)) {
+        return Invalid(path, "pre_tokenizer.ByteLevel.add_prefix_space: true is not supported");
+      }
+      byte_level = true;
+      if (p.value("use_regex", true)) {
+        if (!pattern.empty()) return Invalid(path, "pre_tokenizer: two regexes");
+        pattern = kGpt2Pattern;
+      }
+    } else {
+      return Invalid(path, absl::StrCat("pre_tokenizer: '", type.substr(0, 40),
+                                        "' is not supported (Split, ByteLevel)"));
+    }
+  }
+  if (!byte_level || pattern.empty()) {
+    return Invalid(path, "pre_tokenizer: expected ByteLevel (with a Split regex or its own)");
+  }
+  return pattern;
+}
+
+}  // namespace
+
+std::string SanitizeUtf8(std::string_view in) {
+  std::string out;
+  out.reserve(in.size());
+  size_t i = 0;
+  while (i < in.size()) {
+    const auto b = static_cast<uint8_t>(in[i]);
+    if (b < 0x80) {
+      out.push_back(static_cast<char>(b));
+      ++i;
+      continue;
+    }
+    int len;
+    uint8_t lo, hi;
+    if (!LeadByte(b, &len, &lo, &hi)) {
+      AppendUtf8(0xFFFD, &out);
+      ++i;
+      continue;
+    }
+    // Consume the longest valid prefix; a shorter one is one U+FFFD, the next byte starts over.
+    size_t j = i + 1;
+    for (int k = 1; k < len; ++k, ++j) {
+      if (j >= in.size()) break;
+      const auto c = static_cast<uint8_t>(in[j]);
+      if (c < (k == 1 ? lo : 0x80) || c > (k == 1 ? hi : 0xBF)) break;
+    }
+    if (static_cast<int>(j - i) == len) {
+      out.append(in.substr(i, len));
+    } else {
+      AppendUtf8(0xFFFD, &out);
+    }
+    i = j;
+  }
+  return out;
+}
+
+struct BpeTokenizer::Impl {
+  std::unordered_map<std::string, uint32_t> vocab;  // byte-level form -> id
+  std::vector<std::string> id_to_token;             // "" for ids without a token
+  struct Merge {
+    uint32_t rank, merged;
+  };
+  std::unordered_map<uint64_t, Merge> merges;  // (left id << 32 | right id) -> rank, result
+  bool ignore_merges = false;
+  uint32_t byte_id[256];                                 // id of each single byte's token
+  std::string byte_piece[256];                           // each byte's character, UTF-8
+  std::unordered_map<uint32_t, uint8_t> codepoint_byte;  // for decoding
+  // Added tokens: content -> id, split out before pre-tokenizing, longest match first.
+  std::map<std::string, uint32_t, std::less<>> added;
+  std::vector<bool> is_added;
+  size_t longest_added = 0;
+  bool added_first[256] = {};  // bytes an added token starts with: the only places to look
+  pcre2_code* regex = nullptr;
+  int64_t eos = -1;
+
+  ~Impl() { pcre2_code_free(regex); }
+
+  void PreTokenize(std::string_view text, std::vector<std::string_view>* pieces) const;
+  void EncodePiece(std::string_view piece, std::vector<uint32_t>* out) const;
+  void EncodeSegment(std::string_view text, std::vector<uint32_t>* out) const;
+};
+
+// The Split pre-tokenizer with behavior Isolated: every match is a piece, and so is any text
+// between matches.
+void BpeTokenizer::Impl::PreTokenize(std::string_view text,
+                                     std::vector<std::string_view>* pieces) const {
+  pcre2_match_data* md = pcre2_match_data_create_from_pattern(regex, nullptr);
+  const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
+  size_t at = 0, last = 0;
+  while (at <= text.size()) {
+    const int rc = pcre2_match(regex, subject, text.size(), at, PCRE2_NO_UTF_CHECK, md, nullptr);
+    if (rc < 0) break;
+    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+    size_t start = ov[0], end = ov[1];
+    if (end == start) {  // an empty match: step over one character
+      if (start >= text.size()) break;
+      at = start + 1;
+      while (at < text.size() && (static_cast<uint8_t>(text[at]) & 0xC0) == 0x80) ++at;
+      continue;
+    }
+    if (start > last) pieces->push_back(text.substr(last, start - last));
+    pieces->push_back(text.substr(start, end - start));
+    last = at = end;
+  }
+  if (last < text.size()) pieces->push_back(text.substr(last));
+  pcre2_match_data_free(md);
+}
+
+// One pre-tokenized piece: its bytes as single-byte tokens, then the lowest-ranked adjacent pair
+// merged (leftmost first) until no pair has a merge.
+void BpeTokenizer::Impl::EncodePiece(std::string_view piece, std::vector<uint32_t>* out) const {
+  if (ignore_merges) {
+    std::string word;
+    for (unsigned char b : piece) word += byte_piece[b];
+    if (auto it = vocab.find(word); it != vocab.end()) {
+      out->push_back(it->second);
+      return;
+    }
+  }
+  std::vector<uint32_t> ids;
+  ids.reserve(piece.size());
+  for (unsigned char b : piece) ids.push_back(byte_id[b]);
+  while (ids.size() > 1) {
+    uint32_t best_rank = std::numeric_limits<uint32_t>::max();
+    size_t best = 0;
+    for (size_t i = 0; i + 1 < ids.size(); ++i) {
+      auto it = merges.find(uint64_t{ids[i]} << 32 | ids[i + 1]);
+      if (it != merges.end() && it->second.rank < best_rank) {
+        best_rank = it->second.rank;
+        best = i;
+      }
+    }
+    if (best_rank == std::numeric_limits<uint32_t>::max()) break;
+    ids[best] = merges.at(uint64_t{ids[best]} << 32 | ids[best + 1]).merged;
+    ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  }
+  out->insert(out->end(), ids.begin(), ids.end());
+}
+
+void BpeTokenizer::Impl::EncodeSegment(std::string_view text, std::vector<uint32_t>* out) const {
+  std::vector<std::string_view> pieces;
+  PreTokenize(text, &pieces);
+  for (std::string_view p : pieces) EncodePiece(p, out);
+}
+
+BpeTokenizer::BpeTokenizer(std::string path, std::unique_ptr<Impl> impl)
+    : path_(std::move(path)), impl_(std::move(impl)) {}
+BpeTokenizer::~BpeTokenizer() = default;
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("tokenizer file '", path, "': cannot open"));
+  Json j = Json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Invalid(path, "not a JSON object (a Hugging Face tokenizer.json)");
+  const Json& model = j.value("model", Json());
+  if (!model.is_object() || model.value("type", "") != "BPE") {
+    return Invalid(path, "model.type: only BPE is supported");
+  }
+  if (j.contains("normalizer") && !j["normalizer"].is_null()) {
+    return Invalid(path, "normalizer: not supported (byte-level BPE files have none)");
+  }
+  if (model.contains("byte_fallback") && model["byte_fallback"].is_boolean() &&
+      model["byte_fallback"].get<bool>()) {
+    return Invalid(path, "model.byte_fallback: not supported (a SentencePiece-style BPE)");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->ignore_merges = model.value("ignore_merges", false);
+  const Json& vocab = model.value("vocab", Json());
+  if (!vocab.is_object() || vocab.empty()) return Invalid(path, "model.vocab: missing or empty");
+  uint32_t max_id = 0;
+  for (const auto& [token, id] : vocab.items()) {
+    if (!id.is_number_unsigned() || id.get<uint64_t>() >= (1u << 31)) {
+      return Invalid(path, absl::StrCat("model.vocab['", token.substr(0, 40), "']: bad id"));
+    }
+    impl->vocab[token] = id.get<uint32_t>();
+    max_id = std::max(max_id, id.get<uint32_t>());
+  }
+  // Added tokens may extend the id range beyond the vocabulary.
+  const Json& added = j.value("added_tokens", Json::array());
+  for (const Json& a : added) {
+    if (!a.is_object() || !a.value("content", Json()).is_string() ||
+        !a["id"].is_number_unsigned()) {
+      return Invalid(path, "added_tokens: each needs content and id");
+    }
+    max_id = std::max(max_id, a["id"].get<uint32_t>());
+  }
+  impl->id_to_token.assign(max_id + 1, "");
+  impl->is_added.assign(max_id + 1, false);
+  for (const auto& [token, id] : impl->vocab) impl->id_to_token[id] = token;
+  for (const Json& a : added) {
+    const std::string content = a["content"];
+    if (content.empty()) return Invalid(path, "added_tokens: empty content");
+    const uint32_t id = a["id"];
+    impl->added[content] = id;
+    impl->id_to_token[id] = content;
+    impl->is_added[id] = true;
+    impl->longest_added = std::max(impl->longest_added, content.size());
+    impl->added_first[static_cast<uint8_t>(content[0])] = true;
+    if (content == "<|end_of_text|>" || content == "<|endoftext|>" || content == "</s>") {
+      impl->eos = id;
+    }
+  }
+  const std::vector<uint32_t> cps = ByteToCodepoint();
+  for (int b = 0; b < 256; ++b) {
+    AppendUtf8(cps[b], &impl->byte_piece[b]);
+    impl->codepoint_byte[cps[b]] = static_cast<uint8_t>(b);
+    auto it = impl->vocab.find(impl->byte_piece[b]);
+    if (it == impl->vocab.end()) {
+      return Invalid(path, absl::StrCat("model.vocab: no token for byte ", b,
+                                        " (not a byte-level BPE vocabulary)"));
+    }
+    impl->byte_id[b] = it->second;
+  }
+  const Json& merges = model.value("merges", Json::array());
+  uint32_t rank = 0;
+  for (const Json& m : merges) {
+    std::string left, right;
+    if (m.is_string()) {
+      const std::string s = m;
+      const size_t space = s.find(' ', 1);
+      if (space == std::string::npos) return Invalid(path, "model.merges: expected 'a b'");
+      left = s.substr(0, space);
+      right = s.substr(space + 1);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      left = m[0];
+      right = m[1];
+    } else {
+      return Invalid(path, "model.merges: expected 'a b' or [a, b]");
+    }
+    auto l = impl->vocab.find(left), r = impl->vocab.find(right),
+         merged = impl->vocab.find(left + right);
+    if (l == impl->vocab.end() || r == impl->vocab.end() || merged == impl->vocab.end()) {
+      return Invalid(path, absl::StrCat("model.merges[", rank, "]: '", left.substr(0, 40), "' + '",
+                                        right.substr(0, 40), "' names a token not in the vocab"));
+    }
+    impl->merges.emplace(uint64_t{l->second} << 32 | r->second, Impl::Merge{rank, merged->second});
+    ++rank;
+  }
+  LOOM_ASSIGN_OR_RETURN(const std::string pattern, PreTokenizerPattern(j, path));
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  impl->regex = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                              PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
+  if (impl->regex == nullptr) {
+    PCRE2_UCHAR message[256];
+    pcre2_get_error_message(error, message, sizeof(message));
+    return Invalid(path, absl::StrCat("pre_tokenizer regex at offset ", offset, ": ",
+                                      reinterpret_cast<const char*>(message)));
+  }
+  pcre2_jit_compile(impl->regex, PCRE2_JIT_COMPLETE);  // best effort: interpreted otherwise
+  return std::unique_ptr<BpeTokenizer>(new BpeTokenizer(path, std::move(impl)));
+}
+
+std::vector<uint32_t> BpeTokenizer::Encode(std::string_view raw) const {
+  const std::string text = SanitizeUtf8(raw);
+  std::vector<uint32_t> out;
+  out.reserve(text.size() / 3 + 1);
+  std::string_view rest(text);
+  size_t segment = 0;
+  // Added tokens first: at each position the longest one that starts there.
+  for (size_t i = 0; i < rest.size(); ++i) {
+    if (!impl_->added_first[static_cast<uint8_t>(rest[i])]) continue;
+    size_t best = 0;
+    uint32_t id = 0;
+    for (size_t n = std::min(impl_->longest_added, rest.size() - i); n > 0 && best == 0; --n) {
+      auto it = impl_->added.find(rest.substr(i, n));
+      if (it != impl_->added.end()) {
+        best = n;
+        id = it->second;
+      }
+    }
+    if (best == 0) continue;
+    if (i > segment) impl_->EncodeSegment(rest.substr(segment, i - segment), &out);
+    out.push_back(id);
+    segment = i + best;
+    i = segment - 1;
+  }
+  if (segment < rest.size()) impl_->EncodeSegment(rest.substr(segment), &out);
+  return out;
+}
+
+std::string BpeTokenizer::Decode(const std::vector<uint32_t>& ids) const {
+  std::string bytes;
+  for (uint32_t id : ids) {
+    if (id >= impl_->id_to_token.size()) continue;
+    const std::string& token = impl_->id_to_token[id];
+    if (impl_->is_added[id]) {
+      bytes += token;
+      continue;
+    }
+    // Each character of a byte-level token stands for one byte.
+    for (size_t i = 0; i < token.size();) {
+      const auto b = static_cast<uint8_t>(token[i]);
+      const int len = b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;
+      uint32_t cp = len == 1 ? b : b & (0xFF >> (len + 1));
+      for (int k = 1; k < len && i + k < token.size(); ++k) {
+        cp = (cp << 6) | (static_cast<uint8_t>(token[i + k]) & 0x3F);
+      }
+      auto it = impl_->codepoint_byte.find(cp);
+      if (it != impl_->codepoint_byte.end()) {
+        bytes.push_back(static_cast<char>(it->second));
+      } else {
+        bytes.append(token, i, len);
+      }
+      i += len;
+    }
+  }
+  return SanitizeUtf8(bytes);
+}
+
+int64_t BpeTokenizer::vocab_size() const { return static_cast<int64_t>(impl_->id_to_token.size()); }
+int64_t BpeTokenizer::eos_id() const { return impl_->eos; }
+
+std::optional<uint32_t> BpeTokenizer::TokenId(std::string_view token) const {
+  if (auto it = impl_->added.find(token); it != impl_->added.end()) return it->second;
+  if (auto it = impl_->vocab.find(std::string(token)); it != impl_->vocab.end()) return it->second;
+  return std::nullopt;
+}
+
+}  // namespace loom::data
