@@ -1208,14 +1208,6 @@ void Coordinator::AppendSteps(Txn& txn, const v1::AttemptReport& report,
   int64_t& have = log_offsets_[key];
   const int64_t end = report.steps_offset() + report.steps_size();
   if (end <= have) return;
-  std::string lines;
-  for (int64_t i = std::max<int64_t>(0, have - report.steps_offset()); i < report.steps_size();
-       ++i) {
-    const v1::StepPoint& p = report.steps(static_cast<int>(i));
-    absl::StrAppendFormat(&lines, "%d\t%d\t%.10g\t%.10g\t%.10g\t%.10g\t%d\n", report.attempt(),
-                          p.step(), p.loss(), p.learning_rate(), p.tokens_per_second(),
-                          p.grad_norm(), p.time_ms());
-  }
   // A bound per job, as a disk quota: a broken or hostile agent cannot fill the coordinator's disk
   // (a million steps take ~60 MB); beyond it the points are acknowledged and dropped.
   std::error_code ec;
@@ -1224,6 +1216,14 @@ void Coordinator::AppendSteps(Txn& txn, const v1::AttemptReport& report,
     have = end;
     txn.progress.PutLogOffset(key, end);
     return;
+  }
+  std::string lines;
+  for (int64_t i = std::max<int64_t>(0, have - report.steps_offset()); i < report.steps_size();
+       ++i) {
+    const v1::StepPoint& p = report.steps(static_cast<int>(i));
+    absl::StrAppendFormat(&lines, "%d\t%d\t%.10g\t%.10g\t%.10g\t%.10g\t%d\n", report.attempt(),
+                          p.step(), p.loss(), p.learning_rate(), p.tokens_per_second(),
+                          p.grad_norm(), p.time_ms());
   }
   std::ofstream out(SeriesPath(report.job_id()), std::ios::app | std::ios::binary);
   out << lines;

@@ -578,7 +578,6 @@
       editor.removeAttribute('aria-invalid');
       for (const g of gutter.children) g.classList.remove('bad');
       for (const { field, message, line } of list) {
-        const where = line === null ? '' : `line ${line + 1}: `;
         errors.append(h('li', { class: 'field-error', 'data-field': field || '' },
           line === null ? null : h('button', { type: 'button', class: 'quiet', onclick: () => goToLine(editor, line) }, `line ${line + 1}`),
           ' ', message));
@@ -589,7 +588,6 @@
           note.style.top = `${line * lineHeight() + 6}px`;
           notes.append(note);
         }
-        void where;
       }
     };
     const submit = h('button', { type: 'submit', id: 'submit' }, 'Submit');
