@@ -23,9 +23,11 @@ import time
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import Service, control_plane_arg_parser, redocly_lint, stop_all  # noqa: E402
+from loom_testlib import (Service, control_plane_arg_parser, loom_trainers, redocly_lint,  # noqa: E402
+                          stop_all)
 
 PROCS = []
+ROOT = None  # this suite's temporary directory: its agents' ranks run under it
 USER_TOKEN = "alice-token-0123456789abcdef"
 BOB_TOKEN = "bob-token-0123456789abcdef01"
 WORKER_TOKEN = "worker-token-0123456789abcdef"  # the enrolment token: good for registration only
@@ -64,22 +66,9 @@ class Cluster(Service):
 
 
 def rank_pids(job_id):
-    """rank -> pid of the loom-train processes of a job, found by their environment."""
-    out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ")[1][0] == "Z":
-                    continue
-        except (OSError, IndexError):
-            continue
-        if env.get(b"LOOM_JOB_ID") == job_id.encode():
-            out[int(env[b"LOOM_RANK"])] = int(pid)
-    return out
+    """rank -> pid of the live loom-train processes of a job that this suite's agents started
+    (under ROOT): other suites' coordinators number their jobs from job-000001 too."""
+    return {t["rank"]: t["pid"] for t in loom_trainers(ROOT) if t["job"] == job_id}
 
 
 def micro(steps, world=2, interval=20, **extra):
@@ -556,7 +545,8 @@ def test_loom_up(args, tmp):
 def main():
     ap = control_plane_arg_parser()
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp(prefix="loom-control-plane-")
+    global ROOT
+    tmp = ROOT = tempfile.mkdtemp(prefix="loom-control-plane-")
     c = Cluster(args, tmp)
     try:
         c.start_coordinator()

@@ -14,10 +14,9 @@ import os
 import signal
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import Service, control_plane_arg_parser, stop_all, wait_for  # noqa: E402
+from loom_testlib import Service, control_plane_arg_parser, loom_trainers, stop_all, wait_for  # noqa: E402
 
 PROCS = []
 USER_TOKEN = "alice-token-0123456789abcdef"
@@ -31,25 +30,20 @@ def spec(steps=60):
             "checkpoint": {"interval": 10, "keep_last": 2}, "metrics": {"log_every": 10}}
 
 
-def rank_envs(job_id, attempt=None):
-    """pid -> environment (str -> str) of the live loom-train ranks of a job."""
+def rank_envs(root, job_id, attempt=None):
+    """pid -> environment (str -> str) of the live loom-train ranks of a job that this test's
+    agents started (under root): every suite's coordinator numbers its jobs from job-000001, so
+    under ctest -j another suite's job-000001 attempt 1 would match on the ids alone."""
     out = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
+    for t in loom_trainers(root):
+        if t["job"] != job_id or (attempt is not None and t["attempt"] != attempt):
             continue
         try:
-            with open(f"/proc/{name}/comm") as f:
-                if f.read().strip() != "loom-train":
-                    continue
-            with open(f"/proc/{name}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    continue
-            with open(f"/proc/{name}/environ", "rb") as f:
+            with open(f"/proc/{t['pid']}/environ", "rb") as f:
                 env = dict(kv.decode().split("=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except (OSError, IndexError, UnicodeDecodeError):
+        except (OSError, UnicodeDecodeError):
             continue
-        if env.get("LOOM_JOB_ID") == job_id and (attempt is None or env.get("LOOM_ATTEMPT") == str(attempt)):
-            out[int(name)] = env
+        out[t["pid"]] = env
     return out
 
 
@@ -104,7 +98,7 @@ def main():
         print("ok: the workers API lists each node's GPUs; more slots than GPUs is refused")
 
         job_id = c.api.ok("POST", "/v1/jobs", {"spec": spec(), "world_size": 6, "pool": {"pool": "gpu"}})["id"]
-        envs = wait_for("6 ranks of attempt 1", lambda: (lambda e: len(e) == 6 and e)(rank_envs(job_id, 1)), 60)
+        envs = wait_for("6 ranks of attempt 1", lambda: (lambda e: len(e) == 6 and e)(rank_envs(tmp, job_id, 1)), 60)
         bound = check_binding(envs)
         print(f"ok: 6 ranks over two nodes, one GPU each: {bound}, one rendezvous")
 
@@ -114,9 +108,9 @@ def main():
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
         again = wait_for("the gang restarted as attempt 2",
-                         lambda: (lambda e: len(e) == 6 and e)(rank_envs(job_id, 2)), 90)
+                         lambda: (lambda e: len(e) == 6 and e)(rank_envs(tmp, job_id, 2)), 90)
         assert not set(again) & first, "node-a's ranks of attempt 1 must be replaced too"
-        assert not rank_envs(job_id, 1), "no rank of attempt 1 may survive"
+        assert not rank_envs(tmp, job_id, 1), "no rank of attempt 1 may survive"
         check_binding(again)
         gang_loss, job = final_loss(c, job_id)
         assert int(job["attempt"]) >= 2, job
