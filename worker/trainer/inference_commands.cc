@@ -9,6 +9,7 @@
 #include "checkpoint_model.h"
 #include "generate.h"
 #include "loom/status_macros.h"
+#include "tensor_io.h"
 
 namespace loom::trainer {
 namespace {
@@ -76,6 +77,45 @@ absl::Status RunScoreCommand(const CliArgs& args, const PluginLoader& loader, st
   for (double v : logprobs)
     lp.push_back(std::isnan(v) ? nlohmann::json(nullptr) : nlohmann::json(v));
   out << nlohmann::json{{"tokens", tokens}, {"token_logprobs", lp}}.dump() << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunLogitsCommand(const CliArgs& args, const PluginLoader& loader, std::ostream& out) {
+  LOOM_ASSIGN_OR_RETURN(std::string where, args.Require("checkpoint"));
+  LOOM_ASSIGN_OR_RETURN(std::string path, args.Require("output"));
+  const std::string dtype = args.Get("dtype", "float32");
+  if (dtype != "float32" && dtype != "float64")
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dtype: '", dtype, "' is not float32 | float64"));
+  const torch::ScalarType type = dtype == "float64" ? torch::kFloat64 : torch::kFloat32;
+  LOOM_ASSIGN_OR_RETURN(CheckpointModel m, LoadCheckpointModel(where, loader, torch::kCPU, type));
+  LOOM_ASSIGN_OR_RETURN(std::vector<uint32_t> tokens, TokensFromArgs(args, m, "tokens", "text"));
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n > m.model->config().max_seq_len())
+    return absl::InvalidArgumentError(absl::StrCat("--tokens: ", n, " tokens exceed max_seq_len ",
+                                                   m.model->config().max_seq_len()));
+  std::vector<int64_t> ids(tokens.begin(), tokens.end());
+  for (int64_t id : ids) {
+    if (id >= m.model->config().vocab_size())
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tokens: ", id, " is outside the vocabulary"));
+  }
+  torch::Tensor logits;
+  try {
+    torch::NoGradGuard no_grad;
+    torch::Tensor in = torch::tensor(ids, torch::kInt64).view({1, n});
+    logits = m.model->forward(ModelInputs{in, {}, {}, {}, {}}).squeeze(0).contiguous();
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("logits: ", e.what()));
+  }
+  LOOM_RETURN_IF_ERROR(SaveTensors(path, {{"logits", logits}}));
+  out << nlohmann::json{{"tokens", tokens},
+                        {"shape", logits.sizes().vec()},
+                        {"dtype", dtype},
+                        {"checkpoint", m.dir},
+                        {"output", path}}
+             .dump()
+      << "\n";
   return absl::OkStatus();
 }
 

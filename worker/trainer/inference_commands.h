@@ -1,4 +1,4 @@
-// `loom-train generate` and `loom-train score`: a checkpoint's continuation of a prompt (the batch
+// `loom-train generate`, `score` and `logits`: a checkpoint's continuation of a prompt (the batch
 // generator of generate.h) and the log-probability of each token of a sequence from one full,
 // uncached forward pass. Both print one JSON object; loom-serve's tests use them as the
 // independent reference for what the server returns.
@@ -19,6 +19,10 @@ absl::Status RunGenerateCommand(const CliArgs& args, const PluginLoader& loader,
 // --checkpoint DIR, --tokens 1,2,3 | --text TEXT. Prints {"tokens", "token_logprobs"} (the first
 // is null).
 absl::Status RunScoreCommand(const CliArgs& args, const PluginLoader& loader, std::ostream& out);
+// --checkpoint DIR, --tokens 1,2,3 | --text TEXT, --output logits.safetensors, --dtype float32 |
+// float64. Writes the full logits [N, V] of one forward pass (tensor "logits", in the compute
+// dtype): what interop tests compare an exported model's logits with.
+absl::Status RunLogitsCommand(const CliArgs& args, const PluginLoader& loader, std::ostream& out);
 
 }  // namespace loom::trainer
 

@@ -1,6 +1,8 @@
 // loom-train: the trainer process. Subcommands:
 //   train      train a model on the generated corpus (standalone, CPU or GPU)
 //   attention  run one attention layer's forward from safetensors files (interop contract)
+//   generate | score | logits  a checkpoint's model at inference
+//   export-hf | import-hf      Hugging Face model folders (interop/hf_folder.h)
 //   plugins    list the plugins found on the search path, and those that failed to load
 //   devices    report CPU threads and CUDA devices
 #include <google/protobuf/util/json_util.h>
@@ -20,6 +22,7 @@
 #include "checkpoint.h"
 #include "corpus.h"
 #include "devices.h"
+#include "hf_folder.h"
 #include "inference_commands.h"
 #include "lease.h"
 #include "loom/blas_core.h"
@@ -60,6 +63,14 @@ commands:
                 --greedy | --temperature T --top-p P --seed S
   score       log-probability of each token given the ones before (one full forward; JSON)
                 --checkpoint DIR  --tokens 1,2,3 | --text TEXT
+  logits      the full logits [N, V] of one forward pass, as a safetensors file ("logits")
+                --checkpoint DIR  --tokens 1,2,3 | --text TEXT  --output F  --dtype float32|float64
+  export-hf   a checkpoint as a Hugging Face model folder (docs/interop.md): Llama, Mistral
+              (sliding window) or Loom-IHA (with modeling_loom_iha.py)
+                --checkpoint DIR --out DIR  [--max-shard-bytes N (5e9)]
+  import-hf   a Llama / Mistral / Loom-IHA safetensors folder as a checkpoint for --init-from;
+              writes DIR/step-00000000/ and DIR/model.json
+                --from DIR --out DIR  [--rope-pairing half|interleaved] [--max-seq-len N]
   plugins     list loadable plugins and load errors
   devices     report CPU threads and CUDA devices
 common flags: --plugin-dir DIR[:DIR...] (default: $LOOM_PLUGIN_PATH, then <exe>/../lib/loom/plugins)
@@ -355,19 +366,51 @@ absl::Status RunDescribe(int argc, char** argv) {
   return absl::OkStatus();
 }
 
-// generate | score: a checkpoint's model as inference_commands.h describes.
+// generate | score | logits: a checkpoint's model as inference_commands.h describes.
 absl::Status RunInference(const std::string& command, int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
-      CliArgs args,
-      CliArgs::Parse(argc, argv, 2,
-                     {"checkpoint", "prompt", "prompt-tokens", "max-new-tokens", "temperature",
-                      "top-p", "seed", "tokens", "text", "plugin-dir", "threads"},
-                     {"greedy"}));
+      CliArgs args, CliArgs::Parse(argc, argv, 2,
+                                   {"checkpoint", "prompt", "prompt-tokens", "max-new-tokens",
+                                    "temperature", "top-p", "seed", "tokens", "text", "plugin-dir",
+                                    "threads", "output", "dtype"},
+                                   {"greedy"}));
   LOOM_RETURN_IF_ERROR(ApplyThreads(args));
   PluginLoader loader;
   LOOM_RETURN_IF_ERROR(LoadPlugins(args, loader, false));
+  if (command == "logits") return RunLogitsCommand(args, loader, std::cout);
   return command == "generate" ? RunGenerateCommand(args, loader, std::cout)
                                : RunScoreCommand(args, loader, std::cout);
+}
+
+// export-hf | import-hf: Hugging Face model folders (no model is built; bytes are copied).
+absl::Status RunHuggingFace(const std::string& command, int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2,
+                                                     {"checkpoint", "out", "max-shard-bytes",
+                                                      "from", "rope-pairing", "max-seq-len"}));
+  LOOM_ASSIGN_OR_RETURN(std::string out, args.Require("out"));
+  if (command == "export-hf") {
+    interop::ExportOptions o;
+    LOOM_ASSIGN_OR_RETURN(o.checkpoint, args.Require("checkpoint"));
+    o.out_dir = out;
+    LOOM_ASSIGN_OR_RETURN(int64_t shard,
+                          args.GetInt("max-shard-bytes", 5'000'000'000, 1, int64_t{1} << 50));
+    o.max_shard_bytes = static_cast<uint64_t>(shard);
+    LOOM_ASSIGN_OR_RETURN(interop::ExportSummary s, interop::ExportHuggingFace(o));
+    std::cout << "exported " << s.checkpoint_dir << " (step " << s.step << ") as " << s.architecture
+              << ": " << s.tensors << " tensors, " << s.bytes << " bytes in " << s.shards
+              << " file(s) -> " << out << "\n";
+    return absl::OkStatus();
+  }
+  interop::ImportOptions o;
+  LOOM_ASSIGN_OR_RETURN(o.in_dir, args.Require("from"));
+  o.out_root = out;
+  o.rope_pairing = args.Get("rope-pairing", "half");
+  LOOM_ASSIGN_OR_RETURN(o.max_seq_len, args.GetInt("max-seq-len", 0, 0, 1 << 24));
+  LOOM_ASSIGN_OR_RETURN(interop::ImportSummary s, interop::ImportHuggingFace(o));
+  std::cout << "imported " << s.architecture << " from " << o.in_dir << ": " << s.tensors
+            << " tensors -> " << s.checkpoint_dir << " (train with --model " << out
+            << "/model.json --init-from " << s.checkpoint_dir << ")\n";
+  return absl::OkStatus();
 }
 
 absl::Status RunPlugins(int argc, char** argv) {
@@ -426,8 +469,10 @@ int main(int argc, char** argv) {
       status = RunAttention(argc, argv);
     } else if (command == "describe") {
       status = RunDescribe(argc, argv);
-    } else if (command == "generate" || command == "score") {
+    } else if (command == "generate" || command == "score" || command == "logits") {
       status = RunInference(command, argc, argv);
+    } else if (command == "export-hf" || command == "import-hf") {
+      status = RunHuggingFace(command, argc, argv);
     } else if (command == "plugins") {
       status = RunPlugins(argc, argv);
     } else if (command == "devices") {
