@@ -219,6 +219,20 @@ void DeclareTrainMetrics(Registry& r) {
   r.DeclareHistogram("loom_train_checkpoint_load_seconds",
                      "Wall time to load and verify a checkpoint.",
                      {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});
+  // Per rank on a GPU, labels {job_id, rank, gpu, UUID}: what the rank's CUDA caching
+  // allocator holds (written by the rank, re-exported by its agent) and what NVML reads off
+  // the device the rank is bound to (the agent). UUID is dcgm-exporter's label: its series
+  // join these on(UUID).
+  r.DeclareGauge("loom_train_gpu_memory_allocated_bytes",
+                 "CUDA memory the rank's tensors occupy now (caching allocator).");
+  r.DeclareGauge("loom_train_gpu_memory_reserved_bytes",
+                 "CUDA memory the rank's caching allocator holds from the driver.");
+  r.DeclareGauge("loom_train_gpu_memory_peak_bytes",
+                 "Largest CUDA memory the rank's tensors occupied since it started.");
+  r.DeclareGauge("loom_train_gpu_utilization_ratio",
+                 "Share of the last NVML sample period a kernel ran on the rank's GPU.");
+  r.DeclareGauge("loom_train_gpu_memory_used_bytes",
+                 "Device memory in use on the rank's GPU (NVML; every process on it).");
 }
 
 }  // namespace loom::metrics

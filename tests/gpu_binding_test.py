@@ -8,12 +8,18 @@ names (RANK, WORLD_SIZE), one rendezvous (MASTER_ADDR = rank 0's node, one MASTE
 node's own address for Gloo (LOOM_NODE_ADDR). Then it SIGKILLs node-b's ranks: the whole gang
 restarts (node-a's ranks are replaced too, new attempt) and the job succeeds. Its final loss must
 equal that of the same job run as 6 ranks on one CPU node (--gpus none). The workers API lists
-the GPUs; a registration claiming more slots than GPUs is refused. Every process is killed on
-exit."""
+the GPUs; a registration claiming more slots than GPUs is refused. Each node's /metrics lists its
+GPUs (loom_worker_gpu_info{gpu, UUID, modelName}) and, while the job runs, which rank of which
+job holds each one (loom_worker_gpu_assigned{job_id, rank, gpu, UUID}: the join key for
+dcgm-exporter's series), matching the ranks' CUDA_VISIBLE_DEVICES; the series go when the ranks
+do. Every process is killed on exit."""
+import json
 import os
+import re
 import signal
 import sys
 import tempfile
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loom_testlib import Service, control_plane_arg_parser, loom_trainers, stop_all, wait_for  # noqa: E402
@@ -70,6 +76,36 @@ def check_binding(envs):
     return {n: sorted(e["CUDA_VISIBLE_DEVICES"] for e in v) for n, v in by_node.items()}
 
 
+def metrics_url(tmp, node):
+    """The node's /metrics, from the file_sd target list its agent wrote."""
+    path = os.path.join(tmp, f"{node}.sd.json")
+    target = wait_for(f"{node}'s metrics target", lambda: os.path.exists(path) and json.load(open(path)), 30)
+    return f"http://{target[0]['targets'][0]}/metrics"
+
+
+def gpu_series(url, family):
+    """[labels dict] of one gauge family's series whose value is 1."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = []
+    for m in re.finditer(r"^" + family + r"\{([^}]*)\} 1$", text, re.M):
+        out.append(dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))))
+    return out
+
+
+def check_gpu_metrics(urls, job_id, envs):
+    """Each node's gpu_info lists its GPUs; gpu_assigned names, for every rank, the GPU its
+    CUDA_VISIBLE_DEVICES holds (an index: --gpus lists have no UUIDs)."""
+    for node, (_, gpus) in NODES.items():
+        info = sorted(int(g["gpu"]) for g in gpu_series(urls[node], "loom_worker_gpu_info"))
+        assert info == [int(x) for x in gpus.split(",")], (node, info)
+    for node in NODES:
+        want = sorted((e["RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs.values() if e["LOOM_WORKER_NAME"] == node)
+        got = wait_for(f"{node}'s gpu_assigned series", lambda: (lambda g: g if len(g) == len(want) else None)(
+            sorted((s["rank"], s["gpu"]) for s in gpu_series(urls[node], "loom_worker_gpu_assigned")
+                   if s.get("job_id") == job_id)), 10)
+        assert got == want, (node, got, want)
+
+
 def final_loss(c, job_id):
     job = c.api.wait_end(job_id, timeout=300)
     assert job["state"] == "succeeded", job
@@ -85,7 +121,8 @@ def main():
         c.start_coordinator()
         for node, (address, gpus) in NODES.items():
             c.start_worker(node, labels="pool=gpu", slots=len(gpus.split(",")),
-                           extra=("--gpus", gpus, "--address", address))
+                           extra=("--gpus", gpus, "--address", address, "--metrics-port", "-1",
+                                  "--prometheus-sd-file", os.path.join(tmp, f"{node}.sd.json")))
         c.start_worker("node-cpu", labels="pool=cpu", slots=6)  # --gpus none
         c.wait_alive(["node-a", "node-b", "node-cpu"])
         records = c.worker_records()
@@ -101,6 +138,9 @@ def main():
         envs = wait_for("6 ranks of attempt 1", lambda: (lambda e: len(e) == 6 and e)(rank_envs(tmp, job_id, 1)), 60)
         bound = check_binding(envs)
         print(f"ok: 6 ranks over two nodes, one GPU each: {bound}, one rendezvous")
+        urls = {node: metrics_url(tmp, node) for node in NODES}
+        check_gpu_metrics(urls, job_id, envs)
+        print("ok: each node's /metrics lists its GPUs and which rank of the job holds each")
 
         c.api.wait(job_id, lambda j: int(j.get("progress", {}).get("step", 0)) >= 10, "step 10", 120)
         first = set(envs)
@@ -114,6 +154,8 @@ def main():
         check_binding(again)
         gang_loss, job = final_loss(c, job_id)
         assert int(job["attempt"]) >= 2, job
+        for node in NODES:
+            wait_for(f"{node}'s gpu_assigned series gone", lambda: not gpu_series(urls[node], "loom_worker_gpu_assigned"), 10)
         print(f"ok: SIGKILL of node-b's ranks restarted the whole gang (attempt {job['attempt']}), "
               f"succeeded at loss {gang_loss}")
 

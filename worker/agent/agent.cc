@@ -91,9 +91,15 @@ void WriteFileAtomically(const std::string& path, const std::string& text, mode_
   if (ok) ::rename(tmp.c_str(), path.c_str());
 }
 
+// Where a rank on a GPU writes its CUDA allocator's numbers (worker/trainer/gpu_stats.h).
+std::string GpuStatsPath(const std::string& attempt_dir, int rank) {
+  return (fs::path(attempt_dir) / absl::StrFormat("gpu-rank-%d.json", rank)).string();
+}
+
 }  // namespace
 
 Agent::Agent(AgentOptions options) : options_(std::move(options)), gpu_pool_(options_.gpus) {
+  if (!options_.gpus.empty()) nvml_ = NvmlSampler::Open();
   DeclareMetrics();
   // Every series says which node and pool it comes from, whatever discovers the target.
   metrics::Labels node = {{"worker", options_.name}};
@@ -126,6 +132,15 @@ void Agent::DeclareMetrics() {
   }
   metrics::DeclareTrainMetrics(r);
   r.Set("loom_worker_slots", options_.slots);
+  // The node's GPUs and which rank holds each: labels as dcgm-exporter's (gpu, UUID,
+  // modelName), so its device series join Loom's jobs on(UUID) (docs/deploy.md).
+  r.DeclareGauge("loom_worker_gpu_info", "1 per GPU of this node (index, UUID, model)");
+  r.DeclareGauge("loom_worker_gpu_assigned",
+                 "1 per GPU a running rank is bound to, with its job_id and rank");
+  for (const v1::Gpu& g : options_.gpus) {
+    r.Set("loom_worker_gpu_info", 1,
+          {{"gpu", std::to_string(g.index())}, {"UUID", g.uuid()}, {"modelName", g.model()}});
+  }
   r.Increment("loom_worker_attempts_started_total", 0);
   r.Increment("loom_worker_heartbeat_failures_total", 0);
   r.Set("loom_worker_ranks_running", 0);
@@ -274,7 +289,10 @@ void Agent::StartAttempt(const v1::Assignment& as) {
       ::setenv("LOCAL_WORLD_SIZE", std::to_string(ranks.size()).c_str(), 1);
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(as.world_size()).c_str(), 1);
-      if (!visible.empty()) ::setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
+      if (!visible.empty()) {
+        ::setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
+        ::setenv("LOOM_GPU_STATS_FILE", GpuStatsPath(a.dir, r).c_str(), 1);  // ExportGpuSeries
+      }
       ::setenv("MASTER_ADDR", as.master_addr().c_str(), 1);
       ::setenv("LOOM_NODE_ADDR", options_.address.c_str(), 1);  // Gloo binds to this node's own
       ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
@@ -520,6 +538,45 @@ void Agent::Poll() {
   }
 }
 
+void Agent::ExportGpuSeries() {
+  if (options_.gpus.empty()) return;
+  static const char* const kFamilies[] = {"loom_worker_gpu_assigned",
+                                          "loom_train_gpu_utilization_ratio",
+                                          "loom_train_gpu_memory_used_bytes",
+                                          "loom_train_gpu_memory_allocated_bytes",
+                                          "loom_train_gpu_memory_reserved_bytes",
+                                          "loom_train_gpu_memory_peak_bytes"};
+  for (const char* f : kFamilies) registry_.Clear(f);
+  for (const auto& [key, a] : attempts_) {
+    for (const Rank& r : a.ranks) {
+      if (!r.running || r.gpu < 0) continue;
+      const v1::Gpu& g = gpu_pool_.gpu(r.gpu);
+      const metrics::Labels labels = {{metrics::kJobLabel, a.job_id},
+                                      {"rank", std::to_string(r.rank)},
+                                      {"gpu", std::to_string(g.index())},
+                                      {"UUID", g.uuid()}};
+      registry_.Set("loom_worker_gpu_assigned", 1, labels);
+      if (nvml_) {
+        if (auto reading = nvml_->Read(g)) {
+          registry_.Set("loom_train_gpu_utilization_ratio", reading->utilization, labels);
+          registry_.Set("loom_train_gpu_memory_used_bytes",
+                        static_cast<double>(reading->memory_used_bytes), labels);
+        }
+      }
+      // The rank's own file: one JSON object, rewritten atomically at every logged step.
+      auto j =
+          nlohmann::json::parse(ReadFrom(GpuStatsPath(a.dir, r.rank), 0, 4096), nullptr, false);
+      if (!j.is_object()) continue;
+      for (const char* field : {"allocated", "reserved", "peak"}) {
+        const std::string k = absl::StrCat(field, "_bytes");
+        if (j.contains(k) && j[k].is_number() && j[k].get<double>() >= 0)
+          registry_.Set(absl::StrCat("loom_train_gpu_memory_", field, "_bytes"), j[k].get<double>(),
+                        labels);
+      }
+    }
+  }
+}
+
 v1::HeartbeatRequest Agent::BuildHeartbeat(std::map<std::string, int64_t>* log_ends) {
   v1::HeartbeatRequest req;
   req.set_worker_id(worker_id_);
@@ -696,6 +753,7 @@ absl::Status Agent::Run() {
           reachable = true;
         }
       }
+      ExportGpuSeries();
       if (registered) {
         absl::Status s = Heartbeat(&registered);
         if (!s.ok()) {

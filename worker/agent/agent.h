@@ -104,9 +104,13 @@ class Agent {
   static std::string Key(const std::string& job, int attempt);
 
   void DeclareMetrics();
+  // Per-rank GPU series (binding, NVML readings, the rank's CUDA allocator file), rebuilt from
+  // the ranks running now so a reaped rank's series go with it.
+  void ExportGpuSeries();
 
   AgentOptions options_;
   GpuPool gpu_pool_;
+  std::unique_ptr<NvmlSampler> nvml_;  // null without a driver
   metrics::Registry registry_{"worker"};
   std::unique_ptr<metrics::HttpExporter> exporter_;
   std::unique_ptr<client::RestClient> enrol_client_;  // enrolment token: POST register

@@ -92,6 +92,43 @@ absl::StatusOr<std::vector<v1::Gpu>> GpusFromFlag(const std::string& flag, std::
   return gpus;
 }
 
+std::unique_ptr<NvmlSampler> NvmlSampler::Open() {
+  void* lib = ::dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) return nullptr;
+  std::unique_ptr<NvmlSampler> s(new NvmlSampler());
+  s->lib_ = lib;
+  auto init = Symbol<InitFn>(lib, "nvmlInit_v2");
+  s->shutdown_ = Symbol<InitFn>(lib, "nvmlShutdown");
+  s->by_index_ = Symbol<int (*)(unsigned, void**)>(lib, "nvmlDeviceGetHandleByIndex_v2");
+  s->by_uuid_ = Symbol<int (*)(const char*, void**)>(lib, "nvmlDeviceGetHandleByUUID");
+  s->utilization_ = Symbol<int (*)(void*, void*)>(lib, "nvmlDeviceGetUtilizationRates");
+  s->memory_ = Symbol<int (*)(void*, void*)>(lib, "nvmlDeviceGetMemoryInfo");
+  if (!init || !s->shutdown_ || !s->by_index_ || !s->by_uuid_ || !s->utilization_ || !s->memory_ ||
+      init() != 0) {
+    s->shutdown_ = nullptr;  // not initialised: nothing to shut down
+    return nullptr;
+  }
+  return s;
+}
+
+NvmlSampler::~NvmlSampler() {
+  if (shutdown_ != nullptr) shutdown_();
+  if (lib_ != nullptr) ::dlclose(lib_);
+}
+
+std::optional<NvmlSampler::Reading> NvmlSampler::Read(const v1::Gpu& gpu) const {
+  struct Utilization {
+    unsigned gpu, memory;  // percent over the driver's last sample period
+  };
+  void* d = nullptr;
+  const int found = gpu.uuid().empty() ? by_index_(static_cast<unsigned>(gpu.index()), &d)
+                                       : by_uuid_(gpu.uuid().c_str(), &d);
+  Utilization u{};
+  NvmlMemory m{};
+  if (found != 0 || utilization_(d, &u) != 0 || memory_(d, &m) != 0) return std::nullopt;
+  return Reading{u.gpu / 100.0, static_cast<int64_t>(m.used)};
+}
+
 std::string VisibleDeviceName(const v1::Gpu& gpu) {
   return gpu.uuid().empty() ? std::to_string(gpu.index()) : gpu.uuid();
 }

@@ -4,6 +4,8 @@
 #ifndef LOOM_WORKER_AGENT_GPUS_H_
 #define LOOM_WORKER_AGENT_GPUS_H_
 
+#include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -24,6 +26,32 @@ absl::StatusOr<std::vector<v1::Gpu>> GpusFromFlag(const std::string& flag, std::
 // What CUDA_VISIBLE_DEVICES names a GPU by: its UUID when known (immune to CUDA's and NVML's
 // different device orders), else its index.
 std::string VisibleDeviceName(const v1::Gpu& gpu);
+
+// Live readings of a GPU from NVML, for the per-rank GPU series (docs/deploy.md). Open() is null
+// where there is no NVML (CPU nodes, --gpus lists on machines without a driver).
+class NvmlSampler {
+ public:
+  static std::unique_ptr<NvmlSampler> Open();
+  ~NvmlSampler();
+  NvmlSampler(const NvmlSampler&) = delete;
+  NvmlSampler& operator=(const NvmlSampler&) = delete;
+
+  struct Reading {
+    double utilization = 0;  // fraction of the last sample period a kernel ran (0..1)
+    int64_t memory_used_bytes = 0;
+  };
+  // By UUID when the inventory has one, else by index; nullopt when NVML cannot read it.
+  std::optional<Reading> Read(const v1::Gpu& gpu) const;
+
+ private:
+  NvmlSampler() = default;
+  void* lib_ = nullptr;
+  int (*shutdown_)() = nullptr;
+  int (*by_index_)(unsigned, void**) = nullptr;
+  int (*by_uuid_)(const char*, void**) = nullptr;
+  int (*utilization_)(void*, void*) = nullptr;
+  int (*memory_)(void*, void*) = nullptr;
+};
 
 class GpuPool {
  public:

@@ -20,6 +20,7 @@
 #include "autocast.h"
 #include "corpus.h"
 #include "devices.h"
+#include "gpu_stats.h"
 #include "lease.h"
 #include "loom/blas_core.h"
 #include "loom/spec.h"
@@ -967,6 +968,18 @@ absl::Status Trainer::RestoreEarlyStop(const std::string& state) {
   return absl::OkStatus();
 }
 
+void Trainer::ReportGpuMemory() {
+  const std::optional<GpuMemory> m = ReadGpuMemory(device_);
+  if (!m) return;
+  metrics::Labels labels = labels_;
+  labels["gpu"] = std::to_string(device_.index());
+  registry_.Set("loom_train_gpu_memory_allocated_bytes", static_cast<double>(m->allocated), labels);
+  registry_.Set("loom_train_gpu_memory_reserved_bytes", static_cast<double>(m->reserved), labels);
+  registry_.Set("loom_train_gpu_memory_peak_bytes", static_cast<double>(m->peak), labels);
+  if (const char* path = std::getenv("LOOM_GPU_STATS_FILE"); path != nullptr && *path != '\0')
+    ReplaceStatusFile(path, GpuMemoryJson(*m));
+}
+
 void Trainer::LogLine(const std::string& line) {
   if (options_.log == nullptr) return;
   if (options_.progress_bar) *options_.log << "\r\033[K";
@@ -1226,6 +1239,7 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
       registry_.Set("loom_train_step", static_cast<double>(step_), labels_);
       registry_.Increment("loom_train_tokens_total", static_cast<double>(tokens_per_step), labels_);
       registry_.Observe("loom_train_step_seconds", r.seconds, labels_);
+      if (step_ % spec_.metrics().log_every() == 0 || step_ == total) ReportGpuMemory();
       WriteJsonl(absl::StrCat(
           "{\"event\":\"step\",\"step\":", r.step, ",\"loss\":", JsonNumber(r.loss),
           ",\"lr\":", JsonNumber(r.lr), ",\"grad_norm\":", JsonNumber(r.grad_norm),

@@ -220,6 +220,9 @@ class Trainer {
   absl::StatusOr<std::string> SaveCheckpoint();
   absl::Status BroadcastOwnedParameters();
   void UpdateLossScale(bool finite, StepRecord* r, TrainSummary* summary);
+  // Every rank on a GPU: its CUDA allocator's numbers as loom_train_gpu_memory_* (label gpu: the
+  // device index this process sees) and to LOOM_GPU_STATS_FILE for the worker agent.
+  void ReportGpuMemory();
   struct EvalResult {
     double loss = 0, accuracy = 0, exact_match = 0;
   };
