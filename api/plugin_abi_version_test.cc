@@ -21,6 +21,7 @@ const std::map<unsigned, std::string> kDigests = {
     {4, "e4f6e921edd4815f"},  // sft_plugin.h: SFT objective plugins (LOOM_PLUGIN_KIND_SFT)
     {5, "69c822277ec55cdc"},  // one create wrapper and entry macro for every kind
     {6, "89129a5dc5a9d87d"},  // AttentionCache::KeepRows / AppendRows (continuous batching)
+    {7, "7b1148cad40ea952"},  // LoomSftSpecV1: the tokenizer's own chat tokens (Llama 3 headers)
                               // (LOOM_DEFINE_PLUGIN)
 };
 

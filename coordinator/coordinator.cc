@@ -423,6 +423,11 @@ absl::Status Coordinator::ResolvePaths(v1::JobSpec& spec, const std::string& job
     LOOM_ASSIGN_OR_RETURN(std::string path, InsideRoot("spec.data.path", spec.data().path()));
     spec.mutable_data()->set_path(path);
   }
+  if (!spec.data().tokenizer_path().empty()) {
+    LOOM_ASSIGN_OR_RETURN(std::string path,
+                          InsideRoot("spec.data.tokenizer_path", spec.data().tokenizer_path()));
+    spec.mutable_data()->set_tokenizer_path(path);
+  }
   if (!spec.reasoning_eval().path().empty()) {
     LOOM_ASSIGN_OR_RETURN(std::string path,
                           InsideRoot("spec.reasoning_eval.path", spec.reasoning_eval().path()));

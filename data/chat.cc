@@ -134,14 +134,67 @@ uint32_t Marker(const ChatTemplate& t, Role r) {
   return r == Role::kSystem ? t.system() : r == Role::kUser ? t.user() : t.assistant();
 }
 
+// ASCII whitespace off both ends. (Jinja's trim strips Unicode whitespace too, and Python's and
+// JavaScript's sets differ, e.g. U+FEFF; text that starts or ends with such characters keeps
+// them here: docs/sft.md.)
+std::string_view TrimSpace(std::string_view s) {
+  auto space = [](char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+  };
+  while (!s.empty() && space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+const char* RoleName(Role r) {
+  return r == Role::kSystem ? "system" : r == Role::kUser ? "user" : "assistant";
+}
+
+// Loom's marker, or <|start_header_id|> role <|end_header_id|> "\n\n"; never scored.
+void AppendHeader(EncodedChat& e, const ChatTemplate& t, Role r, const TextEncoder& encode) {
+  if (!t.headers()) {
+    Append(e, Marker(t, r), false);
+    return;
+  }
+  Append(e, static_cast<uint32_t>(t.header_start), false);
+  for (uint32_t id : encode(RoleName(r))) Append(e, id, false);
+  Append(e, static_cast<uint32_t>(t.header_end), false);
+  for (uint32_t id : encode("\n\n")) Append(e, id, false);
+}
+
 }  // namespace
 
-EncodedChat EncodeChat(const Conversation& c, const ChatTemplate& t, const TextEncoder& encode) {
+std::vector<uint32_t> ChatTemplate::stop_tokens() const {
+  if (headers()) return {end(), static_cast<uint32_t>(header_start)};
+  return {end(), system(), user(), assistant()};
+}
+
+ChatTemplate ChatTemplateFor(
+    int64_t base_vocab, const std::function<std::optional<uint32_t>(std::string_view)>& token_id) {
+  ChatTemplate t;
+  t.base_vocab = base_vocab;
+  if (!token_id) return t;
+  const auto start = token_id("<|start_header_id|>"), end = token_id("<|end_header_id|>"),
+             eot = token_id("<|eot_id|>"), bos = token_id("<|begin_of_text|>");
+  if (!start || !end || !eot) return t;
+  t.header_start = *start;
+  t.header_end = *end;
+  t.turn_end = *eot;
+  t.begin_of_text = bos ? static_cast<int64_t>(*bos) : -1;
+  return t;
+}
+
+EncodedChat EncodeChat(const Conversation& c, const ChatTemplate& t, const TextEncoder& encode,
+                       std::vector<size_t>* turn_starts) {
   EncodedChat e;
+  if (t.headers() && t.begin_of_text >= 0) Append(e, static_cast<uint32_t>(t.begin_of_text), false);
   for (const Turn& turn : c.turns) {
     const bool scored = turn.role == Role::kAssistant;
-    Append(e, Marker(t, turn.role), false);
-    for (uint32_t id : encode(turn.text)) Append(e, id, scored);
+    if (turn_starts != nullptr) turn_starts->push_back(e.tokens.size());
+    AppendHeader(e, t, turn.role, encode);
+    // Llama 3's template trims each message; Loom's keeps the text as it is.
+    const std::string_view text = t.headers() ? TrimSpace(turn.text) : std::string_view(turn.text);
+    for (uint32_t id : encode(text)) Append(e, id, scored);
     Append(e, t.end(), scored);
   }
   return e;
@@ -152,9 +205,9 @@ std::vector<uint32_t> EncodePrompt(const Conversation& c, const ChatTemplate& t,
   std::vector<Turn> turns = c.turns;
   if (!turns.empty() && turns.back().role == Role::kAssistant) turns.pop_back();
   Conversation prompt{turns, c.line};
-  std::vector<uint32_t> tokens = EncodeChat(prompt, t, encode).tokens;
-  tokens.push_back(t.assistant());
-  return tokens;
+  EncodedChat e = EncodeChat(prompt, t, encode);
+  AppendHeader(e, t, Role::kAssistant, encode);
+  return e.tokens;
 }
 
 std::optional<EncodedChat> Truncate(EncodedChat e, int64_t max_len) {

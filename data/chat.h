@@ -43,27 +43,52 @@ absl::StatusOr<std::vector<Conversation>> ReadChatJsonl(const std::string& path,
                                                         bool skip_malformed, ChatReadReport* report,
                                                         const ChatLineParser& parse = {});
 
-// The chat template. Role markers are special tokens after the base vocabulary:
-//   <|system|> = base, <|user|> = base + 1, <|assistant|> = base + 2, <|end|> = base + 3.
-// A conversation renders as  [<|system|> text <|end|>] (<|user|> text <|end|> <|assistant|>
-// text <|end|>)...  The loss covers exactly the assistant's text tokens and its <|end|> (so the
-// model learns to stop); role markers, system and user tokens are never scored.
+// The chat template. Two forms:
+//
+// Loom's own (the byte tokenizer, and any tokenizer without chat tokens): role markers are
+// special tokens after the base vocabulary,
+//   <|system|> = base, <|user|> = base + 1, <|assistant|> = base + 2, <|end|> = base + 3,
+// and a conversation renders as  [<|system|> text <|end|>] (<|user|> text <|end|> <|assistant|>
+// text <|end|>)...
+//
+// The tokenizer's own (a tokenizer.json with <|start_header_id|>, <|end_header_id|> and
+// <|eot_id|>: Llama 3's template, as its tokenizer_config.json's chat_template renders it):
+//   [<|begin_of_text|>] (<|start_header_id|> role <|end_header_id|> "\n\n" trim(text)
+//   <|eot_id|>)...
+// with the role written as text ("system", "user", "assistant") and no tokens added to the
+// vocabulary. A prompt ends with the assistant's header.
+//
+// Either way the loss covers exactly the assistant's text tokens and its end token (so the
+// model learns to stop); role markers, headers, system and user tokens are never scored.
 struct ChatTemplate {
   int64_t base_vocab = 256;
+  // The tokenizer's chat tokens (all three set, or none: -1); begin_of_text is optional.
+  int64_t header_start = -1, header_end = -1, turn_end = -1, begin_of_text = -1;
+  bool headers() const { return header_start >= 0 && header_end >= 0 && turn_end >= 0; }
   uint32_t system() const { return static_cast<uint32_t>(base_vocab); }
   uint32_t user() const { return static_cast<uint32_t>(base_vocab + 1); }
   uint32_t assistant() const { return static_cast<uint32_t>(base_vocab + 2); }
-  uint32_t end() const { return static_cast<uint32_t>(base_vocab + 3); }
-  int64_t vocab_size() const { return base_vocab + 4; }
+  // What ends a turn: <|end|> or <|eot_id|>.
+  uint32_t end() const { return static_cast<uint32_t>(headers() ? turn_end : base_vocab + 3); }
+  int64_t vocab_size() const { return headers() ? base_vocab : base_vocab + 4; }
+  // Tokens that end a generated answer: the turn end, and anything that starts a new turn.
+  std::vector<uint32_t> stop_tokens() const;
 };
+
+// The template for a tokenizer: its own chat tokens when `token_id` finds all three header
+// tokens, else Loom's markers after `base_vocab`.
+ChatTemplate ChatTemplateFor(
+    int64_t base_vocab, const std::function<std::optional<uint32_t>(std::string_view)>& token_id);
 
 // Byte-level text encoder (ids 0..255), the default tokenizer.
 std::vector<uint32_t> EncodeBytes(std::string_view text);
 
-EncodedChat EncodeChat(const Conversation& c, const ChatTemplate& t, const TextEncoder& encode);
+// `turn_starts` (optional): where each turn's marker or header begins in the tokens.
+EncodedChat EncodeChat(const Conversation& c, const ChatTemplate& t, const TextEncoder& encode,
+                       std::vector<size_t>* turn_starts = nullptr);
 
-// The prompt for generation: everything up to and including the last <|assistant|> marker
-// (a trailing assistant turn, if any, is dropped).
+// The prompt for generation: everything up to and including the assistant's marker (or header)
+// after the last turn (a trailing assistant turn, if any, is dropped).
 std::vector<uint32_t> EncodePrompt(const Conversation& c, const ChatTemplate& t,
                                    const TextEncoder& encode);
 

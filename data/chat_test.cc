@@ -4,6 +4,8 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <set>
 
 namespace loom::data {
@@ -106,6 +108,52 @@ TEST(ChatTest, OnlyAssistantTokensAreScored) {
   EXPECT_EQ(prompt.back(), t.assistant());
   EXPECT_EQ(prompt.size(), 16u);
   EXPECT_EQ(t.vocab_size(), 260);
+}
+
+// A tokenizer with Llama 3's chat tokens renders its own template: headers with the role as
+// text, trimmed messages, <|eot_id|> ends (scored after the assistant), nothing added to the
+// vocabulary; without all three header tokens the template stays Loom's.
+TEST(ChatTest, TokenizerChatTokensGiveLlama3Headers) {
+  const std::map<std::string, uint32_t> special = {{"<|begin_of_text|>", 300},
+                                                   {"<|start_header_id|>", 301},
+                                                   {"<|end_header_id|>", 302},
+                                                   {"<|eot_id|>", 303}};
+  auto id = [&](std::string_view t) -> std::optional<uint32_t> {
+    auto it = special.find(std::string(t));
+    return it == special.end() ? std::nullopt : std::optional<uint32_t>(it->second);
+  };
+  const ChatTemplate t = ChatTemplateFor(400, id);
+  ASSERT_TRUE(t.headers());
+  EXPECT_EQ(t.vocab_size(), 400);
+  EXPECT_EQ(t.end(), 303u);
+  EXPECT_EQ(t.stop_tokens(), (std::vector<uint32_t>{303, 301}));
+  Conversation c;
+  c.turns = {{Role::kUser, " hi\n"}, {Role::kAssistant, "ok "}};
+  std::vector<size_t> starts;
+  const EncodedChat e = EncodeChat(c, t, EncodeBytes, &starts);
+  std::vector<uint32_t> want = {300, 301};
+  for (char ch : std::string("user")) want.push_back(static_cast<unsigned char>(ch));
+  want.insert(want.end(), {302, '\n', '\n', 'h', 'i', 303, 301});
+  for (char ch : std::string("assistant")) want.push_back(static_cast<unsigned char>(ch));
+  want.insert(want.end(), {302, '\n', '\n', 'o', 'k', 303});
+  EXPECT_EQ(e.tokens, want);
+  EXPECT_EQ(starts, (std::vector<size_t>{1, 12}));
+  std::vector<uint32_t> scored;
+  for (size_t i = 0; i < e.tokens.size(); ++i)
+    if (e.loss_mask[i]) scored.push_back(e.tokens[i]);
+  EXPECT_EQ(scored, (std::vector<uint32_t>{'o', 'k', 303}));
+  const std::vector<uint32_t> prompt = EncodePrompt(c, t, EncodeBytes);
+  EXPECT_EQ(std::vector<uint32_t>(prompt.begin(), prompt.begin() + 10),
+            std::vector<uint32_t>(want.begin(), want.begin() + 10));
+  EXPECT_EQ(prompt.back(), static_cast<uint32_t>('\n'));
+
+  auto partial = [&](std::string_view tok) -> std::optional<uint32_t> {
+    return tok == "<|eot_id|>" ? std::optional<uint32_t>(303) : std::nullopt;
+  };
+  const ChatTemplate loom = ChatTemplateFor(256, partial);
+  EXPECT_FALSE(loom.headers());
+  EXPECT_EQ(loom.vocab_size(), 260);
+  EXPECT_EQ(loom.end(), 259u);
 }
 
 TEST(ChatTest, TruncationAndPacking) {

@@ -2,6 +2,7 @@
 //   pack             tokenize inputs into DIR (shards + index.json)
 //   info | verify    describe a dataset | check every shard's size, checksum and ids
 //   train-tokenizer  train a SentencePiece model on text files
+//   encode | chat    token ids of strings | of conversations (tokenizer and template parity tests)
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -11,6 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bpe_tokenizer.h"
+#include "chat.h"
 #include "loom/cli_args.h"
 #include "loom/status_macros.h"
 #include "token_shards.h"
@@ -36,6 +39,10 @@ constexpr char kUsage[] = R"(usage: loom-data <command> [flags]
   encode --tokenizer T [--tokenizer-model M] --input FILE
       each line of FILE is base64 of a byte string; prints one JSON line per input line,
       {"ids": [...], "decoded": "<base64 of Decode(ids)>"} (tokenizer parity tests)
+  chat --tokenizer T [--tokenizer-model M] --input FILE.jsonl
+      each line a conversation (OpenThoughts or {"messages": [...]}); prints one JSON line each,
+      {"tokens", "loss_mask", "prompt"} as an SFT job renders it: Llama 3's template when the
+      tokenizer has its header tokens, else Loom's markers (chat template parity tests)
 )";
 
 std::vector<std::string> Inputs(const CliArgs& args) {
@@ -61,6 +68,31 @@ absl::Status Encode(const CliArgs& args) {
     const std::vector<uint32_t> ids = tokenizer->Encode(bytes);
     std::cout << "{\"ids\": [" << absl::StrJoin(ids, ",") << "], \"decoded\": \""
               << absl::Base64Escape(tokenizer->Decode(ids)) << "\"}\n";
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Chat(const CliArgs& args) {
+  LOOM_ASSIGN_OR_RETURN(std::string input, args.Require("input"));
+  LOOM_ASSIGN_OR_RETURN(auto tokenizer,
+                        MakeTokenizer(args.Get("tokenizer", "byte"), args.Get("tokenizer-model")));
+  const auto* bpe = dynamic_cast<const BpeTokenizer*>(tokenizer.get());
+  const ChatTemplate chat =
+      bpe == nullptr ? ChatTemplateFor(tokenizer->vocab_size(), nullptr)
+                     : ChatTemplateFor(tokenizer->vocab_size(),
+                                       [bpe](std::string_view t) { return bpe->TokenId(t); });
+  const TextEncoder encode = [&](std::string_view text) { return tokenizer->Encode(text); };
+  std::ifstream in(input, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--input: cannot open '", input, "'"));
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(in, line)) {
+    LOOM_ASSIGN_OR_RETURN(Conversation c, ParseChatLine(line, ++n));
+    const EncodedChat e = EncodeChat(c, chat, encode);
+    nlohmann::json j = {{"tokens", e.tokens},
+                        {"loss_mask", e.loss_mask},
+                        {"prompt", EncodePrompt(c, chat, encode)}};
+    std::cout << j.dump() << "\n";
   }
   return absl::OkStatus();
 }
@@ -195,6 +227,9 @@ int main(int argc, char** argv) {
                                 "tokenizer-model", "shard-tokens", "on-error", "threads"},
                                {"eos"});
     status = args.ok() ? Pack(*args) : args.status();
+  } else if (command == "chat") {
+    auto args = CliArgs::Parse(argc, argv, 2, {"input", "tokenizer", "tokenizer-model"});
+    status = args.ok() ? Chat(*args) : args.status();
   } else if (command == "encode") {
     auto args = CliArgs::Parse(argc, argv, 2, {"input", "tokenizer", "tokenizer-model"});
     status = args.ok() ? Encode(*args) : args.status();

@@ -266,7 +266,9 @@ std::string ByteTokenizerJson(int64_t vocab_size) {
 absl::StatusOr<std::pair<std::string, int64_t>> WriteTokenizer(const fs::path& out,
                                                                const v1::JobSpec& spec) {
   std::string described = "byte";
-  if (spec.data().source() == "shards") {
+  if (spec.data().tokenizer() == "bpe") {
+    described = "bpe:" + spec.data().tokenizer_path();
+  } else if (spec.data().source() == "shards") {
     auto shards = data::TokenShards::Open(spec.data().path(), false);
     if (!shards.ok())
       return std::make_pair(absl::StrCat("none (", shards.status().message(), ")"), int64_t{-1});

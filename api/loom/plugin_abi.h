@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define LOOM_PLUGIN_ABI_VERSION 6
+#define LOOM_PLUGIN_ABI_VERSION 7
 #define LOOM_PLUGIN_ENTRY_SYMBOL "loom_plugin_v1"
 
 typedef enum LoomPluginKind {

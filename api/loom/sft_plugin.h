@@ -22,6 +22,11 @@ typedef struct LoomSftSpecV1 {
   int64_t base_vocab;  // text tokens are 0 .. base_vocab - 1 (the byte tokenizer: 256)
   const LoomOption* options;
   size_t num_options;
+  // The tokenizer's own chat tokens, each < base_vocab, or -1 where it has none (ABI 7): with
+  // header_start, header_end and turn_end set, a plugin renders the tokenizer's template (Llama
+  // 3: <|start_header_id|> role <|end_header_id|> "\n\n" text <|eot_id|>) instead of adding its
+  // own markers after base_vocab. begin_of_text is optional.
+  int64_t header_start, header_end, turn_end, begin_of_text;
 } LoomSftSpecV1;
 
 #ifdef __cplusplus

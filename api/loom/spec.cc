@@ -569,12 +569,21 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     return SpecError("data.path", "is only for source shards");
   }
   if (d->tokenizer().empty()) d->set_tokenizer("byte");
-  if (d->tokenizer() != "byte") {
-    return SpecError(
-        "data.tokenizer",
-        absl::StrCat("'", d->tokenizer(), "' is not byte (loom-data datasets carry their own)"));
+  if (d->tokenizer() != "byte" && d->tokenizer() != "bpe") {
+    return SpecError("data.tokenizer", absl::StrCat("'", d->tokenizer(), "' is not byte | bpe"));
   }
-  if (d->source() == "corpus" && m.vocab_size() < 256) {
+  if (d->tokenizer() == "bpe") {
+    if (d->source() != "corpus" && d->source() != "chat") {
+      return SpecError("data.tokenizer",
+                       "bpe is for sources corpus and chat (loom-data datasets carry their own; "
+                       "tasks are byte-level)");
+    }
+    if (d->tokenizer_path().empty())
+      return SpecError("data.tokenizer_path", "is required with tokenizer bpe (a tokenizer.json)");
+  } else if (!d->tokenizer_path().empty()) {
+    return SpecError("data.tokenizer_path", "is only for tokenizer bpe");
+  }
+  if (d->source() == "corpus" && d->tokenizer() == "byte" && m.vocab_size() < 256) {
     return SpecError("model.vocab_size",
                      absl::StrCat(m.vocab_size(), " is smaller than the byte tokenizer's 256"));
   }

@@ -10,11 +10,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "checkpoint.h"
+#include "job_tokenizer.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 #include "plugin_factory.h"
 #include "tensor_io.h"
-#include "token_shards.h"
 
 namespace loom::trainer {
 namespace {
@@ -25,18 +25,6 @@ absl::StatusOr<storage::LoadedCheckpoint> LoadAny(const std::string& where) {
   if (!std::filesystem::is_directory(where))
     return absl::NotFoundError(absl::StrCat("checkpoint: ", where, " is not a directory"));
   return storage::LoadLatestCheckpoint(where, nullptr);
-}
-
-// The tokenizer a job trained with: bytes. A SentencePiece dataset's model cannot be loaded in
-// this process (Debian's libsentencepiece carries its own protobuf, data/CMakeLists.txt).
-absl::StatusOr<std::unique_ptr<data::Tokenizer>> JobTokenizer(const v1::JobSpec& spec) {
-  if (spec.data().source() != "shards") return data::MakeByteTokenizer();
-  LOOM_ASSIGN_OR_RETURN(auto shards, data::TokenShards::Open(spec.data().path(), false));
-  const std::string& described = shards->index().tokenizer;
-  if (described == "byte") return data::MakeByteTokenizer();
-  return absl::UnimplementedError(
-      absl::StrCat("checkpoint: the dataset ", spec.data().path(), " uses tokenizer '", described,
-                   "'; inference supports byte-level models only for now"));
 }
 
 }  // namespace
@@ -86,7 +74,7 @@ absl::StatusOr<CheckpointModel> LoadCheckpointModel(const std::string& where,
         out.objective,
         CreateSftObjective(loader, format.empty() ? "openthoughts" : format,
                            sft ? out.spec.data().format_options() : google::protobuf::Struct(),
-                           out.tokenizer->vocab_size()));
+                           ChatTokensOf(*out.tokenizer)));
   }
   return out;
 }

@@ -46,7 +46,17 @@ absl::Status RunGenerateCommand(const CliArgs& args, const PluginLoader& loader,
   LOOM_ASSIGN_OR_RETURN(CheckpointModel m,
                         LoadCheckpointModel(where, loader, torch::kCPU, torch::kFloat32));
   GenerationRequest request;
-  LOOM_ASSIGN_OR_RETURN(request.prompt, TokensFromArgs(args, m, "prompt-tokens", "prompt"));
+  const TextEncoder encode = [&](std::string_view text) { return m.tokenizer->Encode(text); };
+  if (args.Has("chat")) {  // one user turn through the checkpoint's chat template
+    if (!m.objective)
+      return absl::InvalidArgumentError(
+          "--chat: this checkpoint has no chat template (not an sft or eval job's)");
+    ChatConversation c;
+    c.turns.push_back({ChatRole::kUser, args.Get("chat")});
+    request.prompt = m.objective->Prompt(c, encode);
+  } else {
+    LOOM_ASSIGN_OR_RETURN(request.prompt, TokensFromArgs(args, m, "prompt-tokens", "prompt"));
+  }
   SamplingOptions o;
   o.greedy = args.Has("greedy");
   LOOM_ASSIGN_OR_RETURN(o.temperature, args.GetDouble("temperature", 1.0, 1e-6, 100));

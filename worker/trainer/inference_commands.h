@@ -13,7 +13,8 @@
 
 namespace loom::trainer {
 
-// --checkpoint DIR, --prompt TEXT | --prompt-tokens 1,2,3, --max-new-tokens N (16), --greedy or
+// --checkpoint DIR, --prompt TEXT | --prompt-tokens 1,2,3 | --chat TEXT (one user turn through an
+// sft checkpoint's chat template), --max-new-tokens N (16), --greedy or
 // --temperature T --top-p P --seed S. Prints {"prompt_tokens", "tokens", "text", "finish"}.
 absl::Status RunGenerateCommand(const CliArgs& args, const PluginLoader& loader, std::ostream& out);
 // --checkpoint DIR, --tokens 1,2,3 | --text TEXT. Prints {"tokens", "token_logprobs"} (the first

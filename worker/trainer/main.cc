@@ -59,7 +59,8 @@ commands:
                 --preset NAME or --model model.json, --context N (default max_seq_len)
   generate    continue a prompt with a checkpoint's model (the batch generator; JSON out)
                 --checkpoint DIR (a step directory or a checkpoint root: its newest)
-                --prompt TEXT | --prompt-tokens 1,2,3  --max-new-tokens N (16)
+                --prompt TEXT | --prompt-tokens 1,2,3 | --chat TEXT (a user turn, chat template)
+                --max-new-tokens N (16)
                 --greedy | --temperature T --top-p P --seed S
   score       log-probability of each token given the ones before (one full forward; JSON)
                 --checkpoint DIR  --tokens 1,2,3 | --text TEXT
@@ -372,7 +373,7 @@ absl::Status RunInference(const std::string& command, int argc, char** argv) {
       CliArgs args, CliArgs::Parse(argc, argv, 2,
                                    {"checkpoint", "prompt", "prompt-tokens", "max-new-tokens",
                                     "temperature", "top-p", "seed", "tokens", "text", "plugin-dir",
-                                    "threads", "output", "dtype"},
+                                    "threads", "output", "dtype", "chat"},
                                    {"greedy"}));
   LOOM_RETURN_IF_ERROR(ApplyThreads(args));
   PluginLoader loader;

@@ -80,13 +80,17 @@ absl::StatusOr<AttentionLayerPtr> CreateAttentionLayer(const PluginLoader& loade
 absl::StatusOr<SftObjectivePtr> CreateSftObjective(const PluginLoader& loader,
                                                    const std::string& name,
                                                    const google::protobuf::Struct& options,
-                                                   int64_t base_vocab) {
+                                                   const data::ChatTemplate& tokens) {
   LOOM_ASSIGN_OR_RETURN(const LoadedPlugin* plugin, loader.Find(name, LOOM_PLUGIN_KIND_SFT));
   LOOM_ASSIGN_OR_RETURN(auto text, OptionsAsText(options));
   std::vector<LoomOption> c_options;
   for (const auto& [k, v] : text) c_options.push_back(LoomOption{k.c_str(), v.c_str()});
   LoomSftSpecV1 spec{};
-  spec.base_vocab = base_vocab;
+  spec.base_vocab = tokens.base_vocab;
+  spec.header_start = tokens.header_start;
+  spec.header_end = tokens.header_end;
+  spec.turn_end = tokens.turn_end;
+  spec.begin_of_text = tokens.begin_of_text;
   spec.options = c_options.data();
   spec.num_options = c_options.size();
   char error[1024] = {0};

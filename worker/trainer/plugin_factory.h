@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "chat.h"
 #include "loom/attention_plugin.h"
 #include "loom/sft_plugin.h"
 #include "loom/v1/model.pb.h"
@@ -34,12 +35,21 @@ absl::StatusOr<AttentionLayerPtr> CreateAttentionLayer(const PluginLoader& loade
                                                        const v1::AttentionConfig& config,
                                                        const AttentionShape& shape);
 
-// The SFT objective plugin `name` (data.format) with its options (data.format_options), for a
-// text vocabulary of base_vocab tokens.
+// The SFT objective plugin `name` (data.format) with its options (data.format_options), for the
+// job's tokenizer: its vocabulary (base_vocab) and chat tokens (job_tokenizer.h ChatTokensOf).
 absl::StatusOr<SftObjectivePtr> CreateSftObjective(const PluginLoader& loader,
                                                    const std::string& name,
                                                    const google::protobuf::Struct& options,
-                                                   int64_t base_vocab);
+                                                   const data::ChatTemplate& tokens);
+// A tokenizer without chat tokens of `base_vocab` ids (the byte tokenizer: 256).
+inline absl::StatusOr<SftObjectivePtr> CreateSftObjective(const PluginLoader& loader,
+                                                          const std::string& name,
+                                                          const google::protobuf::Struct& options,
+                                                          int64_t base_vocab) {
+  data::ChatTemplate tokens;
+  tokens.base_vocab = base_vocab;
+  return CreateSftObjective(loader, name, options, tokens);
+}
 
 }  // namespace loom::trainer
 

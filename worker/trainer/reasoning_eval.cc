@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 
@@ -109,7 +110,8 @@ absl::StatusOr<std::vector<EvalProblem>> LoadEvalProblems(const v1::ReasoningEva
 absl::StatusOr<ReasoningEvalSummary> RunReasoningEval(Transformer& model,
                                                       const std::vector<EvalProblem>& problems,
                                                       const v1::ReasoningEvalConfig& c,
-                                                      const SftObjective& objective) {
+                                                      const SftObjective& objective,
+                                                      const data::Tokenizer& tokenizer) {
   const v1::GenerationConfig& g = c.generation();
   if (model.config().vocab_size() < objective.VocabSize()) {
     return absl::InvalidArgumentError(
@@ -130,7 +132,8 @@ absl::StatusOr<ReasoningEvalSummary> RunReasoningEval(Transformer& model,
   std::vector<GenerationRequest> requests;
   std::vector<size_t> kept;  // problems whose prompt fits
   for (size_t i = 0; i < problems.size(); ++i) {
-    std::vector<uint32_t> prompt = objective.Prompt(problems[i].prompt, data::EncodeBytes);
+    std::vector<uint32_t> prompt = objective.Prompt(
+        problems[i].prompt, [&](std::string_view text) { return tokenizer.Encode(text); });
     if (static_cast<int64_t>(prompt.size()) >= model.config().max_seq_len()) {
       ++s.skipped;
       continue;
@@ -144,7 +147,18 @@ absl::StatusOr<ReasoningEvalSummary> RunReasoningEval(Transformer& model,
         absl::StrCat("reasoning eval: no problem's prompt fits model.max_seq_len ",
                      model.config().max_seq_len()));
   }
-  auto generations = Generate(model, requests, o, DecodeChatBytes, &s.generation);
+  // Answers as text: bytes as they are for the byte tokenizer (its markers have no text), else
+  // the tokenizer's decoding of everything but the chat's stop and marker tokens.
+  const std::set<uint32_t> special(o.stop_tokens.begin(), o.stop_tokens.end());
+  const TokenDecoder decode = [&](const std::vector<uint32_t>& ids) {
+    if (tokenizer.Describe() == "byte") return DecodeChatBytes(ids);
+    std::vector<uint32_t> text;
+    for (uint32_t id : ids) {
+      if (id < tokenizer.vocab_size() && !special.count(id)) text.push_back(id);
+    }
+    return tokenizer.Decode(text);
+  };
+  auto generations = Generate(model, requests, o, decode, &s.generation);
   if (!generations.ok()) return generations.status();
   std::vector<EvalProblem> scored;
   std::vector<std::vector<std::string>> completions;

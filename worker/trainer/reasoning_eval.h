@@ -15,6 +15,7 @@
 #include "loom/sft_plugin.h"
 #include "loom/v1/job.pb.h"
 #include "model.h"
+#include "tokenizer.h"
 
 namespace loom::trainer {
 
@@ -57,11 +58,13 @@ ReasoningEvalSummary ScoreCompletions(const std::vector<EvalProblem>& problems,
                                       const std::vector<std::vector<std::string>>& completions,
                                       const std::string& answer_style);
 
-// Prompts and stop tokens come from the SFT objective plugin.
+// Prompts and stop tokens come from the SFT objective plugin; text goes through the job's
+// tokenizer (job_tokenizer.h), with the chat's special tokens left out of the answers.
 absl::StatusOr<ReasoningEvalSummary> RunReasoningEval(Transformer& model,
                                                       const std::vector<EvalProblem>& problems,
                                                       const v1::ReasoningEvalConfig& config,
-                                                      const SftObjective& objective);
+                                                      const SftObjective& objective,
+                                                      const data::Tokenizer& tokenizer);
 
 // The summary as one JSON object; with details, every problem's samples and votes.
 std::string ReasoningEvalJson(const ReasoningEvalSummary& s, int64_t step, bool details);

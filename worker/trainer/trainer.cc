@@ -21,6 +21,7 @@
 #include "corpus.h"
 #include "devices.h"
 #include "gpu_stats.h"
+#include "job_tokenizer.h"
 #include "lease.h"
 #include "loom/blas_core.h"
 #include "loom/spec.h"
@@ -347,15 +348,18 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
     loss_scaler_ = std::make_unique<LossScaler>(scaling);
   }
 
+  if (spec_.kind() != "pretrain" || spec_.data().source() == "corpus") {
+    LOOM_ASSIGN_OR_RETURN(tokenizer_, JobTokenizer(spec_));
+  }
   if (spec_.kind() != "pretrain") {
     // The chat objective: data.format for sft training and its eval, reasoning_eval.format for
-    // eval jobs.
+    // eval jobs; the tokenizer's own chat tokens when it has them.
     const bool sft = spec_.kind() == "sft";
     const std::string& format = sft ? spec_.data().format() : spec_.reasoning_eval().format();
-    LOOM_ASSIGN_OR_RETURN(
-        objective_,
-        CreateSftObjective(loader, format,
-                           sft ? spec_.data().format_options() : google::protobuf::Struct(), 256));
+    LOOM_ASSIGN_OR_RETURN(objective_, CreateSftObjective(loader, format,
+                                                         sft ? spec_.data().format_options()
+                                                             : google::protobuf::Struct(),
+                                                         ChatTokensOf(*tokenizer_)));
     if (spec_.model().vocab_size() < objective_->VocabSize()) {
       return absl::InvalidArgumentError(
           absl::StrCat("model.vocab_size: ", spec_.model().vocab_size(), " is smaller than the ",
@@ -509,10 +513,23 @@ absl::Status Trainer::SetupData() {
   }
   std::shared_ptr<const TokenStream> train, eval;
   if (d.source() == "corpus") {
-    train =
-        std::make_shared<VectorTokenStream>(ByteTokens(GenerateCorpus(d.seed(), d.corpus_bytes())));
-    eval = std::make_shared<VectorTokenStream>(ByteTokens(
-        GenerateCorpus(d.seed() + 1000003, std::max<int64_t>(1 << 16, 8 * (seq_len + 1)))));
+    if (tokenizer_->vocab_size() > spec_.model().vocab_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model.vocab_size: ", spec_.model().vocab_size(), " is smaller than the tokenizer's ",
+          tokenizer_->vocab_size(), " (", tokenizer_->Describe(), ")"));
+    }
+    auto tokens = [this](const std::string& text) {
+      const std::vector<uint32_t> ids = tokenizer_->Encode(text);
+      return std::vector<int64_t>(ids.begin(), ids.end());
+    };
+    train = std::make_shared<VectorTokenStream>(tokens(GenerateCorpus(d.seed(), d.corpus_bytes())));
+    eval = std::make_shared<VectorTokenStream>(
+        tokens(GenerateCorpus(d.seed() + 1000003, std::max<int64_t>(1 << 16, 8 * (seq_len + 1)))));
+    if (train->size() < 4 * (seq_len + 1) || eval->size() < seq_len + 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data.corpus_bytes: ", d.corpus_bytes(), " bytes make ", train->size(), " tokens with ",
+          tokenizer_->Describe(), ", too few for training windows of ", seq_len));
+    }
   } else {
     // A loom-data dataset: the last 1% of its tokens (at least one evaluation's worth) are held
     // out.
@@ -588,10 +605,11 @@ absl::Status Trainer::SetupChatData() {
     return absl::InvalidArgumentError(
         "data.path: too few conversations to train and hold some out");
   }
+  const TextEncoder encode = [this](std::string_view text) { return tokenizer_->Encode(text); };
   auto pack = [&](size_t from, size_t to) {
     std::vector<data::EncodedChat> encoded;
     for (size_t i = from; i < to; ++i) {
-      data::EncodedChat e = objective_->Encode(conversations[i], data::EncodeBytes);
+      data::EncodedChat e = objective_->Encode(conversations[i], encode);
       if (objective_->Truncate(&e, spec_.seq_len() + 1)) encoded.push_back(std::move(e));
     }
     return std::make_shared<const std::vector<data::PackedRow>>(
@@ -1002,7 +1020,7 @@ absl::Status Trainer::ReasoningEvaluate(TrainSummary* summary) {
                                                 c.generation().top_p()),
       c.generation().max_new_tokens()));
   LOOM_ASSIGN_OR_RETURN(ReasoningEvalSummary s,
-                        RunReasoningEval(*model_, problems, c, *objective_));
+                        RunReasoningEval(*model_, problems, c, *objective_, *tokenizer_));
   summary->reasoning_pass_at_1 = s.pass_at_1;
   summary->reasoning_maj_at_k = s.maj_at_k;
   summary->reasoning_answered = s.answered;

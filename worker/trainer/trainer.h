@@ -33,6 +33,7 @@
 #include "prometheus.h"
 #include "reasoning_eval.h"
 #include "tasks.h"
+#include "tokenizer.h"
 
 namespace loom::trainer {
 
@@ -252,6 +253,8 @@ class Trainer {
   bool zero_ = false;                         // ZeRO-1 active (zero_stage 1 and several ranks)
   std::map<std::string, int> owner_;          // ZeRO-1: parameter name -> rank that updates it
   SftObjectivePtr objective_;                 // sft and eval jobs: the chat objective plugin
+  std::unique_ptr<data::Tokenizer>
+      tokenizer_;  // text sources and the chat objective (JobTokenizer)
   std::unique_ptr<BatchSource> train_data_;
   std::function<std::unique_ptr<BatchSource>()> make_eval_data_;  // a fresh, fixed-seed source
   // eval.lengths: each length with its held-out source (the task built at that length).

@@ -1,6 +1,7 @@
 // The `openthoughts` SFT plugin: OpenThoughts-style JSONL ({"system", "conversations": [{"from",
 // "value"}]}) and the common {"messages": [{"role", "content"}]} form, Loom's chat template
-// (<|system|> <|user|> <|assistant|> <|end|> after the text vocabulary), assistant-only targets.
+// (<|system|> <|user|> <|assistant|> <|end|> after the text vocabulary) or the tokenizer's own
+// (Llama 3's headers, when the job's tokenizer.json has them), assistant-only targets.
 // The format functions live in data/chat.h (also used by the trainer's evaluation loaders).
 //
 // Options:
@@ -25,6 +26,18 @@ class OpenThoughtsObjective : public SftObjective {
     if (spec.base_vocab < 1 || spec.base_vocab > (int64_t{1} << 30))
       throw InvalidSftSpec("openthoughts: base_vocab: must be in [1, 2^30]");
     chat_.base_vocab = spec.base_vocab;
+    if (spec.header_start >= 0 || spec.header_end >= 0 || spec.turn_end >= 0) {
+      for (int64_t id : {spec.header_start, spec.header_end, spec.turn_end}) {
+        if (id < 0 || id >= spec.base_vocab)
+          throw InvalidSftSpec(
+              "openthoughts: chat tokens: header and turn-end ids must all be "
+              "set, below base_vocab");
+      }
+      chat_.header_start = spec.header_start;
+      chat_.header_end = spec.header_end;
+      chat_.turn_end = spec.turn_end;
+      chat_.begin_of_text = spec.begin_of_text < spec.base_vocab ? spec.begin_of_text : -1;
+    }
     std::map<std::string, std::string> options;
     for (size_t i = 0; i < spec.num_options; ++i) {
       const LoomOption& o = spec.options[i];
@@ -47,8 +60,8 @@ class OpenThoughtsObjective : public SftObjective {
       throw InvalidSftSpec("openthoughts: format_options." + key + ": '" + value +
                            "' is not one of " + allowed);
     };
-    last_only_ = take("loss", "all_assistant", {"all_assistant", "last_assistant"}) ==
-                 "last_assistant";
+    last_only_ =
+        take("loss", "all_assistant", {"all_assistant", "last_assistant"}) == "last_assistant";
     drop_long_ = take("truncate", "keep_head", {"keep_head", "drop"}) == "drop";
     system_prompt_ = take("system_prompt", "", {});
     if (!options.empty())
@@ -77,12 +90,14 @@ class OpenThoughtsObjective : public SftObjective {
   EncodedConversation Encode(const ChatConversation& c,
                              const TextEncoder& encode) const noexcept override {
     try {
-      EncodedConversation e = data::EncodeChat(WithSystem(c), chat_, encode);
+      const ChatConversation full = WithSystem(c);
+      std::vector<size_t> starts;
+      EncodedConversation e = data::EncodeChat(full, chat_, encode, &starts);
       if (last_only_) {  // keep the targets of the final assistant turn only
         size_t last = e.tokens.size();
-        for (size_t i = e.tokens.size(); i-- > 0;) {
-          if (e.tokens[i] == chat_.assistant()) {
-            last = i;
+        for (size_t i = full.turns.size(); i-- > 0;) {
+          if (full.turns[i].role == ChatRole::kAssistant) {
+            last = starts[i];
             break;
           }
         }
@@ -104,7 +119,11 @@ class OpenThoughtsObjective : public SftObjective {
   }
 
   std::vector<uint32_t> StopTokens() const noexcept override {
-    return {chat_.end(), chat_.system(), chat_.user(), chat_.assistant()};
+    try {
+      return chat_.stop_tokens();
+    } catch (...) {
+      return {};
+    }
   }
 
   bool Truncate(EncodedConversation* e, int64_t max_len) const noexcept override {
