@@ -5,17 +5,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "console_files.h"  // generated: the embedded files
 
 namespace loom::console {
-
-struct EmbeddedFile {
-  const char* name;
-  const unsigned char* data;
-  size_t size;
-};
-extern const EmbeddedFile kEmbeddedFiles[];
-extern const size_t kEmbeddedFileCount;
-
 namespace {
 
 const std::map<std::string, std::string, std::less<>>& Files() {

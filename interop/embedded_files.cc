@@ -1,18 +1,10 @@
 // The files cmake/EmbedFiles.cmake compiled in (interop/CMakeLists.txt).
-#include <cstddef>
 #include <string_view>
 
 #include "hf_folder.h"
+#include "interop_files.h"  // generated: the embedded files
 
 namespace loom::interop {
-
-struct EmbeddedFile {
-  const char* name;
-  const unsigned char* data;
-  size_t size;
-};
-extern const EmbeddedFile kEmbeddedFiles[];
-extern const size_t kEmbeddedFileCount;
 
 std::string_view ModelingLoomIhaPy() {
   for (size_t i = 0; i < kEmbeddedFileCount; ++i) {

@@ -128,31 +128,23 @@ absl::StatusOr<LayerAttention> ResolveIha(const v1::AttentionConfig& a, int64_t 
 
 }  // namespace
 
-std::string HfName(const std::string& loom_name) {
+// Both directions through the two tables: `to_hf` maps Loom's names, else Hugging Face's.
+std::string MapName(const std::string& name, bool to_hf) {
   for (const ModelName& n : kModelNames) {
-    if (loom_name == n.loom) return n.hf;
+    if (name == (to_hf ? n.loom : n.hf)) return to_hf ? n.hf : n.loom;
   }
   int64_t index = 0;
   std::string rest;
-  if (!SplitLayer(loom_name, "layers.", &index, &rest)) return "";
+  if (!SplitLayer(name, to_hf ? "layers." : "model.layers.", &index, &rest)) return "";
   for (const LayerName& n : kLayerNames) {
-    if (rest == n.loom) return absl::StrCat("model.layers.", index, ".", n.hf);
+    if (rest == (to_hf ? n.loom : n.hf))
+      return absl::StrCat(to_hf ? "model.layers." : "layers.", index, ".", to_hf ? n.hf : n.loom);
   }
   return "";
 }
 
-std::string LoomName(const std::string& hf_name) {
-  for (const ModelName& n : kModelNames) {
-    if (hf_name == n.hf) return n.loom;
-  }
-  int64_t index = 0;
-  std::string rest;
-  if (!SplitLayer(hf_name, "model.layers.", &index, &rest)) return "";
-  for (const LayerName& n : kLayerNames) {
-    if (rest == n.hf) return absl::StrCat("layers.", index, ".", n.loom);
-  }
-  return "";
-}
+std::string HfName(const std::string& loom_name) { return MapName(loom_name, true); }
+std::string LoomName(const std::string& hf_name) { return MapName(hf_name, false); }
 
 absl::StatusOr<std::vector<LayerAttention>> ResolveLayers(const v1::ModelConfig& resolved) {
   if (resolved.mode() != "decoder") {

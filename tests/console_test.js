@@ -13,10 +13,8 @@ const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
 
-const args = Object.fromEntries(process.argv.slice(2).reduce((acc, a, i, all) =>
-  (a.startsWith('--') ? [...acc, [a.slice(2), all[i + 1]]] : acc), []));
-const source = path.resolve(args['source-dir'] || '.');
-module.paths.unshift(path.join(source, '.tools', 'node_modules'));
+const { setup } = require('./js_testlib.js');
+const { args, source } = setup(module);
 const puppeteer = require('puppeteer-core');
 const yaml = require('js-yaml');
 const out = path.resolve(args.out || 'console-screenshots');

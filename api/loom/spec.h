@@ -48,14 +48,15 @@ absl::StatusOr<std::string> YamlToJson(const std::string& yaml, const std::strin
 // windows, vocabulary vs tokenizer, precision vs device).
 absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& spec);
 
-// Stable hash (CRC-32C, hex) of the resolved spec's model and training fields; checkpoints record
-// it, and resume refuses a spec whose model differs.
 // Eval jobs may leave `model` out: it is taken from the job spec a checkpoint recorded in its
 // manifest (the text of manifest.json; `source` names it in errors). Does nothing when the spec
 // is not an eval job or has a model.
 absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifest_json,
                                    const std::string& source);
 
+// Stable hashes (64-bit FNV-1a of a deterministic serialisation, hex) that checkpoints record:
+// ModelHash of the model alone (resume refuses a spec whose model differs), SpecHash of the
+// model and training fields (name, steps, checkpoint, metrics and threads left out).
 std::string ModelHash(const v1::JobSpec& resolved);
 std::string SpecHash(const v1::JobSpec& resolved);
 
