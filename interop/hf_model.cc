@@ -14,13 +14,14 @@
 namespace loom::interop {
 namespace {
 
-// Per-layer names: Loom's suffix after "layers.<i>." and Hugging Face's after
-// "model.layers.<i>.".
-struct LayerName {
+// One name in both spellings.
+struct NamePair {
   const char* loom;
   const char* hf;
 };
-constexpr LayerName kLayerNames[] = {
+// Per-layer names: Loom's suffix after "layers.<i>." and Hugging Face's after
+// "model.layers.<i>.".
+constexpr NamePair kLayerNames[] = {
     {"attention_norm.weight", "input_layernorm.weight"},
     {"ffn_norm.weight", "post_attention_layernorm.weight"},
     {"attention.q_proj.weight", "self_attn.q_proj.weight"},
@@ -39,11 +40,8 @@ constexpr LayerName kLayerNames[] = {
     {"ffn.gate.weight", "mlp.gate_proj.weight"},
     {"ffn.down.weight", "mlp.down_proj.weight"},
 };
-struct ModelName {
-  const char* loom;
-  const char* hf;
-};
-constexpr ModelName kModelNames[] = {
+// Whole-model names.
+constexpr NamePair kModelNames[] = {
     {"embed.weight", "model.embed_tokens.weight"},
     {"final_norm.weight", "model.norm.weight"},
     {"lm_head.weight", "lm_head.weight"},
@@ -130,13 +128,13 @@ absl::StatusOr<LayerAttention> ResolveIha(const v1::AttentionConfig& a, int64_t 
 
 // Both directions through the two tables: `to_hf` maps Loom's names, else Hugging Face's.
 std::string MapName(const std::string& name, bool to_hf) {
-  for (const ModelName& n : kModelNames) {
+  for (const NamePair& n : kModelNames) {
     if (name == (to_hf ? n.loom : n.hf)) return to_hf ? n.hf : n.loom;
   }
   int64_t index = 0;
   std::string rest;
   if (!SplitLayer(name, to_hf ? "layers." : "model.layers.", &index, &rest)) return "";
-  for (const LayerName& n : kLayerNames) {
+  for (const NamePair& n : kLayerNames) {
     if (rest == (to_hf ? n.loom : n.hf))
       return absl::StrCat(to_hf ? "model.layers." : "layers.", index, ".", to_hf ? n.hf : n.loom);
   }
