@@ -217,8 +217,9 @@ async function main() {
     .some((td) => td.textContent.includes(id)), { timeout: 10000 }, longId);
   assert.match(await textOf(page, 'tr[data-worker]'), /pool=cpu/);
   await shot(page, 'workers');
-  // A rank dies (SIGKILL): attempt 2 resumes from the checkpoint at step 20 and draws its own
-  // line from there; neither line goes back over itself.
+  // A rank dies (SIGKILL): attempt 2 resumes from the newest checkpoint (step 20, or 40 when the
+  // job got there before the kill) and draws its own line from there; neither line goes back
+  // over itself.
   // (The full path: other suites running at the same time have jobs with the same id.)
   const killed = spawn('pkill', ['-KILL', '-f', path.join(tmp, 'up', 'worker-0', 'jobs', longId, 'attempt-001/')]);
   assert.equal(await new Promise((r) => killed.once('exit', r)), 0, 'pkill found the rank');
@@ -229,7 +230,12 @@ async function main() {
   assert.deepEqual(lines.map((l) => l.label), ['attempt 1', 'attempt 2']);
   for (const l of lines) l.xs.forEach((x, i) => i && assert.ok(x > l.xs[i - 1], `${l.label} goes back at ${x}`));
   const [a1, a2] = lines;
-  assert.equal(a2.xs[0], 21, 'attempt 2 resumed from the checkpoint at step 20');
+  const events = (await rest(base, token, 'GET', `/v1/jobs/${longId}`)).json.events || [];
+  const resumed = events.map((e) => /attempt 2 .*resuming from step (\d+)/.exec(e.reason || '')).find(Boolean);
+  assert.ok(resumed, 'attempt 2 was placed to resume from a checkpoint');
+  const from = Number(resumed[1]);
+  assert.ok(from >= 20 && from % 20 === 0, `resumed from a checkpoint step (${from})`);
+  assert.equal(a2.xs[0], from + 1, `attempt 2's line starts right after the checkpoint at step ${from}`);
   assert.ok(a1.xs[a1.xs.length - 1] >= 30, 'attempt 1 got past step 30 before it died');
   await page.waitForFunction(() => /resumed from/.test(document.querySelector('#timeline').textContent), { timeout: 10000 });
   await page.$eval('#chart-loss', (el) => el.scrollIntoView());
