@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -183,23 +184,23 @@ std::string Mib(double bytes) {
   return buf;
 }
 
-}  // namespace
+using Flags = std::map<std::string, std::string>;
 
-int main(int argc, char** argv) {
-  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
-  std::map<std::string, std::string> flags = {{"n", "256,512,1024,2048"},
-                                              {"heads", "8"},
-                                              {"dim", "64"},
-                                              {"p", "2,4"},
-                                              {"batch", "1"},
-                                              {"reps", "2"},
-                                              {"threads", "0"},
-                                              {"naive-max-n", "2048"},
-                                              {"tile", "0"},
-                                              {"device", "cpu"},
-                                              {"dtype", "fp32"},
-                                              {"mask", "causal"},
-                                              {"peer", ""}};
+// The flags with their defaults; nullopt (and *exit_code) on --help or a malformed command line.
+std::optional<Flags> ParseFlags(int argc, char** argv, int* exit_code) {
+  Flags flags = {{"n", "256,512,1024,2048"},
+                 {"heads", "8"},
+                 {"dim", "64"},
+                 {"p", "2,4"},
+                 {"batch", "1"},
+                 {"reps", "2"},
+                 {"threads", "0"},
+                 {"naive-max-n", "2048"},
+                 {"tile", "0"},
+                 {"device", "cpu"},
+                 {"dtype", "fp32"},
+                 {"mask", "causal"},
+                 {"peer", ""}};
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a.rfind("--", 0) != 0 || i + 1 >= argc || !flags.count(a.substr(2))) {
@@ -208,247 +209,348 @@ int main(int argc, char** argv) {
                    "[--batch B] [--reps R] [--threads T] [--naive-max-n N] [--tile TOKENS] "
                    "[--device cpu|cuda] [--dtype fp32|bf16] [--mask causal|none] "
                    "[--peer plugins/attention/bench/naive_peer.py]\n");
-      return a == "--help" ? 0 : 2;
+      *exit_code = a == "--help" ? 0 : 2;
+      return std::nullopt;
     }
     flags[a.substr(2)] = argv[++i];
   }
-  c10::SetCPUAllocator(&g_allocator, /*priority=*/100);
-  if (std::stoll(flags["threads"]) > 0) {
-    torch::set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
-    // OpenBLAS's pthreads build keeps its own thread count (the OpenMP one follows LibTorch's):
-    // set both, so every variant runs on as many threads.
-    if (openblas_set_num_threads != nullptr &&
-        std::string(loom::OpenBlasThreading()) == "pthreads") {
-      openblas_set_num_threads(static_cast<int>(std::stoll(flags["threads"])));
-    }
+  return flags;
+}
+
+// --device, --dtype and --mask; false (after a message) when one is not understood.
+bool ParseDevice(const Flags& flags, Device* dev, bool* causal) {
+  const std::string& device = flags.at("device");
+  if (device == "cuda" && !torch::cuda::is_available()) {
+    std::fprintf(stderr, "loom-bench-attention: --device cuda: no CUDA device visible\n");
+    return false;
   }
-  const int64_t h = std::stoll(flags["heads"]), d = std::stoll(flags["dim"]),
-                b = std::stoll(flags["batch"]);
-  loom::attention::iha::FusedOptions tiles;  // every fused variant's tile size (0: the default)
-  tiles.tile_tokens = std::stoll(flags["tile"]);
-  const int reps = static_cast<int>(std::stoll(flags["reps"]));
-  const int64_t naive_max = std::stoll(flags["naive-max-n"]);
-  Device dev;
-  if (flags["device"] == "cuda") {
-    if (!torch::cuda::is_available()) {
-      std::fprintf(stderr, "loom-bench-attention: --device cuda: no CUDA device visible\n");
-      return 2;
-    }
-    dev.device = torch::Device(torch::kCUDA, 0);
-  } else if (flags["device"] != "cpu") {
+  if (device == "cuda") dev->device = torch::Device(torch::kCUDA, 0);
+  if (device != "cpu" && device != "cuda") {
     std::fprintf(stderr, "loom-bench-attention: --device must be cpu or cuda\n");
-    return 2;
+    return false;
   }
-  if (flags["mask"] != "causal" && flags["mask"] != "none") {
+  if (flags.at("mask") != "causal" && flags.at("mask") != "none") {
     std::fprintf(stderr, "loom-bench-attention: --mask must be causal or none\n");
-    return 2;
+    return false;
   }
-  const bool causal = flags["mask"] == "causal";
-  if (flags["dtype"] == "bf16") {
-    dev.dtype = torch::kBFloat16;
-  } else if (flags["dtype"] != "fp32") {
+  *causal = flags.at("mask") == "causal";
+  if (flags.at("dtype") == "bf16") dev->dtype = torch::kBFloat16;
+  if (flags.at("dtype") != "fp32" && flags.at("dtype") != "bf16") {
     std::fprintf(stderr, "loom-bench-attention: --dtype must be fp32 or bf16\n");
-    return 2;
+    return false;
   }
-  torch::manual_seed(0);
-  double ceiling = MatmulCeiling(dev);
+  return true;
+}
+
+void SetThreads(int64_t threads) {
+  if (threads <= 0) return;
+  torch::set_num_threads(static_cast<int>(threads));
+  // OpenBLAS's pthreads build keeps its own thread count (the OpenMP one follows LibTorch's):
+  // set both, so every variant runs on as many threads.
+  if (openblas_set_num_threads != nullptr && std::string(loom::OpenBlasThreading()) == "pthreads") {
+    openblas_set_num_threads(static_cast<int>(threads));
+  }
+}
+
+// One (N, P) group's inputs: activations in the benchmark's dtype, mixing weights in float32
+// (parameters) near the identity.
+struct GroupInputs {
+  int64_t n = 0, p = 0, w = 0;  // w: the paper's local window N / (2P²)
+  torch::Tensor q, k, v, aq, ak, av, r, positions;
+  std::vector<torch::Tensor> all() const { return {q, k, v, aq, ak, av, r}; }
+};
+
+GroupInputs MakeInputs(const Device& dev, int64_t b, int64_t n, int64_t h, int64_t d, int64_t p) {
+  auto opts = torch::TensorOptions().dtype(dev.dtype).device(dev.device);
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(dev.device);
+  GroupInputs g;
+  g.n = n;
+  g.p = p;
+  g.w = std::max<int64_t>(1, n / (2 * p * p));
+  g.q = torch::randn({b, n, h, d}, opts).requires_grad_();
+  g.k = torch::randn({b, n, h, d}, opts).requires_grad_();
+  g.v = torch::randn({b, n, h, d}, opts).requires_grad_();
+  g.aq = (torch::eye(h, f32).unsqueeze(-1).repeat({1, 1, p}) + 0.02 * torch::randn({h, h, p}, f32))
+             .requires_grad_();
+  g.ak = g.aq.detach().clone().requires_grad_();
+  g.av = g.aq.detach().clone().requires_grad_();
+  g.r = (torch::randn({h, h * p}, f32) / std::sqrt(static_cast<double>(h * p))).requires_grad_();
+  g.positions = torch::arange(n, f32.dtype(torch::kInt64));
+  return g;
+}
+
+class AttentionBench {
+ public:
+  AttentionBench(const Flags& flags, Device dev, bool causal)
+      : flags_(flags),
+        dev_(dev),
+        causal_(causal),
+        h_(std::stoll(flags.at("heads"))),
+        d_(std::stoll(flags.at("dim"))),
+        b_(std::stoll(flags.at("batch"))),
+        reps_(static_cast<int>(std::stoll(flags.at("reps")))),
+        naive_max_(std::stoll(flags.at("naive-max-n"))) {
+    tiles_.tile_tokens = std::stoll(flags.at("tile"));  // every fused variant's (0: the default)
+  }
+
+  void PrintHeader();
+  void RunGroup(int64_t n, int64_t p);
+
+ private:
+  using Variant = std::function<torch::Tensor()>;
+  Variant MhaDense(int64_t window) const;
+  Variant Mha(int64_t window) const;    // the mha plugin's kernel on this device
+  Variant Iha(const Options& o) const;  // the fast IHA path: the fused CPU or the CUDA kernels
+  Options IhaOptions(int64_t window) const;
+  double Flops(bool iha, int64_t window) const;
+  void Row(const char* name, const Timing& t, double flops, bool global_iha);
+  void MhaRows();
+  void PeerRow();
+  void IhaRows();
+
+  const Flags& flags_;
+  Device dev_;
+  bool causal_;
+  int64_t h_, d_, b_;
+  int reps_;
+  int64_t naive_max_;
+  loom::attention::iha::FusedOptions tiles_;
+  double ceiling_ = 0;
+  // The group being measured, and what its rows are compared with.
+  GroupInputs g_;
+  Timing t_mha_;
+  double mha_gflops_ = 0, iha_gflops_ = 0;
+};
+
+void AttentionBench::PrintHeader() {
+  ceiling_ = MatmulCeiling(dev_);
   const char* blas = openblas_get_corename != nullptr ? openblas_get_corename() : "not OpenBLAS";
   const std::string threading = loom::OpenBlasThreading();
   std::printf(
       "loom-bench-attention: %s, %d threads, %s, B=%lld H=%lld d=%lld, %s; BLAS core %s (%s); "
       "matmul ceiling %.1f GFLOP/s\n",
-      dev.cuda() ? "cuda" : "cpu", torch::get_num_threads(), flags["dtype"].c_str(),
-      static_cast<long long>(b), static_cast<long long>(h), static_cast<long long>(d),
-      causal ? "causal" : "no mask (encoder)", dev.cuda() ? "-" : blas,
-      threading.empty() ? "-" : threading.c_str(), ceiling);
+      dev_.cuda() ? "cuda" : "cpu", torch::get_num_threads(), flags_.at("dtype").c_str(),
+      static_cast<long long>(b_), static_cast<long long>(h_), static_cast<long long>(d_),
+      causal_ ? "causal" : "no mask (encoder)", dev_.cuda() ? "-" : blas,
+      threading.empty() ? "-" : threading.c_str(), ceiling_);
   std::printf(
       "times: best of %d, seconds; fwd+bwd = forward and backward; extra = peak bytes allocated "
-      "above the "
-      "inputs during fwd+bwd\n\n",
-      reps);
+      "above the inputs during fwd+bwd\n\n",
+      reps_);
   std::printf("%5s %2s %-12s %9s %9s %9s %10s %9s %8s %9s\n", "N", "P", "variant", "fwd s",
               "fwd+bwd s", "x MHA", "x P2*MHA", "GFLOP/s", "%ceil", "extra MiB");
-  for (int64_t n : ParseList(flags["n"])) {
-    for (int64_t p : ParseList(flags["p"])) {
-      // Activations in the benchmark's dtype; the mixing weights stay float32 (parameters).
-      auto opts = torch::TensorOptions().dtype(dev.dtype).device(dev.device);
-      auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(dev.device);
-      torch::Tensor q = torch::randn({b, n, h, d}, opts).requires_grad_();
-      torch::Tensor k = torch::randn({b, n, h, d}, opts).requires_grad_();
-      torch::Tensor v = torch::randn({b, n, h, d}, opts).requires_grad_();
-      torch::Tensor aq =
-          (torch::eye(h, f32).unsqueeze(-1).repeat({1, 1, p}) + 0.02 * torch::randn({h, h, p}, f32))
-              .requires_grad_();
-      torch::Tensor ak = aq.detach().clone().requires_grad_(),
-                    av = aq.detach().clone().requires_grad_();
-      torch::Tensor r =
-          (torch::randn({h, h * p}, f32) / std::sqrt(static_cast<double>(h * p))).requires_grad_();
-      torch::Tensor positions = torch::arange(n, f32.dtype(torch::kInt64));
-      const std::vector<torch::Tensor> inputs = {q, k, v, aq, ak, av, r};
-      const int64_t w = std::max<int64_t>(1, n / (2 * p * p));  // the paper's local window
-      // Shared machines drift: each (N, P) group is compared with a ceiling measured just before
-      // it (the best of this and the previous measurement, so a busy moment cannot flatter).
-      ceiling = std::max(ceiling, MatmulCeiling(dev));
-      std::printf("# N=%lld P=%lld: matmul ceiling %.1f GFLOP/s\n", static_cast<long long>(n),
-                  static_cast<long long>(p), ceiling);
-      const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+}
 
-      // The mha plugin's kernels: dense (kernel: reference, materialised scores) and, on the
-      // CPU, the flash kernel at P = 1 without mixing (kernel: fused, its default there).
-      auto mha_dense = [&](int64_t window) {
-        return [&, window] {
-          torch::Tensor qh = q.transpose(1, 2), kh = k.transpose(1, 2), vh = v.transpose(1, 2);
-          torch::Tensor allowed;
-          if (causal || window > 0) {
-            allowed = loom::attention::AllowedMask(n, causal, window, q.device());
-          }
-          return loom::attention::ReferenceAttention(qh, kh, vh, allowed, scale);
-        };
-      };
-      auto mha = [&](int64_t window) -> std::function<torch::Tensor()> {
-        if (dev.cuda()) return mha_dense(window);
-        Options o;
-        o.mask = causal ? Mask::kInterleaved : Mask::kNone;
-        o.window = window;
-        return [&, o] { return loom::attention::iha::FusedHeadAttention(q, k, v, o, tiles); };
-      };
-      Options global;
-      global.p = p;
-      global.mask = causal ? Mask::kInterleaved : Mask::kNone;
-      Options local = global;
-      local.window = w;
-      auto naive = [&] {
-        return loom::attention::iha::Forward(q, k, v, aq, ak, av, r, positions, global);
-      };
-      // The fast IHA path of the device: the fused CPU kernel or the CUDA kernels.
-      auto fused = [&](const Options& o) -> std::function<torch::Tensor()> {
-        if (dev.cuda()) {
-          return [&, o] {
-            return loom::attention::iha::Collapse(
-                loom::attention::iha::CudaPseudoOutputs(q, k, v, aq, ak, av, positions, o), r);
-          };
-        }
-        return [&, o] {
-          return loom::attention::iha::FusedForward(q, k, v, aq, ak, av, r, positions, o, tiles);
-        };
-      };
-      // Useful FLOPs of the attention core: 4·d per (query, attended key) pair and head; the
-      // backward pass counts twice the forward.
-      const double mha_flops =
-          4.0 * d * h * b * n * loom::attention::AverageAttendedKeys(n, causal, 0);
-      const double iha_flops =
-          4.0 * d * h * b * n * p * loom::attention::iha::AverageAttendedKeys(n, p, global.mask, 0);
-      const double local_flops =
-          4.0 * d * h * b * n * p * loom::attention::iha::AverageAttendedKeys(n, p, global.mask, w);
-      const double local_mha_flops =
-          4.0 * d * h * b * n * loom::attention::AverageAttendedKeys(n, causal, w);
-
-      Timing t_mha = Measure(dev, mha(0), inputs, reps);
-      double mha_gflops = 0, iha_gflops = 0;
-      auto row = [&](const char* name, const Timing& t, double flops, bool global_iha) {
-        const double gflops = 3.0 * flops / t.total_s / 1e9;
-        if (std::string(name) == "mha") mha_gflops = gflops;
-        if (std::string(name) == "iha-fused" || std::string(name) == "iha-cuda") {
-          iha_gflops = gflops;
-        }
-        char floor_ratio[16] = "-";
-        if (global_iha)
-          std::snprintf(floor_ratio, sizeof(floor_ratio), "%.2f",
-                        t.total_s / (p * p * t_mha.total_s));
-        std::printf("%5lld %2lld %-12s %9.4f %9.4f %9.2f %10s %9.1f %7.0f%% %9s\n",
-                    static_cast<long long>(n), static_cast<long long>(p), name, t.forward_s,
-                    t.total_s, t.total_s / t_mha.total_s, floor_ratio, gflops,
-                    100.0 * gflops / ceiling, Mib(t.extra_bytes).c_str());
-        std::fflush(stdout);
-      };
-      row("mha", t_mha, mha_flops, false);
-      if (!dev.cuda()) {
-        row("mha-dense", Measure(dev, mha_dense(0), inputs, reps), mha_flops, false);
-        // The IHA kernel at P = 1 with identity mixing: plain MHA that pays for the mixing the
-        // mha plugin's path skips.
-        Options flash_mha;
-        flash_mha.p = 1;
-        flash_mha.mask = global.mask;
-        torch::Tensor eye = torch::eye(h).unsqueeze(-1);
-        torch::Tensor eye_r = torch::eye(h);
-        row("mha-fused",
-            Measure(
-                dev,
-                [&] {
-                  return loom::attention::iha::FusedForward(q, k, v, eye, eye, eye, eye_r,
-                                                            positions, flash_mha);
-                },
-                inputs, reps),
-            mha_flops, false);
-      }
-#if LOOM_TORCH_HAS_SDPA
-      // LibTorch's own fused attention (FlashAttention on GPUs; a flash kernel on CPUs in 2.x).
-      row("mha-sdpa",
-          Measure(
-              dev,
-              [&] {
-                return at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                        v.transpose(1, 2), {}, 0.0, causal);
-              },
-              inputs, reps),
-          mha_flops, false);
-#endif
-      Timing t_local_mha = Measure(dev, mha(w), inputs, reps);
-      row("local-mha", t_local_mha, local_mha_flops, false);
-      if (n <= naive_max) row("iha-naive", Measure(dev, naive, inputs, reps), iha_flops, true);
-      if (!flags["peer"].empty() && n <= naive_max && !dev.cuda()) {
-        // The naive peer: a straightforward PyTorch IHA under Debian's python3-torch, run as a
-        // child process at the same shape; its time is compared with our MHA of this run.
-        const std::string command = flags["peer"] + " --n " + std::to_string(n) + " --p " +
-                                    std::to_string(p) + " --heads " + std::to_string(h) +
-                                    " --dim " + std::to_string(d) + " --batch " +
-                                    std::to_string(b) + " --reps " + std::to_string(reps);
-        Timing peer;
-        FILE* pipe = popen(command.c_str(), "r");
-        double fwd = 0, total = 0, bytes = 0;
-        const bool ok =
-            pipe != nullptr && std::fscanf(pipe, "%lf %lf %lf", &fwd, &total, &bytes) == 3;
-        if (pipe != nullptr) pclose(pipe);
-        if (ok) {
-          peer.forward_s = fwd;
-          peer.total_s = total;
-          peer.extra_bytes = bytes;  // peak RSS growth of the child
-          row("py-peer", peer, iha_flops, true);
-        } else {
-          std::fprintf(stderr, "loom-bench-attention: peer command failed: %s\n", command.c_str());
-        }
-      }
-      if (loom::attention::iha::StockSdpaUnsupportedReason(q, global).empty()) {
-        // The paper's "FlashAttention-compatible" route: mix, interleave, then stock SDPA.
-        row("iha-stock",
-            Measure(
-                dev,
-                [&] {
-                  return loom::attention::iha::Collapse(
-                      loom::attention::iha::StockSdpaPseudoOutputs(q, k, v, aq, ak, av, positions,
-                                                                   global),
-                      r);
-                },
-                inputs, reps),
-            iha_flops, true);
-      }
-      const std::string cuda_reason =
-          dev.cuda() ? loom::attention::iha::CudaKernelUnsupportedReason(q, k, v, global) : "";
-      if (!cuda_reason.empty()) {
-        std::printf("# iha-cuda skipped: %s\n", cuda_reason.c_str());
-        continue;
-      }
-      row(dev.cuda() ? "iha-cuda" : "iha-fused", Measure(dev, fused(global), inputs, reps),
-          iha_flops, true);
-      Timing t_local = Measure(dev, fused(local), inputs, reps);
-      row("local-iha", t_local, local_flops, false);
-      Timing hybrid;
-      hybrid.forward_s = (4 * t_local.forward_s + t_mha.forward_s) / 5;
-      hybrid.total_s = (4 * t_local.total_s + t_mha.total_s) / 5;
-      hybrid.extra_bytes = std::max(t_local.extra_bytes, t_mha.extra_bytes);
-      row("hybrid-4:1", hybrid, (4 * local_flops + mha_flops) / 5, false);
-      std::printf("# iha GFLOP/s / mha GFLOP/s: %.2f\n", iha_gflops / mha_gflops);
+// The mha plugin's dense kernel (kernel: reference, materialised scores).
+AttentionBench::Variant AttentionBench::MhaDense(int64_t window) const {
+  return [this, window] {
+    const GroupInputs& g = g_;
+    torch::Tensor allowed;
+    if (causal_ || window > 0) {
+      allowed = loom::attention::AllowedMask(g.n, causal_, window, g.q.device());
     }
+    return loom::attention::ReferenceAttention(g.q.transpose(1, 2), g.k.transpose(1, 2),
+                                               g.v.transpose(1, 2), allowed,
+                                               1.0 / std::sqrt(static_cast<double>(d_)));
+  };
+}
+
+// On the CPU the flash kernel at P = 1 without mixing (kernel: fused, its default there).
+AttentionBench::Variant AttentionBench::Mha(int64_t window) const {
+  if (dev_.cuda()) return MhaDense(window);
+  Options o;
+  o.mask = causal_ ? Mask::kInterleaved : Mask::kNone;
+  o.window = window;
+  return
+      [this, o] { return loom::attention::iha::FusedHeadAttention(g_.q, g_.k, g_.v, o, tiles_); };
+}
+
+Options AttentionBench::IhaOptions(int64_t window) const {
+  Options o;
+  o.p = g_.p;
+  o.mask = causal_ ? Mask::kInterleaved : Mask::kNone;
+  o.window = window;
+  return o;
+}
+
+AttentionBench::Variant AttentionBench::Iha(const Options& o) const {
+  namespace iha = loom::attention::iha;
+  if (dev_.cuda()) {
+    return [this, o] {
+      const GroupInputs& g = g_;
+      return iha::Collapse(iha::CudaPseudoOutputs(g.q, g.k, g.v, g.aq, g.ak, g.av, g.positions, o),
+                           g.r);
+    };
+  }
+  return [this, o] {
+    const GroupInputs& g = g_;
+    return iha::FusedForward(g.q, g.k, g.v, g.aq, g.ak, g.av, g.r, g.positions, o, tiles_);
+  };
+}
+
+// Useful FLOPs of the attention core: 4·d per (query, attended key) pair and head.
+double AttentionBench::Flops(bool iha, int64_t window) const {
+  const double per_query = 4.0 * d_ * h_ * b_ * g_.n;
+  if (!iha) return per_query * loom::attention::AverageAttendedKeys(g_.n, causal_, window);
+  const Mask mask = causal_ ? Mask::kInterleaved : Mask::kNone;
+  return per_query * g_.p * loom::attention::iha::AverageAttendedKeys(g_.n, g_.p, mask, window);
+}
+
+// One table row; the backward pass counts twice the forward's FLOPs.
+void AttentionBench::Row(const char* name, const Timing& t, double flops, bool global_iha) {
+  const double gflops = 3.0 * flops / t.total_s / 1e9;
+  const std::string variant = name;
+  if (variant == "mha") mha_gflops_ = gflops;
+  if (variant == "iha-fused" || variant == "iha-cuda") iha_gflops_ = gflops;
+  char floor_ratio[16] = "-";
+  if (global_iha) {
+    std::snprintf(floor_ratio, sizeof(floor_ratio), "%.2f",
+                  t.total_s / (g_.p * g_.p * t_mha_.total_s));
+  }
+  std::printf("%5lld %2lld %-12s %9.4f %9.4f %9.2f %10s %9.1f %7.0f%% %9s\n",
+              static_cast<long long>(g_.n), static_cast<long long>(g_.p), name, t.forward_s,
+              t.total_s, t.total_s / t_mha_.total_s, floor_ratio, gflops, 100.0 * gflops / ceiling_,
+              Mib(t.extra_bytes).c_str());
+  std::fflush(stdout);
+}
+
+void AttentionBench::RunGroup(int64_t n, int64_t p) {
+  g_ = MakeInputs(dev_, b_, n, h_, d_, p);
+  // Shared machines drift: each (N, P) group is compared with a ceiling measured just before it
+  // (the best of this and the previous measurement, so a busy moment cannot flatter).
+  ceiling_ = std::max(ceiling_, MatmulCeiling(dev_));
+  std::printf("# N=%lld P=%lld: matmul ceiling %.1f GFLOP/s\n", static_cast<long long>(n),
+              static_cast<long long>(p), ceiling_);
+  MhaRows();
+  if (n <= naive_max_) {
+    const Options global = IhaOptions(0);
+    Row("iha-naive",
+        Measure(
+            dev_,
+            [this, global] {
+              const GroupInputs& g = g_;
+              return loom::attention::iha::Forward(g.q, g.k, g.v, g.aq, g.ak, g.av, g.r,
+                                                   g.positions, global);
+            },
+            g_.all(), reps_),
+        Flops(true, 0), true);
+  }
+  if (!flags_.at("peer").empty() && n <= naive_max_ && !dev_.cuda()) PeerRow();
+  IhaRows();
+}
+
+// MHA and its variants: the yardstick every other row is compared with.
+void AttentionBench::MhaRows() {
+  t_mha_ = Measure(dev_, Mha(0), g_.all(), reps_);
+  Row("mha", t_mha_, Flops(false, 0), false);
+  if (!dev_.cuda()) {
+    Row("mha-dense", Measure(dev_, MhaDense(0), g_.all(), reps_), Flops(false, 0), false);
+    // The IHA kernel at P = 1 with identity mixing: plain MHA that pays for the mixing the mha
+    // plugin's path skips.
+    Options flash_mha;
+    flash_mha.p = 1;
+    flash_mha.mask = causal_ ? Mask::kInterleaved : Mask::kNone;
+    const torch::Tensor eye = torch::eye(h_).unsqueeze(-1), eye_r = torch::eye(h_);
+    Row("mha-fused",
+        Measure(
+            dev_,
+            [&] {
+              return loom::attention::iha::FusedForward(g_.q, g_.k, g_.v, eye, eye, eye, eye_r,
+                                                        g_.positions, flash_mha);
+            },
+            g_.all(), reps_),
+        Flops(false, 0), false);
+  }
+#if LOOM_TORCH_HAS_SDPA
+  // LibTorch's own fused attention (FlashAttention on GPUs; a flash kernel on CPUs in 2.x).
+  Row("mha-sdpa",
+      Measure(
+          dev_,
+          [&] {
+            return at::scaled_dot_product_attention(g_.q.transpose(1, 2), g_.k.transpose(1, 2),
+                                                    g_.v.transpose(1, 2), {}, 0.0, causal_);
+          },
+          g_.all(), reps_),
+      Flops(false, 0), false);
+#endif
+  Row("local-mha", Measure(dev_, Mha(g_.w), g_.all(), reps_), Flops(false, g_.w), false);
+}
+
+// The naive peer: a straightforward PyTorch IHA under Debian's python3-torch, run as a child
+// process at the same shape; its time is compared with our MHA of this run.
+void AttentionBench::PeerRow() {
+  const std::string command = flags_.at("peer") + " --n " + std::to_string(g_.n) + " --p " +
+                              std::to_string(g_.p) + " --heads " + std::to_string(h_) + " --dim " +
+                              std::to_string(d_) + " --batch " + std::to_string(b_) + " --reps " +
+                              std::to_string(reps_);
+  FILE* pipe = popen(command.c_str(), "r");
+  double fwd = 0, total = 0, bytes = 0;
+  const bool ok = pipe != nullptr && std::fscanf(pipe, "%lf %lf %lf", &fwd, &total, &bytes) == 3;
+  if (pipe != nullptr) pclose(pipe);
+  if (!ok) {
+    std::fprintf(stderr, "loom-bench-attention: peer command failed: %s\n", command.c_str());
+    return;
+  }
+  Timing peer;
+  peer.forward_s = fwd;
+  peer.total_s = total;
+  peer.extra_bytes = bytes;  // peak RSS growth of the child
+  Row("py-peer", peer, Flops(true, 0), true);
+}
+
+// IHA: the stock SDPA route, the device's fast kernel, local IHA and the 4:1 hybrid.
+void AttentionBench::IhaRows() {
+  namespace iha = loom::attention::iha;
+  const Options global = IhaOptions(0);
+  if (iha::StockSdpaUnsupportedReason(g_.q, global).empty()) {
+    // The paper's "FlashAttention-compatible" route: mix, interleave, then stock SDPA.
+    Row("iha-stock",
+        Measure(
+            dev_,
+            [&] {
+              const GroupInputs& g = g_;
+              return iha::Collapse(
+                  iha::StockSdpaPseudoOutputs(g.q, g.k, g.v, g.aq, g.ak, g.av, g.positions, global),
+                  g.r);
+            },
+            g_.all(), reps_),
+        Flops(true, 0), true);
+  }
+  const std::string cuda_reason =
+      dev_.cuda() ? iha::CudaKernelUnsupportedReason(g_.q, g_.k, g_.v, global) : "";
+  if (!cuda_reason.empty()) {
+    std::printf("# iha-cuda skipped: %s\n", cuda_reason.c_str());
+    return;
+  }
+  Row(dev_.cuda() ? "iha-cuda" : "iha-fused", Measure(dev_, Iha(global), g_.all(), reps_),
+      Flops(true, 0), true);
+  const Timing t_local = Measure(dev_, Iha(IhaOptions(g_.w)), g_.all(), reps_);
+  Row("local-iha", t_local, Flops(true, g_.w), false);
+  Timing hybrid;
+  hybrid.forward_s = (4 * t_local.forward_s + t_mha_.forward_s) / 5;
+  hybrid.total_s = (4 * t_local.total_s + t_mha_.total_s) / 5;
+  hybrid.extra_bytes = std::max(t_local.extra_bytes, t_mha_.extra_bytes);
+  Row("hybrid-4:1", hybrid, (4 * Flops(true, g_.w) + Flops(false, 0)) / 5, false);
+  std::printf("# iha GFLOP/s / mha GFLOP/s: %.2f\n", iha_gflops_ / mha_gflops_);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
+  int exit_code = 0;
+  const std::optional<Flags> flags = ParseFlags(argc, argv, &exit_code);
+  if (!flags) return exit_code;
+  c10::SetCPUAllocator(&g_allocator, /*priority=*/100);
+  SetThreads(std::stoll(flags->at("threads")));
+  Device dev;
+  bool causal = true;
+  if (!ParseDevice(*flags, &dev, &causal)) return 2;
+  torch::manual_seed(0);
+  AttentionBench bench(*flags, dev, causal);
+  bench.PrintHeader();
+  for (int64_t n : ParseList(flags->at("n"))) {
+    for (int64_t p : ParseList(flags->at("p"))) bench.RunGroup(n, p);
   }
   return 0;
 }

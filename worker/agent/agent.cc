@@ -22,6 +22,7 @@
 #include "loom/exit_codes.h"
 #include "loom/lease_clock.h"
 #include "loom/status_macros.h"
+#include "loom/trainer_events.h"
 
 namespace fs = std::filesystem;
 
@@ -94,6 +95,26 @@ void WriteFileAtomically(const std::string& path, const std::string& text, mode_
 // Where a rank on a GPU writes its CUDA allocator's numbers (worker/trainer/gpu_stats.h).
 std::string GpuStatsPath(const std::string& attempt_dir, int rank) {
   return (fs::path(attempt_dir) / absl::StrFormat("gpu-rank-%d.json", rank)).string();
+}
+
+// The child side of a fork: becomes the rank (never returns).
+[[noreturn]] void ExecRank(pid_t parent, int log_fd, const std::string& dir,
+                           const std::vector<std::pair<std::string, std::string>>& env,
+                           std::vector<std::string> argv) {
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != parent) _exit(126);
+  ::dup2(log_fd, STDOUT_FILENO);
+  ::dup2(log_fd, STDERR_FILENO);
+  for (const auto& [name, value] : env) ::setenv(name.c_str(), value.c_str(), 1);
+  if (::chdir(dir.c_str()) != 0) _exit(126);
+  std::vector<char*> cargv;
+  for (auto& s : argv) cargv.push_back(s.data());
+  cargv.push_back(nullptr);
+  ::execv(cargv[0], cargv.data());
+  const std::string msg = absl::StrCat("exec ", argv[0], ": ", std::strerror(errno), "\n");
+  (void)!::write(STDERR_FILENO, msg.data(), msg.size());
+  _exit(127);
 }
 
 }  // namespace
@@ -203,11 +224,8 @@ void Agent::AppendCombined(Attempt& a, const std::string& text) {
   a.log_written += static_cast<int64_t>(text.size());
 }
 
-void Agent::StartAttempt(const v1::Assignment& as) {
-  if (!SafeName(as.job_id()) || as.attempt() < 1 || as.ranks().empty()) {
-    Log(absl::StrCat("ignoring a malformed assignment for '", as.job_id().substr(0, 64), "'"));
-    return;
-  }
+// The attempt's directory (jobs/ID/attempt-NNN) with its combined log, lease and spec.json.
+Agent::Attempt Agent::PrepareAttempt(const v1::Assignment& as) {
   Attempt a;
   a.job_id = as.job_id();
   a.attempt = as.attempt();
@@ -222,18 +240,20 @@ void Agent::StartAttempt(const v1::Assignment& as) {
   a.lease_path = (fs::path(a.dir) / "lease").string();
   WriteLease(a);
   a.total_steps = as.spec().steps();
-  registry_.Increment("loom_worker_attempts_started_total");
   bool hosts_rank0 = false;
   for (int r : as.ranks()) hosts_rank0 |= r == 0;
   a.master_port = as.master_port();
   if (a.master_port == 0 && hosts_rank0) a.master_port = PickFreePort();
+  return a;
+}
 
+// loom-train's command line for the attempt; writes the spec it runs.
+std::vector<std::string> Agent::TrainerArgv(const v1::Assignment& as, const Attempt& a) const {
   v1::JobSpec spec = as.spec();
   spec.clear_preset();  // already resolved: the trainer must not re-apply preset values
   spec.mutable_metrics()->set_jsonl(a.metrics_path);
   const std::string spec_path = (fs::path(a.dir) / "spec.json").string();
   std::ofstream(spec_path, std::ios::trunc) << client::MessageToJson(spec, true) << "\n";
-
   // Retention is the coordinator's (it knows which checkpoints other jobs start from); the
   // trainer resumes from the newest intact checkpoint of the job's directory, if any.
   std::vector<std::string> argv = {options_.loom_train, "train", "--spec", spec_path,
@@ -241,11 +261,50 @@ void Agent::StartAttempt(const v1::Assignment& as) {
   if (!as.resume_from().empty()) argv.insert(argv.end(), {"--resume-if-any", as.resume_from()});
   if (!as.init_from().empty()) argv.insert(argv.end(), {"--init-from", as.init_from()});
   if (!options_.plugin_dir.empty()) argv.insert(argv.end(), {"--plugin-dir", options_.plugin_dir});
-  std::string omp;
-  if (spec.threads() == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    omp = std::to_string(std::max(1u, cores / static_cast<unsigned>(std::max(1, options_.slots))));
+  return argv;
+}
+
+// The rank's environment: its place in the job (LOOM_* and torchrun's names), its GPU, the
+// rendezvous, and the files it shares with this agent.
+std::vector<std::pair<std::string, std::string>> Agent::RankEnvironment(
+    const v1::Assignment& as, const Attempt& a, const RankPlace& place) const {
+  const std::string ranks = std::to_string(as.world_size());
+  std::vector<std::pair<std::string, std::string>> env = {
+      {"LOOM_RANK", std::to_string(place.rank)},
+      {"LOOM_WORLD_SIZE", ranks},
+      // This job's ranks on this node count 0, 1, ...: a CUDA rank takes GPU LOCAL_RANK.
+      {"LOCAL_RANK", std::to_string(place.local)},
+      {"LOCAL_WORLD_SIZE", std::to_string(place.local_world)},
+      {"RANK", std::to_string(place.rank)},
+      {"WORLD_SIZE", ranks},
+      {"MASTER_ADDR", as.master_addr()},
+      {"LOOM_NODE_ADDR", options_.address},  // Gloo binds to this node's own
+      {"MASTER_PORT", std::to_string(a.master_port)},
+      {"LOOM_JOB_ID", as.job_id()},
+      {"LOOM_WORKER_NAME", options_.name},
+      {"LOOM_ATTEMPT", std::to_string(as.attempt())},
+      {"LOOM_LEASE_FILE", a.lease_path}};
+  if (!place.visible_devices.empty()) {
+    env.emplace_back("CUDA_VISIBLE_DEVICES", place.visible_devices);
+    env.emplace_back("LOOM_GPU_STATS_FILE", GpuStatsPath(a.dir, place.rank));  // ExportGpuSeries
   }
+  if (as.spec().threads() == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    env.emplace_back(
+        "OMP_NUM_THREADS",
+        std::to_string(std::max(1u, cores / static_cast<unsigned>(std::max(1, options_.slots)))));
+  }
+  return env;
+}
+
+void Agent::StartAttempt(const v1::Assignment& as) {
+  if (!SafeName(as.job_id()) || as.attempt() < 1 || as.ranks().empty()) {
+    Log(absl::StrCat("ignoring a malformed assignment for '", as.job_id().substr(0, 64), "'"));
+    return;
+  }
+  Attempt a = PrepareAttempt(as);
+  registry_.Increment("loom_worker_attempts_started_total");
+  const std::vector<std::string> argv = TrainerArgv(as, a);
   std::vector<int> ranks(as.ranks().begin(), as.ranks().end());
   AppendCombined(
       a,
@@ -254,84 +313,56 @@ void Agent::StartAttempt(const v1::Assignment& as) {
                    as.master_addr(), ":", a.master_port,
                    as.resume_from().empty() ? "" : ", checkpoints in " + as.resume_from(), "\n"));
   for (size_t local = 0; local < ranks.size(); ++local) {
-    const int r = ranks[local];
-    Rank rank;
-    rank.rank = r;
-    rank.log_path = (fs::path(a.dir) / absl::StrFormat("rank-%d.log", r)).string();
-    // A GPU node binds each rank to a GPU of its own; none free means an earlier attempt's
-    // processes still hold it, and the rank fails to start rather than share it.
-    std::string no_gpu;
-    if (!gpu_pool_.empty()) {
-      absl::StatusOr<int> gpu = gpu_pool_.Take();
-      if (gpu.ok())
-        rank.gpu = *gpu;
-      else
-        no_gpu = std::string(gpu.status().message());
-    }
-    const std::string visible = rank.gpu >= 0 ? VisibleDeviceName(gpu_pool_.gpu(rank.gpu)) : "";
-    const int log_fd = !no_gpu.empty() ? -1
-                                       : ::open(rank.log_path.c_str(),
-                                                O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    const pid_t parent = ::getpid();
-    const pid_t pid = log_fd < 0 ? -1 : ::fork();
-    if (pid == 0) {
-      // Child: own process group (cancel kills the whole rank), dies with the agent.
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) _exit(126);
-      ::dup2(log_fd, STDOUT_FILENO);
-      ::dup2(log_fd, STDERR_FILENO);
-      ::setenv("LOOM_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("LOOM_WORLD_SIZE", std::to_string(as.world_size()).c_str(), 1);
-      // This job's ranks on this node count 0, 1, ...: a CUDA rank takes GPU LOCAL_RANK.
-      ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
-      // torchrun's names too, so that launch code written for it works unchanged.
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(ranks.size()).c_str(), 1);
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(as.world_size()).c_str(), 1);
-      if (!visible.empty()) {
-        ::setenv("CUDA_VISIBLE_DEVICES", visible.c_str(), 1);
-        ::setenv("LOOM_GPU_STATS_FILE", GpuStatsPath(a.dir, r).c_str(), 1);  // ExportGpuSeries
-      }
-      ::setenv("MASTER_ADDR", as.master_addr().c_str(), 1);
-      ::setenv("LOOM_NODE_ADDR", options_.address.c_str(), 1);  // Gloo binds to this node's own
-      ::setenv("MASTER_PORT", std::to_string(a.master_port).c_str(), 1);
-      ::setenv("LOOM_JOB_ID", as.job_id().c_str(), 1);
-      ::setenv("LOOM_WORKER_NAME", options_.name.c_str(), 1);
-      ::setenv("LOOM_ATTEMPT", std::to_string(as.attempt()).c_str(), 1);
-      ::setenv("LOOM_LEASE_FILE", a.lease_path.c_str(), 1);
-      if (!omp.empty()) ::setenv("OMP_NUM_THREADS", omp.c_str(), 1);
-      if (::chdir(a.dir.c_str()) != 0) _exit(126);
-      std::vector<char*> cargv;
-      for (auto& s : argv) cargv.push_back(s.data());
-      cargv.push_back(nullptr);
-      ::execv(cargv[0], cargv.data());
-      const std::string msg = absl::StrCat("exec ", argv[0], ": ", std::strerror(errno), "\n");
-      (void)!::write(STDERR_FILENO, msg.data(), msg.size());
-      _exit(127);
-    }
-    if (log_fd >= 0) ::close(log_fd);
-    if (pid < 0) {
-      rank.running = false;
-      rank.exit_code = 127;
-      rank.detail =
-          absl::StrCat("failed to start: ", no_gpu.empty() ? std::strerror(errno) : no_gpu.c_str());
-      gpu_pool_.Give(rank.gpu);
-      rank.gpu = -1;
-    } else {
-      ::setpgid(pid, pid);  // also from the parent, so a cancel right away finds the group
-      rank.pid = pid;
-      rank.running = true;
-      if (!visible.empty()) {
-        AppendCombined(a, absl::StrCat("[agent ", options_.name, "] rank ", r, " (local ", local,
-                                       "): CUDA_VISIBLE_DEVICES=", visible, "\n"));
-      }
-    }
-    a.ranks.push_back(std::move(rank));
+    a.ranks.push_back(LaunchRank(
+        as, a, argv, {ranks[local], static_cast<int>(local), static_cast<int>(ranks.size()), ""}));
   }
   Log(absl::StrCat("started ", a.job_id, " attempt ", a.attempt, " ranks ",
                    absl::StrJoin(ranks, ","), " in ", a.dir));
   attempts_[Key(a.job_id, a.attempt)] = std::move(a);
+}
+
+// One rank process: its own process group (a cancel kills the whole rank), stdout and stderr to
+// its log, dead with the agent. A GPU node binds each rank to a GPU of its own; none free means
+// an earlier attempt's processes still hold it, and the rank fails to start rather than share it.
+Agent::Rank Agent::LaunchRank(const v1::Assignment& as, Attempt& a,
+                              const std::vector<std::string>& argv, RankPlace place) {
+  Rank rank;
+  rank.rank = place.rank;
+  rank.log_path = (fs::path(a.dir) / absl::StrFormat("rank-%d.log", place.rank)).string();
+  std::string no_gpu;
+  if (!gpu_pool_.empty()) {
+    absl::StatusOr<int> gpu = gpu_pool_.Take();
+    if (gpu.ok())
+      rank.gpu = *gpu;
+    else
+      no_gpu = std::string(gpu.status().message());
+  }
+  if (rank.gpu >= 0) place.visible_devices = VisibleDeviceName(gpu_pool_.gpu(rank.gpu));
+  const int log_fd = !no_gpu.empty() ? -1
+                                     : ::open(rank.log_path.c_str(),
+                                              O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const auto env = RankEnvironment(as, a, place);
+  const pid_t parent = ::getpid();
+  const pid_t pid = log_fd < 0 ? -1 : ::fork();
+  if (pid == 0) ExecRank(parent, log_fd, a.dir, env, argv);
+  if (log_fd >= 0) ::close(log_fd);
+  if (pid < 0) {
+    rank.exit_code = 127;
+    rank.detail =
+        absl::StrCat("failed to start: ", no_gpu.empty() ? std::strerror(errno) : no_gpu.c_str());
+    gpu_pool_.Give(rank.gpu);
+    rank.gpu = -1;
+    return rank;
+  }
+  ::setpgid(pid, pid);  // also from the parent, so a cancel right away finds the group
+  rank.pid = pid;
+  rank.running = true;
+  if (!place.visible_devices.empty()) {
+    AppendCombined(
+        a, absl::StrCat("[agent ", options_.name, "] rank ", place.rank, " (local ", place.local,
+                        "): CUDA_VISIBLE_DEVICES=", place.visible_devices, "\n"));
+  }
+  return rank;
 }
 
 void Agent::Cancel(Attempt& a, const std::string& why) {
@@ -355,167 +386,8 @@ void Agent::Poll() {
   const int64_t now = NowMs();
   int running_ranks = 0;
   for (auto& [key, a] : attempts_) {
-    for (Rank& r : a.ranks) {
-      // Log lines first, then the exit, so a rank's last words precede its exit line.
-      std::string data = ReadFrom(r.log_path, r.log_read, 1 << 20);
-      r.log_read += static_cast<int64_t>(data.size());
-      r.partial += data;
-      bool exited = false;
-      if (r.running) {
-        int st = 0;
-        const pid_t got = ::waitpid(r.pid, &st, WNOHANG);
-        if (got == r.pid) {
-          exited = true;
-          rank_exited_ = true;  // report it now: the slot is free for the next job
-          r.running = false;
-          gpu_pool_.Give(r.gpu);  // the process is gone: its GPU is free for the next attempt
-          r.gpu = -1;
-          if (WIFEXITED(st)) {
-            r.exit_code = WEXITSTATUS(st);
-            r.detail = absl::StrCat("exited ", r.exit_code);
-            registry_.Increment("loom_worker_rank_exits_total", 1,
-                                {{"result", r.exit_code == 0 ? "ok" : "failed"}});
-          } else if (WIFSIGNALED(st)) {
-            registry_.Increment("loom_worker_rank_exits_total", 1, {{"result", "killed"}});
-            r.exit_code = 128 + WTERMSIG(st);
-            r.detail =
-                absl::StrCat("killed by signal ", WTERMSIG(st), " (", strsignal(WTERMSIG(st)), ")");
-          }
-          if (a.lease_expired && r.exit_code != 0) {
-            // An infrastructure failure, not the job's: reported like the rank's own lease stop.
-            r.detail = absl::StrCat("stopped: lease expired (", r.detail, ")");
-            r.exit_code = kExitLeaseExpired;
-          }
-          // Whatever it wrote after the read above.
-          std::string rest = ReadFrom(r.log_path, r.log_read, 64 << 20);
-          r.log_read += static_cast<int64_t>(rest.size());
-          r.partial += rest;
-        }
-      }
-      std::string lines;
-      size_t start = 0, nl;
-      while ((nl = r.partial.find('\n', start)) != std::string::npos) {
-        absl::StrAppend(&lines, "[rank ", r.rank, "] ", r.partial.substr(start, nl - start), "\n");
-        start = nl + 1;
-      }
-      r.partial.erase(0, start);
-      if (exited && !r.partial.empty()) {
-        absl::StrAppend(&lines, "[rank ", r.rank, "] ", r.partial, "\n");
-        r.partial.clear();
-      }
-      if (exited)
-        absl::StrAppend(&lines, "[agent ", options_.name, "] rank ", r.rank, " ", r.detail, "\n");
-      if (!lines.empty()) AppendCombined(a, lines);
-    }
-    // Rank 0's metrics: progress, checkpoint commits, evaluations.
-    std::string m = ReadFrom(a.metrics_path, a.metrics_read, 4 << 20);
-    a.metrics_read += static_cast<int64_t>(m.size());
-    a.metrics_partial += m;
-    size_t start = 0, nl;
-    while ((nl = a.metrics_partial.find('\n', start)) != std::string::npos) {
-      auto j = nlohmann::json::parse(a.metrics_partial.substr(start, nl - start), nullptr, false);
-      start = nl + 1;
-      if (!j.is_object() || !j.contains("event") || !j["event"].is_string()) continue;
-      const std::string event = j["event"];
-      auto num = [&](const char* k) {
-        return j.contains(k) && j[k].is_number() ? j[k].get<double>() : 0.0;
-      };
-      const metrics::Labels labels = {{metrics::kJobLabel, a.job_id}, {"rank", "0"}};
-      if (event == "step") {
-        registry_.Set("loom_train_loss", num("loss"), labels);
-        registry_.Set("loom_train_learning_rate", num("lr"), labels);
-        registry_.Set("loom_train_grad_norm", num("grad_norm"), labels);
-        registry_.Set("loom_train_tokens_per_second", num("tokens_per_second"), labels);
-        registry_.Set("loom_train_mfu_ratio", num("mfu"), labels);
-        registry_.Set("loom_train_step", num("step"), labels);
-        registry_.Set("loom_train_total_steps", static_cast<double>(a.total_steps), labels);
-        registry_.Observe("loom_train_step_seconds", num("step_seconds"), labels);
-        const auto seen = static_cast<int64_t>(num("tokens_seen"));
-        if (a.tokens_seen >= 0 && seen > a.tokens_seen) {
-          registry_.Increment("loom_train_tokens_total", static_cast<double>(seen - a.tokens_seen),
-                              labels);
-        }
-        a.tokens_seen = seen;
-        // Created at 0 with the job's first step, so increase() sees the first skip too. A step
-        // the loss scaler skipped (an fp16 overflow) is not a divergence.
-        auto flag = [&](const char* key) {
-          return j.contains(key) && j[key].is_boolean() && j[key].get<bool>();
-        };
-        const bool overflowed = flag("overflowed");
-        registry_.Increment("loom_train_nan_skipped_steps_total",
-                            flag("skipped") && !overflowed ? 1 : 0, labels);
-        if (j.contains("loss_scale")) {
-          registry_.Set("loom_train_loss_scale", num("loss_scale"), labels);
-          registry_.Increment("loom_train_loss_scale_overflows_total", overflowed ? 1 : 0, labels);
-        }
-        a.progress.set_step(static_cast<int64_t>(num("step")));
-        a.progress.set_loss(num("loss"));
-        a.progress.set_tokens_per_second(num("tokens_per_second"));
-        a.progress.set_tokens_seen(static_cast<int64_t>(num("tokens_seen")));
-        a.progress.set_update_time_ms(now);
-        v1::StepPoint& p = a.steps.emplace_back();
-        p.set_step(std::max<int64_t>(0, static_cast<int64_t>(num("step"))));
-        p.set_loss(num("loss"));
-        p.set_learning_rate(num("lr"));
-        p.set_tokens_per_second(num("tokens_per_second"));
-        p.set_grad_norm(num("grad_norm"));
-        p.set_time_ms(std::max<int64_t>(0, now));
-        if (a.steps.size() > kMaxPendingSteps) {
-          a.steps.pop_front();
-          ++a.steps_acked;
-        }
-      } else if (event == "checkpoint" && j.contains("dir") && j["dir"].is_string()) {
-        v1::CheckpointReport c;
-        c.set_step(static_cast<int64_t>(num("step")));
-        c.set_path(j["dir"].get<std::string>());
-        a.checkpoints.push_back(c);
-        registry_.Observe("loom_train_checkpoint_write_seconds", num("seconds"), labels);
-        registry_.Increment("loom_train_checkpoint_bytes_total", num("bytes"), labels);
-      } else if (event == "eval") {
-        v1::EvalResult e;
-        e.set_step(static_cast<int64_t>(num("step")));
-        e.set_eval_loss(num("eval_loss"));
-        e.set_accuracy(num("accuracy"));
-        e.set_exact_match(num("exact_match"));
-        // data.splits: "validation" (every epoch) or "test" (at each new best validation loss);
-        // absent: the fresh-sample held-out evaluation.
-        const bool test = j.contains("split") && j["split"].is_string() && j["split"] == "test";
-        if (j.contains("split") && j["split"].is_string())
-          e.set_kind(j["split"].get<std::string>());
-        a.evals.push_back(e);
-        if (!test) {
-          registry_.Set("loom_train_eval_loss", num("eval_loss"), labels);
-          registry_.Set("loom_train_eval_accuracy_ratio", num("accuracy"), labels);
-          registry_.Set("loom_train_eval_exact_match_ratio", num("exact_match"), labels);
-        }
-      } else if (event == "checkpoint_skipped" && j.contains("dir") && j["dir"].is_string()) {
-        v1::SkippedCheckpoint c;
-        c.set_step(static_cast<int64_t>(num("step")));
-        c.set_path(j["dir"].get<std::string>());
-        if (j.contains("reason") && j["reason"].is_string()) c.set_reason(j["reason"]);
-        a.skipped.push_back(c);
-      } else if (event == "resumed") {
-        a.resumed.set_restored(true);
-        a.resumed.set_step(static_cast<int64_t>(num("step")));
-        if (j.contains("dir") && j["dir"].is_string()) a.resumed.set_path(j["dir"]);
-      } else if (event == "reasoning_eval") {
-        v1::EvalResult e;
-        e.set_kind("reasoning");
-        e.set_step(static_cast<int64_t>(num("step")));
-        if (j.contains("task") && j["task"].is_string()) e.set_task(j["task"].get<std::string>());
-        e.set_problems(static_cast<int64_t>(num("problems")));
-        e.set_samples(static_cast<int32_t>(num("samples")));
-        e.set_pass_at_1(num("pass_at_1"));
-        e.set_maj_at_k(num("maj_at_k"));
-        e.set_answered(num("answered"));
-        if (j.contains("details") && j["details"].is_string())
-          e.set_details(j["details"].get<std::string>());
-        a.evals.push_back(e);
-        registry_.Set("loom_train_reasoning_pass_at_1_ratio", num("pass_at_1"), labels);
-        registry_.Set("loom_train_reasoning_maj_at_k_ratio", num("maj_at_k"), labels);
-      }
-    }
-    a.metrics_partial.erase(0, start);
+    for (Rank& r : a.ranks) TailRank(a, r);
+    ReadEvents(a, now);  // rank 0's event log: progress, checkpoint commits, evaluations
     for (const Rank& r : a.ranks) running_ranks += r.running ? 1 : 0;
     if (a.kill_at_ms != 0 && now >= a.kill_at_ms) {
       for (Rank& r : a.ranks) {
@@ -536,6 +408,185 @@ void Agent::Poll() {
       }
     }
   }
+}
+
+// The rank's new log lines into the combined log; its exit once it has exited. Log lines first,
+// then the exit, so a rank's last words precede its exit line.
+void Agent::TailRank(Attempt& a, Rank& r) {
+  std::string data = ReadFrom(r.log_path, r.log_read, 1 << 20);
+  r.log_read += static_cast<int64_t>(data.size());
+  r.partial += data;
+  const bool exited = r.running && Reap(a, r);
+  std::string lines;
+  size_t start = 0, nl;
+  while ((nl = r.partial.find('\n', start)) != std::string::npos) {
+    absl::StrAppend(&lines, "[rank ", r.rank, "] ", r.partial.substr(start, nl - start), "\n");
+    start = nl + 1;
+  }
+  r.partial.erase(0, start);
+  if (exited && !r.partial.empty()) {
+    absl::StrAppend(&lines, "[rank ", r.rank, "] ", r.partial, "\n");
+    r.partial.clear();
+  }
+  if (exited)
+    absl::StrAppend(&lines, "[agent ", options_.name, "] rank ", r.rank, " ", r.detail, "\n");
+  if (!lines.empty()) AppendCombined(a, lines);
+}
+
+// Whether the rank has exited (then its exit code, detail, freed GPU and remaining log).
+bool Agent::Reap(Attempt& a, Rank& r) {
+  int st = 0;
+  if (::waitpid(r.pid, &st, WNOHANG) != r.pid) return false;
+  rank_exited_ = true;  // report it now: the slot is free for the next job
+  r.running = false;
+  gpu_pool_.Give(r.gpu);  // the process is gone: its GPU is free for the next attempt
+  r.gpu = -1;
+  if (WIFEXITED(st)) {
+    r.exit_code = WEXITSTATUS(st);
+    r.detail = absl::StrCat("exited ", r.exit_code);
+    registry_.Increment("loom_worker_rank_exits_total", 1,
+                        {{"result", r.exit_code == 0 ? "ok" : "failed"}});
+  } else if (WIFSIGNALED(st)) {
+    registry_.Increment("loom_worker_rank_exits_total", 1, {{"result", "killed"}});
+    r.exit_code = 128 + WTERMSIG(st);
+    r.detail = absl::StrCat("killed by signal ", WTERMSIG(st), " (", strsignal(WTERMSIG(st)), ")");
+  }
+  if (a.lease_expired && r.exit_code != 0) {
+    // An infrastructure failure, not the job's: reported like the rank's own lease stop.
+    r.detail = absl::StrCat("stopped: lease expired (", r.detail, ")");
+    r.exit_code = kExitLeaseExpired;
+  }
+  // Whatever it wrote after the last read.
+  std::string rest = ReadFrom(r.log_path, r.log_read, 64 << 20);
+  r.log_read += static_cast<int64_t>(rest.size());
+  r.partial += rest;
+  return true;
+}
+
+// New lines of the attempt's event log (api/loom/v1/events.proto). A line that does not parse
+// (a torn or hostile write) is skipped.
+void Agent::ReadEvents(Attempt& a, int64_t now) {
+  std::string m = ReadFrom(a.metrics_path, a.metrics_read, 4 << 20);
+  a.metrics_read += static_cast<int64_t>(m.size());
+  a.metrics_partial += m;
+  size_t start = 0, nl;
+  while ((nl = a.metrics_partial.find('\n', start)) != std::string::npos) {
+    auto event =
+        ParseTrainerEventLine(std::string_view(a.metrics_partial).substr(start, nl - start));
+    start = nl + 1;
+    if (event.ok()) ApplyEvent(a, *event, now);
+  }
+  a.metrics_partial.erase(0, start);
+}
+
+void Agent::ApplyEvent(Attempt& a, const v1::TrainerEvent& e, int64_t now) {
+  const metrics::Labels labels = {{metrics::kJobLabel, a.job_id}, {"rank", "0"}};
+  switch (e.kind_case()) {
+    case v1::TrainerEvent::kStep:
+      return OnStep(a, e.step(), labels, now);
+    case v1::TrainerEvent::kEval:
+      return OnEval(a, e.eval(), labels);
+    case v1::TrainerEvent::kCheckpoint: {
+      const v1::CheckpointEvent& c = e.checkpoint();
+      if (c.dir().empty()) return;
+      v1::CheckpointReport& report = a.checkpoints.emplace_back();
+      report.set_step(c.step());
+      report.set_path(c.dir());
+      registry_.Observe("loom_train_checkpoint_write_seconds", c.seconds(), labels);
+      registry_.Increment("loom_train_checkpoint_bytes_total", static_cast<double>(c.bytes()),
+                          labels);
+      return;
+    }
+    case v1::TrainerEvent::kCheckpointSkipped: {
+      const v1::CheckpointSkippedEvent& c = e.checkpoint_skipped();
+      if (c.dir().empty()) return;
+      v1::SkippedCheckpoint& skipped = a.skipped.emplace_back();
+      skipped.set_step(c.step());
+      skipped.set_path(c.dir());
+      skipped.set_reason(c.reason());
+      return;
+    }
+    case v1::TrainerEvent::kResumed:
+      a.resumed.set_restored(true);
+      a.resumed.set_step(e.resumed().step());
+      a.resumed.set_path(e.resumed().dir());
+      return;
+    case v1::TrainerEvent::kReasoningEval:
+      return OnReasoningEval(a, e.reasoning_eval(), labels);
+    case v1::TrainerEvent::KIND_NOT_SET:
+      return;
+  }
+}
+
+void Agent::OnStep(Attempt& a, const v1::StepEvent& s, const metrics::Labels& labels, int64_t now) {
+  registry_.Set("loom_train_loss", s.loss(), labels);
+  registry_.Set("loom_train_learning_rate", s.lr(), labels);
+  registry_.Set("loom_train_grad_norm", s.grad_norm(), labels);
+  registry_.Set("loom_train_tokens_per_second", s.tokens_per_second(), labels);
+  registry_.Set("loom_train_mfu_ratio", s.mfu(), labels);
+  registry_.Set("loom_train_step", static_cast<double>(s.step()), labels);
+  registry_.Set("loom_train_total_steps", static_cast<double>(a.total_steps), labels);
+  registry_.Observe("loom_train_step_seconds", s.step_seconds(), labels);
+  if (a.tokens_seen >= 0 && s.tokens_seen() > a.tokens_seen) {
+    registry_.Increment("loom_train_tokens_total",
+                        static_cast<double>(s.tokens_seen() - a.tokens_seen), labels);
+  }
+  a.tokens_seen = s.tokens_seen();
+  // Created at 0 with the job's first step, so increase() sees the first skip too. A step the
+  // loss scaler skipped (an fp16 overflow) is not a divergence.
+  registry_.Increment("loom_train_nan_skipped_steps_total", s.skipped() && !s.overflowed() ? 1 : 0,
+                      labels);
+  if (s.has_loss_scale()) {
+    registry_.Set("loom_train_loss_scale", s.loss_scale(), labels);
+    registry_.Increment("loom_train_loss_scale_overflows_total", s.overflowed() ? 1 : 0, labels);
+  }
+  a.progress.set_step(s.step());
+  a.progress.set_loss(s.loss());
+  a.progress.set_tokens_per_second(s.tokens_per_second());
+  a.progress.set_tokens_seen(s.tokens_seen());
+  a.progress.set_update_time_ms(now);
+  v1::StepPoint& p = a.steps.emplace_back();
+  p.set_step(std::max<int64_t>(0, s.step()));
+  p.set_loss(s.loss());
+  p.set_learning_rate(s.lr());
+  p.set_tokens_per_second(s.tokens_per_second());
+  p.set_grad_norm(s.grad_norm());
+  p.set_time_ms(std::max<int64_t>(0, now));
+  if (a.steps.size() > kMaxPendingSteps) {
+    a.steps.pop_front();
+    ++a.steps_acked;
+  }
+}
+
+void Agent::OnEval(Attempt& a, const v1::EvalEvent& ev, const metrics::Labels& labels) {
+  v1::EvalResult& e = a.evals.emplace_back();
+  e.set_step(ev.step());
+  e.set_eval_loss(ev.eval_loss());
+  e.set_accuracy(ev.accuracy());
+  e.set_exact_match(ev.exact_match());
+  // data.splits: "validation" (every epoch) or "test" (at each new best validation loss);
+  // absent: the fresh-sample held-out evaluation.
+  if (ev.has_split()) e.set_kind(ev.split());
+  if (ev.split() == "test") return;
+  registry_.Set("loom_train_eval_loss", ev.eval_loss(), labels);
+  registry_.Set("loom_train_eval_accuracy_ratio", ev.accuracy(), labels);
+  registry_.Set("loom_train_eval_exact_match_ratio", ev.exact_match(), labels);
+}
+
+void Agent::OnReasoningEval(Attempt& a, const v1::ReasoningEvalEvent& r,
+                            const metrics::Labels& labels) {
+  v1::EvalResult& e = a.evals.emplace_back();
+  e.set_kind("reasoning");
+  e.set_step(r.step());
+  e.set_task(r.task());
+  e.set_problems(r.problems());
+  e.set_samples(r.samples());
+  e.set_pass_at_1(r.pass_at_1());
+  e.set_maj_at_k(r.maj_at_k());
+  e.set_answered(r.answered());
+  e.set_details(r.details());
+  registry_.Set("loom_train_reasoning_pass_at_1_ratio", r.pass_at_1(), labels);
+  registry_.Set("loom_train_reasoning_maj_at_k_ratio", r.maj_at_k(), labels);
 }
 
 void Agent::ExportGpuSeries() {
@@ -694,92 +745,96 @@ void Agent::Acknowledge(const v1::HeartbeatRequest& sent,
   just_assigned_ = !resp.assignments().empty();  // report the port / start at once
 }
 
+// The worker id and credential of an earlier registration from this work directory, if any.
+void Agent::LoadIdentity() {
+  std::ifstream in(fs::path(options_.work_dir) / "worker-id");
+  std::string id;
+  if (in >> id && SafeName(id)) worker_id_ = id;
+  std::ifstream cred(fs::path(options_.work_dir) / "worker-credential");
+  std::string token;
+  if (cred >> token && SafeName(token)) credential_ = token;
+}
+
+absl::Status Agent::StartExporter() {
+  if (options_.metrics_port == 0) return absl::OkStatus();
+  LOOM_ASSIGN_OR_RETURN(exporter_,
+                        metrics::HttpExporter::Start(&registry_, options_.metrics_bind,
+                                                     std::max(0, options_.metrics_port)));
+  Log(absl::StrCat("metrics on http://", options_.metrics_bind, ":", exporter_->port(),
+                   "/metrics"));
+  if (options_.prometheus_sd_file.empty()) return absl::OkStatus();
+  // Prometheus file-based service discovery: one target, this node's exporter.
+  const std::string host =
+      options_.metrics_bind == "0.0.0.0" ? options_.address : options_.metrics_bind;
+  const std::string tmp = options_.prometheus_sd_file + ".tmp";
+  // Target label: the service. The node's name and pool are on every series already.
+  nlohmann::json target = {{"targets", {absl::StrCat(host, ":", exporter_->port())}},
+                           {"labels", {{"service", "loom-worker"}}}};
+  std::ofstream(tmp) << nlohmann::json::array({target}).dump() << "\n";
+  std::error_code ec;
+  fs::rename(tmp, options_.prometheus_sd_file, ec);
+  return absl::OkStatus();
+}
+
 absl::Status Agent::Run() {
   std::error_code ec;
   fs::create_directories(options_.work_dir, ec);
   if (ec)
     return absl::UnavailableError(
         absl::StrCat("--work-dir '", options_.work_dir, "': ", ec.message()));
-  {
-    std::ifstream in(fs::path(options_.work_dir) / "worker-id");
-    std::string id;
-    if (in >> id && SafeName(id)) worker_id_ = id;
-    std::ifstream cred(fs::path(options_.work_dir) / "worker-credential");
-    std::string token;
-    if (cred >> token && SafeName(token)) credential_ = token;
-  }
+  LoadIdentity();
   LOOM_ASSIGN_OR_RETURN(
       enrol_client_,
       client::RestClient::Create(options_.coordinator_url, options_.token, 5000, options_.ca_file));
-  if (options_.metrics_port != 0) {
-    LOOM_ASSIGN_OR_RETURN(exporter_,
-                          metrics::HttpExporter::Start(&registry_, options_.metrics_bind,
-                                                       std::max(0, options_.metrics_port)));
-    Log(absl::StrCat("metrics on http://", options_.metrics_bind, ":", exporter_->port(),
-                     "/metrics"));
-    if (!options_.prometheus_sd_file.empty()) {
-      // Prometheus file-based service discovery: one target, this node's exporter.
-      const std::string host =
-          options_.metrics_bind == "0.0.0.0" ? options_.address : options_.metrics_bind;
-      const std::string tmp = options_.prometheus_sd_file + ".tmp";
-      // Target label: the service. The node's name and pool are on every series already.
-      nlohmann::json target = {{"targets", {absl::StrCat(host, ":", exporter_->port())}},
-                               {"labels", {{"service", "loom-worker"}}}};
-      std::ofstream(tmp) << nlohmann::json::array({target}).dump() << "\n";
-      fs::rename(tmp, options_.prometheus_sd_file, ec);
-    }
-  }
-  bool registered = false;
-  bool reachable = true;
-  int64_t next_heartbeat = 0;
-  int64_t follow_up_at = 0;
+  LOOM_RETURN_IF_ERROR(StartExporter());
+  LoopState loop;
   while (!stop_) {
     Poll();
-    const int64_t now = NowMs();
-    if (now >= next_heartbeat) {
-      next_heartbeat = now + heartbeat_ms_;
-      if (!registered) {
-        absl::Status s = Register();
-        registered = s.ok();
-        if (!s.ok()) {
-          if (s.code() == absl::StatusCode::kUnauthenticated ||
-              s.code() == absl::StatusCode::kPermissionDenied ||
-              s.code() == absl::StatusCode::kInvalidArgument) {
-            return s;  // retrying cannot fix a bad token or a refused registration
-          }
-          if (reachable) Log(absl::StrCat("cannot register yet: ", s.message()));
-          reachable = false;
-        } else {
-          reachable = true;
-        }
-      }
-      ExportGpuSeries();
-      if (registered) {
-        absl::Status s = Heartbeat(&registered);
-        if (!s.ok()) {
-          if (reachable) Log(absl::StrCat("heartbeat failed (will retry): ", s.message()));
-          reachable = false;
-        } else {
-          if (!reachable) Log("coordinator reachable again");
-          reachable = true;
-        }
-        if (!registered) next_heartbeat = 0;  // register again right away
-        if (s.ok() && !attempts_.empty() && just_assigned_) next_heartbeat = 0;
-      }
-    }
+    if (NowMs() >= loop.next_heartbeat) LOOM_RETURN_IF_ERROR(Beat(loop));
     // A rank exited: report it at once, and ask again shortly after the coordinator's next
     // scheduling pass (a quarter heartbeat), which places what waited for the freed slot.
-    if (registered && rank_exited_) {
+    if (loop.registered && rank_exited_) {
       rank_exited_ = false;
-      next_heartbeat = 0;
-      follow_up_at = NowMs() + heartbeat_ms_ / 3;
-    } else if (follow_up_at != 0 && NowMs() >= follow_up_at) {
-      follow_up_at = 0;
-      next_heartbeat = std::min(next_heartbeat, NowMs());
+      loop.next_heartbeat = 0;
+      loop.follow_up_at = NowMs() + heartbeat_ms_ / 3;
+    } else if (loop.follow_up_at != 0 && NowMs() >= loop.follow_up_at) {
+      loop.follow_up_at = 0;
+      loop.next_heartbeat = std::min(loop.next_heartbeat, NowMs());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  // Shutting down: stop every rank (SIGTERM, then SIGKILL after the grace period).
+  Shutdown(loop.registered);
+  return absl::OkStatus();
+}
+
+// One beat: register when not registered yet, refresh GPU series, send a heartbeat. Errors only
+// for what retrying cannot fix (a bad token or a refused registration).
+absl::Status Agent::Beat(LoopState& loop) {
+  loop.next_heartbeat = NowMs() + heartbeat_ms_;
+  if (!loop.registered) {
+    absl::Status s = Register();
+    loop.registered = s.ok();
+    if (s.code() == absl::StatusCode::kUnauthenticated ||
+        s.code() == absl::StatusCode::kPermissionDenied ||
+        s.code() == absl::StatusCode::kInvalidArgument) {
+      return s;
+    }
+    if (!s.ok() && loop.reachable) Log(absl::StrCat("cannot register yet: ", s.message()));
+    loop.reachable = s.ok();
+  }
+  ExportGpuSeries();
+  if (!loop.registered) return absl::OkStatus();
+  absl::Status s = Heartbeat(&loop.registered);
+  if (!s.ok() && loop.reachable) Log(absl::StrCat("heartbeat failed (will retry): ", s.message()));
+  if (s.ok() && !loop.reachable) Log("coordinator reachable again");
+  loop.reachable = s.ok();
+  if (!loop.registered) loop.next_heartbeat = 0;  // register again right away
+  if (s.ok() && !attempts_.empty() && just_assigned_) loop.next_heartbeat = 0;
+  return absl::OkStatus();
+}
+
+// Stops every rank (SIGTERM, then SIGKILL after the grace period) and reports the exits.
+void Agent::Shutdown(bool registered) {
   for (auto& [key, a] : attempts_) Cancel(a, "worker agent stopping");
   const int64_t deadline = NowMs() + options_.term_grace_ms + 1000;
   for (;;) {
@@ -793,7 +848,6 @@ absl::Status Agent::Run() {
   }
   if (registered) (void)Heartbeat(&registered);  // best effort: the final exits
   Log("stopped");
-  return absl::OkStatus();
 }
 
 }  // namespace loom::agent

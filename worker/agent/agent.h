@@ -19,6 +19,7 @@
 #include "gpus.h"
 #include "http_exporter.h"
 #include "loom/v1/control.pb.h"
+#include "loom/v1/events.pb.h"
 #include "prometheus.h"
 #include "rest_client.h"
 
@@ -89,6 +90,14 @@ class Agent {
     int64_t total_steps = 0;
   };
 
+  struct LoopState {
+    bool registered = false, reachable = true;
+    int64_t next_heartbeat = 0, follow_up_at = 0;
+  };
+  void LoadIdentity();
+  absl::Status StartExporter();
+  absl::Status Beat(LoopState& loop);
+  void Shutdown(bool registered);
   absl::Status Register();
   absl::Status Heartbeat(bool* registered);
   void Acknowledge(const v1::HeartbeatRequest& sent, const std::map<std::string, int64_t>& ends,
@@ -96,9 +105,28 @@ class Agent {
   // Lease: ranks may run until this steady-clock time (ms) unless a heartbeat renews it.
   void RenewLease(int64_t expiry_ms);
   void WriteLease(const Attempt& a) const;
+  // Where a rank runs: its rank, its index among this job's ranks here, and its GPU (if any).
+  struct RankPlace {
+    int rank = 0, local = 0, local_world = 1;
+    std::string visible_devices;  // CUDA_VISIBLE_DEVICES; "" without a GPU
+  };
   void StartAttempt(const v1::Assignment& a);
+  Attempt PrepareAttempt(const v1::Assignment& as);
+  std::vector<std::string> TrainerArgv(const v1::Assignment& as, const Attempt& a) const;
+  std::vector<std::pair<std::string, std::string>> RankEnvironment(const v1::Assignment& as,
+                                                                   const Attempt& a,
+                                                                   const RankPlace& place) const;
+  Rank LaunchRank(const v1::Assignment& as, Attempt& a, const std::vector<std::string>& argv,
+                  RankPlace place);
   void Cancel(Attempt& a, const std::string& why);
-  void Poll();  // reap children, tail logs and metrics, escalate kills
+  void Poll();  // reap children, tail logs and events, escalate kills
+  void TailRank(Attempt& a, Rank& r);
+  bool Reap(Attempt& a, Rank& r);
+  void ReadEvents(Attempt& a, int64_t now);
+  void ApplyEvent(Attempt& a, const v1::TrainerEvent& e, int64_t now);
+  void OnStep(Attempt& a, const v1::StepEvent& s, const metrics::Labels& labels, int64_t now);
+  void OnEval(Attempt& a, const v1::EvalEvent& ev, const metrics::Labels& labels);
+  void OnReasoningEval(Attempt& a, const v1::ReasoningEvalEvent& r, const metrics::Labels& labels);
   void AppendCombined(Attempt& a, const std::string& text);
   v1::HeartbeatRequest BuildHeartbeat(std::map<std::string, int64_t>* log_ends);
   static std::string Key(const std::string& job, int attempt);

@@ -158,108 +158,164 @@ void PrintProfile(const Measured& m, double profiled_s, int64_t rows) {
                                100 * std::max(0.0, profiled_s - recorded) / profiled_s);
 }
 
-absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args,
-                        CliArgs::Parse(argc, argv, 1,
-                                       {"steps", "warmup", "seq-len", "batch", "threads", "p",
-                                        "plugin-dir", "layers", "widths", "profile"},
-                                       {"bf16"}));
-  LOOM_ASSIGN_OR_RETURN(int64_t steps, args.GetInt("steps", 20, 1, 100000));
-  LOOM_ASSIGN_OR_RETURN(int64_t warmup, args.GetInt("warmup", 3, 0, 1000));
+// What one invocation measures.
+struct BenchPlan {
+  int64_t steps = 0, warmup = 0, batch = 0, p = 0, layers = 0, profile_rows = 0;
+  std::vector<int64_t> thread_counts;  // 0 = LibTorch's default
+  std::vector<Width> widths;
+  bool bf16 = false;
+};
+
+absl::StatusOr<BenchPlan> PlanFromArgs(const CliArgs& args) {
+  BenchPlan plan;
+  LOOM_ASSIGN_OR_RETURN(plan.steps, args.GetInt("steps", 20, 1, 100000));
+  LOOM_ASSIGN_OR_RETURN(plan.warmup, args.GetInt("warmup", 3, 0, 1000));
   LOOM_ASSIGN_OR_RETURN(int64_t seq_len, args.GetInt("seq-len", 256, 16, 8192));
-  LOOM_ASSIGN_OR_RETURN(int64_t batch, args.GetInt("batch", 8, 1, 1024));
-  LOOM_ASSIGN_OR_RETURN(int64_t p, args.GetInt("p", 2, 1, 16));
-  LOOM_ASSIGN_OR_RETURN(int64_t layers, args.GetInt("layers", 5, 1, 64));
-  LOOM_ASSIGN_OR_RETURN(int64_t profile_rows, args.GetInt("profile", 0, 0, 1000));
-  std::vector<int64_t> thread_counts;
+  LOOM_ASSIGN_OR_RETURN(plan.batch, args.GetInt("batch", 8, 1, 1024));
+  LOOM_ASSIGN_OR_RETURN(plan.p, args.GetInt("p", 2, 1, 16));
+  LOOM_ASSIGN_OR_RETURN(plan.layers, args.GetInt("layers", 5, 1, 64));
+  LOOM_ASSIGN_OR_RETURN(plan.profile_rows, args.GetInt("profile", 0, 0, 1000));
+  plan.bf16 = args.Has("bf16");
   for (absl::string_view t : absl::StrSplit(args.Has("threads") ? args.Get("threads") : "0", ',')) {
     int64_t n = 0;
     if (!absl::SimpleAtoi(t, &n) || n < 0 || n > 1024) {
       return absl::InvalidArgumentError(
           absl::StrCat("--threads: '", t, "' is not a thread count (0 = LibTorch's default)"));
     }
-    thread_counts.push_back(n);
+    plan.thread_counts.push_back(n);
   }
-  std::vector<Width> widths;
   for (absl::string_view name :
        absl::StrSplit(args.Has("widths") ? args.Get("widths") : "tiny", ',')) {
     if (name == "tiny") {
-      widths.push_back({"tiny-cpu width (d_model 128, 4 heads, FFN 512)", 128, 4, seq_len});
+      plan.widths.push_back({"tiny-cpu width (d_model 128, 4 heads, FFN 512)", 128, 4, seq_len});
     } else if (name == "wide") {
-      widths.push_back({"wide (d_model 256, 8 heads, FFN 1024)", 256, 8, 512});
+      plan.widths.push_back({"wide (d_model 256, 8 heads, FFN 1024)", 256, 8, 512});
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("--widths: '", name, "' is not a width (tiny, wide)"));
     }
   }
-  PluginLoader loader;
-  std::vector<std::string> dirs = args.Has("plugin-dir")
-                                      ? std::vector<std::string>{args.Get("plugin-dir")}
-                                      : PluginLoader::DefaultSearchPath();
-  loader.LoadDirectories(dirs);
-  const int default_threads = torch::get_num_threads();
-  std::cout << absl::StrFormat("machine: %s; %s\n", CpuName(), BlasDescription());
-  for (const Width& w : widths) {
-    const std::vector<Variant> variants = Schedules(p, w.seq_len);
-    std::vector<std::vector<double>> tps(thread_counts.size());  // [thread count][schedule]
-    for (size_t ti = 0; ti < thread_counts.size(); ++ti) {
-      torch::set_num_threads(thread_counts[ti] > 0 ? static_cast<int>(thread_counts[ti])
-                                                   : default_threads);
-      const double ceiling = MatmulCeilingFlops(1024);
-      std::cout << absl::StrFormat(
-          "\n### %s, %d layers, batch %d x %d tokens, %d LibTorch threads; fp32 matmul ceiling "
-          "%.1f GFLOP/s (1024^3, best of 5); %d timed steps after %d warm-up\n\n",
-          w.name, layers, batch, w.seq_len, torch::get_num_threads(), ceiling / 1e9, steps, warmup);
-      std::cout
-          << "| schedule | FLOPs/token (fwd) | step ms | tokens/s | vs mha | GFLOP/s | MFU vs "
-             "matmul ceiling | sys/user CPU |\n"
-          << "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
-      for (const Variant& v : variants) {
-        LOOM_ASSIGN_OR_RETURN(Measured m,
-                              RunSchedule(w, v, layers, batch, warmup, steps, loader, false));
-        const double rate = static_cast<double>(batch * w.seq_len) / m.step_s;
-        tps[ti].push_back(rate);
-        const double achieved = 3.0 * m.flops_per_token * rate;
-        std::cout << absl::StrFormat(
-            "| %s | %.3g | %.1f | %.0f | %.2f | %.2f | %.1f%% | %.1f%% |\n", v.name,
-            m.flops_per_token, 1e3 * m.step_s, rate, rate / tps[ti][0], achieved / 1e9,
-            100 * achieved / ceiling, 100 * m.sys_per_user);
-      }
-    }
-    if (args.Has("bf16")) {  // mixed precision against the fp32 rows above (last thread count)
-      std::cout << absl::StrFormat("\nbf16 autocast vs fp32 (%d threads, the same steps):\n\n",
-                                   torch::get_num_threads())
-                << "| schedule | fp32 tokens/s | bf16 tokens/s | bf16 vs fp32 |\n"
-                << "| --- | ---: | ---: | ---: |\n";
-      for (size_t i = 0; i < variants.size(); ++i) {
-        LOOM_ASSIGN_OR_RETURN(Measured m, RunSchedule(w, variants[i], layers, batch, warmup, steps,
-                                                      loader, false, "bf16"));
-        const double rate = static_cast<double>(batch * w.seq_len) / m.step_s;
-        std::cout << absl::StrFormat("| %s | %.0f | %.0f | %.2fx |\n", variants[i].name,
-                                     tps.back()[i], rate, rate / tps.back()[i]);
-      }
-    }
-    if (thread_counts.size() > 1) {
-      std::cout << absl::StrFormat("\nTokens/s at %d threads / at %d threads: ",
-                                   thread_counts.back(), thread_counts.front());
-      for (size_t i = 0; i < variants.size(); ++i) {
-        std::cout << absl::StrFormat("%s%s %.2fx", i ? ", " : "", variants[i].name,
-                                     tps.back()[i] / tps.front()[i]);
-      }
-      std::cout << "\n";
-    }
-    if (profile_rows > 0) {
-      std::cout << absl::StrFormat("\nWhere the step goes (%d threads, %d steps profiled):\n",
-                                   torch::get_num_threads(), warmup + steps);
-      for (const Variant& v : variants) {
-        const auto start = Clock::now();
-        LOOM_ASSIGN_OR_RETURN(Measured m,
-                              RunSchedule(w, v, layers, batch, warmup, steps, loader, true));
-        std::cout << "\n" << v.name << ":\n\n";
-        PrintProfile(m, std::chrono::duration<double>(Clock::now() - start).count(), profile_rows);
-      }
-    }
+  return plan;
+}
+
+class TrainBench {
+ public:
+  TrainBench(BenchPlan plan, PluginLoader& loader) : plan_(std::move(plan)), loader_(loader) {}
+  absl::Status RunWidth(const Width& w);
+
+ private:
+  absl::StatusOr<Measured> Measure(const Width& w, const Variant& v, bool profile,
+                                   const std::string& precision = "fp32") {
+    return RunSchedule(w, v, plan_.layers, plan_.batch, plan_.warmup, plan_.steps, loader_, profile,
+                       precision);
   }
+  // One table at the current thread count; the schedules' tokens/s.
+  absl::StatusOr<std::vector<double>> ThroughputTable(const Width& w,
+                                                      const std::vector<Variant>& variants);
+  absl::Status Bf16Table(const Width& w, const std::vector<Variant>& variants,
+                         const std::vector<double>& fp32_rates);
+  void ScalingLine(const std::vector<Variant>& variants,
+                   const std::vector<std::vector<double>>& rates) const;
+  absl::Status Profiles(const Width& w, const std::vector<Variant>& variants);
+
+  BenchPlan plan_;
+  PluginLoader& loader_;
+  const int default_threads_ = torch::get_num_threads();
+};
+
+absl::Status TrainBench::RunWidth(const Width& w) {
+  const std::vector<Variant> variants = Schedules(plan_.p, w.seq_len);
+  std::vector<std::vector<double>> rates;  // [thread count][schedule]
+  for (int64_t threads : plan_.thread_counts) {
+    torch::set_num_threads(threads > 0 ? static_cast<int>(threads) : default_threads_);
+    LOOM_ASSIGN_OR_RETURN(std::vector<double> at_threads, ThroughputTable(w, variants));
+    rates.push_back(std::move(at_threads));
+  }
+  // Mixed precision against the fp32 rows above (the last thread count).
+  if (plan_.bf16) LOOM_RETURN_IF_ERROR(Bf16Table(w, variants, rates.back()));
+  if (rates.size() > 1) ScalingLine(variants, rates);
+  if (plan_.profile_rows > 0) LOOM_RETURN_IF_ERROR(Profiles(w, variants));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<double>> TrainBench::ThroughputTable(
+    const Width& w, const std::vector<Variant>& variants) {
+  const double ceiling = MatmulCeilingFlops(1024);
+  std::cout << absl::StrFormat(
+      "\n### %s, %d layers, batch %d x %d tokens, %d LibTorch threads; fp32 matmul ceiling "
+      "%.1f GFLOP/s (1024^3, best of 5); %d timed steps after %d warm-up\n\n",
+      w.name, plan_.layers, plan_.batch, w.seq_len, torch::get_num_threads(), ceiling / 1e9,
+      plan_.steps, plan_.warmup);
+  std::cout << "| schedule | FLOPs/token (fwd) | step ms | tokens/s | vs mha | GFLOP/s | MFU vs "
+               "matmul ceiling | sys/user CPU |\n"
+            << "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+  std::vector<double> rates;
+  for (const Variant& v : variants) {
+    LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, v, false));
+    const double rate = static_cast<double>(plan_.batch * w.seq_len) / m.step_s;
+    rates.push_back(rate);
+    const double achieved = 3.0 * m.flops_per_token * rate;
+    std::cout << absl::StrFormat("| %s | %.3g | %.1f | %.0f | %.2f | %.2f | %.1f%% | %.1f%% |\n",
+                                 v.name, m.flops_per_token, 1e3 * m.step_s, rate,
+                                 rate / rates.front(), achieved / 1e9, 100 * achieved / ceiling,
+                                 100 * m.sys_per_user);
+  }
+  return rates;
+}
+
+absl::Status TrainBench::Bf16Table(const Width& w, const std::vector<Variant>& variants,
+                                   const std::vector<double>& fp32_rates) {
+  std::cout << absl::StrFormat("\nbf16 autocast vs fp32 (%d threads, the same steps):\n\n",
+                               torch::get_num_threads())
+            << "| schedule | fp32 tokens/s | bf16 tokens/s | bf16 vs fp32 |\n"
+            << "| --- | ---: | ---: | ---: |\n";
+  for (size_t i = 0; i < variants.size(); ++i) {
+    LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, variants[i], false, "bf16"));
+    const double rate = static_cast<double>(plan_.batch * w.seq_len) / m.step_s;
+    std::cout << absl::StrFormat("| %s | %.0f | %.0f | %.2fx |\n", variants[i].name, fp32_rates[i],
+                                 rate, rate / fp32_rates[i]);
+  }
+  return absl::OkStatus();
+}
+
+void TrainBench::ScalingLine(const std::vector<Variant>& variants,
+                             const std::vector<std::vector<double>>& rates) const {
+  std::cout << absl::StrFormat("\nTokens/s at %d threads / at %d threads: ",
+                               plan_.thread_counts.back(), plan_.thread_counts.front());
+  for (size_t i = 0; i < variants.size(); ++i) {
+    std::cout << absl::StrFormat("%s%s %.2fx", i ? ", " : "", variants[i].name,
+                                 rates.back()[i] / rates.front()[i]);
+  }
+  std::cout << "\n";
+}
+
+absl::Status TrainBench::Profiles(const Width& w, const std::vector<Variant>& variants) {
+  std::cout << absl::StrFormat("\nWhere the step goes (%d threads, %d steps profiled):\n",
+                               torch::get_num_threads(), plan_.warmup + plan_.steps);
+  for (const Variant& v : variants) {
+    const auto start = Clock::now();
+    LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, v, true));
+    std::cout << "\n" << v.name << ":\n\n";
+    PrintProfile(m, std::chrono::duration<double>(Clock::now() - start).count(),
+                 plan_.profile_rows);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Run(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(CliArgs args,
+                        CliArgs::Parse(argc, argv, 1,
+                                       {"steps", "warmup", "seq-len", "batch", "threads", "p",
+                                        "plugin-dir", "layers", "widths", "profile"},
+                                       {"bf16"}));
+  LOOM_ASSIGN_OR_RETURN(BenchPlan plan, PlanFromArgs(args));
+  PluginLoader loader;
+  loader.LoadDirectories(args.Has("plugin-dir") ? std::vector<std::string>{args.Get("plugin-dir")}
+                                                : PluginLoader::DefaultSearchPath());
+  std::cout << absl::StrFormat("machine: %s; %s\n", CpuName(), BlasDescription());
+  const std::vector<Width> widths = plan.widths;
+  TrainBench bench(std::move(plan), loader);
+  for (const Width& w : widths) LOOM_RETURN_IF_ERROR(bench.RunWidth(w));
   std::cout << "\nFLOPs/token are the plugins' exact counts (masks counted); a training step is "
                "taken as 3x the forward. Attention runs each plugin's kernel: auto (the fused "
                "flash kernel on the CPU for mha, local and iha).\n";

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <numeric>
+#include <optional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "loom/status_macros.h"
 
 namespace loom::trainer {
 namespace {
@@ -61,11 +63,10 @@ uint32_t SampleToken(const torch::Tensor& logits, const SamplingOptions& o, std:
   return static_cast<uint32_t>(order[keep - 1]);
 }
 
-absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
-                                                 const std::vector<GenerationRequest>& requests,
-                                                 const SamplingOptions& o,
-                                                 const TokenDecoder& decode,
-                                                 GenerationStats* stats) {
+namespace {
+
+absl::Status CheckRequests(const Transformer& model, const std::vector<GenerationRequest>& requests,
+                           const SamplingOptions& o) {
   if (model.config().mode() != "decoder")
     return absl::InvalidArgumentError("generation needs a decoder model");
   if (o.batch < 1) return absl::InvalidArgumentError("generation: batch must be >= 1");
@@ -85,98 +86,148 @@ absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
             absl::StrCat("prompt ", i, ": token ", t, " is outside the vocabulary of ", vocab));
     }
   }
+  return absl::OkStatus();
+}
+
+// One batch of requests being decoded together.
+struct DecodeBatch {
+  const std::vector<GenerationRequest>* requests = nullptr;
+  size_t first = 0;
+  int64_t rows = 0, longest = 0;
+  std::vector<int64_t> length;  // each prompt's length
+  std::vector<std::mt19937_64> rng;
+  std::vector<bool> done;
+  bool padded = false;  // prompts of different lengths: segment ids mask the pads
+  torch::Device device = torch::kCPU;
+};
+
+// The prompts of requests [first, last), left-padded: real tokens at the right end, pads in
+// segment 0 with position 0.
+ModelInputs PromptInputs(DecodeBatch& batch, size_t last, uint32_t pad_token) {
+  const auto& requests = *batch.requests;
+  const int64_t b = static_cast<int64_t>(last - batch.first);
+  batch.rows = b;
+  for (size_t i = batch.first; i < last; ++i)
+    batch.longest =
+        std::max<int64_t>(batch.longest, static_cast<int64_t>(requests[i].prompt.size()));
+  const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  torch::Tensor tokens = torch::full({b, batch.longest}, static_cast<int64_t>(pad_token), i64);
+  torch::Tensor positions = torch::zeros({b, batch.longest}, i64);
+  torch::Tensor segments = torch::zeros({b, batch.longest}, i64);
+  auto tok = tokens.accessor<int64_t, 2>(), pos = positions.accessor<int64_t, 2>(),
+       seg = segments.accessor<int64_t, 2>();
+  for (int64_t r = 0; r < b; ++r) {
+    const auto& req = requests[batch.first + static_cast<size_t>(r)];
+    const int64_t n = static_cast<int64_t>(req.prompt.size()), pad = batch.longest - n;
+    batch.padded |= pad > 0;
+    batch.length.push_back(n);
+    for (int64_t i = 0; i < n; ++i) {
+      tok[r][pad + i] = static_cast<int64_t>(req.prompt[i]);
+      pos[r][pad + i] = i;
+      seg[r][pad + i] = 1;
+    }
+    batch.rng.push_back(SequenceRng(req.seed));
+  }
+  batch.done.assign(static_cast<size_t>(b), false);
+  ModelInputs in;
+  in.tokens = tokens.to(batch.device);
+  in.positions = positions.to(batch.device);
+  if (batch.padded) in.segments = segments.to(batch.device);
+  return in;
+}
+
+// Samples every unfinished row's next token from `logits` ([rows, vocab]); returns the inputs of
+// the next decode step, or nullopt when every row has finished.
+std::optional<ModelInputs> SampleStep(DecodeBatch& batch, const torch::Tensor& logits, int64_t step,
+                                      const SamplingOptions& o, const TokenDecoder& decode,
+                                      Generation* out, GenerationStats* stats) {
+  const int64_t b = batch.rows;
+  const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  torch::Tensor next = torch::full({b, 1}, static_cast<int64_t>(o.pad), i64);
+  torch::Tensor next_pos = torch::zeros({b, 1}, i64);
+  auto next_tok = next.accessor<int64_t, 2>(), next_p = next_pos.accessor<int64_t, 2>();
+  // One device-to-host copy per step; rows are sampled on the host.
+  const torch::Tensor host_logits = logits.to(torch::kCPU, torch::kFloat64).contiguous();
+  bool any = false;
+  for (int64_t r = 0; r < b; ++r) {
+    next_p[r][0] = batch.length[r] + step;
+    if (batch.done[r]) continue;
+    Generation& g = out[r];
+    const uint32_t t = SampleToken(host_logits[r], o, batch.rng[r]);
+    ++stats->generated_tokens;
+    if (std::find(o.stop_tokens.begin(), o.stop_tokens.end(), t) != o.stop_tokens.end()) {
+      g.finish = "stop_token";
+      batch.done[r] = true;
+      continue;
+    }
+    g.tokens.push_back(t);
+    next_tok[r][0] = static_cast<int64_t>(t);
+    if (!o.stop.empty()) {
+      g.text = decode(g.tokens);
+      for (const std::string& s : o.stop) {
+        if (g.text.find(s) != std::string::npos) {
+          g.finish = "stop_string";
+          batch.done[r] = true;
+        }
+      }
+    }
+    any |= !batch.done[r];
+  }
+  if (!any) return std::nullopt;
+  ModelInputs in;
+  in.tokens = next.to(batch.device);
+  in.positions = next_pos.to(batch.device);
+  if (batch.padded) in.segments = torch::ones({b, 1}, i64).to(batch.device);
+  return in;
+}
+
+// The final text; a stop string cuts it at the earliest one, dropping its tokens' text.
+void Finish(Generation& g, const SamplingOptions& o, const TokenDecoder& decode) {
+  if (g.finish.empty()) g.finish = "length";
+  g.text = decode(g.tokens);
+  if (g.finish != "stop_string") return;
+  size_t cut = g.text.size();
+  for (const std::string& s : o.stop) cut = std::min(cut, g.text.find(s));
+  g.text.resize(cut);
+}
+
+void GenerateBatch(Transformer& model, DecodeBatch& batch, size_t last, const SamplingOptions& o,
+                   const TokenDecoder& decode, Generation* out, GenerationStats* stats) {
+  DecodeState state = model.NewDecodeState();
+  torch::Tensor logits =
+      model.ForwardCached(PromptInputs(batch, last, o.pad), state).select(1, batch.longest - 1);
+  const int64_t budget = std::min(o.max_new_tokens, model.config().max_seq_len() - batch.longest);
+  for (int64_t step = 0; step < budget; ++step) {
+    std::optional<ModelInputs> next = SampleStep(batch, logits, step, o, decode, out, stats);
+    if (!next) break;
+    logits = model.ForwardCached(*next, state).select(1, 0);
+    stats->peak_cache_bytes = std::max(stats->peak_cache_bytes, state.bytes());
+  }
+  for (int64_t r = 0; r < batch.rows; ++r) Finish(out[r], o, decode);
+  stats->sequences += batch.rows;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
+                                                 const std::vector<GenerationRequest>& requests,
+                                                 const SamplingOptions& o,
+                                                 const TokenDecoder& decode,
+                                                 GenerationStats* stats) {
+  LOOM_RETURN_IF_ERROR(CheckRequests(model, requests, o));
   const auto start_time = std::chrono::steady_clock::now();
   torch::NoGradGuard no_grad;
-  const torch::Tensor any_param = model.parameters().front();
-  const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  const torch::Device device = model.parameters().front().device();
   std::vector<Generation> out(requests.size());
   GenerationStats local;
   try {
     for (size_t first = 0; first < requests.size(); first += static_cast<size_t>(o.batch)) {
+      DecodeBatch batch;
+      batch.requests = &requests;
+      batch.first = first;
+      batch.device = device;
       const size_t last = std::min(requests.size(), first + static_cast<size_t>(o.batch));
-      const int64_t b = static_cast<int64_t>(last - first);
-      int64_t longest = 0;
-      for (size_t i = first; i < last; ++i)
-        longest = std::max<int64_t>(longest, static_cast<int64_t>(requests[i].prompt.size()));
-      // Left padding: real tokens at the right end, pads in segment 0 with position 0.
-      torch::Tensor tokens = torch::full({b, longest}, static_cast<int64_t>(o.pad), i64);
-      torch::Tensor positions = torch::zeros({b, longest}, i64);
-      torch::Tensor segments = torch::zeros({b, longest}, i64);
-      std::vector<int64_t> length(static_cast<size_t>(b));
-      std::vector<std::mt19937_64> rng;
-      bool padded = false;
-      auto tok = tokens.accessor<int64_t, 2>(), pos = positions.accessor<int64_t, 2>(),
-           seg = segments.accessor<int64_t, 2>();
-      for (int64_t r = 0; r < b; ++r) {
-        const auto& req = requests[first + static_cast<size_t>(r)];
-        const int64_t n = static_cast<int64_t>(req.prompt.size()), pad = longest - n;
-        padded |= pad > 0;
-        length[r] = n;
-        for (int64_t i = 0; i < n; ++i) {
-          tok[r][pad + i] = static_cast<int64_t>(req.prompt[i]);
-          pos[r][pad + i] = i;
-          seg[r][pad + i] = 1;
-        }
-        rng.push_back(SequenceRng(req.seed));
-      }
-      DecodeState state = model.NewDecodeState();
-      ModelInputs in;
-      in.tokens = tokens.to(any_param.device());
-      in.positions = positions.to(any_param.device());
-      if (padded) in.segments = segments.to(any_param.device());
-      torch::Tensor logits = model.ForwardCached(in, state).select(1, longest - 1);
-      const int64_t budget = std::min(o.max_new_tokens, max_len - longest);
-      std::vector<bool> done(static_cast<size_t>(b), false);
-      for (int64_t step = 0; step < budget; ++step) {
-        torch::Tensor next = torch::full({b, 1}, static_cast<int64_t>(o.pad), i64);
-        torch::Tensor next_pos = torch::zeros({b, 1}, i64);
-        auto next_tok = next.accessor<int64_t, 2>(), next_p = next_pos.accessor<int64_t, 2>();
-        // One device-to-host copy per step; rows are sampled on the host.
-        const torch::Tensor host_logits = logits.to(torch::kCPU, torch::kFloat64).contiguous();
-        bool any = false;
-        for (int64_t r = 0; r < b; ++r) {
-          next_p[r][0] = length[r] + step;
-          if (done[r]) continue;
-          Generation& g = out[first + static_cast<size_t>(r)];
-          const uint32_t t = SampleToken(host_logits[r], o, rng[r]);
-          ++local.generated_tokens;
-          if (std::find(o.stop_tokens.begin(), o.stop_tokens.end(), t) != o.stop_tokens.end()) {
-            g.finish = "stop_token";
-            done[r] = true;
-            continue;
-          }
-          g.tokens.push_back(t);
-          next_tok[r][0] = static_cast<int64_t>(t);
-          if (!o.stop.empty()) {
-            g.text = decode(g.tokens);
-            for (const std::string& s : o.stop) {
-              if (g.text.find(s) != std::string::npos) {
-                g.finish = "stop_string";
-                done[r] = true;
-              }
-            }
-          }
-          any |= !done[r];
-        }
-        if (!any) break;
-        ModelInputs step_in;
-        step_in.tokens = next.to(any_param.device());
-        step_in.positions = next_pos.to(any_param.device());
-        if (padded) step_in.segments = torch::ones({b, 1}, i64).to(any_param.device());
-        logits = model.ForwardCached(step_in, state).select(1, 0);
-        local.peak_cache_bytes = std::max(local.peak_cache_bytes, state.bytes());
-      }
-      for (int64_t r = 0; r < b; ++r) {
-        Generation& g = out[first + static_cast<size_t>(r)];
-        if (g.finish.empty()) g.finish = "length";
-        g.text = decode(g.tokens);
-        if (g.finish == "stop_string") {  // cut at the earliest stop string, drop its tokens' text
-          size_t cut = g.text.size();
-          for (const std::string& s : o.stop) cut = std::min(cut, g.text.find(s));
-          g.text.resize(cut);
-        }
-      }
-      local.sequences += b;
+      GenerateBatch(model, batch, last, o, decode, out.data() + first, &local);
     }
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("generation: ", e.what()));

@@ -33,6 +33,7 @@
 #include "plugin_factory.h"
 #include "plugin_loader.h"
 #include "tensor_io.h"
+#include "test_hooks.h"
 #include "trainer.h"
 
 namespace loom::trainer {
@@ -227,6 +228,7 @@ absl::Status RunTrain(int argc, char** argv) {
   options.init_from = args.Get("init-from");
   options.resume_if_any = args.Get("resume-if-any");
   options.apply_retention = !args.Has("no-retention");
+  LOOM_ASSIGN_OR_RETURN(options.test, TestHooksFromEnvironment());
   StartLeaseWatchdog();  // a rank of a service job: stop when the agent's lease runs out
   LOOM_ASSIGN_OR_RETURN(options.stop_after, args.GetInt("stop-after", 0, 1, 1000000000));
   options.log = &std::cout;

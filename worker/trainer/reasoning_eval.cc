@@ -244,4 +244,23 @@ std::string ReasoningEvalJson(const ReasoningEvalSummary& s, int64_t step, bool 
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
+v1::TrainerEvent ReasoningEvalEvent(const ReasoningEvalSummary& s, int64_t step,
+                                    const std::string& details) {
+  v1::TrainerEvent event;
+  v1::ReasoningEvalEvent& e = *event.mutable_reasoning_eval();
+  e.set_step(step);
+  e.set_task(s.task);
+  e.set_problems(s.problems);
+  e.set_skipped(s.skipped);
+  e.set_samples(static_cast<int32_t>(s.samples));
+  e.set_pass_at_1(s.pass_at_1);
+  e.set_maj_at_k(s.maj_at_k);
+  e.set_answered(s.answered);
+  e.set_generated_tokens(s.generation.generated_tokens);
+  e.set_seconds(s.generation.seconds);
+  e.set_peak_cache_bytes(s.generation.peak_cache_bytes);
+  if (!details.empty()) e.set_details(details);
+  return event;
+}
+
 }  // namespace loom::trainer

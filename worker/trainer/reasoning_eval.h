@@ -13,6 +13,7 @@
 #include "chat.h"
 #include "generate.h"
 #include "loom/sft_plugin.h"
+#include "loom/v1/events.pb.h"
 #include "loom/v1/job.pb.h"
 #include "model.h"
 #include "tokenizer.h"
@@ -68,6 +69,9 @@ absl::StatusOr<ReasoningEvalSummary> RunReasoningEval(Transformer& model,
 
 // The summary as one JSON object; with details, every problem's samples and votes.
 std::string ReasoningEvalJson(const ReasoningEvalSummary& s, int64_t step, bool details);
+// The event-log record of an evaluation (details: the file with every sample, "" when none).
+v1::TrainerEvent ReasoningEvalEvent(const ReasoningEvalSummary& s, int64_t step,
+                                    const std::string& details);
 
 }  // namespace loom::trainer
 

@@ -253,11 +253,12 @@ TEST_F(TrainerTest, LossScalingSkipsOverflowsAndResumesExactly) {
 }
 
 TEST_F(TrainerTest, NanGuardSkipsThenFails) {
-  setenv("LOOM_TEST_INJECT_NAN_AT_STEPS", "3,4", 1);
+  TrainerOptions nan_at_3_4;
+  nan_at_3_4.test.nan_at_steps = {3, 4};
   auto t = Trainer::Create(
       Spec(
           R"({"preset": "micro", "steps": 6, "data": {"corpus_bytes": 65536}, "eval": {"batches": 1}})"),
-      loader_, {});
+      loader_, nan_at_3_4);
   ASSERT_TRUE(t.ok());
   auto summary = (*t)->Run();
   ASSERT_TRUE(summary.ok()) << summary.status();
@@ -269,14 +270,14 @@ TEST_F(TrainerTest, NanGuardSkipsThenFails) {
   EXPECT_NE(text.find("loom_train_nan_skipped_steps_total{job_id=\"standalone\",rank=\"0\"} 2"),
             std::string::npos);
 
-  setenv("LOOM_TEST_INJECT_NAN_AT_STEPS", "2,3,4", 1);
+  TrainerOptions nan_at_2_3_4;
+  nan_at_2_3_4.test.nan_at_steps = {2, 3, 4};
   auto failing = Trainer::Create(
       Spec(
           R"({"preset": "micro", "steps": 6, "max_nan_skips": 3, "data": {"corpus_bytes": 65536}, "eval": {"batches": 1}})"),
-      loader_, {});
+      loader_, nan_at_2_3_4);
   ASSERT_TRUE(failing.ok());
   auto failed = (*failing)->Run();
-  unsetenv("LOOM_TEST_INJECT_NAN_AT_STEPS");
   ASSERT_FALSE(failed.ok());
   EXPECT_NE(failed.status().message().find("step 4: 3 consecutive non-finite steps"),
             std::string::npos)

@@ -1,0 +1,310 @@
+#include "checkpointer.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <filesystem>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "lease.h"
+#include "loom/spec.h"
+#include "loom/status_macros.h"
+#include "tensor_io.h"
+
+namespace loom::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr char kModelPrefix[] = "model.";
+constexpr char kOptimPrefix[] = "optim.";
+constexpr char kTorchRng[] = "rng.torch_cpu";
+
+std::string SpecJson(const v1::JobSpec& spec) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions print;
+  print.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(spec, &json, print);
+  return json;
+}
+
+// The shards' tensors merged by name and split into the model's and AdamW's (prefixes dropped).
+// Parameters live in shard 0, moments in the shard of the rank that owned them.
+struct SplitTensors {
+  std::map<std::string, torch::Tensor> model, optim;
+  std::map<std::string, torch::Tensor> all;
+};
+absl::StatusOr<SplitTensors> ReadTensors(const storage::LoadedCheckpoint& loaded) {
+  SplitTensors out;
+  for (const auto& shard : loaded.shards) {
+    LOOM_ASSIGN_OR_RETURN(auto part, TensorsFromFile(shard));
+    out.all.insert(part.begin(), part.end());
+  }
+  for (auto& [name, t] : out.all) {
+    if (name.rfind(kModelPrefix, 0) == 0) out.model[name.substr(sizeof(kModelPrefix) - 1)] = t;
+    if (name.rfind(kOptimPrefix, 0) == 0) out.optim[name.substr(sizeof(kOptimPrefix) - 1)] = t;
+  }
+  return out;
+}
+
+}  // namespace
+
+Checkpointer::Checkpointer(const v1::JobSpec& spec, CheckpointedState state, Communicator* comm,
+                           StepReporter* reporter, Options options)
+    : spec_(spec),
+      state_(state),
+      comm_(comm),
+      reporter_(reporter),
+      options_(std::move(options)),
+      model_hash_(ModelHash(spec)),
+      spec_hash_(SpecHash(spec)) {}
+
+absl::Status Checkpointer::Start(const StartFrom& from) {
+  const std::string& dir = spec_.checkpoint().dir();
+  if (!dir.empty() && comm_->rank() == 0) {
+    LOOM_ASSIGN_OR_RETURN(int removed, storage::CleanIncomplete(dir));
+    if (removed > 0) {
+      reporter_->Log(
+          absl::StrCat("checkpoint: removed ", removed, " incomplete checkpoint(s) in ", dir));
+    }
+  }
+  if (!from.resume.empty() && !from.init_from.empty()) {
+    return absl::InvalidArgumentError("--resume and --init-from are exclusive");
+  }
+  if (!from.resume.empty() && !from.resume_if_any.empty()) {
+    return absl::InvalidArgumentError("--resume and --resume-if-any are exclusive");
+  }
+  if (!from.resume_if_any.empty()) return RestoreNewestIntact(from.resume_if_any, from.init_from);
+  if (!from.resume.empty()) LOOM_RETURN_IF_ERROR(Restore(from.resume, false));
+  if (!from.init_from.empty()) LOOM_RETURN_IF_ERROR(Restore(from.init_from, true));
+  return absl::OkStatus();
+}
+
+void Checkpointer::ReportStart(const StartFrom& from) {
+  for (const Note& k : skipped_) {
+    v1::TrainerEvent e;
+    e.mutable_checkpoint_skipped()->set_step(k.step);
+    e.mutable_checkpoint_skipped()->set_dir(k.dir);
+    e.mutable_checkpoint_skipped()->set_reason(k.reason);
+    reporter_->Event(e);
+  }
+  if (from.resume_if_any.empty()) return;
+  v1::TrainerEvent e;
+  e.mutable_resumed()->set_step(resumed_.step);
+  e.mutable_resumed()->set_dir(resumed_.dir);
+  reporter_->Event(e);
+}
+
+absl::Status Checkpointer::Restore(const std::string& where, bool weights_only) {
+  const auto start = Clock::now();
+  absl::StatusOr<storage::LoadedCheckpoint> loaded;
+  if (fs::exists(fs::path(where) / "manifest.json")) {
+    loaded = storage::LoadCheckpoint(where);
+  } else {
+    std::vector<absl::Status> skipped;
+    loaded = storage::LoadLatestCheckpoint(where, &skipped);
+    for (const absl::Status& s : skipped) {
+      reporter_->Log(absl::StrCat("checkpoint: skipping a damaged checkpoint: ", s.message()));
+    }
+  }
+  if (!loaded.ok()) {
+    return absl::Status(
+        loaded.status().code(),
+        absl::StrCat(weights_only ? "--init-from" : "--resume", ": ", loaded.status().message()));
+  }
+  return Apply(*loaded, weights_only, start);
+}
+
+// --resume-if-any: the newest checkpoint under `root` that verifies and restores; each newer
+// one that does not is skipped and reported (events "checkpoint_skipped") so the control plane
+// marks it. None at all: a fresh start (or --init-from).
+absl::Status Checkpointer::RestoreNewestIntact(const std::string& root,
+                                               const std::string& init_from) {
+  LOOM_ASSIGN_OR_RETURN(std::vector<storage::CheckpointRef> refs, storage::ListCheckpoints(root));
+  for (auto it = refs.rbegin(); it != refs.rend(); ++it) {
+    const auto start = Clock::now();
+    absl::StatusOr<storage::LoadedCheckpoint> loaded = storage::LoadCheckpoint(it->dir);
+    absl::Status s = loaded.ok() ? Apply(*loaded, false, start) : loaded.status();
+    if (s.ok()) {
+      resumed_ = {it->step, it->dir, ""};
+      return absl::OkStatus();
+    }
+    if (absl::IsInvalidArgument(s)) return s;  // the spec does not fit its own checkpoints
+    reporter_->Log(absl::StrCat("checkpoint: skipping ", it->dir, ": ", s.message()));
+    skipped_.push_back({it->step, it->dir, std::string(s.message())});
+  }
+  resumed_ = {0, "", ""};
+  if (!init_from.empty()) return Restore(init_from, true);
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::Apply(const storage::LoadedCheckpoint& loaded, bool weights_only,
+                                 Clock::time_point start) {
+  const char* what = weights_only ? "--init-from" : "--resume";
+  const storage::Manifest& m = loaded.manifest;
+  LOOM_ASSIGN_OR_RETURN(SplitTensors tensors, ReadTensors(loaded));
+  if (!weights_only) {
+    auto it = m.state.find("model_hash");
+    if (it == m.state.end() || it->second != model_hash_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": ", loaded.dir, " holds a different model (hash ",
+                       it == m.state.end() ? "none" : it->second, ", this spec ", model_hash_,
+                       "); use --init-from to start a new run from its weights"));
+    }
+  }
+  if (absl::Status s = LoadIntoModule(*state_.model, tensors.model); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", loaded.dir, ": model: ", s.message()));
+  }
+  if (weights_only) {
+    state_.progress->parent = loaded.dir;
+    reporter_->Log(absl::StrCat("init-from: weights of ", loaded.dir, " (step ", m.step,
+                                "); fresh optimizer"));
+  } else {
+    auto rng = tensors.all.find(kTorchRng);
+    LOOM_RETURN_IF_ERROR(ApplyTrainingState(
+        loaded, tensors.optim, rng == tensors.all.end() ? nullptr : &rng->second, what));
+  }
+  reporter_->registry().Observe("loom_train_checkpoint_load_seconds",
+                                std::chrono::duration<double>(Clock::now() - start).count(),
+                                reporter_->labels());
+  return absl::OkStatus();
+}
+
+// --resume: everything beyond the weights (optimizer, data cursor, early stopping, loss scale,
+// counters, LibTorch's generator).
+absl::Status Checkpointer::ApplyTrainingState(const storage::LoadedCheckpoint& loaded,
+                                              std::map<std::string, torch::Tensor>& optim_tensors,
+                                              const torch::Tensor* torch_rng, const char* what) {
+  const storage::Manifest& m = loaded.manifest;
+  auto get = [&](const std::string& key) -> absl::StatusOr<std::string> {
+    auto it = m.state.find(key);
+    if (it == m.state.end())
+      return absl::DataLossError(absl::StrCat(what, ": manifest lacks state '", key, "'"));
+    return it->second;
+  };
+  LOOM_ASSIGN_OR_RETURN(std::string optim_step, get("optim.step"));
+  LOOM_ASSIGN_OR_RETURN(std::string data_rng, get("data.rng"));
+  LOOM_ASSIGN_OR_RETURN(std::string nan_run, get("nan.consecutive"));
+  TrainProgress& p = *state_.progress;
+  int64_t optim_step_value = 0;
+  if (!absl::SimpleAtoi(optim_step, &optim_step_value) ||
+      !absl::SimpleAtoi(nan_run, &p.consecutive_nan)) {
+    return absl::DataLossError(
+        absl::StrCat(what, ": malformed optimizer step or NaN counter in the manifest"));
+  }
+  for (auto& [name, t] : optim_tensors) t = t.to(options_.device);
+  LOOM_RETURN_IF_ERROR(state_.optimizer->LoadState(optim_tensors, optim_step_value));
+  if (state_.data != nullptr) LOOM_RETURN_IF_ERROR(state_.data->Restore(data_rng));
+  if (state_.early_stop != nullptr) {
+    LOOM_ASSIGN_OR_RETURN(std::string early, get("split.early_stop"));
+    LOOM_RETURN_IF_ERROR(state_.early_stop->Restore(early));
+  }
+  if (state_.loss_scaler != nullptr) {
+    // A checkpoint written without loss scaling resumes at the configured initial scale.
+    auto it = m.state.find("loss_scale");
+    if (it != m.state.end()) LOOM_RETURN_IF_ERROR(state_.loss_scaler->Restore(it->second));
+  }
+  if (torch_rng == nullptr)
+    return absl::DataLossError(absl::StrCat(what, ": shard lacks ", kTorchRng));
+  at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle to the global one
+  generator.set_state(*torch_rng);
+  p.step = m.step;
+  p.tokens_seen = m.tokens_seen;
+  p.parent = m.parent;
+  reporter_->Log(
+      absl::StrCat("resume: ", loaded.dir, " at step ", p.step, " (", p.tokens_seen, " tokens)"));
+  return absl::OkStatus();
+}
+
+bool Checkpointer::Due(int64_t step) const {
+  return enabled() && spec_.checkpoint().interval() > 0 &&
+         step % spec_.checkpoint().interval() == 0;
+}
+
+absl::Status Checkpointer::Save() {
+  // Data-parallel state is replicated: rank 0 writes it, the others wait.
+  if (comm_->rank() == 0 || options_.zero) {
+    LOOM_ASSIGN_OR_RETURN(last_checkpoint_, Write());
+  }
+  LOOM_RETURN_IF_ERROR(comm_->Barrier());
+  last_saved_ = state_.progress->step;
+  if (comm_->rank() == 0) {
+    reporter_->Log(
+        absl::StrCat("checkpoint: step ", last_saved_, " committed to ", last_checkpoint_));
+  }
+  return absl::OkStatus();
+}
+
+storage::Manifest Checkpointer::ManifestNow() const {
+  const TrainProgress& p = *state_.progress;
+  storage::Manifest manifest;
+  manifest.tokens_seen = p.tokens_seen;
+  manifest.spec_hash = spec_hash_;
+  manifest.parent = p.parent;
+  manifest.kind = spec_.kind();
+  manifest.state = {{"optim.step", std::to_string(state_.optimizer->step())},
+                    {"data.rng", state_.data ? state_.data->State() : ""},
+                    {"nan.consecutive", std::to_string(p.consecutive_nan)},
+                    {"model_hash", model_hash_},
+                    {"zero_stage", options_.zero ? "1" : "0"},
+                    {"spec", SpecJson(spec_)}};
+  if (state_.early_stop != nullptr) manifest.state["split.early_stop"] = state_.early_stop->State();
+  if (state_.loss_scaler != nullptr) manifest.state["loss_scale"] = state_.loss_scaler->State();
+  return manifest;
+}
+
+// This rank's shard; with ZeRO-1 every rank writes its shard into one temporary directory that
+// rank 0 creates and commits, otherwise rank 0 alone writes the (replicated) state. Returns the
+// committed directory on rank 0, "" on the others.
+absl::StatusOr<std::string> Checkpointer::Write() {
+  const auto start = Clock::now();
+  const int64_t step = state_.progress->step;
+  NamedTensors tensors;
+  const int rank = comm_->rank(), world = options_.zero ? comm_->world_size() : 1;
+  if (rank == 0) {
+    for (auto& [name, t] : ModuleTensors(*state_.model))
+      tensors.emplace_back(kModelPrefix + name, t);
+    tensors.emplace_back(kTorchRng, at::detail::getDefaultCPUGenerator().get_state());
+  }
+  for (auto& [name, t] : state_.optimizer->StateTensors())
+    tensors.emplace_back(kOptimPrefix + name, t);
+  LOOM_ASSIGN_OR_RETURN(WritableTensors writable, ToWritable(tensors));
+  // Per attempt: a fenced attempt's half-written directory never mixes with the next one's.
+  const char* attempt = std::getenv("LOOM_ATTEMPT");
+  const std::string token =
+      absl::StrCat("run", spec_hash_, attempt ? "-a" : "", attempt ? attempt : "");
+  if (options_.zero && rank != 0) LOOM_RETURN_IF_ERROR(comm_->Barrier());  // directory created
+  LOOM_ASSIGN_OR_RETURN(
+      storage::CheckpointWriter writer,
+      storage::CheckpointWriter::Begin(spec_.checkpoint().dir(), step, world, token, rank == 0));
+  if (options_.zero && rank == 0) LOOM_RETURN_IF_ERROR(comm_->Barrier());
+  if (absl::Status s = writer.WriteShard(rank, writable.items, {{"format", "pt"}}); !s.ok()) {
+    if (rank == 0) writer.Abort();
+    return s;
+  }
+  if (options_.zero) {
+    LOOM_RETURN_IF_ERROR(comm_->Barrier());  // every shard is on disk
+    if (rank != 0) return std::string();
+    for (int r = 1; r < world; ++r) LOOM_RETURN_IF_ERROR(writer.AdoptShard(r));
+  }
+  if (options_.before_commit) options_.before_commit(step);
+  RequireLease("before a checkpoint commit");
+  auto dir = writer.Commit(ManifestNow());
+  if (!dir.ok()) {
+    writer.Abort();
+    return dir.status();
+  }
+  if (options_.apply_retention) {
+    LOOM_RETURN_IF_ERROR(storage::ApplyRetention(
+        spec_.checkpoint().dir(), spec_.checkpoint().keep_last(), spec_.checkpoint().keep_every()));
+  }
+  uint64_t bytes = 0;
+  for (const auto& item : writable.items) bytes += item.size_bytes;
+  reporter_->Checkpoint(step, *dir, std::chrono::duration<double>(Clock::now() - start).count(),
+                        bytes);
+  return *dir;
+}
+
+}  // namespace loom::trainer
