@@ -1,6 +1,5 @@
 #include "coordinator.h"
 
-#include <google/protobuf/util/json_util.h>
 #include <google/protobuf/util/message_differencer.h>
 
 #include <chrono>
@@ -8,50 +7,22 @@
 #include <fstream>
 #include <random>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "checkpoint.h"
-#include "loom/spec.h"
+#include "job_logs.h"
 #include "loom/status_macros.h"
+#include "submit_validation.h"
 #include "sweep.h"
 
 namespace fs = std::filesystem;
 
 namespace loom::coordinator {
 namespace {
-
-constexpr const char* kStates[] = {"queued",    "scheduled", "running",  "retrying",
-                                   "succeeded", "failed",    "cancelled"};
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-bool IsActive(const std::string& state) { return state == "scheduled" || state == "running"; }
-
-// Labels, pool selectors and idempotency keys: short printable tokens.
-bool IsToken(const std::string& s, size_t max_len) {
-  if (s.empty() || s.size() > max_len) return false;
-  for (char c : s) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
-          c == '/' || c == ':')) {
-      return false;
-    }
-  }
-  return true;
-}
-
-absl::Status FieldError(const std::string& field, const std::string& message) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
-}
 
 // Idempotency keys are scoped per user: the same request_id from two users names two requests,
 // and one user's key never reveals or returns another's job.
@@ -86,41 +57,8 @@ bool Contains(const google::protobuf::RepeatedPtrField<std::string>& list, const
   return std::find(list.begin(), list.end(), s) != list.end();
 }
 
-}  // namespace
-
-bool IsTerminal(const std::string& state) {
-  return state == "succeeded" || state == "failed" || state == "cancelled";
-}
-
-bool IsValidId(const std::string& id) {
-  if (id.empty() || id.size() > 64) return false;
-  for (char c : id) {
-    if (!(std::islower(static_cast<unsigned char>(c)) ||
-          std::isdigit(static_cast<unsigned char>(c)) || c == '-')) {
-      return false;
-    }
-  }
-  return true;
-}
-
-absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const CoordinatorOptions& options) {
-  if (options.data_dir.empty()) return absl::InvalidArgumentError("--data-dir is required");
-  if (options.storage_root.empty()) return absl::InvalidArgumentError("--storage-root is required");
-  std::unique_ptr<Coordinator> c(new Coordinator(options));
-  std::error_code ec;
-  c->options_.storage_root = fs::weakly_canonical(fs::absolute(options.storage_root), ec).string();
-  fs::create_directories(c->options_.storage_root, ec);
-  fs::create_directories(fs::path(options.data_dir) / "logs", ec);
-  if (!ec) fs::create_directories(fs::path(options.data_dir) / "series", ec);
-  if (ec) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot create '", options.data_dir, "': ", ec.message()));
-  }
-  LOOM_ASSIGN_OR_RETURN(c->store_,
-                        StateStore::Open((fs::path(options.data_dir) / "state").string()));
-  LOOM_RETURN_IF_ERROR(c->Load());
-  LOOM_RETURN_IF_ERROR(c->MigrateCheckpointIds());
-  auto& r = c->registry_;
+// The coordinator's metric families, each series that must exist from the first scrape at 0.
+void DeclareMetrics(metrics::Registry& r) {
   r.DeclareGauge("loom_coordinator_jobs", "Jobs by state");
   r.DeclareGauge("loom_coordinator_workers", "Workers by state");
   r.DeclareGauge("loom_coordinator_slots",
@@ -130,8 +68,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
   r.DeclareCounter("loom_coordinator_jobs_ended_total",
                    "Jobs that reached a terminal state (succeeded, failed, cancelled)");
   // At 0 from the start, so increase() sees the first failure (a series born at 1 has none).
-  for (const char* s : {"succeeded", "failed", "cancelled"}) {
-    r.Increment("loom_coordinator_jobs_ended_total", 0, {{"state", s}});
+  for (JobState s : {JobState::kSucceeded, JobState::kFailed, JobState::kCancelled}) {
+    r.Increment("loom_coordinator_jobs_ended_total", 0, {{"state", std::string(JobStateName(s))}});
   }
   r.DeclareCounter("loom_coordinator_workers_lost_total", "Workers marked lost");
   r.DeclareCounter("loom_coordinator_http_requests_total", "HTTP requests by route and status");
@@ -155,6 +93,40 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
                  "Seconds since an active job last reported progress (or started)");
   r.DeclareGauge("loom_coordinator_job_checkpoint_age_seconds",
                  "Seconds since an active job's newest checkpoint (or its start)");
+}
+
+}  // namespace
+
+bool IsValidId(const std::string& id) {
+  if (id.empty() || id.size() > 64) return false;
+  for (char c : id) {
+    if (!(std::islower(static_cast<unsigned char>(c)) ||
+          std::isdigit(static_cast<unsigned char>(c)) || c == '-')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const CoordinatorOptions& options) {
+  if (options.data_dir.empty()) return absl::InvalidArgumentError("--data-dir is required");
+  if (options.storage_root.empty()) return absl::InvalidArgumentError("--storage-root is required");
+  std::unique_ptr<Coordinator> c(new Coordinator(options));
+  if (!c->options_.clock) c->options_.clock = std::make_shared<SystemClock>();
+  std::error_code ec;
+  c->options_.storage_root = fs::weakly_canonical(fs::absolute(options.storage_root), ec).string();
+  fs::create_directories(c->options_.storage_root, ec);
+  fs::create_directories(fs::path(options.data_dir) / "logs", ec);
+  if (!ec) fs::create_directories(fs::path(options.data_dir) / "series", ec);
+  if (ec) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot create '", options.data_dir, "': ", ec.message()));
+  }
+  LOOM_ASSIGN_OR_RETURN(c->store_,
+                        StateStore::Open((fs::path(options.data_dir) / "state").string()));
+  LOOM_RETURN_IF_ERROR(c->Load());
+  LOOM_RETURN_IF_ERROR(c->MigrateCheckpointIds());
+  DeclareMetrics(c->registry_);
   return c;
 }
 
@@ -316,8 +288,9 @@ absl::Status Coordinator::Commit(Txn& txn) {
   if (s.ok() && !txn.batch.empty()) s = store_->Commit(txn.batch, true);
   if (s.ok()) {
     pending_deletes_.insert(pending_deletes_.end(), txn.deletes.begin(), txn.deletes.end());
-    for (const auto& state : txn.ended) {
-      registry_.Increment("loom_coordinator_jobs_ended_total", 1, {{"state", state}});
+    for (JobState state : txn.ended) {
+      registry_.Increment("loom_coordinator_jobs_ended_total", 1,
+                          {{"state", std::string(JobStateName(state))}});
     }
     return s;
   }
@@ -353,22 +326,21 @@ void Coordinator::Rollback(Txn& txn) {
   for (auto& [id, n] : txn.event_counts) event_counts_[id] = n;
 }
 
-void Coordinator::AddEvent(Txn& txn, v1::Job& job, const std::string& state,
+void Coordinator::AddEvent(Txn& txn, v1::Job& job, std::optional<JobState> state,
                            const std::string& reason) {
   Save(txn, job);
   v1::JobEvent e;
   e.set_seq(event_counts_[job.id()]++);
   e.set_time_ms(NowMs());
-  e.set_state(state);
+  if (state) e.set_state(std::string(JobStateName(*state)));
   e.set_reason(reason);
   e.set_attempt(job.attempt());
   txn.batch.PutEvent(job.id(), e);
 }
 
-void Coordinator::SetState(Txn& txn, v1::Job& job, const std::string& state,
-                           const std::string& reason) {
+void Coordinator::SetState(Txn& txn, v1::Job& job, JobState state, const std::string& reason) {
   Save(txn, job);
-  job.set_state(state);
+  SetJobState(job, state);
   job.set_reason(reason);
   job.set_update_time_ms(NowMs());
   if (IsTerminal(state)) {
@@ -376,7 +348,8 @@ void Coordinator::SetState(Txn& txn, v1::Job& job, const std::string& state,
     job.set_end_time_ms(job.update_time_ms());
     job.clear_placement();
     if (job.history_size() > 0 && job.history().rbegin()->end_reason().empty()) {
-      job.mutable_history()->rbegin()->set_end_reason(absl::StrCat(state, ": ", reason));
+      job.mutable_history()->rbegin()->set_end_reason(
+          absl::StrCat(JobStateName(state), ": ", reason));
     }
   }
   AddEvent(txn, job, state, reason);
@@ -387,171 +360,77 @@ void Coordinator::SetState(Txn& txn, v1::Job& job, const std::string& state,
   }
 }
 
-absl::StatusOr<std::string> Coordinator::InsideRoot(const std::string& field,
-                                                    const std::string& value) const {
-  const fs::path root(options_.storage_root);
-  if (value.find('\0') != std::string::npos) return FieldError(field, "contains a NUL byte");
-  fs::path p(value);
-  for (const auto& part : p) {
-    if (part == "..") return FieldError(field, absl::StrCat("'", value, "' must not contain '..'"));
-  }
-  const fs::path full = p.is_absolute() ? p.lexically_normal() : (root / p).lexically_normal();
-  // Symlinks resolved: a link inside the root may point anywhere.
-  std::error_code ec;
-  const fs::path real = fs::weakly_canonical(full, ec);
-  const std::string r = root.string();
-  for (const std::string& f : {full.string(), ec ? full.string() : real.string()}) {
-    if (!(f == r || absl::StartsWith(f, r + "/"))) {
-      return FieldError(field, absl::StrCat("'", value, "' is outside the storage root ", r,
-                                            f == full.string() ? "" : " (through a symlink)"));
-    }
-  }
-  return full.string();
-}
-
-// The coordinator owns where things go: a job's checkpoints live in its own directory, every
-// client path stays inside the storage root (symlinks resolved).
-absl::Status Coordinator::ResolvePaths(v1::JobSpec& spec, const std::string& job_id) const {
-  if (!spec.checkpoint().dir().empty()) {
-    return FieldError("spec.checkpoint.dir",
-                      "is chosen by the coordinator (<storage root>/jobs/<id>/checkpoints); "
-                      "leave it empty");
-  }
-  spec.mutable_checkpoint()->set_dir(
-      (fs::path(options_.storage_root) / "jobs" / job_id / "checkpoints").string());
-  if (!spec.data().path().empty()) {
-    LOOM_ASSIGN_OR_RETURN(std::string path, InsideRoot("spec.data.path", spec.data().path()));
-    spec.mutable_data()->set_path(path);
-  }
-  if (!spec.data().tokenizer_path().empty()) {
-    LOOM_ASSIGN_OR_RETURN(std::string path,
-                          InsideRoot("spec.data.tokenizer_path", spec.data().tokenizer_path()));
-    spec.mutable_data()->set_tokenizer_path(path);
-  }
-  if (!spec.reasoning_eval().path().empty()) {
-    LOOM_ASSIGN_OR_RETURN(std::string path,
-                          InsideRoot("spec.reasoning_eval.path", spec.reasoning_eval().path()));
-    spec.mutable_reasoning_eval()->set_path(path);
-  }
-  if (!spec.metrics().jsonl().empty()) {
-    return FieldError("spec.metrics.jsonl",
-                      "is set by the worker agent for service jobs; leave it empty");
-  }
-  if (spec.metrics().port() > 0) {
-    return FieldError(
-        "spec.metrics.port",
-        "a fixed port would collide between ranks; use -1 (any free port) or 0 (off)");
-  }
-  return absl::OkStatus();
-}
-
-// A stored job must print and parse back: agents and every GET depend on it.
-static absl::Status CheckPrintable(const v1::Job& job) {
-  google::protobuf::util::JsonPrintOptions print;
-  print.preserve_proto_field_names = true;
-  print.always_print_primitive_fields = true;
-  std::string json;
-  auto s = google::protobuf::util::MessageToJsonString(job, &json, print);
-  v1::Job back;
-  if (s.ok()) s = google::protobuf::util::JsonStringToMessage(json, &back);
-  if (!s.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("spec: cannot be stored (it would not print as JSON: ", s.ToString(), ")"));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<v1::JobSpec> Coordinator::ResolveSubmission(const v1::SubmitJobRequest& request) {
-  if (!request.has_spec()) return FieldError("spec", "is required");
-  const int world_size = request.world_size() == 0 ? 1 : request.world_size();
-  if (world_size < 1 || world_size > 1024) return FieldError("world_size", "must be in 1..1024");
-  if (request.priority() < -1000 || request.priority() > 1000) {
-    return FieldError("priority", "must be in -1000..1000");
+  LOOM_RETURN_IF_ERROR(CheckSubmitRequest(request));
+  std::string model_checkpoint_dir;
+  if (TakesModelFromCheckpoint(request)) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = checkpoints_.find(request.init_from());
+    if (it != checkpoints_.end()) model_checkpoint_dir = it->second.path();
   }
-  const int max_restarts = request.has_max_restarts() ? request.max_restarts() : 3;
-  if (max_restarts < 0 || max_restarts > 100)
-    return FieldError("max_restarts", "must be in 0..100");
-  if (request.pool_size() > 16) return FieldError("pool", "at most 16 labels");
-  for (const auto& [k, v] : request.pool()) {
-    if (!IsToken(k, 63))
-      return FieldError("pool", absl::StrCat("bad label name '", k.substr(0, 80), "'"));
-    if (!IsToken(v, 63)) return FieldError(absl::StrCat("pool.", k), "bad label value");
-  }
-  if (!request.request_id().empty() && !IsToken(request.request_id(), 128)) {
-    return FieldError("request_id", "1..128 characters of [A-Za-z0-9._:/-]");
-  }
-  if (!request.spec().checkpoint().dir().empty()) {
-    return FieldError("spec.checkpoint.dir",
-                      "is chosen by the coordinator (<storage root>/jobs/<id>/checkpoints); "
-                      "leave it empty");
-  }
-  // Checkpoints are what restarts resume from: the job's own directory (its id is not known
-  // yet; ResolvePaths fills it in).
-  v1::JobSpec unresolved = request.spec();
-  unresolved.mutable_checkpoint()->set_dir("jobs/pending/checkpoints");
-  if (unresolved.kind() == "eval" && !unresolved.has_model() && !request.init_from().empty()) {
-    // An eval job that leaves the model out takes it from its checkpoint's recorded spec.
-    std::string path;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = checkpoints_.find(request.init_from());
-      if (it != checkpoints_.end()) path = it->second.path();
-    }
-    if (!path.empty()) {
-      std::ifstream in(fs::path(path) / "manifest.json");
-      std::stringstream text;
-      text << in.rdbuf();
-      if (in) {
-        if (absl::Status s = FillModelFromManifest(&unresolved, text.str(), "init_from manifest");
-            !s.ok()) {
-          return absl::InvalidArgumentError(absl::StrCat("spec.", s.message()));
-        }
-      }
-    }
-  }
-  auto resolved = ResolveJobSpec(unresolved);
-  if (!resolved.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("spec.", resolved.status().message()));
-  }
-  v1::JobSpec spec = *std::move(resolved);
-  spec.mutable_checkpoint()->clear_dir();
-  return spec;
+  return ResolveSubmittedSpec(request, model_checkpoint_dir);
 }
 
-// Under the lock: the catalogue check of init_from (retention holds the same lock, so an
-// accepted job's starting checkpoint is pinned from here on), the id, paths and the stored job.
+namespace {
+
+// A directory left by an earlier coordinator state under this id must not be resumed from: it
+// moves to <storage root>/stale/<id>-<now>.
+absl::Status SetAsideStaleDirectory(const std::string& storage_root, const std::string& id,
+                                    int64_t now) {
+  const fs::path job_dir = fs::path(storage_root) / "jobs" / id;
+  std::error_code ec;
+  if (fs::exists(job_dir, ec)) {
+    fs::create_directories(fs::path(storage_root) / "stale", ec);
+    fs::rename(job_dir, fs::path(storage_root) / "stale" / absl::StrCat(id, "-", now), ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot move the stale directory ", job_dir.string(), ": ", ec.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// Where the request's init_from checkpoint is ("" without one), after the catalogue check:
+// retention holds the same lock, so an accepted job's starting checkpoint is pinned from here on.
+absl::StatusOr<std::string> Coordinator::InitFromPathLocked(
+    const v1::SubmitJobRequest& request) const {
+  if (request.init_from().empty()) return std::string();
+  auto it = checkpoints_.find(request.init_from());
+  if (it == checkpoints_.end()) {
+    return FieldError("init_from",
+                      absl::StrCat("no checkpoint '", request.init_from().substr(0, 100),
+                                   "' in the catalogue (GET /v1/checkpoints)"));
+  }
+  const std::string& init_path = it->second.path();
+  std::error_code ec;
+  if (it->second.deleted() || !fs::exists(fs::path(init_path) / "manifest.json", ec)) {
+    return FieldError("init_from",
+                      absl::StrCat("checkpoint '", request.init_from(), "' is no longer on disk (",
+                                   init_path, "); pick an available one"));
+  }
+  if (!it->second.damaged().empty()) {
+    return FieldError("init_from", absl::StrCat("checkpoint '", request.init_from(),
+                                                "' is damaged: ", it->second.damaged()));
+  }
+  return init_path;
+}
+
+// Under the lock: the init_from check, the id, paths and the stored job.
 absl::StatusOr<v1::Job> Coordinator::AddJobLocked(Txn& txn, const v1::SubmitJobRequest& request,
                                                   v1::JobSpec spec, const std::string& user,
                                                   const std::string& id) {
-  std::string init_path;
-  if (!request.init_from().empty()) {
-    auto it = checkpoints_.find(request.init_from());
-    if (it == checkpoints_.end()) {
-      return FieldError("init_from",
-                        absl::StrCat("no checkpoint '", request.init_from().substr(0, 100),
-                                     "' in the catalogue (GET /v1/checkpoints)"));
-    }
-    init_path = it->second.path();
-    std::error_code ec;
-    if (it->second.deleted() || !fs::exists(fs::path(init_path) / "manifest.json", ec)) {
-      return FieldError(
-          "init_from", absl::StrCat("checkpoint '", request.init_from(), "' is no longer on disk (",
-                                    init_path, "); pick an available one"));
-    }
-    if (!it->second.damaged().empty()) {
-      return FieldError("init_from", absl::StrCat("checkpoint '", request.init_from(),
-                                                  "' is damaged: ", it->second.damaged()));
-    }
-  }
-  LOOM_RETURN_IF_ERROR(ResolvePaths(spec, id));
+  LOOM_ASSIGN_OR_RETURN(const std::string init_path, InitFromPathLocked(request));
+  LOOM_RETURN_IF_ERROR(ResolveJobPaths(spec, options_.storage_root, id));
   v1::Job job;
   job.set_id(id);
   job.set_name(spec.name().empty() ? id : spec.name());
   *job.mutable_request() = request;
   *job.mutable_spec() = spec;
-  job.set_world_size(request.world_size() == 0 ? 1 : request.world_size());
+  job.set_world_size(WorldSizeOf(request));
   job.set_priority(request.priority());
-  job.set_max_restarts(request.has_max_restarts() ? request.max_restarts() : 3);
+  job.set_max_restarts(MaxRestartsOf(request));
   job.set_init_from_path(init_path);
   job.set_submitted_by(user);
   const int64_t now = NowMs();
@@ -559,18 +438,8 @@ absl::StatusOr<v1::Job> Coordinator::AddJobLocked(Txn& txn, const v1::SubmitJobR
   job.set_queued_since_ms(now);
   job.mutable_progress()->set_total_steps(spec.steps());
   LOOM_RETURN_IF_ERROR(CheckPrintable(job));
-  // A directory left by an earlier coordinator state under this id must not be resumed from.
-  const fs::path job_dir = fs::path(options_.storage_root) / "jobs" / id;
-  std::error_code ec;
-  if (fs::exists(job_dir, ec)) {
-    fs::create_directories(fs::path(options_.storage_root) / "stale", ec);
-    fs::rename(job_dir, fs::path(options_.storage_root) / "stale" / absl::StrCat(id, "-", now), ec);
-    if (ec) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot move the stale directory ", job_dir.string(), ": ", ec.message()));
-    }
-  }
-  SetState(txn, job, "queued", absl::StrCat("submitted by ", user));
+  LOOM_RETURN_IF_ERROR(SetAsideStaleDirectory(options_.storage_root, id, now));
+  SetState(txn, job, JobState::kQueued, absl::StrCat("submitted by ", user));
   jobs_[id] = job;
   return job;
 }
@@ -617,75 +486,67 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   return r;
 }
 
-absl::StatusOr<v1::CreateSweepResponse> Coordinator::CreateSweep(const v1::SweepSpec& raw,
-                                                                 const std::string& user) {
-  v1::SweepSpec spec = raw;
-  if (!spec.base().init_from().empty()) {
-    LOOM_ASSIGN_OR_RETURN(*spec.mutable_base()->mutable_init_from(),
-                          CanonicalCheckpointId(spec.base().init_from(), "base.init_from"));
-  }
-  if (spec.name().size() > 128) return FieldError("name", "at most 128 characters");
-  if (!spec.request_id().empty() && !IsToken(spec.request_id(), 128)) {
-    return FieldError("request_id", "1..128 characters of [A-Za-z0-9._:/-]");
-  }
-  if (!spec.base().request_id().empty()) {
-    return FieldError("base.request_id", "set request_id on the sweep, not its base job");
-  }
-  LOOM_ASSIGN_OR_RETURN(std::vector<SweepCell> cells, ExpandSweep(spec));
-  // Every job validated before any is stored: a sweep is accepted whole or not at all.
-  struct Planned {
-    const SweepCell* cell;
-    uint64_t seed;
-    v1::SubmitJobRequest request;
-    v1::JobSpec spec;
-  };
-  std::vector<Planned> planned;
+struct Coordinator::PlannedJob {
+  const SweepCell* cell;
+  uint64_t seed;
+  v1::SubmitJobRequest request;
+  v1::JobSpec spec;
+};
+
+namespace {
+
+// A refusal of one job of a sweep, naming its cell and seed.
+absl::Status InCell(const absl::Status& s, const std::string& cell, uint64_t seed) {
+  return absl::Status(s.code(), absl::StrCat("cell '", cell, "' seed ", seed, ": ", s.message()));
+}
+
+}  // namespace
+
+// Every job validated before any is stored: a sweep is accepted whole or not at all.
+absl::StatusOr<std::vector<Coordinator::PlannedJob>> Coordinator::PlanSweepJobs(
+    const v1::SweepSpec& spec, const std::vector<SweepCell>& cells) {
+  std::vector<PlannedJob> planned;
   for (const SweepCell& cell : cells) {
     for (uint64_t seed : spec.seeds()) {
-      Planned p{&cell, seed, spec.base(), {}};
+      PlannedJob p{&cell, seed, spec.base(), {}};
       LOOM_ASSIGN_OR_RETURN(*p.request.mutable_spec(), ApplyCell(spec.base().spec(), cell, seed));
       auto resolved = ResolveSubmission(p.request);
-      if (!resolved.ok()) {
-        return absl::Status(
-            resolved.status().code(),
-            absl::StrCat("cell '", cell.name, "' seed ", seed, ": ", resolved.status().message()));
-      }
+      if (!resolved.ok()) return InCell(resolved.status(), cell.name, seed);
       p.spec = *std::move(resolved);
       planned.push_back(std::move(p));
     }
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  const std::string key = IdempotencyKey("sweep:", user, spec.request_id());
-  if (!spec.request_id().empty() && request_ids_.count(key)) {
-    auto sweep = sweeps_.find(request_ids_[key]);
-    if (sweep != sweeps_.end() &&
-        !google::protobuf::util::MessageDifferencer::Equals(sweep->second.spec(), spec)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("request_id: already used for ", request_ids_[key],
-                       " with a different sweep (a retry must repeat the request exactly)"));
-    }
-    v1::CreateSweepResponse r;
-    r.set_id(request_ids_[key]);
-    r.set_created(false);
-    r.set_jobs(sweeps_[request_ids_[key]].jobs_size());
-    return r;
+  return planned;
+}
+
+// A retry of a sweep already created under the same idempotency key.
+absl::StatusOr<v1::CreateSweepResponse> Coordinator::RepeatedSweepLocked(
+    const std::string& key, const v1::SweepSpec& spec) {
+  auto sweep = sweeps_.find(request_ids_[key]);
+  if (sweep != sweeps_.end() &&
+      !google::protobuf::util::MessageDifferencer::Equals(sweep->second.spec(), spec)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request_id: already used for ", request_ids_[key],
+                     " with a different sweep (a retry must repeat the request exactly)"));
   }
-  v1::Sweep sweep;
-  sweep.set_id(absl::StrFormat("sweep-%06d", next_sweep_));
-  sweep.set_name(spec.name().empty() ? sweep.id() : spec.name());
-  *sweep.mutable_spec() = spec;
-  for (const SweepCell& c : cells) sweep.add_cells(c.name);
-  sweep.set_submitted_by(user);
-  sweep.set_submit_time_ms(NowMs());
-  Txn txn;
+  v1::CreateSweepResponse r;
+  r.set_id(request_ids_[key]);
+  r.set_created(false);
+  r.set_jobs(sweeps_[request_ids_[key]].jobs_size());
+  return r;
+}
+
+// The planned jobs stored under the next job ids, tagged with the sweep and listed in it; on a
+// refusal nothing stays changed.
+absl::Status Coordinator::AddSweepJobsLocked(Txn& txn, v1::Sweep& sweep,
+                                             const std::vector<PlannedJob>& planned,
+                                             const std::string& user) {
   for (size_t i = 0; i < planned.size(); ++i) {
     const std::string id = absl::StrFormat("job-%06d", next_job_ + static_cast<int64_t>(i));
     auto job = AddJobLocked(txn, planned[i].request, planned[i].spec, user, id);
     if (!job.ok()) {
       Rollback(txn);
-      return absl::Status(job.status().code(),
-                          absl::StrCat("cell '", planned[i].cell->name, "' seed ", planned[i].seed,
-                                       ": ", job.status().message()));
+      return InCell(job.status(), planned[i].cell->name, planned[i].seed);
     }
     v1::Job& stored = jobs_[id];
     stored.set_sweep_id(sweep.id());
@@ -697,6 +558,31 @@ absl::StatusOr<v1::CreateSweepResponse> Coordinator::CreateSweep(const v1::Sweep
     sj->set_seed(planned[i].seed);
     sj->set_job_id(id);
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CreateSweepResponse> Coordinator::CreateSweep(const v1::SweepSpec& raw,
+                                                                 const std::string& user) {
+  v1::SweepSpec spec = raw;
+  if (!spec.base().init_from().empty()) {
+    LOOM_ASSIGN_OR_RETURN(*spec.mutable_base()->mutable_init_from(),
+                          CanonicalCheckpointId(spec.base().init_from(), "base.init_from"));
+  }
+  LOOM_RETURN_IF_ERROR(CheckSweepRequest(spec));
+  LOOM_ASSIGN_OR_RETURN(std::vector<SweepCell> cells, ExpandSweep(spec));
+  LOOM_ASSIGN_OR_RETURN(std::vector<PlannedJob> planned, PlanSweepJobs(spec, cells));
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::string key = IdempotencyKey("sweep:", user, spec.request_id());
+  if (!spec.request_id().empty() && request_ids_.count(key)) return RepeatedSweepLocked(key, spec);
+  v1::Sweep sweep;
+  sweep.set_id(absl::StrFormat("sweep-%06d", next_sweep_));
+  sweep.set_name(spec.name().empty() ? sweep.id() : spec.name());
+  *sweep.mutable_spec() = spec;
+  for (const SweepCell& c : cells) sweep.add_cells(c.name);
+  sweep.set_submitted_by(user);
+  sweep.set_submit_time_ms(NowMs());
+  Txn txn;
+  LOOM_RETURN_IF_ERROR(AddSweepJobsLocked(txn, sweep, planned, user));
   txn.batch.PutSweep(sweep);
   txn.batch.PutNextSweep(next_sweep_ + 1);
   txn.batch.PutNextJob(next_job_ + static_cast<int64_t>(planned.size()));
@@ -721,12 +607,17 @@ v1::Sweep Coordinator::SweepWithStates(const v1::Sweep& sweep) const {
   int ended = 0, cancelled = 0;
   for (const v1::SweepJob& sj : sweep.jobs()) {
     auto it = jobs_.find(sj.job_id());
-    const std::string state = it == jobs_.end() ? "queued" : it->second.state();
-    (*out.mutable_job_states())[state]++;
-    ended += IsTerminal(state) ? 1 : 0;
-    cancelled += state == "cancelled" ? 1 : 0;
+    const std::string name =
+        it == jobs_.end() ? std::string(JobStateName(JobState::kQueued)) : it->second.state();
+    (*out.mutable_job_states())[name]++;
+    const std::optional<JobState> state = ParseJobState(name);
+    ended += state && IsTerminal(*state) ? 1 : 0;
+    cancelled += state == JobState::kCancelled ? 1 : 0;
   }
-  out.set_state(ended < sweep.jobs_size() ? "running" : cancelled > 0 ? "cancelled" : "finished");
+  const SweepState state = ended < sweep.jobs_size() ? SweepState::kRunning
+                           : cancelled > 0           ? SweepState::kCancelled
+                                                     : SweepState::kFinished;
+  out.set_state(std::string(SweepStateName(state)));
   return out;
 }
 
@@ -765,10 +656,11 @@ absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const 
   Txn txn;
   for (const v1::SweepJob& sj : it->second.jobs()) {
     auto job = jobs_.find(sj.job_id());
-    if (job == jobs_.end() || IsTerminal(job->second.state())) continue;
+    if (job == jobs_.end() || IsTerminal(job->second)) continue;
     Save(txn, job->second);
     job->second.set_cancel_requested(true);
-    SetState(txn, job->second, "cancelled", absl::StrCat("sweep ", id, " cancelled by ", user));
+    SetState(txn, job->second, JobState::kCancelled,
+             absl::StrCat("sweep ", id, " cancelled by ", user));
   }
   LOOM_RETURN_IF_ERROR(Commit(txn));
   wake_.notify_all();
@@ -807,10 +699,10 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const std::string& st
 
 absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const JobFilter& f, int page_size,
                                                            const std::string& page_token) {
-  if (!f.state.empty() &&
-      std::find(std::begin(kStates), std::end(kStates), f.state) == std::end(kStates)) {
+  const std::optional<JobState> state = ParseJobState(f.state);  // nullopt: any state
+  if (!f.state.empty() && !state) {
     return FieldError("state", absl::StrCat("unknown state '", f.state.substr(0, 40), "'; one of ",
-                                            absl::StrJoin(kStates, ", ")));
+                                            absl::StrJoin(JobStateNames(), ", ")));
   }
   for (const auto& [name, value] : {std::pair<const char*, const std::string&>{"user", f.user},
                                     {"kind", f.kind},
@@ -827,8 +719,7 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const JobFilter& f, i
   LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "jobs", key));
   std::lock_guard<std::mutex> lock(mutex_);
   auto matches = [&](const v1::Job& j) {
-    return (f.state.empty() || j.state() == f.state) &&
-           (f.user.empty() || j.submitted_by() == f.user) &&
+    return (!state || JobStateOf(j) == state) && (f.user.empty() || j.submitted_by() == f.user) &&
            (f.kind.empty() || (j.spec().kind().empty() ? "pretrain" : j.spec().kind()) == f.kind) &&
            (f.sweep.empty() || j.sweep_id() == f.sweep);
   };
@@ -842,7 +733,9 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const JobFilter& f, i
     v1::Job* j = out.add_jobs();
     *j = job;
     auto w = waiting_reason_.find(job.id());
-    if (j->state() == "queued" && w != waiting_reason_.end()) j->set_reason(w->second);
+    if (JobStateOf(*j) == JobState::kQueued && w != waiting_reason_.end()) {
+      j->set_reason(w->second);
+    }
     return true;
   };
   if (f.newest_first) {
@@ -865,7 +758,7 @@ absl::StatusOr<v1::Job> Coordinator::GetJob(const std::string& id) {
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
   v1::Job job = it->second;
   auto w = waiting_reason_.find(id);
-  if (job.state() == "queued" && w != waiting_reason_.end()) job.set_reason(w->second);
+  if (JobStateOf(job) == JobState::kQueued && w != waiting_reason_.end()) job.set_reason(w->second);
   LOOM_ASSIGN_OR_RETURN(std::vector<v1::JobEvent> events, store_->Events(id));
   for (auto& e : events) *job.add_events() = std::move(e);
   return job;
@@ -877,7 +770,7 @@ absl::StatusOr<v1::Job> Coordinator::Cancel(const std::string& id, const std::st
   auto it = jobs_.find(id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
   v1::Job& job = it->second;
-  if (IsTerminal(job.state())) {
+  if (IsTerminal(job)) {
     return absl::FailedPreconditionError(absl::StrCat("job ", id, " is already ", job.state()));
   }
   // The attempt's ranks get SIGTERM through their agents' next heartbeat; their slots stay
@@ -885,7 +778,7 @@ absl::StatusOr<v1::Job> Coordinator::Cancel(const std::string& id, const std::st
   Txn txn;
   Save(txn, job);
   job.set_cancel_requested(true);
-  SetState(txn, job, "cancelled", absl::StrCat("cancelled by ", user));
+  SetState(txn, job, JobState::kCancelled, absl::StrCat("cancelled by ", user));
   LOOM_RETURN_IF_ERROR(Commit(txn));
   wake_.notify_all();
   return jobs_[id];
@@ -894,7 +787,7 @@ absl::StatusOr<v1::Job> Coordinator::Cancel(const std::string& id, const std::st
 std::vector<std::string> Coordinator::PinnedBy(const std::string& checkpoint_id) const {
   std::vector<std::string> out;
   for (const auto& [id, job] : jobs_) {
-    if (!IsTerminal(job.state()) && job.request().init_from() == checkpoint_id) out.push_back(id);
+    if (!IsTerminal(job) && job.request().init_from() == checkpoint_id) out.push_back(id);
   }
   return out;
 }
@@ -999,10 +892,7 @@ absl::Status CheckGpus(const v1::RegisterWorkerRequest& request) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
-    const v1::RegisterWorkerRequest& request) {
+absl::Status CheckRegisterRequest(const v1::RegisterWorkerRequest& request) {
   if (request.slots() < 1 || request.slots() > 4096)
     return FieldError("slots", "must be in 1..4096");
   if (request.address().empty() || request.address().size() > 255) {
@@ -1016,36 +906,56 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
   if (!request.worker_id().empty() && !IsValidId(request.worker_id())) {
     return FieldError("worker_id", "malformed");
   }
-  LOOM_RETURN_IF_ERROR(CheckGpus(request));
-  std::lock_guard<std::mutex> lock(mutex_);
-  Txn txn;
+  return CheckGpus(request);
+}
+
+}  // namespace
+
+// The id the registering worker gets: a fresh one, its own again, or a new worker's chosen one.
+// An agent that registers its known id again restarted: the attempts it ran failed.
+absl::StatusOr<std::string> Coordinator::RegisteringIdLocked(
+    Txn& txn, const v1::RegisterWorkerRequest& request) {
   std::string id = request.worker_id();
   auto existing = workers_.find(id);
-  if (id.empty() || existing == workers_.end()) {
-    if (id.empty()) {
-      std::random_device rd;
-      do {
-        id = absl::StrFormat("w-%08x", rd());
-      } while (workers_.count(id));
-    }
-  } else {
-    // A live worker's id is taken over only by the holder of its credential (its own agent
-    // after a restart); a lost worker's credential is already revoked.
-    auto cred = credentials_.find(id);
-    if (existing->second.state() == "alive" && cred != credentials_.end() &&
-        request.credential() != cred->second) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "worker id '", id, "' belongs to a live worker; re-registering it needs its credential"));
-    }
-    // An agent that restarted lost its ranks (they die with it): their attempts failed.
-    for (auto& [job_id, job] : jobs_) {
-      if (IsActive(job.state()) && PlacementOf(job, id) != nullptr &&
-          !Contains(job.finished_workers(), id)) {
-        FailAttempt(txn, job, absl::StrCat("worker ", id, " restarted"), Failure::kInfra);
-      }
-    }
-    reported_running_[id].clear();
+  if (id.empty()) {
+    std::random_device rd;
+    do {
+      id = absl::StrFormat("w-%08x", rd());
+    } while (workers_.count(id));
+    return id;
   }
+  if (existing == workers_.end()) return id;
+  // A live worker's id is taken over only by the holder of its credential (its own agent
+  // after a restart); a lost worker's credential is already revoked.
+  auto cred = credentials_.find(id);
+  if (IsAlive(existing->second) && cred != credentials_.end() &&
+      request.credential() != cred->second) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker id '", id, "' belongs to a live worker; re-registering it needs its credential"));
+  }
+  // An agent that restarted lost its ranks (they die with it): their attempts failed.
+  FailAttemptsOn(txn, id, absl::StrCat("worker ", id, " restarted"));
+  reported_running_[id].clear();
+  return id;
+}
+
+// A fresh heartbeat credential for the worker; the one it had stops working.
+std::string Coordinator::IssueCredential(Txn& txn, const std::string& worker_id) {
+  RevokeCredential(txn, worker_id);
+  const std::string credential = RandomToken();
+  SaveCredential(txn, worker_id);
+  credentials_[worker_id] = credential;
+  credential_owner_[credential] = worker_id;
+  txn.batch.PutCredential(worker_id, credential);
+  return credential;
+}
+
+absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
+    const v1::RegisterWorkerRequest& request) {
+  LOOM_RETURN_IF_ERROR(CheckRegisterRequest(request));
+  std::lock_guard<std::mutex> lock(mutex_);
+  Txn txn;
+  LOOM_ASSIGN_OR_RETURN(const std::string id, RegisteringIdLocked(txn, request));
   Save(txn, id);
   v1::Worker& w = workers_[id];
   const int64_t now = NowMs();
@@ -1056,15 +966,10 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
   w.set_slots(request.slots());
   *w.mutable_labels() = request.labels();
   *w.mutable_gpus() = request.gpus();
-  w.set_state("alive");
+  SetWorkerState(w, WorkerState::kAlive);
   w.set_last_heartbeat_ms(now);
   txn.batch.PutWorker(w);
-  RevokeCredential(txn, id);
-  const std::string credential = RandomToken();
-  SaveCredential(txn, id);
-  credentials_[id] = credential;
-  credential_owner_[credential] = id;
-  txn.batch.PutCredential(id, credential);
+  const std::string credential = IssueCredential(txn, id);
   LOOM_RETURN_IF_ERROR(Commit(txn));
   heard_since_start_.insert(id);
   wake_.notify_all();
@@ -1082,7 +987,7 @@ void Coordinator::FailAttempt(Txn& txn, v1::Job& job, const std::string& reason,
   Save(txn, job);
   if (job.history_size() > 0) job.mutable_history()->rbegin()->set_end_reason(reason);
   if (kind == Failure::kBadInput) {
-    SetState(txn, job, "failed",
+    SetState(txn, job, JobState::kFailed,
              absl::StrCat(reason,
                           " (bad input: the trainer refused the spec or its data; "
                           "not restarted)"));
@@ -1092,7 +997,7 @@ void Coordinator::FailAttempt(Txn& txn, v1::Job& job, const std::string& reason,
   const bool left = infra ? job.infra_restarts() < options_.max_infra_restarts
                           : job.restarts() < job.max_restarts();
   if (!left) {
-    SetState(txn, job, "failed",
+    SetState(txn, job, JobState::kFailed,
              infra ? absl::StrCat(reason, " (", options_.max_infra_restarts,
                                   " attempts lost to infrastructure)")
              : job.max_restarts() > 0
@@ -1105,7 +1010,7 @@ void Coordinator::FailAttempt(Txn& txn, v1::Job& job, const std::string& reason,
   } else {
     job.set_restarts(job.restarts() + 1);
   }
-  SetState(txn, job, "retrying", reason);
+  SetState(txn, job, JobState::kRetrying, reason);
   std::string from = "the start";
   for (auto it = job.checkpoints().rbegin(); it != job.checkpoints().rend(); ++it) {
     auto c = checkpoints_.find(*it);
@@ -1120,7 +1025,7 @@ void Coordinator::FailAttempt(Txn& txn, v1::Job& job, const std::string& reason,
   job.set_not_before_ms(not_before_ms);
   // The job keeps its original queue time: aging and reservations count from the submission.
   SetState(
-      txn, job, "queued",
+      txn, job, JobState::kQueued,
       infra ? absl::StrCat("requeued from ", from, " (infrastructure failure ",
                            job.infra_restarts(), " of ", options_.max_infra_restarts,
                            "; does not count against max_restarts)")
@@ -1128,9 +1033,19 @@ void Coordinator::FailAttempt(Txn& txn, v1::Job& job, const std::string& reason,
   registry_.Increment("loom_coordinator_job_restarts_total");
 }
 
+void Coordinator::FailAttemptsOn(Txn& txn, const std::string& worker_id, const std::string& reason,
+                                 int64_t not_before_ms) {
+  for (auto& [id, job] : jobs_) {
+    if (IsActive(job) && PlacementOf(job, worker_id) != nullptr &&
+        !Contains(job.finished_workers(), worker_id)) {
+      FailAttempt(txn, job, reason, Failure::kInfra, not_before_ms);
+    }
+  }
+}
+
 void Coordinator::MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string& reason) {
   Save(txn, worker.id());
-  worker.set_state("lost");
+  SetWorkerState(worker, WorkerState::kLost);
   txn.batch.PutWorker(worker);
   registry_.Increment("loom_coordinator_workers_lost_total");
   reported_running_[worker.id()].clear();
@@ -1138,20 +1053,14 @@ void Coordinator::MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string
   // Its ranks stopped themselves when their lease ran out (lost-after / 2 after the last
   // heartbeat); the termination grace covers a rank that was slow to die.
   const int64_t fence = NowMs() + options_.term_grace_ms;
-  for (auto& [id, job] : jobs_) {
-    if (IsActive(job.state()) && PlacementOf(job, worker.id()) != nullptr &&
-        !Contains(job.finished_workers(), worker.id())) {
-      FailAttempt(txn, job, absl::StrCat("worker ", worker.id(), " ", reason), Failure::kInfra,
-                  fence);
-    }
-  }
+  FailAttemptsOn(txn, worker.id(), absl::StrCat("worker ", worker.id(), " ", reason), fence);
 }
 
 int Coordinator::UsedSlots(const std::string& worker_id) const {
   int used = 0;
   std::set<std::pair<std::string, int>> counted;
   for (const auto& [id, job] : jobs_) {
-    if (!IsActive(job.state()) || Contains(job.finished_workers(), worker_id)) continue;
+    if (!IsActive(job) || Contains(job.finished_workers(), worker_id)) continue;
     if (const v1::Placement* p = PlacementOf(job, worker_id)) {
       used += p->ranks_size();
       counted.insert({id, job.attempt()});
@@ -1176,8 +1085,13 @@ bool Coordinator::OldAttemptRunning(const v1::Job& job) const {
   return false;
 }
 
-std::string Coordinator::LogPath(const std::string& job_id) const {
-  return (fs::path(options_.data_dir) / "logs" / (job_id + ".log")).string();
+void Coordinator::RecordNewPart(Txn& txn, const std::string& key, int64_t offset, int64_t count,
+                                const std::function<bool(int64_t)>& write) {
+  int64_t& received = log_offsets_[key];
+  const std::optional<int64_t> first = NewPartStart(received, offset, count);
+  if (!first || !write(*first)) return;  // nothing new, or not recorded: the agent resends it
+  received = offset + count;
+  txn.progress.PutLogOffset(key, received);
 }
 
 // One log per job, in arrival order; each agent sends whole lines of its attempt's log by byte
@@ -1186,56 +1100,29 @@ void Coordinator::AppendLog(Txn& txn, const v1::AttemptReport& report,
                             const std::string& worker_id) {
   if (report.log().empty() || report.attempt() < 1 || report.log_offset() < 0) return;
   const std::string key = absl::StrCat(report.job_id(), "/", report.attempt(), "/", worker_id);
-  int64_t& have = log_offsets_[key];
-  const int64_t end = report.log_offset() + static_cast<int64_t>(report.log().size());
-  if (end <= have) return;
-  const int64_t skip = std::max<int64_t>(0, have - report.log_offset());
-  std::ofstream out(LogPath(report.job_id()), std::ios::app | std::ios::binary);
-  out.write(report.log().data() + skip, static_cast<std::streamsize>(report.log().size() - skip));
-  out.flush();
-  if (!out) return;  // not recorded: the agent resends it
-  have = end;
-  txn.progress.PutLogOffset(key, end);
+  const std::string path = JobLogPath(options_.data_dir, report.job_id());
+  RecordNewPart(txn, key, report.log_offset(), static_cast<int64_t>(report.log().size()),
+                [&](int64_t first) {
+                  return AppendToFile(path, absl::string_view(report.log()).substr(first));
+                });
 }
 
-std::string Coordinator::SeriesPath(const std::string& job_id) const {
-  return (fs::path(options_.data_dir) / "series" / (job_id + ".tsv")).string();
-}
-
-// Rank 0's step points, one line each ("attempt step loss lr tokens/s grad_norm time_ms"), by
-// their index in the attempt's sequence: the points received per (attempt, worker) drop resent
-// ones after a lost reply, as AppendLog does for bytes.
+// Rank 0's step points by their index in the attempt's sequence: the points received per
+// (attempt, worker) drop resent ones after a lost reply, as AppendLog does for bytes.
 void Coordinator::AppendSteps(Txn& txn, const v1::AttemptReport& report,
                               const std::string& worker_id) {
   if (report.steps().empty() || report.attempt() < 1) return;
   const std::string key =
       absl::StrCat("steps:", report.job_id(), "/", report.attempt(), "/", worker_id);
-  int64_t& have = log_offsets_[key];
-  const int64_t end = report.steps_offset() + report.steps_size();
-  if (end <= have) return;
-  // A bound per job, as a disk quota: a broken or hostile agent cannot fill the coordinator's disk
-  // (a million steps take ~60 MB); beyond it the points are acknowledged and dropped.
-  std::error_code ec;
-  const auto size = fs::file_size(SeriesPath(report.job_id()), ec);
-  if (!ec && size > kMaxSeriesBytes) {
-    have = end;
-    txn.progress.PutLogOffset(key, end);
-    return;
-  }
-  std::string lines;
-  for (int64_t i = std::max<int64_t>(0, have - report.steps_offset()); i < report.steps_size();
-       ++i) {
-    const v1::StepPoint& p = report.steps(static_cast<int>(i));
-    absl::StrAppendFormat(&lines, "%d\t%d\t%.10g\t%.10g\t%.10g\t%.10g\t%d\n", report.attempt(),
-                          p.step(), p.loss(), p.learning_rate(), p.tokens_per_second(),
-                          p.grad_norm(), p.time_ms());
-  }
-  std::ofstream out(SeriesPath(report.job_id()), std::ios::app | std::ios::binary);
-  out << lines;
-  out.flush();
-  if (!out) return;  // not recorded: the agent resends them
-  have = end;
-  txn.progress.PutLogOffset(key, end);
+  const std::string path = JobSeriesPath(options_.data_dir, report.job_id());
+  RecordNewPart(txn, key, report.steps_offset(), report.steps_size(), [&](int64_t first) {
+    // A bound per job, as a disk quota: a broken or hostile agent cannot fill the coordinator's
+    // disk (a million steps take ~60 MB); beyond it the points are acknowledged and dropped.
+    std::error_code ec;
+    const auto size = fs::file_size(path, ec);
+    if (!ec && size > kMaxSeriesBytes) return true;
+    return AppendToFile(path, StepLines(report, first));
+  });
 }
 
 // A report is refused whole (nothing applied) when it names an attempt the worker was not given
@@ -1325,7 +1212,7 @@ void Coordinator::CatalogueCheckpoint(Txn& txn, v1::Job& job, int64_t step,
             [this](const std::string& a, const std::string& b) {
               return checkpoints_[a].step() < checkpoints_[b].step();
             });
-  AddEvent(txn, job, "", absl::StrCat("checkpoint at step ", step, ": ", path));
+  AddEvent(txn, job, std::nullopt, absl::StrCat("checkpoint at step ", step, ": ", path));
   txn.batch.PutJob(job);
 }
 
@@ -1336,7 +1223,7 @@ void Coordinator::ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptRep
     const std::string cid = CheckpointId(job.id(), step);
     auto it = checkpoints_.find(cid);
     if (it != checkpoints_.end() && !it->second.damaged().empty()) return;
-    AddEvent(txn, job, "", absl::StrCat("checkpoint at step ", step, " skipped: ", why));
+    AddEvent(txn, job, std::nullopt, absl::StrCat("checkpoint at step ", step, " skipped: ", why));
     if (it == checkpoints_.end()) return;
     SaveCheckpoint(txn, cid);
     it->second.set_damaged(why);
@@ -1363,7 +1250,7 @@ void Coordinator::ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptRep
     }
   }
   if (!r.resumed().path().empty()) CatalogueCheckpoint(txn, job, step, r.resumed().path());
-  AddEvent(txn, job, "",
+  AddEvent(txn, job, std::nullopt,
            r.resumed().path().empty() ? std::string("resumed from the start")
                                       : absl::StrCat("resumed from step ", step));
   txn.batch.PutJob(job);
@@ -1423,9 +1310,43 @@ void Coordinator::DeleteDirectories(std::vector<std::string> dirs) {
   }
 }
 
-void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r,
-                              const std::string& wid) {
-  Save(txn, job);
+namespace {
+
+int RanksRunning(const v1::AttemptReport& r) {
+  int running = 0;
+  for (const auto& rank : r.ranks()) running += rank.running() ? 1 : 0;
+  return running;
+}
+
+// The failed ranks of a report, the likely cause first: a rank killed by a signal makes its
+// peers exit with a communication error right after. `text` is empty when none failed.
+struct RankFailures {
+  std::string text;
+  bool bad_input = false;  // a rank refused the spec or its data
+  bool infra = false;      // a rank's lease ran out, or it was stopped
+};
+
+RankFailures FailedRanks(const v1::AttemptReport& r, const std::string& wid) {
+  RankFailures out;
+  std::vector<std::string> killed, exited;
+  for (const auto& rank : r.ranks()) {
+    if (rank.running() || rank.exit_code() == 0) continue;
+    out.bad_input |= rank.exit_code() == kExitBadInput;
+    out.infra |= rank.exit_code() == kExitLeaseExpired || rank.exit_code() == kExitStopped;
+    (rank.exit_code() > 128 ? killed : exited)
+        .push_back(
+            absl::StrCat("rank ", rank.rank(), " on ", wid, ": ", rank.detail().substr(0, 200)));
+  }
+  killed.insert(killed.end(), exited.begin(), exited.end());
+  out.text = absl::StrJoin(killed, "; ");
+  return out;
+}
+
+}  // namespace
+
+// The rendezvous port rank 0's worker picked, and the trainer's newest progress.
+void Coordinator::ApplyProgress(Txn& txn, v1::Job& job, const v1::AttemptReport& r,
+                                const std::string& wid) {
   if (r.master_port() > 0 && job.master_port() == 0 && HostsRankZero(job, wid)) {
     job.set_master_port(r.master_port());
     txn.batch.PutJob(job);
@@ -1435,10 +1356,10 @@ void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r
     job.mutable_progress()->set_total_steps(job.spec().steps());
     txn.progress.PutJob(job);
   }
-  ApplyResumeReport(txn, job, r);
-  const size_t before = job.checkpoints_size();
-  for (const auto& c : r.checkpoints()) CatalogueCheckpoint(txn, job, c.step(), c.path());
-  if (static_cast<size_t>(job.checkpoints_size()) != before) ApplyRetention(txn, job.id());
+}
+
+// Evaluations not recorded yet for this attempt (a resent report repeats them).
+void Coordinator::RecordEvals(Txn& txn, v1::Job& job, const v1::AttemptReport& r) {
   for (const auto& ev : r.evals()) {
     bool seen = false;
     for (const auto& have : job.evals()) {
@@ -1450,34 +1371,12 @@ void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r
       txn.batch.PutJob(job);
     }
   }
-  // Every failed rank, the likely cause first: a rank killed by a signal makes its peers exit
-  // with a communication error right after.
-  std::vector<std::string> killed, exited;
-  bool bad_input = false, infra = false;
-  for (const auto& rank : r.ranks()) {
-    if (rank.running() || rank.exit_code() == 0) continue;
-    bad_input |= rank.exit_code() == kExitBadInput;
-    infra |= rank.exit_code() == kExitLeaseExpired || rank.exit_code() == kExitStopped;
-    (rank.exit_code() > 128 ? killed : exited)
-        .push_back(
-            absl::StrCat("rank ", rank.rank(), " on ", wid, ": ", rank.detail().substr(0, 200)));
-  }
-  killed.insert(killed.end(), exited.begin(), exited.end());
-  if (!killed.empty()) {
-    const std::string failure = absl::StrJoin(killed, "; ");
-    FailAttempt(txn, job, failure,
-                bad_input ? Failure::kBadInput
-                : infra   ? Failure::kInfra
-                          : Failure::kJob);
-    return;
-  }
-  int ranks_running = 0;
-  for (const auto& rank : r.ranks()) ranks_running += rank.running() ? 1 : 0;
-  if (ranks_running > 0 && job.state() == "scheduled") {
-    if (job.start_time_ms() == 0) job.set_start_time_ms(NowMs());
-    SetState(txn, job, "running", absl::StrCat("ranks started on ", wid));
-  }
-  // Success of a worker's share: every rank placed on it reported, exited 0.
+}
+
+// Success of a worker's share: every rank placed on it reported, exited 0. The job succeeds
+// when every worker's share has.
+void Coordinator::ApplyFinishedShare(Txn& txn, v1::Job& job, const v1::AttemptReport& r,
+                                     const std::string& wid) {
   const v1::Placement* p = PlacementOf(job, wid);
   if (!r.finished() || p == nullptr || Contains(job.finished_workers(), wid)) return;
   int exited_ok = 0;
@@ -1493,8 +1392,102 @@ void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r
   for (const auto& pl : job.placement()) all &= Contains(job.finished_workers(), pl.worker_id());
   if (all) {
     SetState(
-        txn, job, "succeeded",
+        txn, job, JobState::kSucceeded,
         absl::StrCat("all ", job.world_size(), " ranks exited 0 at step ", job.progress().step()));
+  }
+}
+
+void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r,
+                              const std::string& wid) {
+  Save(txn, job);
+  ApplyProgress(txn, job, r, wid);
+  ApplyResumeReport(txn, job, r);
+  const size_t before = job.checkpoints_size();
+  for (const auto& c : r.checkpoints()) CatalogueCheckpoint(txn, job, c.step(), c.path());
+  if (static_cast<size_t>(job.checkpoints_size()) != before) ApplyRetention(txn, job.id());
+  RecordEvals(txn, job, r);
+  const RankFailures failed = FailedRanks(r, wid);
+  if (!failed.text.empty()) {
+    FailAttempt(txn, job, failed.text,
+                failed.bad_input ? Failure::kBadInput
+                : failed.infra   ? Failure::kInfra
+                                 : Failure::kJob);
+    return;
+  }
+  if (RanksRunning(r) > 0 && JobStateOf(job) == JobState::kScheduled) {
+    if (job.start_time_ms() == 0) job.set_start_time_ms(NowMs());
+    SetState(txn, job, JobState::kRunning, absl::StrCat("ranks started on ", wid));
+  }
+  ApplyFinishedShare(txn, job, r, wid);
+}
+
+namespace {
+
+v1::AttemptRef* AddAttemptRef(google::protobuf::RepeatedPtrField<v1::AttemptRef>* list,
+                              const v1::AttemptReport& r) {
+  v1::AttemptRef* ref = list->Add();
+  ref->set_job_id(r.job_id());
+  ref->set_attempt(r.attempt());
+  return ref;
+}
+
+// What a worker placed in `p` is told to start.
+v1::Assignment AssignmentOf(const std::string& id, const v1::Job& job, const v1::Placement& p) {
+  v1::Assignment a;
+  a.set_job_id(id);
+  a.set_attempt(job.attempt());
+  *a.mutable_ranks() = p.ranks();
+  a.set_world_size(job.world_size());
+  a.set_master_addr(job.master_addr());
+  a.set_master_port(job.master_port());
+  *a.mutable_spec() = job.spec();
+  a.set_resume_from(job.spec().checkpoint().dir());
+  a.set_init_from(job.init_from_path());
+  return a;
+}
+
+}  // namespace
+
+void Coordinator::ReconcileReportLocked(Txn& txn, const std::string& worker,
+                                        const v1::AttemptReport& r, v1::HeartbeatResponse& response,
+                                        RunningAttempts& running) {
+  auto jit = jobs_.find(r.job_id());
+  if (jit != jobs_.end()) {
+    AppendLog(txn, r, worker);
+    AppendSteps(txn, r, worker);
+  }
+  const bool current = jit != jobs_.end() && IsActive(jit->second) &&
+                       r.attempt() == jit->second.attempt() &&
+                       PlacementOf(jit->second, worker) != nullptr;
+  if (current) {
+    ApplyReport(txn, jit->second, r, worker);
+  } else if (jit != jobs_.end() && HistoryOf(jit->second, r.attempt()) != nullptr &&
+             !r.skipped().empty()) {
+    ApplyResumeReport(txn, jit->second, r);  // what an old attempt found is still true
+  }
+  // Reports of unknown jobs and of old attempts: stop what still runs, forget what ended.
+  const bool live =
+      jit != jobs_.end() && IsActive(jit->second) && r.attempt() == jit->second.attempt();
+  if (!live && !r.finished()) AddAttemptRef(response.mutable_cancels(), r);
+  if (r.finished()) {
+    AddAttemptRef(response.mutable_forget(), r);
+  } else {
+    running[{r.job_id(), r.attempt()}] = std::max(1, RanksRunning(r));
+  }
+}
+
+void Coordinator::AssignLocked(const std::string& worker, const v1::HeartbeatRequest& request,
+                               v1::HeartbeatResponse& response) const {
+  std::set<std::pair<std::string, int>> reported;
+  for (const v1::AttemptReport& r : request.attempts()) reported.insert({r.job_id(), r.attempt()});
+  for (const auto& [id, job] : jobs_) {
+    if (!IsActive(job) || Contains(job.finished_workers(), worker)) continue;
+    const v1::Placement* p = PlacementOf(job, worker);
+    if (p == nullptr) continue;
+    if (reported.count({id, job.attempt()})) continue;  // already running there
+    // Other workers wait for the port rank 0's worker picks (0 tells rank 0's worker to pick).
+    if (job.master_port() == 0 && !HostsRankZero(job, worker)) continue;
+    *response.add_assignments() = AssignmentOf(id, job, *p);
   }
 }
 
@@ -1520,62 +1513,13 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   w.set_last_heartbeat_ms(NowMs());
   heard_since_start_.insert(worker);
   v1::HeartbeatResponse response;
-  std::map<std::pair<std::string, int>, int> running;
-  std::set<std::pair<std::string, int>> reported;
+  RunningAttempts running;
   for (const v1::AttemptReport& r : request.attempts()) {
-    reported.insert({r.job_id(), r.attempt()});
-    auto jit = jobs_.find(r.job_id());
-    if (jit != jobs_.end()) {
-      AppendLog(txn, r, worker);
-      AppendSteps(txn, r, worker);
-    }
-    int ranks_running = 0;
-    for (const auto& rank : r.ranks()) ranks_running += rank.running() ? 1 : 0;
-    const bool current = jit != jobs_.end() && IsActive(jit->second.state()) &&
-                         r.attempt() == jit->second.attempt() &&
-                         PlacementOf(jit->second, worker) != nullptr;
-    if (current) {
-      ApplyReport(txn, jit->second, r, worker);
-    } else if (jit != jobs_.end() && HistoryOf(jit->second, r.attempt()) != nullptr &&
-               !r.skipped().empty()) {
-      ApplyResumeReport(txn, jit->second, r);  // what an old attempt found is still true
-    }
-    // Reports of unknown jobs and of old attempts: stop what still runs, forget what ended.
-    const bool live =
-        jit != jobs_.end() && IsActive(jit->second.state()) && r.attempt() == jit->second.attempt();
-    if (!live && !r.finished()) {
-      v1::AttemptRef* c = response.add_cancels();
-      c->set_job_id(r.job_id());
-      c->set_attempt(r.attempt());
-    }
-    if (r.finished()) {
-      v1::AttemptRef* f = response.add_forget();
-      f->set_job_id(r.job_id());
-      f->set_attempt(r.attempt());
-    } else {
-      running[{r.job_id(), r.attempt()}] = std::max(1, ranks_running);
-    }
+    ReconcileReportLocked(txn, worker, r, response, running);
   }
-  for (const auto& [id, job] : jobs_) {
-    if (!IsActive(job.state()) || Contains(job.finished_workers(), worker)) continue;
-    const v1::Placement* p = PlacementOf(job, worker);
-    if (p == nullptr) continue;
-    if (reported.count({id, job.attempt()})) continue;  // already running there
-    // Other workers wait for the port rank 0's worker picks (0 tells rank 0's worker to pick).
-    if (job.master_port() == 0 && !HostsRankZero(job, worker)) continue;
-    v1::Assignment* a = response.add_assignments();
-    a->set_job_id(id);
-    a->set_attempt(job.attempt());
-    *a->mutable_ranks() = p->ranks();
-    a->set_world_size(job.world_size());
-    a->set_master_addr(job.master_addr());
-    a->set_master_port(job.master_port());
-    *a->mutable_spec() = job.spec();
-    a->set_resume_from(CheckpointDir(job));
-    a->set_init_from(job.init_from_path());
-  }
-  if (w.state() != "alive") {
-    w.set_state("alive");
+  AssignLocked(worker, request, response);
+  if (!IsAlive(w)) {
+    SetWorkerState(w, WorkerState::kAlive);
     txn.batch.PutWorker(w);
   } else {
     txn.progress.PutWorker(w);
@@ -1585,12 +1529,13 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   return response;
 }
 
-void Coordinator::ScheduleLocked(Txn& txn) {
-  const int64_t now = NowMs();
+// The queued jobs the scheduler may place now; those held back (fenced after a lost worker, or
+// waiting for an old attempt's ranks to stop) go to `held` with the reason.
+std::vector<QueuedJob> Coordinator::QueueLocked(int64_t now,
+                                                std::map<std::string, std::string>& held) const {
   std::vector<QueuedJob> queue;
-  std::map<std::string, std::string> held;  // queued jobs that wait for their last attempt
   for (const auto& [id, job] : jobs_) {
-    if (job.state() != "queued") continue;
+    if (JobStateOf(job) != JobState::kQueued) continue;
     if (job.not_before_ms() > now) {
       held[id] = absl::StrFormat(
           "fenced: the previous attempt's worker was lost; placing again in %.1f s (lost-after "
@@ -1610,21 +1555,21 @@ void Coordinator::ScheduleLocked(Txn& txn) {
     q.queued_since_ms = job.queued_since_ms();
     queue.push_back(std::move(q));
   }
-  // After a restart: nothing is placed until every live worker has said what it runs.
+  return queue;
+}
+
+// After a restart: nothing is placed until every live worker has said what it runs.
+bool Coordinator::AwaitingReportsAfterRestart() const {
   for (const auto& [id, w] : workers_) {
-    if (w.state() == "alive" && !heard_since_start_.count(id)) {
-      for (const auto& q : queue) held[q.id] = "waiting for every worker to report after a restart";
-      queue.clear();
-      break;
-    }
+    if (IsAlive(w) && !heard_since_start_.count(id)) return true;
   }
-  if (queue.empty()) {
-    waiting_reason_ = std::move(held);
-    return;
-  }
+  return false;
+}
+
+std::vector<FreeWorker> Coordinator::FreeWorkersLocked() const {
   std::vector<FreeWorker> free;
   for (const auto& [id, w] : workers_) {
-    if (w.state() != "alive") continue;
+    if (!IsAlive(w)) continue;
     FreeWorker f;
     f.id = id;
     f.labels.insert(w.labels().begin(), w.labels().end());
@@ -1632,47 +1577,80 @@ void Coordinator::ScheduleLocked(Txn& txn) {
     f.free_slots = std::max(0, w.slots() - UsedSlots(id));
     free.push_back(std::move(f));
   }
-  ScheduleResult result = Schedule(std::move(queue), std::move(free), options_.scheduler, now);
+  return free;
+}
+
+const v1::CheckpointEntry* Coordinator::NewestIntactCheckpoint(const v1::Job& job) const {
+  const v1::CheckpointEntry* newest = nullptr;
+  for (const std::string& cid : job.checkpoints()) {
+    auto c = checkpoints_.find(cid);
+    if (c != checkpoints_.end() && !c->second.deleted() && c->second.damaged().empty() &&
+        (newest == nullptr || c->second.step() > newest->step())) {
+      newest = &c->second;
+    }
+  }
+  return newest;
+}
+
+// The job's next attempt on the gang's workers, resuming from its newest intact checkpoint.
+void Coordinator::StartAttemptLocked(Txn& txn, const GangPlacement& g, int64_t now) {
+  v1::Job& job = jobs_[g.job_id];
+  Save(txn, job);
+  job.set_attempt(job.attempt() + 1);
+  job.clear_placement();
+  job.clear_finished_workers();
+  v1::AttemptRecord* record = job.add_history();
+  record->set_attempt(job.attempt());
+  record->set_start_time_ms(now);
+  std::vector<std::string> where;
+  for (const auto& [wid, ranks] : g.workers) {
+    v1::Placement* p = job.add_placement();
+    p->set_worker_id(wid);
+    for (int r : ranks) p->add_ranks(r);
+    record->add_worker_ids(wid);
+    where.push_back(absl::StrCat(wid, " (", RankText(ranks), ")"));
+  }
+  job.set_master_addr(workers_[g.workers.front().first].address());
+  job.set_master_port(0);
+  job.clear_resume_from();
+  std::string from;
+  if (const v1::CheckpointEntry* newest = NewestIntactCheckpoint(job)) {
+    job.set_resume_from(newest->path());
+    from =
+        absl::StrCat("; resuming from step ", newest->step(), " (or the newest intact checkpoint)");
+  }
+  registry_.Observe("loom_coordinator_scheduling_delay_seconds",
+                    static_cast<double>(now - job.queued_since_ms()) / 1000.0);
+  SetState(txn, job, JobState::kScheduled,
+           absl::StrCat("attempt ", job.attempt(), " on ", absl::StrJoin(where, ", "), from));
+}
+
+void Coordinator::ScheduleLocked(Txn& txn) {
+  const int64_t now = NowMs();
+  std::map<std::string, std::string> held;  // queued jobs that wait for their last attempt
+  std::vector<QueuedJob> queue = QueueLocked(now, held);
+  if (AwaitingReportsAfterRestart()) {
+    for (const auto& q : queue) held[q.id] = "waiting for every worker to report after a restart";
+    queue.clear();
+  }
+  if (queue.empty()) {
+    waiting_reason_ = std::move(held);
+    return;
+  }
+  ScheduleResult result = Schedule(std::move(queue), FreeWorkersLocked(), options_.scheduler, now);
   waiting_reason_ = std::move(result.waiting);
   waiting_reason_.insert(held.begin(), held.end());
-  for (const GangPlacement& g : result.placed) {
-    v1::Job& job = jobs_[g.job_id];
-    Save(txn, job);
-    job.set_attempt(job.attempt() + 1);
-    job.clear_placement();
-    job.clear_finished_workers();
-    v1::AttemptRecord* record = job.add_history();
-    record->set_attempt(job.attempt());
-    record->set_start_time_ms(now);
-    std::vector<std::string> where;
-    for (const auto& [wid, ranks] : g.workers) {
-      v1::Placement* p = job.add_placement();
-      p->set_worker_id(wid);
-      for (int r : ranks) p->add_ranks(r);
-      record->add_worker_ids(wid);
-      where.push_back(absl::StrCat(wid, " (", RankText(ranks), ")"));
+  for (const GangPlacement& g : result.placed) StartAttemptLocked(txn, g, now);
+}
+
+void Coordinator::MarkSilentWorkersLost(Txn& txn) {
+  const int64_t now = NowMs();
+  for (auto& [id, w] : workers_) {
+    if (IsAlive(w) && now - w.last_heartbeat_ms() > options_.lost_after_ms) {
+      MarkWorkerLost(
+          txn, w,
+          absl::StrCat("lost: no heartbeat for ", (now - w.last_heartbeat_ms()) / 1000, " s"));
     }
-    job.set_master_addr(workers_[g.workers.front().first].address());
-    job.set_master_port(0);
-    job.clear_resume_from();
-    std::string from;
-    const v1::CheckpointEntry* newest = nullptr;
-    for (const std::string& cid : job.checkpoints()) {
-      auto c = checkpoints_.find(cid);
-      if (c != checkpoints_.end() && !c->second.deleted() && c->second.damaged().empty() &&
-          (newest == nullptr || c->second.step() > newest->step())) {
-        newest = &c->second;
-      }
-    }
-    if (newest != nullptr) {
-      job.set_resume_from(newest->path());
-      from = absl::StrCat("; resuming from step ", newest->step(),
-                          " (or the newest intact checkpoint)");
-    }
-    registry_.Observe("loom_coordinator_scheduling_delay_seconds",
-                      static_cast<double>(now - job.queued_since_ms()) / 1000.0);
-    SetState(txn, job, "scheduled",
-             absl::StrCat("attempt ", job.attempt(), " on ", absl::StrJoin(where, ", "), from));
   }
 }
 
@@ -1680,15 +1658,8 @@ void Coordinator::Tick() {
   std::vector<std::string> deletes;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const int64_t now = NowMs();
     Txn txn;
-    for (auto& [id, w] : workers_) {
-      if (w.state() == "alive" && now - w.last_heartbeat_ms() > options_.lost_after_ms) {
-        MarkWorkerLost(
-            txn, w,
-            absl::StrCat("lost: no heartbeat for ", (now - w.last_heartbeat_ms()) / 1000, " s"));
-      }
-    }
+    MarkSilentWorkersLost(txn);
     ScheduleLocked(txn);
     (void)Commit(txn);  // on failure memory is restored; the next tick tries again
     deletes.swap(pending_deletes_);
@@ -1705,61 +1676,15 @@ absl::StatusOr<Coordinator::LogChunk> Coordinator::ReadLog(const std::string& id
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = jobs_.find(id);
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
-    terminal = IsTerminal(it->second.state());
+    terminal = IsTerminal(it->second);
   }
+  FileBytes read = ReadFileBytes(JobLogPath(options_.data_dir, id), offset, max);
   LogChunk chunk;
-  const std::string path = LogPath(id);
-  std::error_code ec;
-  const int64_t size = fs::exists(path, ec) ? static_cast<int64_t>(fs::file_size(path, ec)) : 0;
-  if (offset < size) {
-    const int64_t want = std::min<int64_t>(size - offset, max);
-    std::ifstream in(path, std::ios::binary);
-    in.seekg(offset);
-    chunk.data.resize(static_cast<size_t>(want));
-    in.read(chunk.data.data(), want);
-    chunk.data.resize(static_cast<size_t>(in.gcount()));
-  }
+  chunk.data = std::move(read.data);
   chunk.next_offset = offset + static_cast<int64_t>(chunk.data.size());
-  chunk.done = terminal && chunk.next_offset >= size;
+  chunk.done = terminal && chunk.next_offset >= read.size;
   return chunk;
 }
-
-namespace {
-
-// One line of a series file; false for a torn or foreign line.
-bool ParseStepLine(absl::string_view line, int* attempt, v1::StepPoint* p) {
-  std::vector<absl::string_view> f = absl::StrSplit(line, '\t');
-  int64_t step, time_ms;
-  double loss, lr, tps, grad;
-  if (f.size() != 7 || !absl::SimpleAtoi(f[0], attempt) || !absl::SimpleAtoi(f[1], &step) ||
-      !absl::SimpleAtod(f[2], &loss) || !absl::SimpleAtod(f[3], &lr) ||
-      !absl::SimpleAtod(f[4], &tps) || !absl::SimpleAtod(f[5], &grad) ||
-      !absl::SimpleAtoi(f[6], &time_ms)) {
-    return false;
-  }
-  p->set_step(step);
-  p->set_loss(loss);
-  p->set_learning_rate(lr);
-  p->set_tokens_per_second(tps);
-  p->set_grad_norm(grad);
-  p->set_time_ms(time_ms);
-  return true;
-}
-
-// At most max_points per series: every k-th point and always the last one.
-void Thin(v1::AttemptSeries& series, int max_points) {
-  const int n = series.points_size();
-  series.set_total_points(n);
-  if (n <= max_points) return;
-  const int k = (n + max_points - 1) / max_points;
-  google::protobuf::RepeatedPtrField<v1::StepPoint> kept;
-  for (int i = 0; i < n; ++i) {
-    if (i % k == 0 || i == n - 1) *kept.Add() = series.points(i);
-  }
-  series.mutable_points()->Swap(&kept);
-}
-
-}  // namespace
 
 absl::StatusOr<v1::JobMetricsResponse> Coordinator::JobMetrics(const std::string& id,
                                                                int max_points) {
@@ -1775,19 +1700,7 @@ absl::StatusOr<v1::JobMetricsResponse> Coordinator::JobMetrics(const std::string
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
     *out.mutable_evals() = it->second.evals();
   }
-  std::ifstream in(SeriesPath(id), std::ios::binary);
-  std::map<int, v1::AttemptSeries> by_attempt;
-  std::string line;
-  while (std::getline(in, line)) {
-    int attempt;
-    v1::StepPoint p;
-    if (!ParseStepLine(line, &attempt, &p)) continue;
-    v1::AttemptSeries& s = by_attempt[attempt];
-    s.set_attempt(attempt);
-    *s.add_points() = std::move(p);
-  }
-  for (auto& [attempt, s] : by_attempt) {
-    Thin(s, max_points);
+  for (v1::AttemptSeries& s : ReadStepSeries(JobSeriesPath(options_.data_dir, id), max_points)) {
     *out.add_series() = std::move(s);
   }
   return out;
@@ -1797,17 +1710,18 @@ std::string Coordinator::RenderMetrics() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     std::map<std::string, int> by_state;
-    for (const char* s : kStates) by_state[s] = 0;
+    for (absl::string_view s : JobStateNames()) by_state[std::string(s)] = 0;
     for (const auto& [id, j] : jobs_) by_state[j.state()]++;
     for (const auto& [s, n] : by_state) registry_.Set("loom_coordinator_jobs", n, {{"state", s}});
-    registry_.Set("loom_coordinator_queue_depth", by_state["queued"]);
+    registry_.Set("loom_coordinator_queue_depth",
+                  by_state[std::string(JobStateName(JobState::kQueued))]);
     const int64_t now = NowMs();
     for (const char* f : {"loom_coordinator_job_step", "loom_coordinator_job_progress_age_seconds",
                           "loom_coordinator_job_checkpoint_age_seconds"}) {
       registry_.Clear(f);
     }
     for (const auto& [id, j] : jobs_) {
-      if (!IsActive(j.state())) continue;
+      if (!IsActive(j)) continue;
       const metrics::Labels l = {{metrics::kJobLabel, id}};
       const int64_t started = std::max(j.update_time_ms(), j.start_time_ms());
       int64_t last_ckpt = 0;
@@ -1824,7 +1738,7 @@ std::string Coordinator::RenderMetrics() {
     }
     int alive = 0, lost = 0, total = 0, used = 0;
     for (const auto& [id, w] : workers_) {
-      if (w.state() == "alive") {
+      if (IsAlive(w)) {
         ++alive;
         total += w.slots();
         used += UsedSlots(id);
@@ -1832,8 +1746,10 @@ std::string Coordinator::RenderMetrics() {
         ++lost;
       }
     }
-    registry_.Set("loom_coordinator_workers", alive, {{"state", "alive"}});
-    registry_.Set("loom_coordinator_workers", lost, {{"state", "lost"}});
+    registry_.Set("loom_coordinator_workers", alive,
+                  {{"state", std::string(WorkerStateName(WorkerState::kAlive))}});
+    registry_.Set("loom_coordinator_workers", lost,
+                  {{"state", std::string(WorkerStateName(WorkerState::kLost))}});
     registry_.Set("loom_coordinator_slots", used, {{"state", "used"}});
     registry_.Set("loom_coordinator_slots", total - used, {{"state", "free"}});
   }

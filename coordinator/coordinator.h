@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -14,16 +15,21 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "clock.h"
 #include "loom/exit_codes.h"
 #include "loom/v1/control.pb.h"
 #include "paging.h"
 #include "prometheus.h"
 #include "scheduler.h"
 #include "state_store.h"
+#include "states.h"
 
 namespace loom::coordinator {
+
+struct SweepCell;
 
 struct CoordinatorOptions {
   std::string data_dir;      // RocksDB (state/) and job logs (logs/)
@@ -36,9 +42,10 @@ struct CoordinatorOptions {
   int max_infra_restarts = 20;       // attempts a job may lose to lost or restarted workers
   int64_t max_body_bytes = 1 << 20;  // told to agents: heartbeats must fit
   SchedulerOptions scheduler;
+  // Every time the coordinator reads (heartbeat silence, fencing, queue ages, event times).
+  std::shared_ptr<Clock> clock = std::make_shared<SystemClock>();
 };
 
-bool IsTerminal(const std::string& state);
 bool IsValidId(const std::string& id);
 
 // Checkpoint ids are "<job id>.<step>" (job-000001.150): one path segment, so a URL can hold
@@ -114,7 +121,8 @@ class Coordinator {
   metrics::Registry& registry() { return registry_; }
   std::string RenderMetrics();
 
-  // One scheduling pass (the background loop calls it; tests may too).
+  // One pass of the background loop: workers silent for lost_after_ms are declared lost, then
+  // queued jobs are placed. Tests call it after moving a ManualClock on.
   void Tick();
 
  private:
@@ -129,19 +137,30 @@ class Coordinator {
     std::map<std::string, std::optional<std::string>> credentials;
     std::map<std::string, int64_t> event_counts;
     std::vector<std::string> deletes;  // checkpoint directories to remove once committed
-    std::vector<std::string> ended;    // terminal states reached, counted once committed
+    std::vector<JobState> ended;       // terminal states reached, counted once committed
   };
   enum class Failure { kJob, kInfra, kBadInput };
+  struct PlannedJob;  // one (cell, seed) of a sweep, validated before anything is stored
+  // Attempts ("<job>", attempt) a worker reported as not finished -> its ranks running them.
+  using RunningAttempts = std::map<std::pair<std::string, int>, int>;
 
   explicit Coordinator(const CoordinatorOptions& options) : options_(options) {}
+  int64_t NowMs() const { return options_.clock->NowMs(); }
   absl::Status Load();
   absl::Status MigrateCheckpointIds();
   absl::StatusOr<v1::JobSpec> ResolveSubmission(const v1::SubmitJobRequest& request);
+  absl::StatusOr<std::vector<PlannedJob>> PlanSweepJobs(const v1::SweepSpec& spec,
+                                                        const std::vector<SweepCell>& cells);
 
   // All below: mutex_ held.
+  absl::StatusOr<std::string> InitFromPathLocked(const v1::SubmitJobRequest& request) const;
   absl::StatusOr<v1::Job> AddJobLocked(Txn& txn, const v1::SubmitJobRequest& request,
                                        v1::JobSpec spec, const std::string& user,
                                        const std::string& id);
+  absl::StatusOr<v1::CreateSweepResponse> RepeatedSweepLocked(const std::string& key,
+                                                              const v1::SweepSpec& spec);
+  absl::Status AddSweepJobsLocked(Txn& txn, v1::Sweep& sweep,
+                                  const std::vector<PlannedJob>& planned, const std::string& user);
   v1::Sweep SweepWithStates(const v1::Sweep& sweep) const;
   void Save(Txn& txn, const v1::Job& job);
   void Save(Txn& txn, const std::string& worker_id);
@@ -149,24 +168,47 @@ class Coordinator {
   void SaveCredential(Txn& txn, const std::string& worker_id);
   absl::Status Commit(Txn& txn);  // writes both batches; on failure restores memory
   void Rollback(Txn& txn);        // restores what the change touched, writes nothing
-  void AddEvent(Txn& txn, v1::Job& job, const std::string& state, const std::string& reason);
-  void SetState(Txn& txn, v1::Job& job, const std::string& state, const std::string& reason);
+  // An event of the job; `state` is the state entered, nullopt for an event that changes none.
+  void AddEvent(Txn& txn, v1::Job& job, std::optional<JobState> state, const std::string& reason);
+  void SetState(Txn& txn, v1::Job& job, JobState state, const std::string& reason);
   void FailAttempt(Txn& txn, v1::Job& job, const std::string& reason, Failure kind,
                    int64_t not_before_ms = 0);
+  // Fails every active attempt with ranks on the worker that it has not finished.
+  void FailAttemptsOn(Txn& txn, const std::string& worker_id, const std::string& reason,
+                      int64_t not_before_ms = 0);
   void MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string& reason);
+  void MarkSilentWorkersLost(Txn& txn);
+  absl::StatusOr<std::string> RegisteringIdLocked(Txn& txn, const v1::RegisterWorkerRequest& r);
+  std::string IssueCredential(Txn& txn, const std::string& worker_id);
   void RevokeCredential(Txn& txn, const std::string& worker_id);
   int UsedSlots(const std::string& worker_id) const;
   bool OldAttemptRunning(const v1::Job& job) const;
   void ScheduleLocked(Txn& txn);
+  std::vector<QueuedJob> QueueLocked(int64_t now, std::map<std::string, std::string>& held) const;
+  bool AwaitingReportsAfterRestart() const;
+  std::vector<FreeWorker> FreeWorkersLocked() const;
+  void StartAttemptLocked(Txn& txn, const GangPlacement& placement, int64_t now);
+  const v1::CheckpointEntry* NewestIntactCheckpoint(const v1::Job& job) const;
+  // One report of a heartbeat: logs and steps recorded, the attempt's job brought up to date,
+  // the agent told to stop or forget it; what still runs is added to `running`.
+  void ReconcileReportLocked(Txn& txn, const std::string& worker, const v1::AttemptReport& r,
+                             v1::HeartbeatResponse& response, RunningAttempts& running);
+  // The attempts placed on the worker that it does not run yet, as assignments.
+  void AssignLocked(const std::string& worker, const v1::HeartbeatRequest& request,
+                    v1::HeartbeatResponse& response) const;
+  // Records the part of a resendable chunk not received yet under `key` (a log offset):
+  // `write(first new item)` stores it; the offset moves on when it returns true.
+  void RecordNewPart(Txn& txn, const std::string& key, int64_t offset, int64_t count,
+                     const std::function<bool(int64_t)>& write);
   void AppendLog(Txn& txn, const v1::AttemptReport& report, const std::string& worker_id);
-  std::string LogPath(const std::string& job_id) const;
   void AppendSteps(Txn& txn, const v1::AttemptReport& report, const std::string& worker_id);
-  std::string SeriesPath(const std::string& job_id) const;
-  absl::Status ResolvePaths(v1::JobSpec& spec, const std::string& job_id) const;
-  absl::StatusOr<std::string> InsideRoot(const std::string& field, const std::string& value) const;
   std::string CheckpointDir(const v1::Job& job) const { return job.spec().checkpoint().dir(); }
   absl::Status ValidateReport(const v1::AttemptReport& r, const std::string& worker_id) const;
   void ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r, const std::string& wid);
+  void ApplyProgress(Txn& txn, v1::Job& job, const v1::AttemptReport& r, const std::string& wid);
+  void RecordEvals(Txn& txn, v1::Job& job, const v1::AttemptReport& r);
+  void ApplyFinishedShare(Txn& txn, v1::Job& job, const v1::AttemptReport& r,
+                          const std::string& wid);
   void CatalogueCheckpoint(Txn& txn, v1::Job& job, int64_t step, const std::string& path);
   void ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r);
   void ApplyRetention(Txn& txn, const std::string& job_id);
@@ -192,7 +234,7 @@ class Coordinator {
   std::map<std::string, int64_t> log_offsets_;  // "<job>/<attempt>/<worker>" -> bytes received
   std::map<std::string, std::string> waiting_reason_;  // not persisted: recomputed each pass
   // Per worker: attempts its last heartbeat reported as still running -> ranks running there.
-  std::map<std::string, std::map<std::pair<std::string, int>, int>> reported_running_;
+  std::map<std::string, RunningAttempts> reported_running_;
   // After a restart nothing is placed until every live worker has reported what it runs (or
   // been declared lost), so an old attempt still running is known before a new one starts.
   std::set<std::string> heard_since_start_;

@@ -1,7 +1,8 @@
 // The coordinator's state machine on a real RocksDB in a temporary directory: validation,
 // persistence across a reopen, scheduling, the attempt lifecycle driven by agent heartbeats
 // (start, checkpoints, rank failure -> restart from the newest checkpoint, success), lost
-// workers, cancellation; and api/openapi.yaml against the served route table.
+// workers, cancellation; and api/openapi.yaml against the served route table. Time is a
+// ManualClock the tests move on: heartbeat silence, leases and fencing take no real waiting.
 #include "coordinator.h"
 
 #include <google/protobuf/struct.pb.h>
@@ -11,9 +12,9 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
-#include <thread>
 
 #include "checkpoint.h"
+#include "clock.h"
 #include "http_api.h"
 
 namespace fs = std::filesystem;
@@ -31,6 +32,7 @@ class CoordinatorTest : public ::testing::Test {
     options_.data_dir = (dir_ / "data").string();
     options_.storage_root = (dir_ / "storage").string();
     options_.lost_after_ms = 60000;
+    options_.clock = clock_;
     Reopen();
   }
   void TearDown() override {
@@ -126,6 +128,7 @@ class CoordinatorTest : public ::testing::Test {
 
   fs::path dir_;
   int beats_ = 0;
+  std::shared_ptr<ManualClock> clock_ = std::make_shared<ManualClock>(1700000000000);
   CoordinatorOptions options_;
   std::unique_ptr<Coordinator> c_;
 };
@@ -324,23 +327,22 @@ TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
   const std::string w2 = RegisterWorker("b", 1);
   // w2 keeps beating, w1 goes silent: lost after 300 ms, but the job is fenced for the
   // termination grace (w1's ranks stop themselves when their lease runs out).
-  const auto silent = std::chrono::steady_clock::now();
+  const int64_t silent = clock_->NowMs();
   while (Job(id).state() != "queued") {
-    ASSERT_LT(std::chrono::steady_clock::now() - silent, std::chrono::seconds(3));
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_LT(clock_->NowMs() - silent, 3000);
+    clock_->Advance(50);
     Beat(w2, "", 0, {});
     c_->Tick();
   }
-  const auto lost = std::chrono::steady_clock::now();
+  const int64_t lost = clock_->NowMs();
   EXPECT_GT(Job(id).not_before_ms(), 0);
   while (Job(id).state() == "queued") {
-    ASSERT_LT(std::chrono::steady_clock::now() - lost, std::chrono::seconds(3));
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_LT(clock_->NowMs() - lost, 3000);
+    clock_->Advance(50);
     Beat(w2, "", 0, {});
     c_->Tick();
   }
-  EXPECT_GE(std::chrono::steady_clock::now() - lost, std::chrono::milliseconds(350))
-      << "placed again before lost-after + termination grace";
+  EXPECT_GE(clock_->NowMs() - lost, 350) << "placed again before lost-after + termination grace";
   v1::Job job = Job(id);
   EXPECT_EQ(job.state(), "scheduled");
   ASSERT_EQ(job.placement_size(), 1);
@@ -659,7 +661,7 @@ TEST_F(CoordinatorTest, WorkerCredentialsAreBoundAndRevoked) {
   // Credentials survive a restart; a lost worker's stops working.
   Reopen();
   ASSERT_TRUE(c_->WorkerForCredential(again->credential()).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  clock_->Advance(300);
   c_->Tick();
   EXPECT_EQ(c_->WorkerForCredential(again->credential()).status().code(),
             absl::StatusCode::kUnauthenticated);

@@ -453,70 +453,108 @@ absl::StatusOr<std::string> ReadWorkerToken(const std::string& path) {
   return token;
 }
 
-void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
-  Coordinator* c = &coordinator;
-  InstallCommon(server, coordinator, options);
-  console::InstallConsoleRoutes(server);
-  server.Route("GET", "/metrics", "none", [c](const HttpRequest&, HttpResponse& res) {
-    res.content_type = "text/plain; version=0.0.4";
-    res.body = c->RenderMetrics();
-  });
-  using Req = const HttpRequest&;
-  server.Route("POST", "/v1/jobs", "user",
-               UserRoute(c, options,
-                         [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
-                           v1::SubmitJobRequest request;
-                           if (!CheckParams(req, res, {}) || !ParseBody(req, res, &request)) return;
-                           auto r = c->Submit(request, user);
-                           if (!r.ok()) return SendStatus(res, r.status());
-                           SendMessage(res, *r, r->created() ? 201 : 200);
-                         }));
-  server.Route(
-      "GET", "/v1/jobs", "user",
-      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res,
-                         {"state", "user", "kind", "sweep", "order", "page_size", "page_token"}))
+namespace {
+
+// The user routes' handlers: the caller is authenticated (UserRoute) as `user`.
+using Req = const HttpRequest&;
+
+// A created resource is 201, a retry that found it (idempotency key) 200.
+template <typename T>
+void ReplyCreated(HttpResponse& res, const absl::StatusOr<T>& r) {
+  if (!r.ok()) return SendStatus(res, r.status());
+  SendMessage(res, *r, r->created() ? 201 : 200);
+}
+
+void SubmitJob(Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+  v1::SubmitJobRequest request;
+  if (!CheckParams(req, res, {}) || !ParseBody(req, res, &request)) return;
+  ReplyCreated(res, c->Submit(request, user));
+}
+
+void ListJobs(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+  if (!CheckParams(req, res,
+                   {"state", "user", "kind", "sweep", "order", "page_size", "page_token"}))
+    return;
+  int64_t page_size;
+  if (!IntParam(req, res, "page_size", 50, 1, 500, &page_size)) return;
+  Coordinator::JobFilter filter;
+  filter.state = req.Param("state");
+  filter.user = req.Param("user");
+  filter.kind = req.Param("kind");
+  filter.sweep = req.Param("sweep");
+  const std::string order = req.Param("order");
+  if (!order.empty() && order != "asc" && order != "desc") {
+    return SetJsonError(res, 400, "order: expected asc or desc");
+  }
+  filter.newest_first = order == "desc";
+  Reply(res, c->ListJobs(filter, static_cast<int>(page_size), req.Param("page_token")));
+}
+
+void GetJobMetrics(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+  if (!CheckParams(req, res, {"max_points"})) return;
+  int64_t max_points;
+  if (!IntParam(req, res, "max_points", 2000, 10, 100000, &max_points)) return;
+  Reply(res, c->JobMetrics(req.matches[0], static_cast<int>(max_points)));
+}
+
+void ListCheckpoints(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+  int page_size;
+  if (!CheckParams(req, res, {"job", "page_size", "page_token"}) || !PageSize(req, res, &page_size))
+    return;
+  Reply(res, c->ListCheckpoints(req.Param("job"), page_size, req.Param("page_token")));
+}
+
+void CreateSweep(Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+  v1::SweepSpec spec;
+  if (!CheckParams(req, res, {}) || !ParseBody(req, res, &spec)) return;
+  ReplyCreated(res, c->CreateSweep(spec, user));
+}
+
+void ReportSweep(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+  if (!CheckParams(req, res, {"metric", "select"})) return;
+  Reply(res, c->ReportSweep(req.matches[0], req.Param("metric"), req.Param("select")));
+}
+
+// GET .../{id}: no query parameters; the answer is the resource.
+template <typename T>
+HttpHandler GetById(Coordinator* c, const ApiOptions& options,
+                    absl::StatusOr<T> (Coordinator::*get)(const std::string&)) {
+  return UserRoute(c, options,
+                   [get](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+                     if (CheckParams(req, res, {})) Reply(res, (c->*get)(req.matches[0]));
+                   });
+}
+
+// POST .../{id}/<action> by the caller: no query parameters; the answer is the resource after.
+template <typename T>
+HttpHandler ActOnId(Coordinator* c, const ApiOptions& options,
+                    absl::StatusOr<T> (Coordinator::*act)(const std::string&, const std::string&)) {
+  return UserRoute(c, options,
+                   [act](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+                     if (CheckParams(req, res, {})) Reply(res, (c->*act)(req.matches[0], user));
+                   });
+}
+
+// A paged list with no filter: page_size and page_token (paging.h).
+template <typename T>
+HttpHandler PagedList(Coordinator* c, const ApiOptions& options,
+                      absl::StatusOr<T> (Coordinator::*list)(int, const std::string&)) {
+  return UserRoute(
+      c, options, [list](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+        int page_size;
+        if (!CheckParams(req, res, {"page_size", "page_token"}) || !PageSize(req, res, &page_size))
           return;
-        int64_t page_size;
-        if (!IntParam(req, res, "page_size", 50, 1, 500, &page_size)) return;
-        Coordinator::JobFilter filter;
-        filter.state = req.Param("state");
-        filter.user = req.Param("user");
-        filter.kind = req.Param("kind");
-        filter.sweep = req.Param("sweep");
-        const std::string order = req.Param("order");
-        if (!order.empty() && order != "asc" && order != "desc") {
-          return SetJsonError(res, 400, "order: expected asc or desc");
-        }
-        filter.newest_first = order == "desc";
-        auto r = c->ListJobs(filter, static_cast<int>(page_size), req.Param("page_token"));
-        if (!r.ok()) return SendStatus(res, r.status());
-        SendMessage(res, *r);
-      }));
-  server.Route(
-      "GET", "/v1/jobs/{id}/metrics", "user",
-      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {"max_points"})) return;
-        int64_t max_points;
-        if (!IntParam(req, res, "max_points", 2000, 10, 100000, &max_points)) return;
-        Reply(res, c->JobMetrics(req.matches[0], static_cast<int>(max_points)));
-      }));
-  server.Route(
-      "GET", "/v1/jobs/{id}", "user",
-      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {})) return;
-        auto r = c->GetJob(req.matches[0]);
-        if (!r.ok()) return SendStatus(res, r.status());
-        SendMessage(res, *r);
-      }));
-  server.Route("POST", "/v1/jobs/{id}/cancel", "user",
-               UserRoute(c, options,
-                         [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
-                           if (!CheckParams(req, res, {})) return;
-                           auto r = c->Cancel(req.matches[0], user);
-                           if (!r.ok()) return SendStatus(res, r.status());
-                           SendMessage(res, *r);
-                         }));
+        Reply(res, (c->*list)(page_size, req.Param("page_token")));
+      });
+}
+
+// /v1/jobs...: submit, list, inspect, cancel, curves and logs.
+void InstallJobRoutes(HttpServer& server, Coordinator* c, const ApiOptions& options) {
+  server.Route("POST", "/v1/jobs", "user", UserRoute(c, options, SubmitJob));
+  server.Route("GET", "/v1/jobs", "user", UserRoute(c, options, ListJobs));
+  server.Route("GET", "/v1/jobs/{id}/metrics", "user", UserRoute(c, options, GetJobMetrics));
+  server.Route("GET", "/v1/jobs/{id}", "user", GetById(c, options, &Coordinator::GetJob));
+  server.Route("POST", "/v1/jobs/{id}/cancel", "user", ActOnId(c, options, &Coordinator::Cancel));
   auto limits =
       std::make_shared<FollowerLimits>(options.max_followers_per_user, options.max_followers);
   server.Route(
@@ -525,64 +563,32 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
                 [limits](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
                   ServeLogs(c, limits.get(), user, req, res);
                 }));
-  server.Route(
-      "GET", "/v1/checkpoints", "user",
-      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        int page_size;
-        if (!CheckParams(req, res, {"job", "page_size", "page_token"}) ||
-            !PageSize(req, res, &page_size))
-          return;
-        Reply(res, c->ListCheckpoints(req.Param("job"), page_size, req.Param("page_token")));
-      }));
-  server.Route(
-      "GET", "/v1/workers", "user",
-      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        int page_size;
-        if (!CheckParams(req, res, {"page_size", "page_token"}) || !PageSize(req, res, &page_size))
-          return;
-        Reply(res, c->ListWorkers(page_size, req.Param("page_token")));
-      }));
-  server.Route("POST", "/v1/sweeps", "user",
-               UserRoute(c, options,
-                         [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
-                           v1::SweepSpec spec;
-                           if (!CheckParams(req, res, {}) || !ParseBody(req, res, &spec)) return;
-                           auto r = c->CreateSweep(spec, user);
-                           if (!r.ok()) return SendStatus(res, r.status());
-                           SendMessage(res, *r, r->created() ? 201 : 200);
-                         }));
-  server.Route(
-      "GET", "/v1/sweeps", "user",
-      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        int page_size;
-        if (!CheckParams(req, res, {"page_size", "page_token"}) || !PageSize(req, res, &page_size))
-          return;
-        Reply(res, c->ListSweeps(page_size, req.Param("page_token")));
-      }));
-  server.Route(
-      "GET", "/v1/sweeps/{id}", "user",
-      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {})) return;
-        auto r = c->GetSweep(req.matches[0]);
-        if (!r.ok()) return SendStatus(res, r.status());
-        SendMessage(res, *r);
-      }));
+}
+
+// /v1/sweeps...: create, list, inspect, cancel, report.
+void InstallSweepRoutes(HttpServer& server, Coordinator* c, const ApiOptions& options) {
+  server.Route("POST", "/v1/sweeps", "user", UserRoute(c, options, CreateSweep));
+  server.Route("GET", "/v1/sweeps", "user", PagedList(c, options, &Coordinator::ListSweeps));
+  server.Route("GET", "/v1/sweeps/{id}", "user", GetById(c, options, &Coordinator::GetSweep));
   server.Route("POST", "/v1/sweeps/{id}/cancel", "user",
-               UserRoute(c, options,
-                         [](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
-                           if (!CheckParams(req, res, {})) return;
-                           auto r = c->CancelSweep(req.matches[0], user);
-                           if (!r.ok()) return SendStatus(res, r.status());
-                           SendMessage(res, *r);
-                         }));
-  server.Route(
-      "GET", "/v1/sweeps/{id}/report", "user",
-      UserRoute(c, options, [](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        if (!CheckParams(req, res, {"metric", "select"})) return;
-        auto r = c->ReportSweep(req.matches[0], req.Param("metric"), req.Param("select"));
-        if (!r.ok()) return SendStatus(res, r.status());
-        SendMessage(res, *r);
-      }));
+               ActOnId(c, options, &Coordinator::CancelSweep));
+  server.Route("GET", "/v1/sweeps/{id}/report", "user", UserRoute(c, options, ReportSweep));
+}
+
+}  // namespace
+
+void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
+  Coordinator* c = &coordinator;
+  InstallCommon(server, coordinator, options);
+  console::InstallConsoleRoutes(server);
+  server.Route("GET", "/metrics", "none", [c](const HttpRequest&, HttpResponse& res) {
+    res.content_type = "text/plain; version=0.0.4";
+    res.body = c->RenderMetrics();
+  });
+  InstallJobRoutes(server, c, options);
+  server.Route("GET", "/v1/checkpoints", "user", UserRoute(c, options, ListCheckpoints));
+  server.Route("GET", "/v1/workers", "user", PagedList(c, options, &Coordinator::ListWorkers));
+  InstallSweepRoutes(server, c, options);
   // Agent routes live on the agent listener only.
   server.RoutePattern("POST", R"(/v1/agent/.*)", [](const HttpRequest& req, HttpResponse& res) {
     SetJsonError(res, 404,
@@ -600,9 +606,7 @@ void InstallAgentRoutes(HttpServer& server, Coordinator& coordinator, const ApiO
                    return;
                  v1::RegisterWorkerRequest request;
                  if (!ParseBody(req, res, &request)) return;
-                 auto r = c->Register(request);
-                 if (!r.ok()) return SendStatus(res, r.status());
-                 SendMessage(res, *r);
+                 Reply(res, c->Register(request));
                });
   server.Route("POST", "/v1/agent/heartbeat", "worker",
                [c, options](const HttpRequest& req, HttpResponse& res) {
@@ -610,9 +614,7 @@ void InstallAgentRoutes(HttpServer& server, Coordinator& coordinator, const ApiO
                  if (worker.empty() || !CheckParams(req, res, {})) return;
                  v1::HeartbeatRequest request;
                  if (!ParseBody(req, res, &request)) return;
-                 auto r = c->Heartbeat(request, worker);
-                 if (!r.ok()) return SendStatus(res, r.status());
-                 SendMessage(res, *r);
+                 Reply(res, c->Heartbeat(request, worker));
                });
 }
 

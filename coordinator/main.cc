@@ -78,35 +78,41 @@ absl::StatusOr<ApiOptions> ReadApiOptions(const CliArgs& args, const std::string
   return api;
 }
 
-absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 1,
-                                                     {"data-dir",
-                                                      "storage-root",
-                                                      "bind",
-                                                      "port",
-                                                      "port-file",
-                                                      "agent-port",
-                                                      "agent-port-file",
-                                                      "user-tokens",
-                                                      "worker-token-file",
-                                                      "allowed-hosts",
-                                                      "heartbeat-ms",
-                                                      "lost-after-ms",
-                                                      "term-grace-ms",
-                                                      "max-infra-restarts",
-                                                      "aging-seconds",
-                                                      "reserve-after-s",
-                                                      "max-body-bytes",
-                                                      "max-log-followers-per-user",
-                                                      "prometheus-sd-file",
-                                                      "tls-cert",
-                                                      "tls-key"},
-                                                     {"help"}));
-  if (args.Has("help")) {
-    std::cout << kUsage;
-    return absl::OkStatus();
-  }
-  CoordinatorOptions options;
+absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
+  return CliArgs::Parse(argc, argv, 1,
+                        {"data-dir",
+                         "storage-root",
+                         "bind",
+                         "port",
+                         "port-file",
+                         "agent-port",
+                         "agent-port-file",
+                         "user-tokens",
+                         "worker-token-file",
+                         "allowed-hosts",
+                         "heartbeat-ms",
+                         "lost-after-ms",
+                         "term-grace-ms",
+                         "max-infra-restarts",
+                         "aging-seconds",
+                         "reserve-after-s",
+                         "max-body-bytes",
+                         "max-log-followers-per-user",
+                         "prometheus-sd-file",
+                         "tls-cert",
+                         "tls-key"},
+                        {"help"});
+}
+
+// The coordinator's options and the two listeners' ports, checked in the order of the usage.
+struct Settings {
+  CoordinatorOptions coordinator;
+  int64_t port = 0, agent_port = 0;
+};
+
+absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
+  Settings settings;
+  CoordinatorOptions& options = settings.coordinator;
   LOOM_ASSIGN_OR_RETURN(options.data_dir, args.Require("data-dir"));
   options.storage_root =
       args.Get("storage-root", (std::filesystem::path(options.data_dir) / "storage").string());
@@ -117,9 +123,10 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(options.scheduler.aging_seconds,
                         args.GetDouble("aging-seconds", 60, 0.001, 1e9));
   LOOM_ASSIGN_OR_RETURN(int64_t reserve, args.GetInt("reserve-after-s", 300, 0, 1000000000));
-  LOOM_ASSIGN_OR_RETURN(int64_t port, args.GetInt("port", 8470, 0, 65535));
-  LOOM_ASSIGN_OR_RETURN(int64_t agent_port, args.GetInt("agent-port", 8471, 0, 65535));
-  LOOM_ASSIGN_OR_RETURN(int64_t max_body, args.GetInt("max-body-bytes", 1 << 20, 1024, 1 << 30));
+  LOOM_ASSIGN_OR_RETURN(settings.port, args.GetInt("port", 8470, 0, 65535));
+  LOOM_ASSIGN_OR_RETURN(settings.agent_port, args.GetInt("agent-port", 8471, 0, 65535));
+  LOOM_ASSIGN_OR_RETURN(options.max_body_bytes,
+                        args.GetInt("max-body-bytes", 1 << 20, 1024, 1 << 30));
   // The lease (lost-after / 2) must outlast a few heartbeat intervals, or a slow reply stops
   // healthy ranks.
   if (lost < 4 * hb) {
@@ -129,41 +136,77 @@ absl::Status Run(int argc, char** argv) {
   options.lost_after_ms = static_cast<int>(lost);
   options.term_grace_ms = static_cast<int>(grace);
   options.max_infra_restarts = static_cast<int>(infra);
-  options.max_body_bytes = max_body;
   options.scheduler.reserve_after_ms = reserve * 1000;
-  const std::string bind = args.Get("bind", "127.0.0.1");
-  LOOM_ASSIGN_OR_RETURN(ApiOptions api, ReadApiOptions(args, bind));
+  return settings;
+}
 
-  LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Coordinator> coordinator, Coordinator::Open(options));
-  HttpServerOptions user_options;
+// Both listeners' options: TLS when --tls-cert and --tls-key are given; 32 user threads.
+absl::StatusOr<HttpServerOptions> ReadServerOptions(const CliArgs& args, int64_t max_body) {
+  HttpServerOptions options;
   if (args.Has("tls-cert") != args.Has("tls-key")) {
     return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
   }
   if (args.Has("tls-cert")) {
-    LOOM_ASSIGN_OR_RETURN(user_options.tls,
-                          LoadTlsContext(args.Get("tls-cert"), args.Get("tls-key")));
+    LOOM_ASSIGN_OR_RETURN(options.tls, LoadTlsContext(args.Get("tls-cert"), args.Get("tls-key")));
   }
+  options.threads = 32;
+  options.max_body_bytes = static_cast<size_t>(max_body);
+  return options;
+}
+
+// A Prometheus file_sd target list naming this coordinator's /metrics.
+void WritePrometheusSdFile(const std::string& path, const std::string& bind, int port) {
+  char host[256] = "127.0.0.1";
+  if (bind == "0.0.0.0" || bind == "::") ::gethostname(host, sizeof(host) - 1);
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << "[{\"targets\": [\"" << (bind == "0.0.0.0" || bind == "::" ? host : bind)
+                     << ":" << port << "\"], \"labels\": {\"service\": \"loom-coordinator\"}}]\n";
+  std::filesystem::rename(tmp, path);
+}
+
+// SIGINT and SIGTERM: blocked in every thread (main), awaited by one (WaitForStopSignal).
+sigset_t StopSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  return set;
+}
+
+void WaitForStopSignal() {
+  const sigset_t set = StopSignals();
+  int sig = 0;
+  sigwait(&set, &sig);
+}
+
+absl::Status Run(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, ParseArgs(argc, argv));
+  if (args.Has("help")) {
+    std::cout << kUsage;
+    return absl::OkStatus();
+  }
+  LOOM_ASSIGN_OR_RETURN(const Settings settings, ReadSettings(args));
+  const CoordinatorOptions& options = settings.coordinator;
+  const std::string bind = args.Get("bind", "127.0.0.1");
+  LOOM_ASSIGN_OR_RETURN(ApiOptions api, ReadApiOptions(args, bind));
+
+  LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Coordinator> coordinator, Coordinator::Open(options));
+  LOOM_ASSIGN_OR_RETURN(HttpServerOptions user_options,
+                        ReadServerOptions(args, options.max_body_bytes));
   const std::string scheme = user_options.tls ? "https" : "http";
-  user_options.threads = 32;
-  user_options.max_body_bytes = static_cast<size_t>(max_body);
   api.max_followers = user_options.threads / 2;
   HttpServerOptions agent_options = user_options;
   agent_options.threads = 16;
   HttpServer user_server(user_options), agent_server(agent_options);
   InstallUserRoutes(user_server, *coordinator, api);
   InstallAgentRoutes(agent_server, *coordinator, api);
-  LOOM_ASSIGN_OR_RETURN(int bound, user_server.Listen(bind, static_cast<int>(port)));
-  LOOM_ASSIGN_OR_RETURN(int agent_bound, agent_server.Listen(bind, static_cast<int>(agent_port)));
+  LOOM_ASSIGN_OR_RETURN(int bound, user_server.Listen(bind, static_cast<int>(settings.port)));
+  LOOM_ASSIGN_OR_RETURN(int agent_bound,
+                        agent_server.Listen(bind, static_cast<int>(settings.agent_port)));
   if (args.Has("port-file")) WritePortFile(args.Get("port-file"), bound);
   if (args.Has("agent-port-file")) WritePortFile(args.Get("agent-port-file"), agent_bound);
   if (args.Has("prometheus-sd-file")) {
-    char host[256] = "127.0.0.1";
-    if (bind == "0.0.0.0" || bind == "::") ::gethostname(host, sizeof(host) - 1);
-    const std::string sd = args.Get("prometheus-sd-file"), tmp = sd + ".tmp";
-    std::ofstream(tmp) << "[{\"targets\": [\"" << (bind == "0.0.0.0" || bind == "::" ? host : bind)
-                       << ":" << bound
-                       << "\"], \"labels\": {\"service\": \"loom-coordinator\"}}]\n";
-    std::filesystem::rename(tmp, sd);
+    WritePrometheusSdFile(args.Get("prometheus-sd-file"), bind, bound);
   }
   coordinator->Start();
   user_server.Start();
@@ -172,13 +215,8 @@ absl::Status Run(int argc, char** argv) {
             << " (users) and " << scheme << "://" << bind << ":" << agent_bound
             << " (agents); state in " << options.data_dir << std::endl;
 
-  // SIGINT/SIGTERM stop the servers; the state is already on disk.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  int sig = 0;
-  sigwait(&set, &sig);
+  // The servers stop on a signal; the state is already on disk.
+  WaitForStopSignal();
   user_server.Stop();
   agent_server.Stop();
   coordinator->Stop();
@@ -191,10 +229,7 @@ absl::Status Run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   // Block the stop signals in every thread; one thread waits for them.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
+  const sigset_t set = loom::coordinator::StopSignals();
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   signal(SIGPIPE, SIG_IGN);
   absl::Status s = loom::coordinator::Run(argc, argv);

@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
+#include "states.h"
 #include "stats.h"
 
 namespace loom::coordinator {
@@ -224,15 +225,16 @@ v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
     for (const v1::SweepJob& sj : sweep.jobs()) {
       if (sj.cell() != name) continue;
       auto it = jobs.find(sj.job_id());
-      const std::string state = it == jobs.end() ? "queued" : it->second.state();
-      if (state == "failed" || state == "cancelled") {
+      const std::optional<JobState> state =
+          it == jobs.end() ? std::optional<JobState>(JobState::kQueued) : JobStateOf(it->second);
+      if (state == JobState::kFailed || state == JobState::kCancelled) {
         cell->set_failed(cell->failed() + 1);
         continue;
       }
-      const v1::EvalResult* e =
-          state == "succeeded" ? ChosenEval(it->second, report.select()) : nullptr;
+      const bool succeeded = state == JobState::kSucceeded;
+      const v1::EvalResult* e = succeeded ? ChosenEval(it->second, report.select()) : nullptr;
       if (e == nullptr) {
-        if (state != "succeeded") {
+        if (!succeeded) {
           cell->set_pending(cell->pending() + 1);
           report.set_complete(false);
         } else {

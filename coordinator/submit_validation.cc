@@ -1,0 +1,194 @@
+#include "submit_validation.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "loom/spec.h"
+#include "loom/status_macros.h"
+
+namespace fs = std::filesystem;
+
+namespace loom::coordinator {
+namespace {
+
+absl::Status CheckRequestId(const std::string& request_id) {
+  if (!request_id.empty() && !IsToken(request_id, 128)) {
+    return FieldError("request_id", "1..128 characters of [A-Za-z0-9._:/-]");
+  }
+  return absl::OkStatus();
+}
+
+// Checkpoints are what restarts resume from: always the job's own directory.
+absl::Status CheckCheckpointDirUnset(const v1::JobSpec& spec) {
+  if (!spec.checkpoint().dir().empty()) {
+    return FieldError("spec.checkpoint.dir",
+                      "is chosen by the coordinator (<storage root>/jobs/<id>/checkpoints); "
+                      "leave it empty");
+  }
+  return absl::OkStatus();
+}
+
+// A client path field made absolute inside the root, when it is set (an unset one stays unset).
+absl::Status ResolveInsideRoot(const std::string& root, const std::string& field,
+                               const std::string& value,
+                               const std::function<void(std::string)>& set) {
+  if (value.empty()) return absl::OkStatus();
+  LOOM_ASSIGN_OR_RETURN(std::string path, InsideStorageRoot(root, field, value));
+  set(std::move(path));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status FieldError(const std::string& field, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+bool IsToken(const std::string& s, size_t max_len) {
+  if (s.empty() || s.size() > max_len) return false;
+  for (char c : s) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.' ||
+          c == '/' || c == ':')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+int WorldSizeOf(const v1::SubmitJobRequest& request) {
+  return request.world_size() == 0 ? 1 : request.world_size();
+}
+
+int MaxRestartsOf(const v1::SubmitJobRequest& request) {
+  return request.has_max_restarts() ? request.max_restarts() : 3;
+}
+
+absl::Status CheckSubmitRequest(const v1::SubmitJobRequest& request) {
+  if (!request.has_spec()) return FieldError("spec", "is required");
+  const int world_size = WorldSizeOf(request);
+  if (world_size < 1 || world_size > 1024) return FieldError("world_size", "must be in 1..1024");
+  if (request.priority() < -1000 || request.priority() > 1000) {
+    return FieldError("priority", "must be in -1000..1000");
+  }
+  const int max_restarts = MaxRestartsOf(request);
+  if (max_restarts < 0 || max_restarts > 100)
+    return FieldError("max_restarts", "must be in 0..100");
+  if (request.pool_size() > 16) return FieldError("pool", "at most 16 labels");
+  for (const auto& [k, v] : request.pool()) {
+    if (!IsToken(k, 63))
+      return FieldError("pool", absl::StrCat("bad label name '", k.substr(0, 80), "'"));
+    if (!IsToken(v, 63)) return FieldError(absl::StrCat("pool.", k), "bad label value");
+  }
+  LOOM_RETURN_IF_ERROR(CheckRequestId(request.request_id()));
+  return CheckCheckpointDirUnset(request.spec());
+}
+
+bool TakesModelFromCheckpoint(const v1::SubmitJobRequest& request) {
+  return request.spec().kind() == "eval" && !request.spec().has_model() &&
+         !request.init_from().empty();
+}
+
+absl::StatusOr<v1::JobSpec> ResolveSubmittedSpec(const v1::SubmitJobRequest& request,
+                                                 const std::string& model_checkpoint_dir) {
+  // The job's id is not known yet; ResolveJobPaths fills its checkpoint directory in.
+  v1::JobSpec unresolved = request.spec();
+  unresolved.mutable_checkpoint()->set_dir("jobs/pending/checkpoints");
+  if (TakesModelFromCheckpoint(request) && !model_checkpoint_dir.empty()) {
+    std::ifstream in(fs::path(model_checkpoint_dir) / "manifest.json");
+    std::stringstream text;
+    text << in.rdbuf();
+    if (in) {
+      if (absl::Status s = FillModelFromManifest(&unresolved, text.str(), "init_from manifest");
+          !s.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("spec.", s.message()));
+      }
+    }
+  }
+  auto resolved = ResolveJobSpec(unresolved);
+  if (!resolved.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.", resolved.status().message()));
+  }
+  v1::JobSpec spec = *std::move(resolved);
+  spec.mutable_checkpoint()->clear_dir();
+  return spec;
+}
+
+absl::Status CheckSweepRequest(const v1::SweepSpec& spec) {
+  if (spec.name().size() > 128) return FieldError("name", "at most 128 characters");
+  LOOM_RETURN_IF_ERROR(CheckRequestId(spec.request_id()));
+  if (!spec.base().request_id().empty()) {
+    return FieldError("base.request_id", "set request_id on the sweep, not its base job");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> InsideStorageRoot(const std::string& storage_root,
+                                              const std::string& field, const std::string& value) {
+  const fs::path root(storage_root);
+  if (value.find('\0') != std::string::npos) return FieldError(field, "contains a NUL byte");
+  fs::path p(value);
+  for (const auto& part : p) {
+    if (part == "..") return FieldError(field, absl::StrCat("'", value, "' must not contain '..'"));
+  }
+  const fs::path full = p.is_absolute() ? p.lexically_normal() : (root / p).lexically_normal();
+  // Symlinks resolved: a link inside the root may point anywhere.
+  std::error_code ec;
+  const fs::path real = fs::weakly_canonical(full, ec);
+  const std::string r = root.string();
+  for (const std::string& f : {full.string(), ec ? full.string() : real.string()}) {
+    if (!(f == r || absl::StartsWith(f, r + "/"))) {
+      return FieldError(field, absl::StrCat("'", value, "' is outside the storage root ", r,
+                                            f == full.string() ? "" : " (through a symlink)"));
+    }
+  }
+  return full.string();
+}
+
+absl::Status ResolveJobPaths(v1::JobSpec& spec, const std::string& storage_root,
+                             const std::string& job_id) {
+  LOOM_RETURN_IF_ERROR(CheckCheckpointDirUnset(spec));
+  spec.mutable_checkpoint()->set_dir(
+      (fs::path(storage_root) / "jobs" / job_id / "checkpoints").string());
+  LOOM_RETURN_IF_ERROR(ResolveInsideRoot(storage_root, "spec.data.path", spec.data().path(),
+                                         [&](std::string p) { spec.mutable_data()->set_path(p); }));
+  LOOM_RETURN_IF_ERROR(
+      ResolveInsideRoot(storage_root, "spec.data.tokenizer_path", spec.data().tokenizer_path(),
+                        [&](std::string p) { spec.mutable_data()->set_tokenizer_path(p); }));
+  LOOM_RETURN_IF_ERROR(
+      ResolveInsideRoot(storage_root, "spec.reasoning_eval.path", spec.reasoning_eval().path(),
+                        [&](std::string p) { spec.mutable_reasoning_eval()->set_path(p); }));
+  if (!spec.metrics().jsonl().empty()) {
+    return FieldError("spec.metrics.jsonl",
+                      "is set by the worker agent for service jobs; leave it empty");
+  }
+  if (spec.metrics().port() > 0) {
+    return FieldError(
+        "spec.metrics.port",
+        "a fixed port would collide between ranks; use -1 (any free port) or 0 (off)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPrintable(const v1::Job& job) {
+  google::protobuf::util::JsonPrintOptions print;
+  print.preserve_proto_field_names = true;
+  print.always_print_primitive_fields = true;
+  std::string json;
+  auto s = google::protobuf::util::MessageToJsonString(job, &json, print);
+  v1::Job back;
+  if (s.ok()) s = google::protobuf::util::JsonStringToMessage(json, &back);
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spec: cannot be stored (it would not print as JSON: ", s.ToString(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace loom::coordinator
