@@ -85,10 +85,6 @@ class Registry {
   Labels constant_labels_;
 };
 
-// The trainer's metric families (loom_train_*), declared once for the two places that export
-// them: trainer ranks and the worker agent that re-exports rank 0's numbers (docs/deploy.md).
-void DeclareTrainMetrics(Registry& r);
-
 // The label that names a Loom job on every series. Not `job`: Prometheus reserves that for the
 // scrape job, and would rename ours to exported_job without honor_labels.
 inline constexpr char kJobLabel[] = "job_id";

@@ -3,15 +3,46 @@
 the agent, the CLI and client, storage, metrics, data or interop is compiled with LibTorch's
 include paths, definitions or precompiled header (build/compile_commands.json), and the
 control-plane binaries link no LibTorch library (ldd). A target that picked up LibTorch through
-a link dependency fails here, naming the file or binary."""
+a link dependency fails here, naming the file or binary.
+
+Includes name their folder: every quoted #include of Loom's own sources is a path from the
+repository root ("storage/checkpoint.h"), an API header ("loom/spec.h", api/loom/, with the
+generated "loom/v1/*.pb.h"), or one of the headers the build generates; a bare "checkpoint.h"
+fails here with its file and line."""
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
-CONTROL_PLANE = ["coordinator/", "worker/agent/", "cli/", "client/", "storage/", "metrics/", "data/",
-                 "interop/", "console/"]
+CONTROL_PLANE = ["coordinator/", "worker/agent/", "worker/train_metrics/", "cli/", "client/",
+                 "storage/", "metrics/", "data/", "interop/", "console/", "base/"]
+GENERATED_HEADERS = {"console_files.h", "interop_files.h"}
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def check_includes(source_dir):
+    files = subprocess.run(["git", "-C", source_dir, "ls-files", "*.h", "*.cc", "*.cu", "*.cuh"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    top = {f.split("/")[0] for f in files}
+    bad = []
+    for f in files:
+        with open(os.path.join(source_dir, f)) as fh:
+            text = fh.read()
+        for m in INCLUDE.finditer(text):
+            name = m.group(1)
+            first = name.split("/")[0]
+            if name in GENERATED_HEADERS or name.startswith("loom/"):
+                continue
+            if first not in top and "/" in name:
+                continue  # a library's own path (absl/..., CLI/..., prometheus/...)
+            if not os.path.exists(os.path.join(source_dir, name)):
+                line = text.count("\n", 0, m.start()) + 1
+                bad.append(f"{f}:{line}: #include \"{name}\"")
+    assert len(files) > 200, f"only {len(files)} sources listed"
+    assert not bad, "includes that do not name their folder:\n" + "\n".join(bad)
+    print(f"ok: the quoted includes of {len(files)} source files name their folder")
 TORCH_MARKERS = ["torch/csrc/api/include", "-DUSE_C10D", "loom_torch_pch", "/ATen", "-DTORCH_"]
 BINARIES = ["loom-coordinator", "loom-worker", "loom", "loom-data"]
 
@@ -21,6 +52,7 @@ def main():
     ap.add_argument("--build-dir", required=True)
     ap.add_argument("--source-dir", required=True)
     a = ap.parse_args()
+    check_includes(os.path.realpath(a.source_dir))
     with open(os.path.join(a.build_dir, "compile_commands.json")) as f:
         commands = json.load(f)
     source = os.path.realpath(a.source_dir) + "/"

@@ -153,86 +153,6 @@ std::vector<v1::AttentionConfig> ExpandSchedule(const v1::ModelConfig& c) {
   return layers;
 }
 
-absl::StatusOr<v1::ModelConfig> ModelPreset(const std::string& name) {
-  v1::ModelConfig c;
-  if (name == "tiny-cpu") {
-    // The demo model: 4 layers alternating a 32-token sliding window with global attention.
-    c.set_d_model(128);
-    c.set_n_layers(4);
-    c.set_n_heads(4);
-    c.set_vocab_size(256);
-    c.set_max_seq_len(256);
-    c.set_rope_theta(10000);
-    c.set_tie_embeddings(true);
-    auto* local = c.add_schedule();
-    local->set_repeat(1);
-    local->mutable_attention()->set_plugin("local");
-    local->mutable_attention()->set_window(32);
-    auto* global = c.add_schedule();
-    global->set_repeat(1);
-    global->mutable_attention()->set_plugin("mha");
-  } else if (name == "micro") {
-    // Test-sized: seconds per hundred steps on one core.
-    c.set_d_model(64);
-    c.set_n_layers(2);
-    c.set_n_heads(4);
-    c.set_vocab_size(256);
-    c.set_max_seq_len(128);
-    c.set_rope_theta(10000);
-    c.set_tie_embeddings(true);
-  } else if (name == "paper-2.4b") {
-    // spec/iha.md: 2.4B decoder, 26 layers, D 2560, H 20 (d 128), FFN 10240, vocabulary 128256
-    // (Llama-3 tokenizer), RoPE theta 500000, context 8192. Global attention in every layer; set
-    // `hybrid` or `schedule` for the IHA and Global+Local variants.
-    c.set_d_model(2560);
-    c.set_n_layers(26);
-    c.set_n_heads(20);
-    c.set_ffn_hidden(10240);
-    c.set_ffn_activation("swiglu");
-    c.set_vocab_size(128256);
-    c.set_max_seq_len(8192);
-    c.set_rope_theta(500000);
-  } else {
-    return absl::NotFoundError(
-        absl::StrCat("preset: unknown '", name, "' (known: tiny-cpu, micro, paper-2.4b)"));
-  }
-  return c;
-}
-
-int64_t PresetWarmup(int64_t preset_warmup, int64_t steps) {
-  return std::min<int64_t>(preset_warmup, std::max<int64_t>(0, steps / 10));
-}
-
-absl::StatusOr<v1::JobSpec> JobPreset(const std::string& name) {
-  v1::JobSpec j;
-  LOOM_ASSIGN_OR_RETURN(*j.mutable_model(), ModelPreset(name));
-  j.set_kind("pretrain");
-  auto* o = j.mutable_optimizer();
-  o->set_beta1(0.9);
-  o->set_beta2(0.95);
-  o->set_weight_decay(0.1);
-  o->set_clip_norm(1.0);
-  if (name == "paper-2.4b") {
-    o->set_lr(8e-4);
-    o->set_min_lr(8e-6);
-    o->set_warmup_steps(1000);
-    j.set_seq_len(8192);
-    j.set_micro_batch(1);
-    j.set_steps(100000);
-    j.set_precision("bf16");
-    j.set_device("cuda");
-    return j;
-  }
-  o->set_lr(3e-3);
-  o->set_min_lr(3e-4);
-  o->set_warmup_steps(20);
-  j.set_seq_len(64);
-  j.set_micro_batch(name == "micro" ? 8 : 16);
-  j.set_steps(name == "micro" ? 150 : 300);
-  j.set_precision("fp32");
-  return j;
-}
-
 absl::Status ParseJsonMessage(const std::string& json, const std::string& source,
                               google::protobuf::Message* out) {
   google::protobuf::util::JsonParseOptions options;
@@ -449,13 +369,15 @@ absl::Status ResolveReasoningEval(v1::JobSpec& j) {
 
 }  // namespace
 
-absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
+namespace {
+
+// The preset under the spec (its schedule replaced, not appended to, by the spec's own).
+absl::StatusOr<v1::JobSpec> WithPreset(const v1::JobSpec& in) {
   v1::JobSpec j;
   if (!in.preset().empty()) {
     auto preset = JobPreset(in.preset());
     if (!preset.ok()) return SpecError("preset", std::string(preset.status().message()));
     j = *preset;
-    // A spec's own schedule replaces the preset's instead of appending to it.
     if (!in.model().schedule().empty() || in.model().has_hybrid())
       j.mutable_model()->clear_schedule();
   }
@@ -464,6 +386,11 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     // The preset's warm-up is sized for its own run length; a shorter run warms up for a tenth.
     j.mutable_optimizer()->set_warmup_steps(PresetWarmup(j.optimizer().warmup_steps(), j.steps()));
   }
+  return j;
+}
+
+// kind, and an eval job's defaults: eval jobs only generate (no steps, no data).
+absl::Status ResolveKind(const v1::JobSpec& in, v1::JobSpec& j) {
   if (j.kind().empty()) j.set_kind("pretrain");
   if (j.kind() != "pretrain" && j.kind() != "sft" && j.kind() != "eval")
     return SpecError("kind", absl::StrCat("'", j.kind(), "' is not pretrain | sft | eval"));
@@ -473,45 +400,42 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
                                          "checkpoint when it is left out)"
                                        : "is required (or set preset)");
   }
-  if (eval_job) {
-    // Eval jobs only generate: no steps; the training fields get harmless defaults.
-    if (in.steps() != 0) return SpecError("steps", "eval jobs do not train; leave steps at 0");
-    j.set_steps(0);
-    j.mutable_optimizer()->set_warmup_steps(0);
-    // (An already resolved spec carries the default corpus data: resolving stays idempotent.)
-    const v1::DataConfig& d = in.data();
-    if (!d.path().empty() || !d.task().empty() || !d.format().empty() ||
-        (!d.source().empty() && d.source() != "corpus")) {
-      return SpecError("data", "eval jobs read reasoning_eval, not data");
-    }
-    j.clear_data();
-    if (j.micro_batch() == 0) j.set_micro_batch(1);
-    if (j.seq_len() == 0) j.set_seq_len(std::max<int64_t>(1, j.model().max_seq_len()));
-    if (j.optimizer().lr() == 0) j.mutable_optimizer()->set_lr(1e-3);
-    if (!j.has_reasoning_eval()) j.mutable_reasoning_eval();
+  if (!eval_job) return absl::OkStatus();
+  if (in.steps() != 0) return SpecError("steps", "eval jobs do not train; leave steps at 0");
+  j.set_steps(0);
+  j.mutable_optimizer()->set_warmup_steps(0);
+  // (An already resolved spec carries the default corpus data: resolving stays idempotent.)
+  const v1::DataConfig& d = in.data();
+  if (!d.path().empty() || !d.task().empty() || !d.format().empty() ||
+      (!d.source().empty() && d.source() != "corpus")) {
+    return SpecError("data", "eval jobs read reasoning_eval, not data");
   }
-  auto model = ResolveModelConfig(j.model());
-  if (!model.ok()) return model.status();
-  if (model->mode() != "decoder" && in.data().source() != "task" && j.data().source() != "task") {
-    return SpecError("model.mode",
-                     "encoder models train on built-in tasks only (data.source task)");
-  }
-  *j.mutable_model() = *model;
-  const v1::ModelConfig& m = j.model();
+  j.clear_data();
+  if (j.micro_batch() == 0) j.set_micro_batch(1);
+  if (j.seq_len() == 0) j.set_seq_len(std::max<int64_t>(1, j.model().max_seq_len()));
+  if (j.optimizer().lr() == 0) j.mutable_optimizer()->set_lr(1e-3);
+  if (!j.has_reasoning_eval()) j.mutable_reasoning_eval();
+  return absl::OkStatus();
+}
 
+// micro_batch, grad_accum, seq_len and steps.
+absl::Status ResolveShape(v1::JobSpec& j) {
   if (j.micro_batch() <= 0 || j.micro_batch() > 65536)
     return SpecError("micro_batch", "must be in [1, 65536]");
   if (j.grad_accum() < 0 || j.grad_accum() > 65536)
     return SpecError("grad_accum", "must be in [0, 65536] (0 = 1)");
   if (j.grad_accum() == 0) j.set_grad_accum(1);
   if (j.seq_len() <= 0) return SpecError("seq_len", "must be >= 1");
-  if (j.seq_len() > m.max_seq_len()) {
-    return SpecError("seq_len",
-                     absl::StrCat(j.seq_len(), " exceeds model.max_seq_len ", m.max_seq_len()));
+  if (j.seq_len() > j.model().max_seq_len()) {
+    return SpecError("seq_len", absl::StrCat(j.seq_len(), " exceeds model.max_seq_len ",
+                                             j.model().max_seq_len()));
   }
-  if (!eval_job && (j.steps() <= 0 || j.steps() > 1000000000))
+  if (j.kind() != "eval" && (j.steps() <= 0 || j.steps() > 1000000000))
     return SpecError("steps", "must be in [1, 1e9]");
+  return absl::OkStatus();
+}
 
+absl::Status ResolveOptimizer(v1::JobSpec& j) {
   v1::OptimizerConfig* o = j.mutable_optimizer();
   if (!InRange(o->lr(), 1e-12, 10)) return SpecError("optimizer.lr", "must be in (0, 10]");
   if (!InRange(o->min_lr(), 0, o->lr())) return SpecError("optimizer.min_lr", "must be in [0, lr]");
@@ -527,7 +451,32 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     return SpecError("optimizer.weight_decay", "must be in [0, 10]");
   if (!InRange(o->clip_norm(), 0.0, 1e6))
     return SpecError("optimizer.clip_norm", "must be in [0, 1e6] (0 = off)");
+  return absl::OkStatus();
+}
 
+// data.source chat: conversations from a JSONL file (data.path), or the built-in reasoning
+// generator (data.task arithmetic | relation | mixed, default mixed). docs/tasks.md.
+absl::Status ResolveChatData(const v1::ModelConfig& m, v1::DataConfig* d) {
+  if (!d->path().empty() && !d->task().empty()) {
+    return SpecError("data.task", "is the built-in generator; leave it empty with data.path");
+  }
+  if (d->path().empty() && d->task().empty()) d->set_task("mixed");
+  if (!d->task().empty() && d->task() != "arithmetic" && d->task() != "relation" &&
+      d->task() != "mixed") {
+    return SpecError("data.task",
+                     absl::StrCat("'", d->task(), "' is not arithmetic | relation | mixed"));
+  }
+  if (m.vocab_size() < 260) {
+    return SpecError("model.vocab_size", "chat data needs 260 (256 bytes + 4 role tokens)");
+  }
+  if (d->format().empty()) d->set_format("openthoughts");
+  if (!IsPluginName(d->format()))
+    return SpecError("data.format", "must be a plugin name, [a-z0-9_]+");
+  return absl::OkStatus();
+}
+
+// data.source and what each source needs (task, path, format).
+absl::Status ResolveDataSource(v1::JobSpec& j) {
   v1::DataConfig* d = j.mutable_data();
   if (d->source().empty()) d->set_source("corpus");
   if (d->source() != "corpus" && d->source() != "shards" && d->source() != "task" &&
@@ -535,27 +484,11 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     return SpecError("data.source",
                      absl::StrCat("'", d->source(), "' is not corpus | shards | task | chat"));
   }
-  if (!eval_job && (j.kind() == "sft") != (d->source() == "chat")) {
+  if (j.kind() != "eval" && (j.kind() == "sft") != (d->source() == "chat")) {
     return SpecError("kind", "sft jobs train on data.source chat, and chat data is for sft jobs");
   }
   if (d->source() == "chat") {
-    // Conversations from a JSONL file (data.path), or the built-in reasoning generator
-    // (data.task arithmetic | relation | mixed, default mixed). docs/tasks.md.
-    if (!d->path().empty() && !d->task().empty()) {
-      return SpecError("data.task", "is the built-in generator; leave it empty with data.path");
-    }
-    if (d->path().empty() && d->task().empty()) d->set_task("mixed");
-    if (!d->task().empty() && d->task() != "arithmetic" && d->task() != "relation" &&
-        d->task() != "mixed") {
-      return SpecError("data.task",
-                       absl::StrCat("'", d->task(), "' is not arithmetic | relation | mixed"));
-    }
-    if (m.vocab_size() < 260) {
-      return SpecError("model.vocab_size", "chat data needs 260 (256 bytes + 4 role tokens)");
-    }
-    if (d->format().empty()) d->set_format("openthoughts");
-    if (!IsPluginName(d->format()))
-      return SpecError("data.format", "must be a plugin name, [a-z0-9_]+");
+    LOOM_RETURN_IF_ERROR(ResolveChatData(j.model(), d));
   } else if (!d->format().empty() || d->has_format_options()) {
     return SpecError("data.format", "is for source chat");
   } else if ((d->source() == "task") != !d->task().empty()) {
@@ -568,6 +501,12 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (d->source() == "corpus" && !d->path().empty()) {
     return SpecError("data.path", "is only for source shards");
   }
+  return absl::OkStatus();
+}
+
+// data.tokenizer, the generated corpus's size and the seeds.
+absl::Status ResolveTokensAndSeeds(v1::JobSpec& j) {
+  v1::DataConfig* d = j.mutable_data();
   if (d->tokenizer().empty()) d->set_tokenizer("byte");
   if (d->tokenizer() != "byte" && d->tokenizer() != "bpe") {
     return SpecError("data.tokenizer", absl::StrCat("'", d->tokenizer(), "' is not byte | bpe"));
@@ -583,9 +522,9 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   } else if (!d->tokenizer_path().empty()) {
     return SpecError("data.tokenizer_path", "is only for tokenizer bpe");
   }
-  if (d->source() == "corpus" && d->tokenizer() == "byte" && m.vocab_size() < 256) {
-    return SpecError("model.vocab_size",
-                     absl::StrCat(m.vocab_size(), " is smaller than the byte tokenizer's 256"));
+  if (d->source() == "corpus" && d->tokenizer() == "byte" && j.model().vocab_size() < 256) {
+    return SpecError("model.vocab_size", absl::StrCat(j.model().vocab_size(),
+                                                      " is smaller than the byte tokenizer's 256"));
   }
   if (d->corpus_bytes() < 0 || d->corpus_bytes() > (int64_t{1} << 34)) {
     return SpecError("data.corpus_bytes", "must be in [0, 2^34] (0 = 1 MiB)");
@@ -599,7 +538,10 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   // The job seed is the initialisation seed too (docs/jobs.md), unless the model sets its own:
   // the seeds of a sweep then vary the initialisation as well as the data order.
   if (j.has_model() && j.model().init_seed() == 0) j.mutable_model()->set_init_seed(j.seed());
+  return absl::OkStatus();
+}
 
+absl::Status ResolvePrecision(v1::JobSpec& j) {
   if (j.precision().empty()) j.set_precision("fp32");
   if (j.precision() != "fp32" && j.precision() != "fp64" && j.precision() != "bf16" &&
       j.precision() != "fp16") {
@@ -613,17 +555,20 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (j.precision() == "fp16" && j.device() == "cpu") {
     return SpecError("precision", "fp16 autocast needs device cuda; on the CPU use bf16");
   }
-  LOOM_RETURN_IF_ERROR(NormalizeLossScale(j));
+  return NormalizeLossScale(j);
+}
 
+// eval, with data.splits (App. D: built-in tasks only, every split non-empty).
+absl::Status ResolveEval(v1::JobSpec& j) {
   v1::EvalConfig* e = j.mutable_eval();
+  const v1::DataConfig& d = j.data();
   if (e->interval() < 0) return SpecError("eval.interval", "must be >= 0 (0 = only at the end)");
   if (e->batches() < 0 || e->batches() > 100000)
     return SpecError("eval.batches", "must be in [0, 100000] (0 = 8)");
   if (e->batches() == 0) e->set_batches(8);
-  if (d->has_splits()) {
-    // The fixed-split protocol (App. D): built-in tasks only, every split non-empty.
-    if (d->source() != "task") return SpecError("data.splits", "is only for data.source task");
-    const v1::SplitsConfig& sp = d->splits();
+  if (d.has_splits()) {
+    if (d.source() != "task") return SpecError("data.splits", "is only for data.source task");
+    const v1::SplitsConfig& sp = d.splits();
     const std::pair<const char*, int64_t> sizes[] = {{"data.splits.train", sp.train()},
                                                      {"data.splits.validation", sp.validation()},
                                                      {"data.splits.test", sp.test()}};
@@ -633,8 +578,8 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   }
   if (e->patience() < 0) return SpecError("eval.patience", "must be >= 0 (0 = no early stopping)");
   if (e->lengths_size() > 0) {
-    if (d->source() != "task") return SpecError("eval.lengths", "is only for data.source task");
-    if (d->has_splits()) return SpecError("eval.lengths", "cannot be combined with data.splits");
+    if (d.source() != "task") return SpecError("eval.lengths", "is only for data.source task");
+    if (d.has_splits()) return SpecError("eval.lengths", "cannot be combined with data.splits");
     if (e->lengths_size() > 16) return SpecError("eval.lengths", "at most 16 lengths");
     for (int i = 0; i < e->lengths_size(); ++i) {
       if (e->lengths(i) < 16 || (j.has_model() && e->lengths(i) > j.model().max_seq_len())) {
@@ -644,10 +589,13 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
       }
     }
   }
-  if (e->patience() > 0 && !d->has_splits()) {
+  if (e->patience() > 0 && !d.has_splits()) {
     return SpecError("eval.patience", "needs data.splits (early stopping on the validation split)");
   }
+  return absl::OkStatus();
+}
 
+absl::Status ResolveCheckpointAndMetrics(v1::JobSpec& j) {
   v1::CheckpointConfig* c = j.mutable_checkpoint();
   if (c->interval() < 0)
     return SpecError("checkpoint.interval", "must be >= 0 (0 = only at the end)");
@@ -657,7 +605,6 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (c->dir().empty() && (c->interval() > 0 || c->keep_every() > 0)) {
     return SpecError("checkpoint.dir", "is required when checkpoint.interval or keep_every is set");
   }
-
   v1::MetricsConfig* mc = j.mutable_metrics();
   if (mc->port() < -1 || mc->port() > 65535)
     return SpecError("metrics.port", "must be in [-1, 65535]");
@@ -666,7 +613,11 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     return SpecError("metrics.peak_flops", "must be in [0, 1e20]");
   if (mc->log_every() < 0) return SpecError("metrics.log_every", "must be >= 0 (0 = 10)");
   if (mc->log_every() == 0) mc->set_log_every(10);
+  return absl::OkStatus();
+}
 
+// NaN guard, threads and the distributed settings.
+absl::Status ResolveRuntime(v1::JobSpec& j) {
   if (j.max_nan_skips() < 0) return SpecError("max_nan_skips", "must be >= 0 (0 = 5)");
   if (j.max_nan_skips() == 0) j.set_max_nan_skips(5);
   if (j.threads() < 0 || j.threads() > 1024) return SpecError("threads", "must be in [0, 1024]");
@@ -679,13 +630,18 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   if (j.dist_bucket_bytes() < 1024 || j.dist_bucket_bytes() > (int64_t{1} << 32)) {
     return SpecError("dist_bucket_bytes", "must be in 1024..4294967296 (0 = 25 MiB)");
   }
+  return absl::OkStatus();
+}
+
+// reasoning_eval (sft and eval jobs), then dist_backend.
+absl::Status ResolveChatAndBackend(v1::JobSpec& j) {
   if (j.kind() == "pretrain" && j.has_reasoning_eval()) {
     return SpecError("reasoning_eval",
                      "is for sft and eval jobs (pretrained models have no chat "
                      "template yet)");
   }
   if (j.kind() != "pretrain") {
-    if (m.vocab_size() < 260) {
+    if (j.model().vocab_size() < 260) {
       return SpecError("model.vocab_size", "chat models need 260 (256 bytes + 4 role tokens)");
     }
     LOOM_RETURN_IF_ERROR(ResolveReasoningEval(j));
@@ -696,6 +652,31 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
     return SpecError("dist_backend",
                      absl::StrCat("'", j.dist_backend(), "' is not auto | gloo | nccl | mpi"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// Each section in the order its errors take precedence; every error names its field.
+absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
+  LOOM_ASSIGN_OR_RETURN(v1::JobSpec j, WithPreset(in));
+  LOOM_RETURN_IF_ERROR(ResolveKind(in, j));
+  auto model = ResolveModelConfig(j.model());
+  if (!model.ok()) return model.status();
+  if (model->mode() != "decoder" && in.data().source() != "task" && j.data().source() != "task") {
+    return SpecError("model.mode",
+                     "encoder models train on built-in tasks only (data.source task)");
+  }
+  *j.mutable_model() = *model;
+  LOOM_RETURN_IF_ERROR(ResolveShape(j));
+  LOOM_RETURN_IF_ERROR(ResolveOptimizer(j));
+  LOOM_RETURN_IF_ERROR(ResolveDataSource(j));
+  LOOM_RETURN_IF_ERROR(ResolveTokensAndSeeds(j));
+  LOOM_RETURN_IF_ERROR(ResolvePrecision(j));
+  LOOM_RETURN_IF_ERROR(ResolveEval(j));
+  LOOM_RETURN_IF_ERROR(ResolveCheckpointAndMetrics(j));
+  LOOM_RETURN_IF_ERROR(ResolveRuntime(j));
+  LOOM_RETURN_IF_ERROR(ResolveChatAndBackend(j));
   return j;
 }
 

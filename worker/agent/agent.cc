@@ -23,6 +23,7 @@
 #include "loom/lease_clock.h"
 #include "loom/status_macros.h"
 #include "loom/trainer_events.h"
+#include "train_metrics.h"
 
 namespace fs = std::filesystem;
 
@@ -130,7 +131,7 @@ Agent::Agent(AgentOptions options) : options_(std::move(options)), gpu_pool_(opt
   registry_.SetConstantLabels(node);
 }
 
-// The trainer's own metric names and types (worker/trainer/trainer.cc), re-exported from rank
+// The trainer's own metric names and types (worker/train_metrics), re-exported from rank
 // 0's JSON lines with labels {job_id, rank}: one scrape target per node sees every job it runs.
 // Series of a job disappear when its last attempt on this node is forgotten, so cardinality is
 // bounded by the jobs running here (at most --slots) times the ~16 families.
@@ -151,7 +152,7 @@ void Agent::DeclareMetrics() {
   for (const char* result : {"ok", "failed", "killed"}) {
     r.Increment("loom_worker_rank_exits_total", 0, {{"result", result}});
   }
-  metrics::DeclareTrainMetrics(r);
+  worker::DeclareTrainMetrics(r);
   r.Set("loom_worker_slots", options_.slots);
   // The node's GPUs and which rank holds each: labels as dcgm-exporter's (gpu, UUID,
   // modelName), so its device series join Loom's jobs on(UUID) (docs/deploy.md).

@@ -58,6 +58,92 @@ void OnSignal(int) {
   if (g_agent != nullptr) g_agent->Stop();
 }
 
+// Where the coordinator is and the worker token to show it.
+absl::Status ReadConnection(const CliArgs& args, AgentOptions* o) {
+  const char* env_url = std::getenv("LOOM_COORDINATOR");
+  o->coordinator_url = args.Get("coordinator", env_url ? env_url : "http://127.0.0.1:8470");
+  const char* env_ca = std::getenv("LOOM_CA_FILE");
+  o->ca_file = args.Get("ca-file", env_ca ? env_ca : "");
+  if (args.Has("token-file")) {
+    std::ifstream in(args.Get("token-file"));
+    if (!in)
+      return absl::NotFoundError(
+          absl::StrCat("--token-file: cannot open '", args.Get("token-file"), "'"));
+    std::getline(in, o->token);
+    o->token = std::string(absl::StripAsciiWhitespace(o->token));
+  } else if (const char* t = std::getenv("LOOM_WORKER_TOKEN")) {
+    o->token = t;
+  }
+  return absl::OkStatus();
+}
+
+// GPUs, slots and pool labels (a gpu_model label when every GPU is the same model).
+absl::Status ReadCapacity(const CliArgs& args, AgentOptions* o) {
+  std::string no_gpus;
+  LOOM_ASSIGN_OR_RETURN(o->gpus, GpusFromFlag(args.Get("gpus", "auto"), &no_gpus));
+  const int64_t gpu_count = static_cast<int64_t>(o->gpus.size());
+  LOOM_ASSIGN_OR_RETURN(int64_t slots,
+                        args.GetInt("slots", gpu_count > 0 ? gpu_count : 1, 1, 4096));
+  if (gpu_count > 0 && slots > gpu_count) {
+    return absl::InvalidArgumentError(absl::StrCat("--slots: ", slots, " exceeds this node's ",
+                                                   gpu_count, " GPUs (one GPU per rank)"));
+  }
+  o->slots = static_cast<int>(slots);
+  for (absl::string_view kv : absl::StrSplit(args.Get("labels"), ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    if (p.first.empty() || p.second.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--labels: expected k=v, got '", kv, "'"));
+    }
+    o->labels[p.first] = p.second;
+  }
+  if (!o->gpus.empty() && !o->gpus[0].model().empty() && !o->labels.count("gpu_model")) {
+    bool same = true;
+    for (const auto& g : o->gpus) same &= g.model() == o->gpus[0].model();
+    if (same) o->labels["gpu_model"] = LabelValue(o->gpus[0].model());
+  }
+  std::cerr << "loom-worker: "
+            << (o->gpus.empty() ? absl::StrCat("CPU node (", no_gpus, ")")
+                                : absl::StrCat(o->gpus.size(), " GPU(s), one per rank"))
+            << ", " << o->slots << " slot(s)\n";
+  return absl::OkStatus();
+}
+
+// Names, paths (absolute: ranks run in their attempt directory) and the trainer binary.
+absl::Status ReadPaths(const CliArgs& args, AgentOptions* o) {
+  char host[HOST_NAME_MAX + 1] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  o->name = args.Get("name", host);
+  o->address = args.Get("address", "127.0.0.1");
+  o->plugin_dir = args.Get("plugin-dir");
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  o->loom_train = std::filesystem::absolute(
+                      args.Get("loom-train", (self.parent_path() / "loom-train").string()))
+                      .string();
+  if (!o->plugin_dir.empty()) o->plugin_dir = std::filesystem::absolute(o->plugin_dir).string();
+  o->work_dir = std::filesystem::absolute(o->work_dir).string();
+  if (::access(o->loom_train.c_str(), X_OK) != 0) {
+    return absl::NotFoundError(
+        absl::StrCat("--loom-train: '", o->loom_train, "' is not an executable"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AgentOptions> OptionsFromArgs(const CliArgs& args) {
+  AgentOptions o;
+  LOOM_RETURN_IF_ERROR(ReadConnection(args, &o));
+  LOOM_ASSIGN_OR_RETURN(o.work_dir, args.Require("work-dir"));
+  LOOM_RETURN_IF_ERROR(ReadCapacity(args, &o));
+  LOOM_ASSIGN_OR_RETURN(int64_t grace, args.GetInt("term-grace-ms", 10000, 0, 3600000));
+  o.term_grace_ms = static_cast<int>(grace);
+  LOOM_ASSIGN_OR_RETURN(int64_t metrics_port, args.GetInt("metrics-port", 0, -1, 65535));
+  o.metrics_port = static_cast<int>(metrics_port);
+  o.metrics_bind = args.Get("metrics-bind", "127.0.0.1");
+  o.prometheus_sd_file = args.Get("prometheus-sd-file");
+  LOOM_RETURN_IF_ERROR(ReadPaths(args, &o));
+  return o;
+}
+
 absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
       CliArgs args,
@@ -70,72 +156,7 @@ absl::Status Run(int argc, char** argv) {
     std::cout << kUsage;
     return absl::OkStatus();
   }
-  AgentOptions o;
-  const char* env_url = std::getenv("LOOM_COORDINATOR");
-  o.coordinator_url = args.Get("coordinator", env_url ? env_url : "http://127.0.0.1:8470");
-  const char* env_ca = std::getenv("LOOM_CA_FILE");
-  o.ca_file = args.Get("ca-file", env_ca ? env_ca : "");
-  if (args.Has("token-file")) {
-    std::ifstream in(args.Get("token-file"));
-    if (!in)
-      return absl::NotFoundError(
-          absl::StrCat("--token-file: cannot open '", args.Get("token-file"), "'"));
-    std::getline(in, o.token);
-    o.token = std::string(absl::StripAsciiWhitespace(o.token));
-  } else if (const char* t = std::getenv("LOOM_WORKER_TOKEN")) {
-    o.token = t;
-  }
-  LOOM_ASSIGN_OR_RETURN(o.work_dir, args.Require("work-dir"));
-  std::string no_gpus;
-  LOOM_ASSIGN_OR_RETURN(o.gpus, GpusFromFlag(args.Get("gpus", "auto"), &no_gpus));
-  const int64_t gpu_count = static_cast<int64_t>(o.gpus.size());
-  LOOM_ASSIGN_OR_RETURN(int64_t slots,
-                        args.GetInt("slots", gpu_count > 0 ? gpu_count : 1, 1, 4096));
-  if (gpu_count > 0 && slots > gpu_count) {
-    return absl::InvalidArgumentError(absl::StrCat("--slots: ", slots, " exceeds this node's ",
-                                                   gpu_count, " GPUs (one GPU per rank)"));
-  }
-  o.slots = static_cast<int>(slots);
-  LOOM_ASSIGN_OR_RETURN(int64_t grace, args.GetInt("term-grace-ms", 10000, 0, 3600000));
-  o.term_grace_ms = static_cast<int>(grace);
-  LOOM_ASSIGN_OR_RETURN(int64_t metrics_port, args.GetInt("metrics-port", 0, -1, 65535));
-  o.metrics_port = static_cast<int>(metrics_port);
-  o.metrics_bind = args.Get("metrics-bind", "127.0.0.1");
-  o.prometheus_sd_file = args.Get("prometheus-sd-file");
-  for (absl::string_view kv : absl::StrSplit(args.Get("labels"), ',', absl::SkipEmpty())) {
-    std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
-    if (p.first.empty() || p.second.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--labels: expected k=v, got '", kv, "'"));
-    }
-    o.labels[p.first] = p.second;
-  }
-  // Pools can select a GPU model: gpu_model=nvidia-h200 when every GPU is the same model.
-  if (!o.gpus.empty() && !o.gpus[0].model().empty() && !o.labels.count("gpu_model")) {
-    bool same = true;
-    for (const auto& g : o.gpus) same &= g.model() == o.gpus[0].model();
-    if (same) o.labels["gpu_model"] = LabelValue(o.gpus[0].model());
-  }
-  std::cerr << "loom-worker: "
-            << (o.gpus.empty() ? absl::StrCat("CPU node (", no_gpus, ")")
-                               : absl::StrCat(o.gpus.size(), " GPU(s), one per rank"))
-            << ", " << o.slots << " slot(s)\n";
-  char host[HOST_NAME_MAX + 1] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  o.name = args.Get("name", host);
-  o.address = args.Get("address", "127.0.0.1");
-  o.plugin_dir = args.Get("plugin-dir");
-  std::error_code ec;
-  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  // Absolute: ranks run with their attempt directory as the working directory.
-  o.loom_train = std::filesystem::absolute(
-                     args.Get("loom-train", (self.parent_path() / "loom-train").string()))
-                     .string();
-  if (!o.plugin_dir.empty()) o.plugin_dir = std::filesystem::absolute(o.plugin_dir).string();
-  o.work_dir = std::filesystem::absolute(o.work_dir).string();
-  if (::access(o.loom_train.c_str(), X_OK) != 0) {
-    return absl::NotFoundError(
-        absl::StrCat("--loom-train: '", o.loom_train, "' is not an executable"));
-  }
+  LOOM_ASSIGN_OR_RETURN(AgentOptions o, OptionsFromArgs(args));
   Agent agent(o);
   g_agent = &agent;
   struct sigaction sa {};

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "loom/trainer_events.h"
+#include "train_metrics.h"
 
 namespace loom::trainer {
 namespace {
@@ -35,7 +36,7 @@ StepReporter::StepReporter(const v1::JobSpec& spec, int rank, Options options)
   if (const char* worker = std::getenv("LOOM_WORKER_NAME"); worker && *worker) {
     registry_.SetConstantLabels({{"worker", worker}});
   }
-  metrics::DeclareTrainMetrics(registry_);
+  worker::DeclareTrainMetrics(registry_);
   registry_.Set("loom_train_total_steps", static_cast<double>(spec.steps()), labels_);
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "kernel_autograd.h"
 #include "loom/blas_core.h"
 
 // The Fortran BLAS GEMMs, weak: Debian's LibTorch calls them from libblas (OpenBLAS), so they

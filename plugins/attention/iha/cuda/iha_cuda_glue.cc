@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "kernel_autograd.h"
 #include "iha_cuda.h"
 #include "iha_cuda_tiles.h"
 #include "loom/torch_compat.h"
