@@ -57,29 +57,27 @@ TEST(SpecOverrides, DottedScalarsByType) {
 }
 
 TEST(SpecOverrides, ErrorsNameThePathAndTheProblem) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"optimizer.lrr=1", "--set optimizer.lrr: JobSpec.optimizer has no field 'lrr'"},
+      {"stepz=1", "--set stepz: JobSpec has no field 'stepz'"},
+      {"steps=abc", "--set steps: 'abc' is not an integer"},
+      {"steps=1.5", "--set steps: '1.5' is not an integer"},
+      {"model.n_layers=3000000000", "--set model.n_layers: 3000000000 is out of range for int32"},
+      {"steps=99999999999999999999", "--set steps: '99999999999999999999' is not an integer"},
+      {"seed=-1", "--set seed: '-1' is not a non-negative integer"},
+      {"optimizer.lr=fast", "--set optimizer.lr: 'fast' is not a number"},
+      {"optimizer.lr=inf", "--set optimizer.lr: 'inf' is not a number"},
+      {"model.tie_embeddings=yes", "--set model.tie_embeddings: 'yes' is not true or false"},
+      {"steps.x=1", "--set steps.x: JobSpec.steps (int64) is not a message or list"},
+      {"model[0]=1", "--set model[0]: JobSpec.model is not a list"},
+      {"model.schedule.repeat=1",
+       "--set model.schedule.repeat: JobSpec.model.schedule is a list: index it (name[N])"},
+      {"a..b=1", "--set a..b: empty path component"},
+      {"steps", "--set: expected PATH=VALUE, got 'steps'"},
+      {"=3", "--set: expected PATH=VALUE, got '=3'"},
+  };
   v1::JobSpec spec;
-  EXPECT_EQ(SetError(&spec, "optimizer.lrr=1"),
-            "--set optimizer.lrr: JobSpec.optimizer has no field 'lrr'");
-  EXPECT_EQ(SetError(&spec, "stepz=1"), "--set stepz: JobSpec has no field 'stepz'");
-  EXPECT_EQ(SetError(&spec, "steps=abc"), "--set steps: 'abc' is not an integer");
-  EXPECT_EQ(SetError(&spec, "steps=1.5"), "--set steps: '1.5' is not an integer");
-  EXPECT_EQ(SetError(&spec, "model.n_layers=3000000000"),
-            "--set model.n_layers: 3000000000 is out of range for int32");
-  EXPECT_EQ(SetError(&spec, "steps=99999999999999999999"),
-            "--set steps: '99999999999999999999' is not an integer");
-  EXPECT_EQ(SetError(&spec, "seed=-1"), "--set seed: '-1' is not a non-negative integer");
-  EXPECT_EQ(SetError(&spec, "optimizer.lr=fast"), "--set optimizer.lr: 'fast' is not a number");
-  EXPECT_EQ(SetError(&spec, "optimizer.lr=inf"), "--set optimizer.lr: 'inf' is not a number");
-  EXPECT_EQ(SetError(&spec, "model.tie_embeddings=yes"),
-            "--set model.tie_embeddings: 'yes' is not true or false");
-  EXPECT_EQ(SetError(&spec, "steps.x=1"),
-            "--set steps.x: JobSpec.steps (int64) is not a message or list");
-  EXPECT_EQ(SetError(&spec, "model[0]=1"), "--set model[0]: JobSpec.model is not a list");
-  EXPECT_EQ(SetError(&spec, "model.schedule.repeat=1"),
-            "--set model.schedule.repeat: JobSpec.model.schedule is a list: index it (name[N])");
-  EXPECT_EQ(SetError(&spec, "a..b=1"), "--set a..b: empty path component");
-  EXPECT_EQ(SetError(&spec, "steps"), "--set: expected PATH=VALUE, got 'steps'");
-  EXPECT_EQ(SetError(&spec, "=3"), "--set: expected PATH=VALUE, got '=3'");
+  for (const auto& [assignment, error] : cases) EXPECT_EQ(SetError(&spec, assignment), error);
   EXPECT_TRUE(MessageDifferencer::Equals(spec, v1::JobSpec()));  // nothing was set
 }
 

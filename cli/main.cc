@@ -28,6 +28,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "input_files.h"
 #include "loom/cli_args.h"
 #include "loom/spec.h"
 #include "loom/spec_overrides.h"
@@ -121,14 +122,7 @@ std::string ProgressBar(const v1::Job& job) {
 absl::StatusOr<v1::SubmitJobRequest> SubmitRequest(const std::string& file,
                                                    const std::vector<std::string>& sets,
                                                    const CliArgs& args) {
-  std::ifstream in(file);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", file, "'"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  std::string json = ss.str();
-  if (absl::EndsWith(file, ".yaml") || absl::EndsWith(file, ".yml")) {
-    LOOM_ASSIGN_OR_RETURN(json, YamlToJson(json, file));
-  }
+  LOOM_ASSIGN_OR_RETURN(const std::string json, ReadJsonOrYamlFile(file));
   auto doc = nlohmann::json::parse(json, nullptr, false);
   if (!doc.is_object())
     return absl::InvalidArgumentError(absl::StrCat(file, ": expected a JSON/YAML object"));
