@@ -198,6 +198,9 @@ TEST(SpecOverrides, MapsByKeyAndWhole) {
   ASSERT_TRUE(ApplySetFlag(&sweep, "grid.lr[2]=0.01").ok());
   EXPECT_EQ(sweep.grid().at("lr").values_size(), 3);
   EXPECT_EQ(sweep.grid().at("lr").values(2).number_value(), 0.01);
+  const std::string error = SetError(&sweep, "grid.lr=abc");
+  EXPECT_EQ(error.rfind("--set grid.lr: 'abc' is not a JSON list for SweepSpec.grid.lr: ", 0), 0u)
+      << error;
 }
 
 TEST(SpecOverrides, EnumsAndFloats) {

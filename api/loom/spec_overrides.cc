@@ -196,10 +196,11 @@ class Setter {
       *v = JsonOrString();
       return absl::OkStatus();
     }
+    const bool list = google::protobuf::DynamicCastToGenerated<ListValue>(target) != nullptr;
     std::unique_ptr<Message> parsed(target->New());
-    LOOM_RETURN_IF_ERROR(ParseJson(parsed.get(), text_, "a JSON object", where));
-    if (google::protobuf::DynamicCastToGenerated<Struct>(target) != nullptr ||
-        google::protobuf::DynamicCastToGenerated<ListValue>(target) != nullptr) {
+    LOOM_RETURN_IF_ERROR(
+        ParseJson(parsed.get(), text_, list ? "a JSON list" : "a JSON object", where));
+    if (list || google::protobuf::DynamicCastToGenerated<Struct>(target) != nullptr) {
       target->CopyFrom(*parsed);
       return absl::OkStatus();
     }
