@@ -92,8 +92,13 @@ TEST(SpecOverrides, CallerLabelsAndLimits) {
   EXPECT_EQ(SetFieldFromText(&spec, "optimizer.lr", "20", "--lr", lr).message(),
             "--lr: 20 is out of range [1e-12, 10]");
   const auto seed = ValueLimits::Integer(1, INT64_MAX);
-  EXPECT_FALSE(SetFieldFromText(&spec, "seed", "0", "--seed", seed).ok());
-  EXPECT_FALSE(SetFieldFromText(&spec, "seed", "9223372036854775808", "--seed", seed).ok());
+  // An unsigned field under an int64 range reads its text as an int64 (loom-train's --seed).
+  EXPECT_EQ(SetFieldFromText(&spec, "seed", "-3", "--seed", seed).message(),
+            "--seed: -3 is out of range [1, 9223372036854775807]");
+  EXPECT_EQ(SetFieldFromText(&spec, "seed", "9223372036854775808", "--seed", seed).message(),
+            "--seed: '9223372036854775808' is not an integer");
+  EXPECT_EQ(SetFieldFromText(&spec, "seed", "-3", "--seed", ValueLimits::Integer(-5, 5)).message(),
+            "--seed: -3 is out of range for uint64");
   ASSERT_TRUE(SetFieldFromText(&spec, "seed", "9223372036854775807", "--seed", seed).ok());
   EXPECT_EQ(spec.seed(), 9223372036854775807u);
   ASSERT_TRUE(SetFieldFromText(&spec, "steps", "1000000000", "--steps", steps).ok());

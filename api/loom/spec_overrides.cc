@@ -232,17 +232,20 @@ class Setter {
   }
 
   absl::StatusOr<uint64_t> ParseUnsigned(uint64_t max, absl::string_view type) const {
+    if (limits_.integer) {
+      // A caller's range is an int64 one: the text is read as one, as its flag always was.
+      constexpr auto kMax = std::numeric_limits<int64_t>::max();
+      LOOM_ASSIGN_OR_RETURN(int64_t v, ParseSigned(-kMax - 1, kMax, type));
+      if (v < 0 || static_cast<uint64_t>(v) > max) {
+        return Error(absl::StrCat(v, " is out of range for ", type));
+      }
+      return static_cast<uint64_t>(v);
+    }
     uint64_t v = 0;
     if (!absl::SimpleAtoi(text_, &v)) {
       return Error(absl::StrCat("'", text_, "' is not a non-negative integer"));
     }
     if (v > max) return Error(absl::StrCat(v, " is out of range for ", type));
-    if (const auto& l = limits_.integer) {
-      if (l->second < 0 || v > static_cast<uint64_t>(l->second) ||
-          (l->first > 0 && v < static_cast<uint64_t>(l->first))) {
-        return OutOfLimits(v, *l);
-      }
-    }
     return v;
   }
 
