@@ -28,8 +28,10 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "input_files.h"
 #include "loom/cli_args.h"
 #include "loom/spec.h"
+#include "loom/spec_overrides.h"
 #include "loom/status_macros.h"
 #include "loom/v1/control.pb.h"
 #include "output.h"
@@ -115,6 +117,47 @@ std::string ProgressBar(const v1::Job& job) {
   return text;
 }
 
+// The request `loom submit` sends: the file (a bare job spec or a whole request, JSON or YAML),
+// its flags, then the --set overrides of the spec in order (docs/control-plane.md).
+absl::StatusOr<v1::SubmitJobRequest> SubmitRequest(const std::string& file,
+                                                   const std::vector<std::string>& sets,
+                                                   const CliArgs& args) {
+  LOOM_ASSIGN_OR_RETURN(const std::string json, ReadJsonOrYamlFile(file));
+  auto doc = nlohmann::json::parse(json, nullptr, false);
+  if (!doc.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(file, ": expected a JSON/YAML object"));
+  v1::SubmitJobRequest req;
+  if (doc.contains("spec")) {
+    LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, file, &req));
+  } else {
+    LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, file, req.mutable_spec()));
+  }
+  if (args.Has("world-size")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("world-size", 1, 1, 1024));
+    req.set_world_size(static_cast<int32_t>(v));
+  }
+  if (args.Has("priority")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("priority", 0, -1000, 1000));
+    req.set_priority(static_cast<int32_t>(v));
+  }
+  if (args.Has("max-restarts")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("max-restarts", 3, 0, 100));
+    req.set_max_restarts(static_cast<int32_t>(v));
+  }
+  for (absl::string_view kv : absl::StrSplit(args.Get("pool"), ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    if (p.first.empty() || p.second.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--pool: expected k=v, got '", kv, "'"));
+    }
+    (*req.mutable_pool())[p.first] = p.second;
+  }
+  if (args.Has("init-from")) req.set_init_from(args.Get("init-from"));
+  if (args.Has("request-id")) req.set_request_id(args.Get("request-id"));
+  if (args.Has("name")) req.mutable_spec()->set_name(args.Get("name"));
+  LOOM_RETURN_IF_ERROR(ApplySetFlags(req.mutable_spec(), sets));
+  return req;
+}
+
 class Cli {
  public:
   absl::Status Init(const CliArgs& args) {
@@ -151,46 +194,9 @@ class Cli {
     return job;
   }
 
-  absl::Status Submit(const std::string& file, const CliArgs& args) {
-    std::ifstream in(file);
-    if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", file, "'"));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    std::string json = ss.str();
-    if (absl::EndsWith(file, ".yaml") || absl::EndsWith(file, ".yml")) {
-      LOOM_ASSIGN_OR_RETURN(json, YamlToJson(json, file));
-    }
-    auto doc = nlohmann::json::parse(json, nullptr, false);
-    if (!doc.is_object())
-      return absl::InvalidArgumentError(absl::StrCat(file, ": expected a JSON/YAML object"));
-    v1::SubmitJobRequest req;
-    if (doc.contains("spec")) {
-      LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, file, &req));
-    } else {
-      LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, file, req.mutable_spec()));
-    }
-    if (args.Has("world-size")) {
-      LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("world-size", 1, 1, 1024));
-      req.set_world_size(static_cast<int32_t>(v));
-    }
-    if (args.Has("priority")) {
-      LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("priority", 0, -1000, 1000));
-      req.set_priority(static_cast<int32_t>(v));
-    }
-    if (args.Has("max-restarts")) {
-      LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("max-restarts", 3, 0, 100));
-      req.set_max_restarts(static_cast<int32_t>(v));
-    }
-    for (absl::string_view kv : absl::StrSplit(args.Get("pool"), ',', absl::SkipEmpty())) {
-      std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
-      if (p.first.empty() || p.second.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat("--pool: expected k=v, got '", kv, "'"));
-      }
-      (*req.mutable_pool())[p.first] = p.second;
-    }
-    if (args.Has("init-from")) req.set_init_from(args.Get("init-from"));
-    if (args.Has("request-id")) req.set_request_id(args.Get("request-id"));
-    if (args.Has("name")) req.mutable_spec()->set_name(args.Get("name"));
+  absl::Status Submit(const std::string& file, const std::vector<std::string>& sets,
+                      const CliArgs& args) {
+    LOOM_ASSIGN_OR_RETURN(v1::SubmitJobRequest req, SubmitRequest(file, sets, args));
     v1::SubmitJobResponse resp;
     LOOM_RETURN_IF_ERROR(client_->Call("POST", "/v1/jobs", &req, &resp));
     if (json_) {
@@ -513,28 +519,51 @@ class Cli {
 volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
 
-absl::Status Up(const CliArgs& args) {
-  LOOM_ASSIGN_OR_RETURN(int64_t workers, args.GetInt("workers", 1, 1, 64));
-  LOOM_ASSIGN_OR_RETURN(int64_t slots, args.GetInt("slots", 2, 1, 1024));
-  LOOM_ASSIGN_OR_RETURN(int64_t port, args.GetInt("port", 8470, 0, 65535));
-  const std::string data = fs::absolute(args.Get("data-dir", "runs/loom-up")).string();
+// Where `loom up` keeps its state: under --data-dir, with the binaries next to this one.
+struct UpLayout {
+  std::string data;             // --data-dir, absolute
+  fs::path bin;                 // the directory of loom, loom-coordinator and loom-worker
+  std::string sd_dir;           // Prometheus file_sd targets, one JSON file per process
+  std::string port_file;        // the coordinator writes its user port here
+  std::string agent_port_file;  // and its agent port here
+  fs::path tokens;              // users, worker-token, user-token
+  std::string users_file() const { return (tokens / "users").string(); }
+  std::string worker_token_file() const { return (tokens / "worker-token").string(); }
+};
+
+// Creates the directories and removes the port files a previous run left.
+UpLayout PrepareUpLayout(const CliArgs& args) {
+  UpLayout l;
+  l.data = fs::absolute(args.Get("data-dir", "runs/loom-up")).string();
   std::error_code ec;
-  const fs::path bin = fs::read_symlink("/proc/self/exe", ec).parent_path();
-  fs::create_directories(data, ec);
-  const std::string port_file = (fs::path(data) / "coordinator.port").string();
+  l.bin = fs::read_symlink("/proc/self/exe", ec).parent_path();
+  fs::create_directories(l.data, ec);
+  l.port_file = (fs::path(l.data) / "coordinator.port").string();
   // Prometheus file-based service discovery: one JSON file per process (deploy/prometheus).
-  const std::string sd_dir =
-      fs::absolute(args.Get("prometheus-dir", (fs::path(data) / "prometheus-targets").string()))
+  l.sd_dir =
+      fs::absolute(args.Get("prometheus-dir", (fs::path(l.data) / "prometheus-targets").string()))
           .string();
-  fs::create_directories(sd_dir, ec);
-  fs::remove(port_file, ec);
+  fs::create_directories(l.sd_dir, ec);
+  fs::remove(l.port_file, ec);
+  l.tokens = fs::path(l.data) / "tokens";
+  l.agent_port_file = (fs::path(l.data) / "coordinator.agent-port").string();
+  return l;
+}
 
-  struct sigaction sa {};
-  sa.sa_handler = OnSignal;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+// Tokens even on one box: any web page the user opens can reach a loopback port. Returns the
+// user token.
+absl::StatusOr<std::string> WriteUpTokens(const UpLayout& l) {
+  const std::string user_token = RandomToken(), enrolment_token = RandomToken();
+  LOOM_RETURN_IF_ERROR(WritePrivateFile(l.users_file(), absl::StrCat("local ", user_token, "\n")));
+  LOOM_RETURN_IF_ERROR(WritePrivateFile(l.worker_token_file(), enrolment_token + "\n"));
+  LOOM_RETURN_IF_ERROR(WritePrivateFile((l.tokens / "user-token").string(), user_token + "\n"));
+  return user_token;
+}
 
-  auto spawn = [](std::vector<std::string> argv) -> pid_t {
+// The processes `loom up` started, stopped last first.
+class ChildProcesses {
+ public:
+  pid_t Spawn(std::vector<std::string> argv) {
     const pid_t pid = ::fork();
     if (pid == 0) {
       std::vector<char*> cargv;
@@ -544,59 +573,64 @@ absl::Status Up(const CliArgs& args) {
       std::perror(argv[0].c_str());
       _exit(127);
     }
+    pids_.push_back(pid);
     return pid;
-  };
-  std::vector<pid_t> children;
-  auto stop_all = [&]() {
-    for (auto it = children.rbegin(); it != children.rend(); ++it) ::kill(*it, SIGTERM);
-    for (pid_t p : children) ::waitpid(p, nullptr, 0);
-  };
-  // Tokens even on one box: any web page the user opens can reach a loopback port.
-  const fs::path tokens = fs::path(data) / "tokens";
-  const std::string user_token = RandomToken(), enrolment_token = RandomToken();
-  const std::string users_file = (tokens / "users").string();
-  const std::string worker_token_file = (tokens / "worker-token").string();
-  LOOM_RETURN_IF_ERROR(WritePrivateFile(users_file, absl::StrCat("local ", user_token, "\n")));
-  LOOM_RETURN_IF_ERROR(WritePrivateFile(worker_token_file, enrolment_token + "\n"));
-  LOOM_RETURN_IF_ERROR(WritePrivateFile((tokens / "user-token").string(), user_token + "\n"));
-  const std::string agent_port_file = (fs::path(data) / "coordinator.agent-port").string();
-  fs::remove(agent_port_file, ec);
-  const pid_t coordinator = spawn(
-      {(bin / "loom-coordinator").string(), "--data-dir", (fs::path(data) / "coordinator").string(),
-       "--storage-root", (fs::path(data) / "storage").string(), "--port", std::to_string(port),
-       "--port-file", port_file, "--agent-port", "0", "--agent-port-file", agent_port_file,
-       "--user-tokens", users_file, "--worker-token-file", worker_token_file,
-       "--prometheus-sd-file", (fs::path(sd_dir) / "coordinator.json").string()});
-  children.push_back(coordinator);
+  }
+  // A child that exited and was reaped.
+  void Forget(pid_t pid) { pids_.erase(std::remove(pids_.begin(), pids_.end(), pid), pids_.end()); }
+  void StopAll() {
+    for (auto it = pids_.rbegin(); it != pids_.rend(); ++it) ::kill(*it, SIGTERM);
+    for (pid_t p : pids_) ::waitpid(p, nullptr, 0);
+  }
+
+ private:
+  std::vector<pid_t> pids_;
+};
+
+pid_t StartCoordinator(ChildProcesses& children, const UpLayout& l, int64_t port) {
+  std::error_code ec;
+  fs::remove(l.agent_port_file, ec);
+  return children.Spawn({(l.bin / "loom-coordinator").string(), "--data-dir",
+                         (fs::path(l.data) / "coordinator").string(), "--storage-root",
+                         (fs::path(l.data) / "storage").string(), "--port", std::to_string(port),
+                         "--port-file", l.port_file, "--agent-port", "0", "--agent-port-file",
+                         l.agent_port_file, "--user-tokens", l.users_file(), "--worker-token-file",
+                         l.worker_token_file(), "--prometheus-sd-file",
+                         (fs::path(l.sd_dir) / "coordinator.json").string()});
+}
+
+// The coordinator's bound {user port, agent port}, once it has written both (10 s at most).
+absl::StatusOr<std::pair<int, int>> WaitForCoordinatorPorts(ChildProcesses& children,
+                                                            const UpLayout& l, pid_t coordinator) {
   int bound = 0, agent_bound = 0;
   for (int i = 0; i < 200 && (bound == 0 || agent_bound == 0); ++i) {
-    std::ifstream(port_file) >> bound;
-    std::ifstream(agent_port_file) >> agent_bound;
+    std::ifstream(l.port_file) >> bound;
+    std::ifstream(l.agent_port_file) >> agent_bound;
     int st;
     if (::waitpid(coordinator, &st, WNOHANG) == coordinator) {
+      children.Forget(coordinator);
       return absl::UnavailableError("loom-coordinator exited during start-up (see above)");
     }
     if (bound == 0 || agent_bound == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   if (bound == 0 || agent_bound == 0) {
-    stop_all();
+    children.StopAll();
     return absl::UnavailableError("loom-coordinator did not start within 10 s");
   }
-  // The CLI finds the token here for this port (LocalToken).
-  const std::string cli_token_file = LocalTokenPath(std::to_string(bound));
-  if (!cli_token_file.empty()) {
-    LOOM_RETURN_IF_ERROR(WritePrivateFile(cli_token_file, user_token + "\n"));
-  }
-  const std::string url = absl::StrCat("http://127.0.0.1:", bound);
+  return std::make_pair(bound, agent_bound);
+}
+
+void StartWorkers(ChildProcesses& children, const UpLayout& l, int agent_port, int64_t workers,
+                  int64_t slots, const CliArgs& args) {
   for (int i = 0; i < workers; ++i) {
     std::vector<std::string> argv = {
-        (bin / "loom-worker").string(),
+        (l.bin / "loom-worker").string(),
         "--coordinator",
-        absl::StrCat("http://127.0.0.1:", agent_bound),
+        absl::StrCat("http://127.0.0.1:", agent_port),
         "--token-file",
-        worker_token_file,
+        l.worker_token_file(),
         "--work-dir",
-        (fs::path(data) / absl::StrCat("worker-", i)).string(),
+        (fs::path(l.data) / absl::StrCat("worker-", i)).string(),
         "--slots",
         std::to_string(slots),
         "--name",
@@ -604,37 +638,67 @@ absl::Status Up(const CliArgs& args) {
         "--metrics-port",
         "-1",
         "--prometheus-sd-file",
-        (fs::path(sd_dir) / absl::StrCat("worker-", i, ".json")).string()};
+        (fs::path(l.sd_dir) / absl::StrCat("worker-", i, ".json")).string()};
     if (args.Has("labels")) argv.insert(argv.end(), {"--labels", args.Get("labels")});
-    children.push_back(spawn(argv));
+    children.Spawn(argv);
   }
+}
+
+void PrintUpBanner(const UpLayout& l, const std::string& url, int64_t workers, int64_t slots,
+                   const std::string& user_token, bool cli_finds_token) {
   std::cout << "loom up: coordinator " << url << " with " << workers << " worker(s) x " << slots
-            << " slot(s); state in " << data
+            << " slot(s); state in " << l.data
             << "\n"
             // The fragment never reaches a server; the page keeps it in this tab only.
             << "  console: " << url << "/#token=" << user_token << "\n"
             << "  try: LOOM_COORDINATOR=" << url << " loom submit examples/tiny-iha.yaml --follow\n"
-            << "  the user token is in " << (tokens / "user-token").string()
-            << (cli_token_file.empty() ? "" : " (the loom CLI finds it by itself)") << "\n"
+            << "  the user token is in " << (l.tokens / "user-token").string()
+            << (cli_finds_token ? " (the loom CLI finds it by itself)" : "") << "\n"
             << "  Ctrl-C stops everything" << std::endl;
+}
+
+// Until Ctrl-C (or SIGTERM): reports workers that exit; fails when the coordinator does.
+absl::Status SuperviseUntilStopped(ChildProcesses& children, pid_t coordinator) {
   while (!g_stop) {
     int st;
     const pid_t done = ::waitpid(-1, &st, WNOHANG);
     if (done > 0) {
-      children.erase(std::remove(children.begin(), children.end(), done), children.end());
-      if (done == coordinator) {
-        stop_all();
-        if (!cli_token_file.empty()) fs::remove(cli_token_file, ec);
-        return absl::UnavailableError("loom-coordinator exited");
-      }
+      children.Forget(done);
+      if (done == coordinator) return absl::UnavailableError("loom-coordinator exited");
       std::cerr << "loom up: a worker (pid " << done << ") exited\n";
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  stop_all();
-  if (!cli_token_file.empty()) fs::remove(cli_token_file, ec);
-  std::cout << "loom up: stopped" << std::endl;
   return absl::OkStatus();
+}
+
+absl::Status Up(const CliArgs& args) {
+  LOOM_ASSIGN_OR_RETURN(int64_t workers, args.GetInt("workers", 1, 1, 64));
+  LOOM_ASSIGN_OR_RETURN(int64_t slots, args.GetInt("slots", 2, 1, 1024));
+  LOOM_ASSIGN_OR_RETURN(int64_t port, args.GetInt("port", 8470, 0, 65535));
+  const UpLayout layout = PrepareUpLayout(args);
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  LOOM_ASSIGN_OR_RETURN(const std::string user_token, WriteUpTokens(layout));
+  ChildProcesses children;
+  const pid_t coordinator = StartCoordinator(children, layout, port);
+  LOOM_ASSIGN_OR_RETURN(const auto ports, WaitForCoordinatorPorts(children, layout, coordinator));
+  // The CLI finds the token here for this port (LocalToken).
+  const std::string cli_token_file = LocalTokenPath(std::to_string(ports.first));
+  if (!cli_token_file.empty()) {
+    LOOM_RETURN_IF_ERROR(WritePrivateFile(cli_token_file, user_token + "\n"));
+  }
+  const std::string url = absl::StrCat("http://127.0.0.1:", ports.first);
+  StartWorkers(children, layout, ports.second, workers, slots, args);
+  PrintUpBanner(layout, url, workers, slots, user_token, !cli_token_file.empty());
+  const absl::Status status = SuperviseUntilStopped(children, coordinator);
+  children.StopAll();
+  std::error_code ec;
+  if (!cli_token_file.empty()) fs::remove(cli_token_file, ec);
+  if (status.ok()) std::cout << "loom up: stopped" << std::endl;
+  return status;
 }
 
 // Exit codes (docs/control-plane.md, CLI): what a script can branch on.
@@ -742,57 +806,76 @@ class CommandLine {
   CLI::App app_;
 };
 
-absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
-  CLI::App& app = line.app();
-  using C = CommandLine;
+// The commands as CLI11 defines them, and where their positionals and --set values land.
+struct Commands {
   std::string file, job, sweep_arg;
+  std::vector<std::string> sets;  // submit --set PATH=VALUE, in order
+  CLI::App *up = nullptr, *submit = nullptr, *list = nullptr, *status = nullptr, *logs = nullptr,
+           *cancel = nullptr, *plot = nullptr, *checkpoints = nullptr, *workers = nullptr,
+           *serve = nullptr, *sweep = nullptr;
+};
 
-  CLI::App* up = line.Command("up", "run a local coordinator and workers on this box until Ctrl-C");
-  C::Flags(up,
-           {{"workers", "N", "worker agents (default 1)"},
-            {"slots", "N", "trainer ranks per worker (default 2)"},
-            {"port", "PORT", "coordinator port on 127.0.0.1 (default 8470)"},
-            {"data-dir", "DIR", "state, checkpoints and logs (default runs/loom-up)"},
-            {"labels", "K=V,...", "worker labels k=v,..."},
-            {"prometheus-dir", "DIR", "file_sd targets (default DATA_DIR/prometheus-targets)"}});
+void AddUpCommand(CommandLine& line, Commands& c) {
+  c.up = line.Command("up", "run a local coordinator and workers on this box until Ctrl-C");
+  CommandLine::Flags(
+      c.up, {{"workers", "N", "worker agents (default 1)"},
+             {"slots", "N", "trainer ranks per worker (default 2)"},
+             {"port", "PORT", "coordinator port on 127.0.0.1 (default 8470)"},
+             {"data-dir", "DIR", "state, checkpoints and logs (default runs/loom-up)"},
+             {"labels", "K=V,...", "worker labels k=v,..."},
+             {"prometheus-dir", "DIR", "file_sd targets (default DATA_DIR/prometheus-targets)"}});
+}
 
-  CLI::App* submit = line.Command(
+void AddSubmitCommand(CommandLine& line, Commands& c) {
+  c.submit = line.Command(
       "submit",
       "submit a job: a job spec (docs/jobs.md) or {\"spec\": ..., \"world_size\": ...}, "
       "JSON or YAML");
-  submit->add_option("file", file, "the job file")->required();
-  C::Flags(submit,
-           {{"world-size", "N", "ranks, one slot each (default 1)"},
-            {"priority", "P", "-1000..1000, higher first (default 0)"},
-            {"pool", "K=V,...", "labels a worker must carry, k=v,..."},
-            {"max-restarts", "N", "retries after the job's own failures (default 3)"},
-            {"init-from", "CHECKPOINT", "start from the weights of this catalogue checkpoint"},
-            {"request-id", "KEY", "idempotency key: a retry returns the same job"},
-            {"name", "NAME", "the job's name"}});
-  C::Switch(submit, "-f,--follow", "wait, showing progress; the exit code says how it ended");
+  c.submit->add_option("file", c.file, "the job file")->required();
+  CommandLine::Flags(
+      c.submit, {{"world-size", "N", "ranks, one slot each (default 1)"},
+                 {"priority", "P", "-1000..1000, higher first (default 0)"},
+                 {"pool", "K=V,...", "labels a worker must carry, k=v,..."},
+                 {"max-restarts", "N", "retries after the job's own failures (default 3)"},
+                 {"init-from", "CHECKPOINT", "start from the weights of this catalogue checkpoint"},
+                 {"request-id", "KEY", "idempotency key: a retry returns the same job"},
+                 {"name", "NAME", "the job's name"}});
+  c.submit
+      ->add_option("--set", c.sets,
+                   "override a job spec field, after the file and the flags; repeatable: "
+                   "optimizer.lr=3e-4, model.schedule[0].attention.plugin=iha (docs/jobs.md)")
+      ->type_name("PATH=VALUE")
+      ->allow_extra_args(false);
+  CommandLine::Switch(c.submit, "-f,--follow",
+                      "wait, showing progress; the exit code says how it ended");
+}
 
-  CLI::App* list = line.Command("list", "jobs, newest last");
-  C::Flags(list, {{"state", "STATE", "only jobs in this state (queued, running, succeeded, ...)"},
-                  {"limit", "N", "the newest N jobs (default 50; 0: all)"}});
+// list, status, logs, cancel, plot, checkpoints, workers.
+void AddJobCommands(CommandLine& line, Commands& c) {
+  using C = CommandLine;
+  c.list = line.Command("list", "jobs, newest last");
+  C::Flags(c.list, {{"state", "STATE", "only jobs in this state (queued, running, succeeded, ...)"},
+                    {"limit", "N", "the newest N jobs (default 50; 0: all)"}});
+  c.status = line.Command("status", "a job's state, progress, events, checkpoints and evaluations");
+  c.logs = line.Command("logs", "a job's logs");
+  c.cancel = line.Command("cancel", "cancel a job");
+  c.plot = line.Command("plot", "a job's loss and tokens/s curves as a PNG (gnuplot)");
+  for (CLI::App* cmd : {c.status, c.logs, c.cancel, c.plot}) {
+    cmd->add_option("job", c.job, "job id")->required();
+  }
+  C::Switch(c.status, "-f,--follow", "until the job ends");
+  C::Switch(c.logs, "-f,--follow", "stream until the job ends");
+  C::Flags(c.plot, {{"file", "PNG", "the PNG to write (default JOB.png)"}});
+  c.checkpoints = line.Command("checkpoints", "the checkpoint catalogue with lineage");
+  C::Flags(c.checkpoints, {{"job", "JOB", "only this job's checkpoints"}});
+  c.workers = line.Command("workers", "registered workers and their slots");
+}
 
-  CLI::App* status =
-      line.Command("status", "a job's state, progress, events, checkpoints and evaluations");
-  CLI::App* logs = line.Command("logs", "a job's logs");
-  CLI::App* cancel = line.Command("cancel", "cancel a job");
-  CLI::App* plot = line.Command("plot", "a job's loss and tokens/s curves as a PNG (gnuplot)");
-  for (CLI::App* c : {status, logs, cancel, plot}) c->add_option("job", job, "job id")->required();
-  C::Switch(status, "-f,--follow", "until the job ends");
-  C::Switch(logs, "-f,--follow", "stream until the job ends");
-  C::Flags(plot, {{"file", "PNG", "the PNG to write (default JOB.png)"}});
-
-  CLI::App* checkpoints = line.Command("checkpoints", "the checkpoint catalogue with lineage");
-  C::Flags(checkpoints, {{"job", "JOB", "only this job's checkpoints"}});
-  CLI::App* workers = line.Command("workers", "registered workers and their slots");
-
-  CLI::App* serve = line.Command(
+void AddServeCommand(CommandLine& line, Commands& c) {
+  c.serve = line.Command(
       "serve", "serve a checkpoint over an OpenAI-compatible API until Ctrl-C (docs/serve.md)");
-  C::Flags(
-      serve,
+  CommandLine::Flags(
+      c.serve,
       {{"checkpoint", "REF", "a catalogue id (job-000002.150) or a checkpoint directory"},
        {"port", "PORT", "listen port (default 8000)"},
        {"bind", "ADDR", "listen address (default 127.0.0.1)"},
@@ -807,31 +890,38 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
        {"threads", "N", "LibTorch threads (default: all cores)"},
        {"tls-cert", "PEM", "serve HTTPS with this certificate chain"},
        {"tls-key", "PEM", "and this private key"}});
-  serve->get_option("--checkpoint")->required();
+  c.serve->get_option("--checkpoint")->required();
+}
 
-  CLI::App* sweep = line.Command("sweep",
-                                 "sweeps: cells x seeds as jobs, reports with intervals "
-                                 "(docs/sweeps.md)");
+void AddSweepCommands(CommandLine& line, Commands& c) {
+  using C = CommandLine;
+  CLI::App* sweep = c.sweep = line.Command("sweep",
+                                           "sweeps: cells x seeds as jobs, reports with intervals "
+                                           "(docs/sweeps.md)");
   sweep->require_subcommand(1);
   sweep->fallthrough();
-  CLI::App* s_submit = sweep->add_subcommand("submit", "submit a sweep file");
-  s_submit->add_option("file", sweep_arg, "the sweep file (YAML or JSON)")->required();
-  C::Flags(s_submit, {{"request-id", "KEY", "idempotency key"}});
-  C::Switch(s_submit, "-f,--follow", "wait, then print the report");
+  CLI::App* submit = sweep->add_subcommand("submit", "submit a sweep file");
+  submit->add_option("file", c.sweep_arg, "the sweep file (YAML or JSON)")->required();
+  C::Flags(submit, {{"request-id", "KEY", "idempotency key"}});
+  C::Switch(submit, "-f,--follow", "wait, then print the report");
   sweep->add_subcommand("list", "sweeps");
-  CLI::App* s_status = sweep->add_subcommand("status", "a sweep's jobs and their states");
-  CLI::App* s_cancel = sweep->add_subcommand("cancel", "cancel a sweep and its jobs");
-  CLI::App* s_report = sweep->add_subcommand(
+  CLI::App* status = sweep->add_subcommand("status", "a sweep's jobs and their states");
+  CLI::App* cancel = sweep->add_subcommand("cancel", "cancel a sweep and its jobs");
+  CLI::App* report = sweep->add_subcommand(
       "report", "per cell mean, sd and 95% interval; paired differences against the baseline");
-  for (CLI::App* c : {s_status, s_cancel, s_report})
-    c->add_option("sweep", sweep_arg, "sweep id")->required();
-  C::Flags(s_report,
+  for (CLI::App* cmd : {status, cancel, report}) {
+    cmd->add_option("sweep", c.sweep_arg, "sweep id")->required();
+  }
+  C::Flags(report,
            {{"format", "FORMAT", "table | json | yaml | csv (default: table, or -o)"},
             {"plot", "PNG", "also write metric vs step per cell (PNG)"},
             {"metric", "METRIC", "eval_loss | accuracy | exact_match (default: the sweep's)"},
             {"select", "SELECTION", "final | best | test (default: the sweep's)"}});
-  C::Switch(s_report, "-f,--follow", "");  // accepted for symmetry with submit; no effect
+  C::Switch(report, "-f,--follow", "");  // accepted for symmetry with submit; no effect
+}
 
+// Parses the command line into the commands' options; --help and --version exit here.
+absl::Status ParseCommandLine(CLI::App& app, int argc, char** argv) {
   if (argc > 1 && argv[1][0] != '-') {
     bool known = false;
     for (const CLI::App* c : app.get_subcommands({})) known |= c->get_name() == argv[1];
@@ -852,29 +942,45 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
     return absl::InvalidArgumentError(
         absl::StrCat(e.what(), " (loom --help, or loom <command> --help)"));
   }
+  return absl::OkStatus();
+}
 
+// Runs the command the line named (after ParseCommandLine).
+absl::Status RunCommand(const CommandLine& line, const Commands& c) {
+  if (c.up->parsed()) return Up(line.ArgsOf(c.up));
   Cli cli;
-  if (up->parsed()) return Up(line.ArgsOf(up));
-  for (CLI::App* c : {submit, list, status, logs, cancel, plot, checkpoints, workers, serve}) {
-    if (!c->parsed()) continue;
-    const CliArgs args = line.ArgsOf(c);
+  for (CLI::App* cmd :
+       {c.submit, c.list, c.status, c.logs, c.cancel, c.plot, c.checkpoints, c.workers, c.serve}) {
+    if (!cmd->parsed()) continue;
+    const CliArgs args = line.ArgsOf(cmd);
     LOOM_RETURN_IF_ERROR(cli.Init(args));
-    if (c == submit) return cli.Submit(file, args);
-    if (c == list) return cli.List(args);
-    if (c == status) return cli.Status(job, args);
-    if (c == logs) return cli.Logs(job, args);
-    if (c == cancel) return cli.Cancel(job);
-    if (c == plot) return cli.Plot(job, args);
-    if (c == checkpoints) return cli.Checkpoints(args);
-    if (c == serve) return cli.Serve(args);
+    if (cmd == c.submit) return cli.Submit(c.file, c.sets, args);
+    if (cmd == c.list) return cli.List(args);
+    if (cmd == c.status) return cli.Status(c.job, args);
+    if (cmd == c.logs) return cli.Logs(c.job, args);
+    if (cmd == c.cancel) return cli.Cancel(c.job);
+    if (cmd == c.plot) return cli.Plot(c.job, args);
+    if (cmd == c.checkpoints) return cli.Checkpoints(args);
+    if (cmd == c.serve) return cli.Serve(args);
     return cli.Workers();
   }
-  for (CLI::App* c : sweep->get_subcommands()) {
-    const CliArgs args = line.ArgsOf(c);
+  for (CLI::App* cmd : c.sweep->get_subcommands()) {
+    const CliArgs args = line.ArgsOf(cmd);
     LOOM_RETURN_IF_ERROR(cli.Init(args));
-    return RunSweepCommand(cli.client(), c->get_name(), sweep_arg, args, cli.output());
+    return RunSweepCommand(cli.client(), cmd->get_name(), c.sweep_arg, args, cli.output());
   }
   return absl::InvalidArgumentError("missing command (loom --help)");
+}
+
+absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
+  Commands c;
+  AddUpCommand(line, c);
+  AddSubmitCommand(line, c);
+  AddJobCommands(line, c);
+  AddServeCommand(line, c);
+  AddSweepCommands(line, c);
+  LOOM_RETURN_IF_ERROR(ParseCommandLine(line.app(), argc, argv));
+  return RunCommand(line, c);
 }
 
 }  // namespace

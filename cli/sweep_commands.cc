@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "input_files.h"
 #include "loom/spec.h"
 #include "loom/status_macros.h"
 #include "loom/v1/control.pb.h"
@@ -27,14 +28,7 @@ namespace loom::cli {
 namespace {
 
 absl::StatusOr<v1::SweepSpec> ReadSweepFile(const std::string& file) {
-  std::ifstream in(file);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", file, "'"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  std::string json = ss.str();
-  if (absl::EndsWith(file, ".yaml") || absl::EndsWith(file, ".yml")) {
-    LOOM_ASSIGN_OR_RETURN(json, YamlToJson(json, file));
-  }
+  LOOM_ASSIGN_OR_RETURN(const std::string json, ReadJsonOrYamlFile(file));
   v1::SweepSpec spec;
   LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, file, &spec));
   return spec;

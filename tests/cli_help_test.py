@@ -5,13 +5,16 @@ Every command and subcommand listed by `loom --help` (and `loom sweep --help`) a
 `--help` and `-h` with exit 0 and its own usage line; every flag a command's help lists is
 accepted by the parser (given after the positional and before it); `--version` names the
 version and commit; unknown commands and flags exit 2 (usage) with a message naming them; an
-unreachable coordinator exits 6. The exit codes against a live coordinator (not found, refused,
-job failed) are checked in control_plane_test.
+unreachable coordinator exits 6; `submit --set` rejects a bad path or value (exit 2, naming the
+field) before contacting the coordinator. The exit codes against a live coordinator (not found,
+refused, job failed) are checked in control_plane_test.
 """
 import argparse
+import os
 import re
 import subprocess
 import sys
+import tempfile
 
 
 def loom(args, *argv, env=None):
@@ -76,8 +79,27 @@ def main():
         assert r.returncode == 2 and needle in r.stderr, (argv, r.returncode, r.stderr)
     r = loom(args, "list", "--coordinator", "http://127.0.0.1:1")
     assert r.returncode == 6 and "unreachable" in r.stderr, (r.returncode, r.stderr)
+    # submit --set: overrides of the job spec are checked against its schema before anything is
+    # sent (a bad path or value exits 2 naming the field); good ones reach the coordinator.
+    with tempfile.TemporaryDirectory() as tmp:
+        job = os.path.join(tmp, "job.yaml")
+        with open(job, "w") as f:
+            f.write("preset: micro\nsteps: 10\n")
+        for sets, needle in (
+                (["optimizer.lrr=1"], "--set optimizer.lrr: JobSpec.optimizer has no field 'lrr'"),
+                (["steps=abc"], "--set steps: 'abc' is not an integer"),
+                (["model.n_layers=3000000000"], "--set model.n_layers: 3000000000 is out of range"),
+                (["optimizer.lr=1e-3", "model.schedule[1].repeat=2"],
+                 "--set model.schedule[1].repeat: index 1 past the end"),
+                (["steps"], "--set: expected PATH=VALUE")):
+            argv = ["submit", job, *[a for s in sets for a in ("--set", s)]]
+            r = loom(args, *argv, "--coordinator", "http://127.0.0.1:1")
+            assert r.returncode == 2 and needle in r.stderr, (argv, r.returncode, r.stderr)
+        r = loom(args, "submit", "--set", "optimizer.lr=3e-4", job, "--set", "model.n_layers=2",
+                 "--set", "data.task_options.ops=2-4", "--coordinator", "http://127.0.0.1:1")
+        assert r.returncode == 6 and "unreachable" in r.stderr, (r.returncode, r.stderr)
     print(f"ok: --help and -h for {len(every)} commands, {checked} flag placements parsed, "
-          f"--version, usage errors exit 2, unreachable exits 6")
+          f"--version, usage errors exit 2, unreachable exits 6, submit --set checked")
 
 
 if __name__ == "__main__":

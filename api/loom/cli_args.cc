@@ -10,7 +10,8 @@ namespace loom {
 
 absl::StatusOr<CliArgs> CliArgs::Parse(int argc, char** argv, int first,
                                        const std::set<std::string>& flags,
-                                       const std::set<std::string>& switches) {
+                                       const std::set<std::string>& switches,
+                                       const std::set<std::string>& repeatable) {
   CliArgs args;
   for (int i = first; i < argc; ++i) {
     std::string arg = argv[i];
@@ -29,12 +30,16 @@ absl::StatusOr<CliArgs> CliArgs::Parse(int argc, char** argv, int first,
       args.values_[name] = "true";
       continue;
     }
-    if (!flags.count(name))
+    if (!flags.count(name) && !repeatable.count(name))
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
     if (!has_value) {
       if (i + 1 >= argc)
         return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
       value = argv[++i];
+    }
+    if (repeatable.count(name)) {
+      args.repeated_[name].push_back(value);
+      continue;
     }
     if (args.values_.count(name)) {
       return absl::InvalidArgumentError(absl::StrCat("--", name, " given twice"));
@@ -47,6 +52,11 @@ absl::StatusOr<CliArgs> CliArgs::Parse(int argc, char** argv, int first,
 std::string CliArgs::Get(const std::string& name, const std::string& fallback) const {
   auto it = values_.find(name);
   return it == values_.end() ? fallback : it->second;
+}
+
+std::vector<std::string> CliArgs::GetAll(const std::string& name) const {
+  auto it = repeated_.find(name);
+  return it == repeated_.end() ? std::vector<std::string>{} : it->second;
 }
 
 absl::StatusOr<std::string> CliArgs::Require(const std::string& name) const {

@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -14,10 +15,12 @@ namespace loom {
 
 class CliArgs {
  public:
-  // Parses argv[first..argc). `flags` take a value; `switches` take none.
+  // Parses argv[first..argc). `flags` take a value; `switches` take none; `repeatable` flags
+  // take a value each time they are given (GetAll).
   static absl::StatusOr<CliArgs> Parse(int argc, char** argv, int first,
                                        const std::set<std::string>& flags,
-                                       const std::set<std::string>& switches = {});
+                                       const std::set<std::string>& switches = {},
+                                       const std::set<std::string>& repeatable = {});
 
   // Flags parsed elsewhere (the loom CLI parses with CLI11): name -> value, "true" for switches.
   static CliArgs FromValues(std::map<std::string, std::string> values) {
@@ -26,7 +29,11 @@ class CliArgs {
     return args;
   }
 
-  bool Has(const std::string& name) const { return values_.count(name) > 0; }
+  bool Has(const std::string& name) const {
+    return values_.count(name) > 0 || repeated_.count(name) > 0;
+  }
+  // Every value of a repeatable flag, in the order given.
+  std::vector<std::string> GetAll(const std::string& name) const;
   std::string Get(const std::string& name, const std::string& fallback = "") const;
   absl::StatusOr<std::string> Require(const std::string& name) const;
   absl::StatusOr<int64_t> GetInt(const std::string& name, int64_t fallback, int64_t min,
@@ -36,6 +43,7 @@ class CliArgs {
 
  private:
   std::map<std::string, std::string> values_;
+  std::map<std::string, std::vector<std::string>> repeated_;
 };
 
 }  // namespace loom

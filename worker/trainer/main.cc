@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -28,6 +29,7 @@
 #include "loom/blas_core.h"
 #include "loom/cli_args.h"
 #include "loom/exit_codes.h"
+#include "loom/spec_overrides.h"
 #include "loom/status_macros.h"
 #include "model.h"
 #include "plugin_factory.h"
@@ -53,6 +55,8 @@ commands:
                   --init-from; damaged ones are skipped)   --no-retention (keep every checkpoint)
                 --stop-after N (stop at step N with a checkpoint)  --print-spec
                 --save-weights out.safetensors
+                --set PATH=VALUE (repeatable, after the flags above): any spec field, e.g.
+                  optimizer.lr=3e-4 model.n_layers=4 data.task_options.ops=2-4 (docs/jobs.md)
   attention   one attention layer's forward from files
                 --plugin NAME --config layer.json --weights w.safetensors
                 --input x.safetensors --output y.safetensors
@@ -110,109 +114,107 @@ absl::StatusOr<v1::ModelConfig> ModelFromArgs(const CliArgs& args) {
   return ModelPreset(args.Get("preset", "tiny-cpu"));
 }
 
-// The job for `train`: --spec job.json, else --preset (default tiny-cpu) with --model replacing
-// its model; then individual flags override fields.
-absl::StatusOr<v1::JobSpec> JobFromArgs(const CliArgs& args) {
-  v1::JobSpec spec;
+// `train`'s flags that each set spec fields (spec_overrides.h), within the ranges they accept.
+// They apply in this order, after the spec or preset and before --set.
+struct FieldFlag {
+  const char* flag;  // without the leading --
+  const char* path;  // the JobSpec field it sets
+  ValueLimits limits;
+};
+const FieldFlag kFieldFlags[] = {
+    {"steps", "steps", ValueLimits::Integer(1, 1000000000)},
+    {"batch", "micro_batch", ValueLimits::Integer(1, 65536)},
+    {"grad-accum", "grad_accum", ValueLimits::Integer(1, 65536)},
+    {"seq-len", "seq_len", ValueLimits::Integer(1, 1 << 20)},
+    {"lr", "optimizer.lr", ValueLimits::Real(1e-12, 10)},
+    {"min-lr", "optimizer.min_lr", ValueLimits::Real(0, 10)},
+    {"warmup", "optimizer.warmup_steps", ValueLimits::Integer(0, 1000000000)},
+    {"seed", "seed", ValueLimits::Integer(1, INT64_MAX)},
+    {"seed", "model.init_seed", ValueLimits::Integer(1, INT64_MAX)},
+    {"log-every", "metrics.log_every", ValueLimits::Integer(1, 1000000000)},
+    {"threads", "threads", ValueLimits::Integer(1, 1024)},
+    {"checkpoint-dir", "checkpoint.dir", {}},
+    {"checkpoint-every", "checkpoint.interval", ValueLimits::Integer(1, 1000000000)},
+    {"metrics-port", "metrics.port", ValueLimits::Integer(-1, 65535)},
+    {"metrics-jsonl", "metrics.jsonl", {}},
+    {"name", "name", {}},
+};
+
+// The spec `train` starts from: --spec job.json, else --preset (default tiny-cpu) with --model
+// replacing its model.
+absl::StatusOr<v1::JobSpec> BaseJobFromArgs(const CliArgs& args) {
   if (args.Has("spec")) {
     if (args.Has("preset") || args.Has("model")) {
       return absl::InvalidArgumentError("--spec is exclusive with --preset and --model");
     }
-    LOOM_ASSIGN_OR_RETURN(spec, ReadJobSpecFile(args.Get("spec")));
-  } else {
-    LOOM_ASSIGN_OR_RETURN(spec, JobPreset(args.Get("preset", "tiny-cpu")));
-    if (args.Has("model")) {
-      LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(args.Get("model"), "--model"));
-      v1::ModelConfig model;
-      LOOM_RETURN_IF_ERROR(ParseJsonMessage(text, args.Get("model"), &model));
-      *spec.mutable_model() = model;
-    }
+    return ReadJobSpecFile(args.Get("spec"));
   }
-  if (args.Has("steps")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("steps", 0, 1, 1000000000));
-    spec.set_steps(v);
-    if (!args.Has("spec")) {
-      spec.mutable_optimizer()->set_warmup_steps(PresetWarmup(spec.optimizer().warmup_steps(), v));
-    }
+  LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, JobPreset(args.Get("preset", "tiny-cpu")));
+  if (args.Has("model")) {
+    LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(args.Get("model"), "--model"));
+    v1::ModelConfig model;
+    LOOM_RETURN_IF_ERROR(ParseJsonMessage(text, args.Get("model"), &model));
+    *spec.mutable_model() = model;
   }
-  if (args.Has("batch")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("batch", 0, 1, 65536));
-    spec.set_micro_batch(v);
+  return spec;
+}
+
+// The flags of kFieldFlags that were given. A preset's warm-up is sized for its own run
+// length: --steps without --spec (or --warmup) shortens it as a spec's preset would.
+absl::Status ApplyFieldFlags(const CliArgs& args, v1::JobSpec* spec) {
+  for (const FieldFlag& f : kFieldFlags) {
+    if (!args.Has(f.flag)) continue;
+    LOOM_RETURN_IF_ERROR(
+        SetFieldFromText(spec, f.path, args.Get(f.flag), absl::StrCat("--", f.flag), f.limits));
   }
-  if (args.Has("grad-accum")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("grad-accum", 0, 1, 65536));
-    spec.set_grad_accum(v);
+  if (args.Has("steps") && !args.Has("spec") && !args.Has("warmup")) {
+    spec->mutable_optimizer()->set_warmup_steps(
+        PresetWarmup(spec->optimizer().warmup_steps(), spec->steps()));
   }
-  if (args.Has("seq-len")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("seq-len", 0, 1, 1 << 20));
-    spec.set_seq_len(v);
+  return absl::OkStatus();
+}
+
+// The model of an eval job comes from the --init-from checkpoint when the spec leaves it out.
+absl::Status FillEvalModelFromCheckpoint(const CliArgs& args, v1::JobSpec* spec) {
+  if (spec->kind() != "eval" || spec->has_model() || !args.Has("init-from")) {
+    return absl::OkStatus();
   }
-  if (args.Has("lr")) {
-    LOOM_ASSIGN_OR_RETURN(double v, args.GetDouble("lr", 0, 1e-12, 10));
-    spec.mutable_optimizer()->set_lr(v);
+  std::string dir = args.Get("init-from");
+  if (!std::filesystem::exists(std::filesystem::path(dir) / "manifest.json")) {
+    LOOM_ASSIGN_OR_RETURN(auto refs, storage::ListCheckpoints(dir));
+    if (refs.empty())
+      return absl::NotFoundError(absl::StrCat("--init-from: no checkpoint in ", dir));
+    dir = refs.back().dir;
   }
-  if (args.Has("min-lr")) {
-    LOOM_ASSIGN_OR_RETURN(double v, args.GetDouble("min-lr", 0, 0, 10));
-    spec.mutable_optimizer()->set_min_lr(v);
-  }
-  if (args.Has("warmup")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("warmup", 0, 0, 1000000000));
-    spec.mutable_optimizer()->set_warmup_steps(v);
-  }
-  if (args.Has("seed")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("seed", 1, 1, INT64_MAX));
-    spec.set_seed(static_cast<uint64_t>(v));
-    spec.mutable_model()->set_init_seed(static_cast<uint64_t>(v));
-  }
-  if (args.Has("log-every")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("log-every", 0, 1, 1000000000));
-    spec.mutable_metrics()->set_log_every(v);
-  }
-  if (args.Has("threads")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("threads", 0, 1, 1024));
-    spec.set_threads(static_cast<int32_t>(v));
-  }
-  if (args.Has("checkpoint-dir")) spec.mutable_checkpoint()->set_dir(args.Get("checkpoint-dir"));
-  if (args.Has("checkpoint-every")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("checkpoint-every", 0, 1, 1000000000));
-    spec.mutable_checkpoint()->set_interval(v);
-  }
-  if (args.Has("metrics-port")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("metrics-port", 0, -1, 65535));
-    spec.mutable_metrics()->set_port(static_cast<int32_t>(v));
-  }
-  if (args.Has("metrics-jsonl")) spec.mutable_metrics()->set_jsonl(args.Get("metrics-jsonl"));
-  if (args.Has("name")) spec.set_name(args.Get("name"));
-  if (spec.kind() == "eval" && !spec.has_model() && args.Has("init-from")) {
-    // The model of an eval job comes from the checkpoint when the spec leaves it out.
-    std::string dir = args.Get("init-from");
-    if (!std::filesystem::exists(std::filesystem::path(dir) / "manifest.json")) {
-      LOOM_ASSIGN_OR_RETURN(auto refs, storage::ListCheckpoints(dir));
-      if (refs.empty())
-        return absl::NotFoundError(absl::StrCat("--init-from: no checkpoint in ", dir));
-      dir = refs.back().dir;
-    }
-    const std::string manifest = (std::filesystem::path(dir) / "manifest.json").string();
-    std::ifstream in(manifest);
-    std::stringstream text;
-    text << in.rdbuf();
-    if (!in) return absl::NotFoundError(absl::StrCat("--init-from: cannot read ", manifest));
-    LOOM_RETURN_IF_ERROR(FillModelFromManifest(&spec, text.str(), manifest));
-  }
+  const std::string manifest = (std::filesystem::path(dir) / "manifest.json").string();
+  std::ifstream in(manifest);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in) return absl::NotFoundError(absl::StrCat("--init-from: cannot read ", manifest));
+  return FillModelFromManifest(spec, text.str(), manifest);
+}
+
+// The job for `train`: the spec or preset, then the field flags, then each --set PATH=VALUE.
+absl::StatusOr<v1::JobSpec> JobFromArgs(const CliArgs& args) {
+  LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, BaseJobFromArgs(args));
+  LOOM_RETURN_IF_ERROR(ApplyFieldFlags(args, &spec));
+  LOOM_RETURN_IF_ERROR(ApplySetFlags(&spec, args.GetAll("set")));
+  LOOM_RETURN_IF_ERROR(FillEvalModelFromCheckpoint(args, &spec));
   return ResolveJobSpec(spec);
 }
 
+// Every flag `train` takes besides the switches and --set.
+std::set<std::string> TrainFlags() {
+  std::set<std::string> flags = {"spec",       "preset",       "model",
+                                 "plugin-dir", "save-weights", "resume",
+                                 "init-from",  "stop-after",   "resume-if-any"};
+  for (const FieldFlag& f : kFieldFlags) flags.insert(f.flag);
+  return flags;
+}
+
 absl::Status RunTrain(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(
-      CliArgs args,
-      CliArgs::Parse(
-          argc, argv, 2,
-          {"spec",           "preset",           "model",        "steps",         "batch",
-           "grad-accum",     "seq-len",          "lr",           "min-lr",        "warmup",
-           "seed",           "log-every",        "threads",      "plugin-dir",    "save-weights",
-           "checkpoint-dir", "checkpoint-every", "metrics-port", "metrics-jsonl", "name",
-           "resume",         "init-from",        "stop-after",   "resume-if-any"},
-          {"print-spec", "no-retention"}));
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2, TrainFlags(),
+                                                     {"print-spec", "no-retention"}, {"set"}));
   LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, JobFromArgs(args));
   if (args.Has("print-spec")) {
     std::string json;
@@ -249,20 +251,13 @@ absl::Status RunTrain(int argc, char** argv) {
   return absl::OkStatus();
 }
 
-absl::Status RunAttention(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2,
-                                                     {"plugin", "config", "weights", "input",
-                                                      "output", "plugin-dir", "threads"}));
-  LOOM_RETURN_IF_ERROR(ApplyThreads(args));
-  LOOM_ASSIGN_OR_RETURN(std::string plugin, args.Require("plugin"));
-  LOOM_ASSIGN_OR_RETURN(std::string config_path, args.Require("config"));
-  LOOM_ASSIGN_OR_RETURN(std::string weights_path, args.Require("weights"));
-  LOOM_ASSIGN_OR_RETURN(std::string input_path, args.Require("input"));
-  LOOM_ASSIGN_OR_RETURN(std::string output_path, args.Require("output"));
-
-  LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(config_path, "--config"));
+// The --config of `attention`: its plugin must agree with --plugin (or be left out) and its
+// shape must make sense.
+absl::StatusOr<v1::AttentionLayerConfig> ReadAttentionLayerConfig(const std::string& path,
+                                                                  const std::string& plugin) {
+  LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "--config"));
   v1::AttentionLayerConfig config;
-  LOOM_RETURN_IF_ERROR(ParseJsonMessage(text, config_path, &config));
+  LOOM_RETURN_IF_ERROR(ParseJsonMessage(text, path, &config));
   if (!config.attention().plugin().empty() && config.attention().plugin() != plugin) {
     return absl::InvalidArgumentError(absl::StrCat("attention.plugin: '",
                                                    config.attention().plugin(),
@@ -277,16 +272,17 @@ absl::Status RunAttention(int argc, char** argv) {
         "n_heads: d_model is not divisible by n_heads (or set head_dim)");
   }
   if (config.layer_index() < 0) return absl::InvalidArgumentError("layer_index: must be >= 0");
-  torch::ScalarType dtype;
-  if (config.dtype().empty() || config.dtype() == "float32") {
-    dtype = torch::kFloat32;
-  } else if (config.dtype() == "float64") {
-    dtype = torch::kFloat64;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype: '", config.dtype(), "' is not float32 | float64"));
-  }
+  return config;
+}
 
+absl::StatusOr<torch::ScalarType> AttentionDtype(const v1::AttentionLayerConfig& config) {
+  if (config.dtype().empty() || config.dtype() == "float32") return torch::kFloat32;
+  if (config.dtype() == "float64") return torch::kFloat64;
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype: '", config.dtype(), "' is not float32 | float64"));
+}
+
+AttentionShape AttentionShapeOf(const v1::AttentionLayerConfig& config) {
   AttentionShape shape;
   shape.d_model = config.d_model();
   shape.n_heads = config.n_heads();
@@ -296,7 +292,37 @@ absl::Status RunAttention(int argc, char** argv) {
   shape.rope_theta = config.rope_theta();
   shape.layer_index = config.layer_index();
   shape.n_layers = config.n_layers() > 0 ? config.n_layers() : config.layer_index() + 1;
+  return shape;
+}
 
+// The --input file: x [B, N, d_model] and optional positions (default 0..N-1).
+absl::StatusOr<std::pair<torch::Tensor, AttentionInputs>> ReadAttentionInput(
+    const std::string& path, const AttentionShape& shape) {
+  LOOM_ASSIGN_OR_RETURN(auto inputs, LoadTensors(path));
+  auto x_it = inputs.find("x");
+  if (x_it == inputs.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": needs a tensor named 'x'"));
+  }
+  const torch::Tensor& x = x_it->second;
+  if (x.dim() != 3 || x.size(2) != shape.d_model || !x.is_floating_point()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": x must be a floating [B, N, ", shape.d_model, "] tensor"));
+  }
+  AttentionInputs attention_inputs;
+  if (auto p = inputs.find("positions"); p != inputs.end()) {
+    attention_inputs.positions = p->second;
+  } else {
+    attention_inputs.positions = torch::arange(x.size(1), torch::kInt64);
+  }
+  return std::make_pair(x, attention_inputs);
+}
+
+// The layer of --plugin with --weights loaded, in `dtype`.
+absl::StatusOr<AttentionLayerPtr> LoadAttentionLayer(const CliArgs& args,
+                                                     const v1::AttentionLayerConfig& config,
+                                                     const AttentionShape& shape,
+                                                     torch::ScalarType dtype,
+                                                     const std::string& weights_path) {
   PluginLoader loader;
   LOOM_RETURN_IF_ERROR(LoadPlugins(args, loader, false));
   LOOM_ASSIGN_OR_RETURN(AttentionLayerPtr layer,
@@ -306,27 +332,32 @@ absl::Status RunAttention(int argc, char** argv) {
   if (absl::Status s = LoadIntoModule(*layer, weights); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(weights_path, ": ", s.message()));
   }
-  LOOM_ASSIGN_OR_RETURN(auto inputs, LoadTensors(input_path));
-  auto x_it = inputs.find("x");
-  if (x_it == inputs.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(input_path, ": needs a tensor named 'x'"));
-  }
-  const torch::Tensor& x = x_it->second;
-  if (x.dim() != 3 || x.size(2) != shape.d_model || !x.is_floating_point()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(input_path, ": x must be a floating [B, N, ", shape.d_model, "] tensor"));
-  }
-  AttentionInputs attention_inputs;
-  if (auto p = inputs.find("positions"); p != inputs.end()) {
-    attention_inputs.positions = p->second;
-  } else {
-    attention_inputs.positions = torch::arange(x.size(1), torch::kInt64);
-  }
+  return layer;
+}
+
+absl::Status RunAttention(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2,
+                                                     {"plugin", "config", "weights", "input",
+                                                      "output", "plugin-dir", "threads"}));
+  LOOM_RETURN_IF_ERROR(ApplyThreads(args));
+  LOOM_ASSIGN_OR_RETURN(std::string plugin, args.Require("plugin"));
+  LOOM_ASSIGN_OR_RETURN(std::string config_path, args.Require("config"));
+  LOOM_ASSIGN_OR_RETURN(std::string weights_path, args.Require("weights"));
+  LOOM_ASSIGN_OR_RETURN(std::string input_path, args.Require("input"));
+  LOOM_ASSIGN_OR_RETURN(std::string output_path, args.Require("output"));
+  LOOM_ASSIGN_OR_RETURN(v1::AttentionLayerConfig config,
+                        ReadAttentionLayerConfig(config_path, plugin));
+  LOOM_ASSIGN_OR_RETURN(torch::ScalarType dtype, AttentionDtype(config));
+  const AttentionShape shape = AttentionShapeOf(config);
+  LOOM_ASSIGN_OR_RETURN(AttentionLayerPtr layer,
+                        LoadAttentionLayer(args, config, shape, dtype, weights_path));
+  LOOM_ASSIGN_OR_RETURN(auto input, ReadAttentionInput(input_path, shape));
+  const torch::Tensor& x = input.first;
   torch::Tensor y;
   {
     torch::NoGradGuard no_grad;
     try {
-      y = layer->forward(x.to(dtype), attention_inputs);
+      y = layer->forward(x.to(dtype), input.second);
     } catch (const std::exception& e) {
       return absl::InvalidArgumentError(absl::StrCat("forward failed: ", e.what()));
     }
