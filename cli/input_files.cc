@@ -1,12 +1,12 @@
-#include "input_files.h"
+#include "cli/input_files.h"
 
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
 
 namespace loom::cli {
 

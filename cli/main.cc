@@ -28,16 +28,16 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "input_files.h"
-#include "loom/cli_args.h"
+#include "base/cli_args.h"
+#include "base/status_macros.h"
+#include "cli/input_files.h"
+#include "cli/output.h"
+#include "cli/sweep_commands.h"
+#include "client/rest_client.h"
 #include "loom/spec.h"
 #include "loom/spec_overrides.h"
-#include "loom/status_macros.h"
 #include "loom/v1/control.pb.h"
-#include "output.h"
-#include "prometheus.h"
-#include "rest_client.h"
-#include "sweep_commands.h"
+#include "metrics/prometheus.h"
 
 namespace fs = std::filesystem;
 

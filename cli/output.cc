@@ -1,4 +1,4 @@
-#include "output.h"
+#include "cli/output.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "rest_client.h"
+#include "client/rest_client.h"
 
 namespace loom::cli {
 namespace {

@@ -1,4 +1,4 @@
-#include "sweep_commands.h"
+#include "cli/sweep_commands.h"
 
 #include <unistd.h>
 
@@ -17,9 +17,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
-#include "input_files.h"
+#include "base/status_macros.h"
+#include "cli/input_files.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
 #include "loom/v1/control.pb.h"
 
 namespace fs = std::filesystem;

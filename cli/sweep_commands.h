@@ -5,9 +5,9 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "loom/cli_args.h"
-#include "output.h"
-#include "rest_client.h"
+#include "base/cli_args.h"
+#include "cli/output.h"
+#include "client/rest_client.h"
 
 namespace loom::cli {
 

@@ -1,4 +1,4 @@
-#include "rest_client.h"
+#include "client/rest_client.h"
 
 #include <google/protobuf/util/json_util.h>
 #include <httplib.h>

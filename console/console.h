@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
-#include "http_server.h"
+#include "coordinator/http_server.h"
 
 namespace loom::console {
 

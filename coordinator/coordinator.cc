@@ -1,4 +1,4 @@
-#include "coordinator.h"
+#include "coordinator/coordinator.h"
 
 #include <google/protobuf/util/message_differencer.h>
 
@@ -13,11 +13,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "checkpoint.h"
-#include "job_logs.h"
-#include "loom/status_macros.h"
-#include "submit_validation.h"
-#include "sweep.h"
+#include "base/status_macros.h"
+#include "coordinator/job_logs.h"
+#include "coordinator/submit_validation.h"
+#include "coordinator/sweep.h"
+#include "storage/checkpoint.h"
 
 namespace fs = std::filesystem;
 

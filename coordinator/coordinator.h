@@ -18,14 +18,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "clock.h"
+#include "coordinator/clock.h"
+#include "coordinator/paging.h"
+#include "coordinator/scheduler.h"
+#include "coordinator/state_store.h"
+#include "coordinator/states.h"
 #include "loom/exit_codes.h"
 #include "loom/v1/control.pb.h"
-#include "paging.h"
-#include "prometheus.h"
-#include "scheduler.h"
-#include "state_store.h"
-#include "states.h"
+#include "metrics/prometheus.h"
 
 namespace loom::coordinator {
 

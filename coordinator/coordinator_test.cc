@@ -3,7 +3,7 @@
 // (start, checkpoints, rank failure -> restart from the newest checkpoint, success), lost
 // workers, cancellation; and api/openapi.yaml against the served route table. Time is a
 // ManualClock the tests move on: heartbeat silence, leases and fencing take no real waiting.
-#include "coordinator.h"
+#include "coordinator/coordinator.h"
 
 #include <google/protobuf/struct.pb.h>
 #include <gtest/gtest.h>
@@ -13,9 +13,9 @@
 #include <fstream>
 #include <set>
 
-#include "checkpoint.h"
-#include "clock.h"
-#include "http_api.h"
+#include "coordinator/clock.h"
+#include "coordinator/http_api.h"
+#include "storage/checkpoint.h"
 
 namespace fs = std::filesystem;
 

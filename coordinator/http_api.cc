@@ -1,4 +1,4 @@
-#include "http_api.h"
+#include "coordinator/http_api.h"
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "console.h"
+#include "console/console.h"
 #include "loom/spec.h"
 
 namespace loom::coordinator {

@@ -17,8 +17,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "coordinator.h"
-#include "http_server.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/http_server.h"
 
 namespace loom::coordinator {
 

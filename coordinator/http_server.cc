@@ -1,4 +1,4 @@
-#include "http_server.h"
+#include "coordinator/http_server.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

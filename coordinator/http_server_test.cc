@@ -1,7 +1,7 @@
 // The coordinator's HTTP server on real loopback sockets: limits hold whatever the framing
 // (Content-Length, chunked, none, compressed), slow clients are cut off, keep-alive and
 // streamed responses work, and two servers do not share threads.
-#include "http_server.h"
+#include "coordinator/http_server.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-#include "job_logs.h"
+#include "coordinator/job_logs.h"
 
 #include <algorithm>
 #include <filesystem>

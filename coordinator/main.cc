@@ -10,10 +10,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "coordinator.h"
-#include "http_api.h"
-#include "loom/cli_args.h"
-#include "loom/status_macros.h"
+#include "base/cli_args.h"
+#include "base/status_macros.h"
+#include "coordinator/coordinator.h"
+#include "coordinator/http_api.h"
 
 namespace loom::coordinator {
 namespace {

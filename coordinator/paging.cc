@@ -1,4 +1,4 @@
-#include "paging.h"
+#include "coordinator/paging.h"
 
 #include <vector>
 

@@ -1,4 +1,4 @@
-#include "scheduler.h"
+#include "coordinator/scheduler.h"
 
 #include <algorithm>
 

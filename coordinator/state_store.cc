@@ -1,4 +1,4 @@
-#include "state_store.h"
+#include "coordinator/state_store.h"
 
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>

@@ -1,4 +1,4 @@
-#include "states.h"
+#include "coordinator/states.h"
 
 #include <string>
 #include <utility>

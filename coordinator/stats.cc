@@ -1,4 +1,4 @@
-#include "stats.h"
+#include "coordinator/stats.h"
 
 #include <algorithm>
 #include <cmath>

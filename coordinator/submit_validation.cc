@@ -1,4 +1,4 @@
-#include "submit_validation.h"
+#include "coordinator/submit_validation.h"
 
 #include <google/protobuf/util/json_util.h>
 
@@ -10,8 +10,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
 
 namespace fs = std::filesystem;
 

@@ -1,4 +1,4 @@
-#include "sweep.h"
+#include "coordinator/sweep.h"
 
 #include <google/protobuf/util/json_util.h>
 
@@ -9,10 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/status_macros.h"
+#include "coordinator/states.h"
+#include "coordinator/stats.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
-#include "states.h"
-#include "stats.h"
 
 namespace loom::coordinator {
 namespace {

@@ -1,10 +1,10 @@
 // Sweep statistics against reference values (Student t quantiles and p-values from published
 // tables, computed with float64 here), sweep expansion and overrides, and the report from jobs.
-#include "sweep.h"
+#include "coordinator/sweep.h"
 
 #include <gtest/gtest.h>
 
-#include "stats.h"
+#include "coordinator/stats.h"
 
 namespace loom::coordinator {
 namespace {

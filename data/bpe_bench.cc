@@ -11,7 +11,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "tokenizer.h"
+#include "data/tokenizer.h"
 
 namespace {
 

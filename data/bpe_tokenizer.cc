@@ -1,4 +1,4 @@
-#include "bpe_tokenizer.h"
+#include "data/bpe_tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -11,7 +11,7 @@
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
-#include "loom/status_macros.h"
+#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace loom::data {
@@ -181,6 +181,12 @@ struct BpeTokenizer::Impl {
   void PreTokenize(std::string_view text, std::vector<std::string_view>* pieces) const;
   void EncodePiece(std::string_view piece, std::vector<uint32_t>* out) const;
   void EncodeSegment(std::string_view text, std::vector<uint32_t>* out) const;
+
+  // Loading tokenizer.json, in order (errors name the file and the field).
+  absl::Status LoadVocab(const Json& j, const Json& model, const std::string& path);
+  absl::Status LoadByteTokens(const std::string& path);
+  absl::Status LoadMerges(const Json& model, const std::string& path);
+  absl::Status CompileRegex(const std::string& pattern, const std::string& path);
 };
 
 // The Split pre-tokenizer with behavior Isolated: every match is a piece, and so is any text
@@ -250,6 +256,105 @@ BpeTokenizer::BpeTokenizer(std::string path, std::unique_ptr<Impl> impl)
     : path_(std::move(path)), impl_(std::move(impl)) {}
 BpeTokenizer::~BpeTokenizer() = default;
 
+// model.vocab and added_tokens (which may extend the id range beyond the vocabulary).
+absl::Status BpeTokenizer::Impl::LoadVocab(const Json& j, const Json& model,
+                                           const std::string& path) {
+  const Json& vocab_json = model.value("vocab", Json());
+  if (!vocab_json.is_object() || vocab_json.empty())
+    return Invalid(path, "model.vocab: missing or empty");
+  uint32_t max_id = 0;
+  for (const auto& [token, id] : vocab_json.items()) {
+    if (!id.is_number_unsigned() || id.get<uint64_t>() >= (1u << 31)) {
+      return Invalid(path, absl::StrCat("model.vocab['", token.substr(0, 40), "']: bad id"));
+    }
+    vocab[token] = id.get<uint32_t>();
+    max_id = std::max(max_id, id.get<uint32_t>());
+  }
+  const Json& added_json = j.value("added_tokens", Json::array());
+  for (const Json& a : added_json) {
+    if (!a.is_object() || !a.value("content", Json()).is_string() ||
+        !a["id"].is_number_unsigned()) {
+      return Invalid(path, "added_tokens: each needs content and id");
+    }
+    max_id = std::max(max_id, a["id"].get<uint32_t>());
+  }
+  id_to_token.assign(max_id + 1, "");
+  is_added.assign(max_id + 1, false);
+  for (const auto& [token, id] : vocab) id_to_token[id] = token;
+  for (const Json& a : added_json) {
+    const std::string content = a["content"];
+    if (content.empty()) return Invalid(path, "added_tokens: empty content");
+    const uint32_t id = a["id"];
+    added[content] = id;
+    id_to_token[id] = content;
+    is_added[id] = true;
+    longest_added = std::max(longest_added, content.size());
+    added_first[static_cast<uint8_t>(content[0])] = true;
+    if (content == "<|end_of_text|>" || content == "<|endoftext|>" || content == "</s>") eos = id;
+  }
+  return absl::OkStatus();
+}
+
+// Every byte's character (GPT-2's byte-to-unicode map) must be a token of its own.
+absl::Status BpeTokenizer::Impl::LoadByteTokens(const std::string& path) {
+  const std::vector<uint32_t> cps = ByteToCodepoint();
+  for (int b = 0; b < 256; ++b) {
+    AppendUtf8(cps[b], &byte_piece[b]);
+    codepoint_byte[cps[b]] = static_cast<uint8_t>(b);
+    auto it = vocab.find(byte_piece[b]);
+    if (it == vocab.end()) {
+      return Invalid(path, absl::StrCat("model.vocab: no token for byte ", b,
+                                        " (not a byte-level BPE vocabulary)"));
+    }
+    byte_id[b] = it->second;
+  }
+  return absl::OkStatus();
+}
+
+// model.merges as "a b" strings or [a, b] pairs, ranked by position.
+absl::Status BpeTokenizer::Impl::LoadMerges(const Json& model, const std::string& path) {
+  const Json& merges_json = model.value("merges", Json::array());
+  uint32_t rank = 0;
+  for (const Json& m : merges_json) {
+    std::string left, right;
+    if (m.is_string()) {
+      const std::string s = m;
+      const size_t space = s.find(' ', 1);
+      if (space == std::string::npos) return Invalid(path, "model.merges: expected 'a b'");
+      left = s.substr(0, space);
+      right = s.substr(space + 1);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      left = m[0];
+      right = m[1];
+    } else {
+      return Invalid(path, "model.merges: expected 'a b' or [a, b]");
+    }
+    auto l = vocab.find(left), r = vocab.find(right), merged = vocab.find(left + right);
+    if (l == vocab.end() || r == vocab.end() || merged == vocab.end()) {
+      return Invalid(path, absl::StrCat("model.merges[", rank, "]: '", left.substr(0, 40), "' + '",
+                                        right.substr(0, 40), "' names a token not in the vocab"));
+    }
+    merges.emplace(uint64_t{l->second} << 32 | r->second, Merge{rank, merged->second});
+    ++rank;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BpeTokenizer::Impl::CompileRegex(const std::string& pattern, const std::string& path) {
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  regex = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                        PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
+  if (regex == nullptr) {
+    PCRE2_UCHAR message[256];
+    pcre2_get_error_message(error, message, sizeof(message));
+    return Invalid(path, absl::StrCat("pre_tokenizer regex at offset ", offset, ": ",
+                                      reinterpret_cast<const char*>(message)));
+  }
+  pcre2_jit_compile(regex, PCRE2_JIT_COMPLETE);  // best effort: interpreted otherwise
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("tokenizer file '", path, "': cannot open"));
@@ -268,89 +373,11 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(const std::stri
   }
   auto impl = std::make_unique<Impl>();
   impl->ignore_merges = model.value("ignore_merges", false);
-  const Json& vocab = model.value("vocab", Json());
-  if (!vocab.is_object() || vocab.empty()) return Invalid(path, "model.vocab: missing or empty");
-  uint32_t max_id = 0;
-  for (const auto& [token, id] : vocab.items()) {
-    if (!id.is_number_unsigned() || id.get<uint64_t>() >= (1u << 31)) {
-      return Invalid(path, absl::StrCat("model.vocab['", token.substr(0, 40), "']: bad id"));
-    }
-    impl->vocab[token] = id.get<uint32_t>();
-    max_id = std::max(max_id, id.get<uint32_t>());
-  }
-  // Added tokens may extend the id range beyond the vocabulary.
-  const Json& added = j.value("added_tokens", Json::array());
-  for (const Json& a : added) {
-    if (!a.is_object() || !a.value("content", Json()).is_string() ||
-        !a["id"].is_number_unsigned()) {
-      return Invalid(path, "added_tokens: each needs content and id");
-    }
-    max_id = std::max(max_id, a["id"].get<uint32_t>());
-  }
-  impl->id_to_token.assign(max_id + 1, "");
-  impl->is_added.assign(max_id + 1, false);
-  for (const auto& [token, id] : impl->vocab) impl->id_to_token[id] = token;
-  for (const Json& a : added) {
-    const std::string content = a["content"];
-    if (content.empty()) return Invalid(path, "added_tokens: empty content");
-    const uint32_t id = a["id"];
-    impl->added[content] = id;
-    impl->id_to_token[id] = content;
-    impl->is_added[id] = true;
-    impl->longest_added = std::max(impl->longest_added, content.size());
-    impl->added_first[static_cast<uint8_t>(content[0])] = true;
-    if (content == "<|end_of_text|>" || content == "<|endoftext|>" || content == "</s>") {
-      impl->eos = id;
-    }
-  }
-  const std::vector<uint32_t> cps = ByteToCodepoint();
-  for (int b = 0; b < 256; ++b) {
-    AppendUtf8(cps[b], &impl->byte_piece[b]);
-    impl->codepoint_byte[cps[b]] = static_cast<uint8_t>(b);
-    auto it = impl->vocab.find(impl->byte_piece[b]);
-    if (it == impl->vocab.end()) {
-      return Invalid(path, absl::StrCat("model.vocab: no token for byte ", b,
-                                        " (not a byte-level BPE vocabulary)"));
-    }
-    impl->byte_id[b] = it->second;
-  }
-  const Json& merges = model.value("merges", Json::array());
-  uint32_t rank = 0;
-  for (const Json& m : merges) {
-    std::string left, right;
-    if (m.is_string()) {
-      const std::string s = m;
-      const size_t space = s.find(' ', 1);
-      if (space == std::string::npos) return Invalid(path, "model.merges: expected 'a b'");
-      left = s.substr(0, space);
-      right = s.substr(space + 1);
-    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-      left = m[0];
-      right = m[1];
-    } else {
-      return Invalid(path, "model.merges: expected 'a b' or [a, b]");
-    }
-    auto l = impl->vocab.find(left), r = impl->vocab.find(right),
-         merged = impl->vocab.find(left + right);
-    if (l == impl->vocab.end() || r == impl->vocab.end() || merged == impl->vocab.end()) {
-      return Invalid(path, absl::StrCat("model.merges[", rank, "]: '", left.substr(0, 40), "' + '",
-                                        right.substr(0, 40), "' names a token not in the vocab"));
-    }
-    impl->merges.emplace(uint64_t{l->second} << 32 | r->second, Impl::Merge{rank, merged->second});
-    ++rank;
-  }
+  LOOM_RETURN_IF_ERROR(impl->LoadVocab(j, model, path));
+  LOOM_RETURN_IF_ERROR(impl->LoadByteTokens(path));
+  LOOM_RETURN_IF_ERROR(impl->LoadMerges(model, path));
   LOOM_ASSIGN_OR_RETURN(const std::string pattern, PreTokenizerPattern(j, path));
-  int error = 0;
-  PCRE2_SIZE offset = 0;
-  impl->regex = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                              PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
-  if (impl->regex == nullptr) {
-    PCRE2_UCHAR message[256];
-    pcre2_get_error_message(error, message, sizeof(message));
-    return Invalid(path, absl::StrCat("pre_tokenizer regex at offset ", offset, ": ",
-                                      reinterpret_cast<const char*>(message)));
-  }
-  pcre2_jit_compile(impl->regex, PCRE2_JIT_COMPLETE);  // best effort: interpreted otherwise
+  LOOM_RETURN_IF_ERROR(impl->CompileRegex(pattern, path));
   return std::unique_ptr<BpeTokenizer>(new BpeTokenizer(path, std::move(impl)));
 }
 

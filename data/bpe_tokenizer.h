@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "tokenizer.h"
+#include "data/tokenizer.h"
 
 namespace loom::data {
 

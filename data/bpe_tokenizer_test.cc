@@ -1,7 +1,7 @@
 // The byte-level BPE on a tokenizer.json written here (256 byte tokens, a few merges, an added
 // token): merges by rank, ignore_merges, added tokens, decode, the UTF-8 replacement rule and the
 // errors a malformed file gets. Parity on the real Llama-3 file: tests/bpe_parity_test.js.
-#include "bpe_tokenizer.h"
+#include "data/bpe_tokenizer.h"
 
 #include <gtest/gtest.h>
 

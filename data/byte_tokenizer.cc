@@ -1,6 +1,6 @@
 // The byte-level tokenizer lives in loom_data (not loom_tokenizer) so that processes which load
 // libprotobuf — the trainer, loom-serve — can use it without Debian's libsentencepiece.
-#include "tokenizer.h"
+#include "data/tokenizer.h"
 
 namespace loom::data {
 namespace {

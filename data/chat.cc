@@ -1,4 +1,4 @@
-#include "chat.h"
+#include "data/chat.h"
 
 #include <algorithm>
 #include <cctype>

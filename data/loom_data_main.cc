@@ -12,12 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "bpe_tokenizer.h"
-#include "chat.h"
-#include "loom/cli_args.h"
-#include "loom/status_macros.h"
-#include "token_shards.h"
-#include "tokenizer.h"
+#include "base/cli_args.h"
+#include "base/status_macros.h"
+#include "data/bpe_tokenizer.h"
+#include "data/chat.h"
+#include "data/token_shards.h"
+#include "data/tokenizer.h"
 
 namespace loom::data {
 namespace {
@@ -97,20 +97,106 @@ absl::Status Chat(const CliArgs& args) {
   return absl::OkStatus();
 }
 
+// Documents tokenized in batches, each split over the threads, and written in order.
+class DocumentPacker {
+ public:
+  DocumentPacker(const Tokenizer& tokenizer, TokenShardWriter& writer, int64_t threads, bool eos)
+      : tokenizer_(tokenizer), writer_(writer), threads_(threads), eos_(eos) {}
+
+  absl::Status Add(std::string text) {
+    batch_bytes_ += text.size();
+    batch_.push_back(std::move(text));
+    return batch_.size() >= 4096 || batch_bytes_ >= (32u << 20) ? Flush() : absl::OkStatus();
+  }
+
+  absl::Status Flush() {
+    std::vector<std::vector<uint32_t>> ids(batch_.size());
+    auto work = [&](size_t first, size_t step) {
+      for (size_t i = first; i < batch_.size(); i += step) ids[i] = tokenizer_.Encode(batch_[i]);
+    };
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < threads_; ++t) pool.emplace_back(work, t, threads_);
+    work(0, static_cast<size_t>(threads_));
+    for (auto& t : pool) t.join();
+    for (auto& d : ids) {
+      if (eos_) d.push_back(static_cast<uint32_t>(tokenizer_.eos_id()));
+      LOOM_RETURN_IF_ERROR(writer_.AddDocument(d));
+    }
+    batch_.clear();
+    batch_bytes_ = 0;
+    return absl::OkStatus();
+  }
+
+ private:
+  const Tokenizer& tokenizer_;
+  TokenShardWriter& writer_;
+  int64_t threads_;
+  bool eos_;
+  std::vector<std::string> batch_;
+  size_t batch_bytes_ = 0;
+};
+
+// What is wrong with a JSONL line for --field ("" when nothing).
+std::string JsonlProblem(const nlohmann::json& j, const std::string& field) {
+  if (j.is_discarded()) return "not valid JSON";
+  if (!j.is_object() || !j.contains(field)) return absl::StrCat("no \"", field, "\" field");
+  if (!j[field].is_string()) return absl::StrCat("\"", field, "\" is not a string");
+  return "";
+}
+
+struct PackInput {
+  std::string format, on_error, field;
+};
+
+// One input file's documents: the whole file (text), each line (lines) or each line's field
+// (jsonl; malformed lines fail or, with --on-error skip, are counted in *skipped).
+absl::Status PackFile(const std::string& path, const PackInput& in, DocumentPacker& packer,
+                      int64_t* skipped) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return absl::NotFoundError(absl::StrCat("--input: cannot open '", path, "'"));
+  if (in.format == "text") {
+    return packer.Add(
+        std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>()));
+  }
+  std::string line;
+  int64_t number = 0;
+  while (std::getline(file, line)) {
+    ++number;
+    if (line.empty()) continue;
+    if (in.format == "lines") {
+      LOOM_RETURN_IF_ERROR(packer.Add(line));
+      continue;
+    }
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    const std::string why = JsonlProblem(j, in.field);
+    if (why.empty()) {
+      LOOM_RETURN_IF_ERROR(packer.Add(j[in.field].get<std::string>()));
+    } else if (in.on_error == "fail") {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": ", why));
+    } else {
+      ++*skipped;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PackInput> PackInputFromArgs(const CliArgs& args) {
+  PackInput in{args.Get("format", "text"), args.Get("on-error", "fail"), args.Get("field", "text")};
+  if (in.format != "text" && in.format != "lines" && in.format != "jsonl") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--format: '", in.format, "' is not text | lines | jsonl"));
+  }
+  if (in.on_error != "fail" && in.on_error != "skip") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--on-error: '", in.on_error, "' is not fail | skip"));
+  }
+  return in;
+}
+
 absl::Status Pack(const CliArgs& args) {
   LOOM_ASSIGN_OR_RETURN(std::string output, args.Require("output"));
   LOOM_RETURN_IF_ERROR(args.Require("input").status());
-  const std::string format = args.Get("format", "text");
-  if (format != "text" && format != "lines" && format != "jsonl") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--format: '", format, "' is not text | lines | jsonl"));
-  }
-  const std::string on_error = args.Get("on-error", "fail");
-  if (on_error != "fail" && on_error != "skip") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--on-error: '", on_error, "' is not fail | skip"));
-  }
-  const std::string field = args.Get("field", "text");
+  LOOM_ASSIGN_OR_RETURN(const PackInput in, PackInputFromArgs(args));
   LOOM_ASSIGN_OR_RETURN(int64_t shard_tokens,
                         args.GetInt("shard-tokens", 1 << 24, 1, int64_t{1} << 32));
   LOOM_ASSIGN_OR_RETURN(auto tokenizer,
@@ -124,68 +210,12 @@ absl::Status Pack(const CliArgs& args) {
       auto writer, TokenShardWriter::Create(output, tokenizer->vocab_size(), tokenizer->Describe(),
                                             static_cast<uint64_t>(shard_tokens)));
   LOOM_ASSIGN_OR_RETURN(const int64_t threads, args.GetInt("threads", 1, 1, 256));
+  DocumentPacker packer(*tokenizer, *writer, threads, eos);
   int64_t skipped = 0;
-  // Documents are tokenized in batches, each split over the threads, and written in order.
-  std::vector<std::string> batch;
-  size_t batch_bytes = 0;
-  auto flush = [&]() -> absl::Status {
-    std::vector<std::vector<uint32_t>> ids(batch.size());
-    auto work = [&](size_t first, size_t step) {
-      for (size_t i = first; i < batch.size(); i += step) ids[i] = tokenizer->Encode(batch[i]);
-    };
-    std::vector<std::thread> pool;
-    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(work, t, threads);
-    work(0, static_cast<size_t>(threads));
-    for (auto& t : pool) t.join();
-    for (auto& d : ids) {
-      if (eos) d.push_back(static_cast<uint32_t>(tokenizer->eos_id()));
-      LOOM_RETURN_IF_ERROR(writer->AddDocument(d));
-    }
-    batch.clear();
-    batch_bytes = 0;
-    return absl::OkStatus();
-  };
-  auto add = [&](std::string text) -> absl::Status {
-    batch_bytes += text.size();
-    batch.push_back(std::move(text));
-    return batch.size() >= 4096 || batch_bytes >= (32u << 20) ? flush() : absl::OkStatus();
-  };
   for (const std::string& path : Inputs(args)) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) return absl::NotFoundError(absl::StrCat("--input: cannot open '", path, "'"));
-    if (format == "text") {
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      LOOM_RETURN_IF_ERROR(add(text));
-      continue;
-    }
-    std::string line;
-    int64_t number = 0;
-    while (std::getline(in, line)) {
-      ++number;
-      if (line.empty()) continue;
-      if (format == "lines") {
-        LOOM_RETURN_IF_ERROR(add(line));
-        continue;
-      }
-      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      std::string why;
-      if (j.is_discarded()) {
-        why = "not valid JSON";
-      } else if (!j.is_object() || !j.contains(field)) {
-        why = absl::StrCat("no \"", field, "\" field");
-      } else if (!j[field].is_string()) {
-        why = absl::StrCat("\"", field, "\" is not a string");
-      }
-      if (!why.empty()) {
-        if (on_error == "fail")
-          return absl::InvalidArgumentError(absl::StrCat(path, ":", number, ": ", why));
-        ++skipped;
-        continue;
-      }
-      LOOM_RETURN_IF_ERROR(add(j[field].get<std::string>()));
-    }
+    LOOM_RETURN_IF_ERROR(PackFile(path, in, packer, &skipped));
   }
-  LOOM_RETURN_IF_ERROR(flush());
+  LOOM_RETURN_IF_ERROR(packer.Flush());
   LOOM_ASSIGN_OR_RETURN(TokenIndex index, writer->Finish());
   std::cout << "packed " << index.documents << " documents, " << index.total_tokens << " tokens ("
             << index.dtype << ", vocabulary " << index.vocab_size << ", " << index.tokenizer

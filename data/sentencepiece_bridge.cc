@@ -1,4 +1,4 @@
-#include "sentencepiece_bridge.h"
+#include "data/sentencepiece_bridge.h"
 
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>

@@ -1,4 +1,4 @@
-#include "tasks.h"
+#include "data/tasks.h"
 
 #include <algorithm>
 #include <set>

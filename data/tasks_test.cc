@@ -1,6 +1,6 @@
 // Generators are deterministic by seed and their labels are right, each checked by an
 // independent brute-force solver written here (path search, text parsing).
-#include "tasks.h"
+#include "data/tasks.h"
 
 #include <gtest/gtest.h>
 

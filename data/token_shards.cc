@@ -1,4 +1,4 @@
-#include "token_shards.h"
+#include "data/token_shards.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -13,8 +13,8 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "crc32c.h"
-#include "safetensors.h"
+#include "storage/crc32c.h"
+#include "storage/safetensors.h"
 
 namespace loom::data {
 namespace {

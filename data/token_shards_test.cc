@@ -1,4 +1,4 @@
-#include "token_shards.h"
+#include "data/token_shards.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -8,7 +8,7 @@
 #include <fstream>
 #include <random>
 
-#include "tokenizer.h"
+#include "data/tokenizer.h"
 
 namespace loom::data {
 namespace {

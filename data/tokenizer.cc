@@ -1,11 +1,11 @@
-#include "tokenizer.h"
+#include "data/tokenizer.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "bpe_tokenizer.h"
-#include "loom/status_macros.h"
-#include "sentencepiece_bridge.h"
+#include "base/status_macros.h"
+#include "data/bpe_tokenizer.h"
+#include "data/sentencepiece_bridge.h"
 
 namespace loom::data {
 namespace {

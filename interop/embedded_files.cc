@@ -1,7 +1,7 @@
 // The files cmake/EmbedFiles.cmake compiled in (interop/CMakeLists.txt).
 #include <string_view>
 
-#include "hf_folder.h"
+#include "interop/hf_folder.h"
 #include "interop_files.h"  // generated: the embedded files
 
 namespace loom::interop {

@@ -11,14 +11,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "bpe_tokenizer.h"
-#include "checkpoint.h"
-#include "hf_folder.h"
-#include "hf_model.h"
+#include "base/status_macros.h"
+#include "data/bpe_tokenizer.h"
+#include "data/token_shards.h"
+#include "interop/hf_folder.h"
+#include "interop/hf_model.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
-#include "safetensors.h"
-#include "token_shards.h"
+#include "storage/checkpoint.h"
+#include "storage/safetensors.h"
 
 namespace loom::interop {
 namespace fs = std::filesystem;

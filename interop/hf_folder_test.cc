@@ -1,7 +1,7 @@
 // export-hf / import-hf on checkpoints written here (no LibTorch): names, architectures, bitwise
 // round trips, shards, dtype widening, the RoPE pairing permutation and hostile folders.
 // tests/interop/hf_interop_test.py checks the numbers (logits) against Python.
-#include "hf_folder.h"
+#include "interop/hf_folder.h"
 
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
@@ -15,10 +15,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "checkpoint.h"
-#include "hf_model.h"
+#include "interop/hf_model.h"
 #include "loom/spec.h"
-#include "safetensors.h"
+#include "storage/checkpoint.h"
+#include "storage/safetensors.h"
 
 namespace loom::interop {
 namespace {

@@ -12,12 +12,12 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "checkpoint.h"
-#include "hf_folder.h"
-#include "hf_model.h"
+#include "base/status_macros.h"
+#include "interop/hf_folder.h"
+#include "interop/hf_model.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
-#include "safetensors.h"
+#include "storage/checkpoint.h"
+#include "storage/safetensors.h"
 
 namespace loom::interop {
 namespace fs = std::filesystem;

@@ -1,4 +1,4 @@
-#include "hf_model.h"
+#include "interop/hf_model.h"
 
 #include <cmath>
 #include <cstdio>

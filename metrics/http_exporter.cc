@@ -1,4 +1,4 @@
-#include "http_exporter.h"
+#include "metrics/http_exporter.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

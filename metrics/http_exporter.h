@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
-#include "prometheus.h"
+#include "metrics/prometheus.h"
 
 namespace loom::metrics {
 

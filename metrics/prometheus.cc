@@ -1,4 +1,4 @@
-#include "prometheus.h"
+#include "metrics/prometheus.h"
 
 #include <prometheus/counter.h>
 #include <prometheus/family.h>

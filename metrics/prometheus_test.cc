@@ -1,4 +1,4 @@
-#include "prometheus.h"
+#include "metrics/prometheus.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <fstream>
 
-#include "http_exporter.h"
+#include "metrics/http_exporter.h"
 
 namespace loom::metrics {
 namespace {

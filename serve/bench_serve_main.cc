@@ -12,11 +12,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "bench_main.h"
-#include "engine.h"
-#include "loom/cli_args.h"
+#include "base/cli_args.h"
+#include "base/status_macros.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
+#include "serve/engine.h"
+#include "worker/trainer/bench_main.h"
 
 namespace loom::serve {
 namespace {

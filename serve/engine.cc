@@ -1,4 +1,4 @@
-#include "engine.h"
+#include "serve/engine.h"
 
 #include <algorithm>
 #include <cmath>

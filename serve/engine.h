@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "generate.h"
-#include "model.h"
-#include "prometheus.h"
+#include "metrics/prometheus.h"
+#include "worker/trainer/generate.h"
+#include "worker/trainer/model.h"
 
 namespace loom::serve {
 

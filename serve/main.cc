@@ -12,14 +12,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "checkpoint_model.h"
-#include "http_server.h"
-#include "loom/blas_core.h"
-#include "loom/cli_args.h"
+#include "base/blas_core.h"
+#include "base/cli_args.h"
+#include "base/status_macros.h"
+#include "coordinator/http_server.h"
 #include "loom/exit_codes.h"
-#include "loom/status_macros.h"
-#include "plugin_loader.h"
-#include "server.h"
+#include "serve/server.h"
+#include "worker/trainer/checkpoint_model.h"
+#include "worker/trainer/plugin_loader.h"
 
 namespace loom::serve {
 namespace {
@@ -171,7 +171,7 @@ absl::Status Run(int argc, char** argv) {
 }  // namespace loom::serve
 
 int main(int argc, char** argv) {
-  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
+  loom::ReexecWithBestBlasCore(argv);  // before any matmul (base/blas_core.h)
   if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
     std::cout << loom::serve::kUsage;
     return 0;

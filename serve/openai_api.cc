@@ -1,4 +1,4 @@
-#include "openai_api.h"
+#include "serve/openai_api.h"
 
 #include <cmath>
 #include <random>

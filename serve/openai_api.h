@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine.h"
+#include "data/tokenizer.h"
 #include "loom/sft_plugin.h"
-#include "tokenizer.h"
+#include "serve/engine.h"
 
 namespace loom::serve {
 

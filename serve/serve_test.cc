@@ -11,9 +11,9 @@
 #include <cstdlib>
 #include <thread>
 
-#include "checkpoint_model.h"
-#include "engine.h"
-#include "server.h"
+#include "serve/engine.h"
+#include "serve/server.h"
+#include "worker/trainer/checkpoint_model.h"
 
 namespace loom::serve {
 namespace {

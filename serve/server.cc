@@ -1,4 +1,4 @@
-#include "server.h"
+#include "serve/server.h"
 
 #include <algorithm>
 #include <chrono>

@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint_model.h"
-#include "engine.h"
-#include "http_server.h"
-#include "openai_api.h"
-#include "prometheus.h"
+#include "coordinator/http_server.h"
+#include "metrics/prometheus.h"
+#include "serve/engine.h"
+#include "serve/openai_api.h"
+#include "worker/trainer/checkpoint_model.h"
 
 namespace loom::serve {
 

@@ -1,4 +1,4 @@
-#include "checkpoint.h"
+#include "storage/checkpoint.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "crc32c.h"
+#include "storage/crc32c.h"
 
 namespace loom::storage {
 namespace {

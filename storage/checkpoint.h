@@ -25,7 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "safetensors.h"
+#include "storage/safetensors.h"
 
 namespace loom::storage {
 

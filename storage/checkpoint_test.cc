@@ -1,4 +1,4 @@
-#include "checkpoint.h"
+#include "storage/checkpoint.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "crc32c.h"
+#include "storage/crc32c.h"
 
 namespace loom::storage {
 namespace {

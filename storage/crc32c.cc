@@ -1,4 +1,4 @@
-#include "crc32c.h"
+#include "storage/crc32c.h"
 
 #include <array>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "safetensors.h"
+#include "storage/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace loom::storage {
 namespace {
@@ -103,122 +104,156 @@ int64_t TensorInfo::NumElements() const {
   return n;
 }
 
-absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, std::string source) {
-  auto fail = [&](const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", what));
-  };
+namespace {
+
+// The error messages below name what is wrong; Parse prefixes the source.
+absl::Status Bad(const std::string& what) { return absl::InvalidArgumentError(what); }
+
+// The header's length from the first 8 bytes (little-endian), checked against the file.
+absl::StatusOr<uint64_t> HeaderLength(const std::string& bytes) {
   if (bytes.size() < 8) {
-    return fail(
+    return Bad(
         absl::StrCat("file is ", bytes.size(), " bytes, shorter than the 8-byte header length"));
   }
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[i]);
   if (header_len > kMaxHeaderBytes) {
-    return fail(
+    return Bad(
         absl::StrCat("header length ", header_len, " exceeds the limit of ", kMaxHeaderBytes));
   }
   if (header_len > bytes.size() - 8) {
-    return fail(absl::StrCat("header length ", header_len, " runs past the end of the file (",
-                             bytes.size() - 8, " bytes after the length)"));
+    return Bad(absl::StrCat("header length ", header_len, " runs past the end of the file (",
+                            bytes.size() - 8, " bytes after the length)"));
   }
-  std::string_view header(bytes.data() + 8, header_len);
-  if (header.empty() || header.front() != '{') return fail("header must be a JSON object");
-  auto parsed = ParseStrictJson(header, source);
-  if (!parsed.ok()) return parsed.status();
-  const json& root = *parsed;
-  if (!root.is_object()) return fail("header must be a JSON object");
+  return header_len;
+}
 
-  SafetensorsFile file;
-  file.data_start_ = 8 + header_len;
-  const uint64_t data_size = bytes.size() - file.data_start_;
-
-  for (const auto& [name, entry] : root.items()) {
-    if (name == kMetadataKey) {
-      if (!entry.is_object()) return fail("__metadata__ must be an object of strings");
-      for (const auto& [k, v] : entry.items()) {
-        if (!v.is_string()) return fail(absl::StrCat("__metadata__.", k, " must be a string"));
-        file.metadata_[k] = v.get<std::string>();
-      }
-      continue;
+// A shape and its byte count, with overflow checks: a hostile shape must not wrap around to a
+// small span.
+absl::StatusOr<unsigned __int128> ReadShape(const json& shape, const std::string& where,
+                                            TensorInfo* info) {
+  if (!shape.is_array()) return Bad(absl::StrCat(where, ": shape must be an array"));
+  if (shape.size() > 64) return Bad(absl::StrCat(where, ": shape has more than 64 dimensions"));
+  unsigned __int128 nbytes = DTypeSize(info->dtype);
+  for (const json& dim : shape) {
+    auto d = ReadUnsigned(dim, absl::StrCat(where, ": shape entries"));
+    if (!d.ok()) return Bad(std::string(d.status().message()));
+    if (*d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return Bad(absl::StrCat(where, ": shape entry ", *d, " is too large"));
     }
-    const std::string where = absl::StrCat("tensor '", name, "'");
-    if (!entry.is_object()) return fail(absl::StrCat(where, " must be an object"));
-    for (const auto& [k, v] : entry.items()) {
-      if (k != "dtype" && k != "shape" && k != "data_offsets") {
-        return fail(absl::StrCat(where, " has unknown field '", k, "'"));
-      }
+    info->shape.push_back(static_cast<int64_t>(*d));
+    nbytes *= *d;
+    if (nbytes > std::numeric_limits<uint64_t>::max()) {
+      return Bad(absl::StrCat(where, ": shape describes more bytes than can exist"));
     }
-    if (!entry.contains("dtype") || !entry.contains("shape") || !entry.contains("data_offsets")) {
-      return fail(absl::StrCat(where, " needs dtype, shape and data_offsets"));
-    }
-    TensorInfo info;
-    info.name = name;
-    if (!entry["dtype"].is_string()) return fail(absl::StrCat(where, ": dtype must be a string"));
-    auto dtype = ParseDType(entry["dtype"].get<std::string>());
-    if (!dtype.ok()) return fail(absl::StrCat(where, ": ", dtype.status().message()));
-    info.dtype = *dtype;
-
-    const json& shape = entry["shape"];
-    if (!shape.is_array()) return fail(absl::StrCat(where, ": shape must be an array"));
-    if (shape.size() > 64) return fail(absl::StrCat(where, ": shape has more than 64 dimensions"));
-    // Byte count with overflow checks: a hostile shape must not wrap around to a small span.
-    unsigned __int128 nbytes = DTypeSize(info.dtype);
-    for (const json& dim : shape) {
-      auto d = ReadUnsigned(dim, absl::StrCat(where, ": shape entries"));
-      if (!d.ok()) return fail(std::string(d.status().message()));
-      if (*d > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        return fail(absl::StrCat(where, ": shape entry ", *d, " is too large"));
-      }
-      info.shape.push_back(static_cast<int64_t>(*d));
-      nbytes *= *d;
-      if (nbytes > std::numeric_limits<uint64_t>::max()) {
-        return fail(absl::StrCat(where, ": shape describes more bytes than can exist"));
-      }
-    }
-
-    const json& offsets = entry["data_offsets"];
-    if (!offsets.is_array() || offsets.size() != 2) {
-      return fail(absl::StrCat(where, ": data_offsets must be [begin, end]"));
-    }
-    auto begin = ReadUnsigned(offsets[0], absl::StrCat(where, ": data_offsets"));
-    auto end = ReadUnsigned(offsets[1], absl::StrCat(where, ": data_offsets"));
-    if (!begin.ok()) return fail(std::string(begin.status().message()));
-    if (!end.ok()) return fail(std::string(end.status().message()));
-    if (*begin > *end) {
-      return fail(absl::StrCat(where, ": data_offsets begin ", *begin, " > end ", *end));
-    }
-    if (*end > data_size) {
-      return fail(absl::StrCat(where, ": data_offsets end ", *end, " is past the data section of ",
-                               data_size, " bytes"));
-    }
-    if (static_cast<unsigned __int128>(*end - *begin) != nbytes) {
-      return fail(absl::StrCat(where, ": shape needs ", static_cast<uint64_t>(nbytes),
-                               " bytes but data_offsets span ", *end - *begin));
-    }
-    info.begin = *begin;
-    info.end = *end;
-    file.tensors_.push_back(std::move(info));
   }
+  return nbytes;
+}
 
-  std::sort(file.tensors_.begin(), file.tensors_.end(),
-            [](const TensorInfo& a, const TensorInfo& b) {
-              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-            });
+// data_offsets [begin, end] within the data section, spanning exactly the shape's bytes.
+absl::Status ReadOffsets(const json& offsets, const std::string& where, uint64_t data_size,
+                         unsigned __int128 nbytes, TensorInfo* info) {
+  if (!offsets.is_array() || offsets.size() != 2) {
+    return Bad(absl::StrCat(where, ": data_offsets must be [begin, end]"));
+  }
+  auto begin = ReadUnsigned(offsets[0], absl::StrCat(where, ": data_offsets"));
+  auto end = ReadUnsigned(offsets[1], absl::StrCat(where, ": data_offsets"));
+  if (!begin.ok()) return Bad(std::string(begin.status().message()));
+  if (!end.ok()) return Bad(std::string(end.status().message()));
+  if (*begin > *end) {
+    return Bad(absl::StrCat(where, ": data_offsets begin ", *begin, " > end ", *end));
+  }
+  if (*end > data_size) {
+    return Bad(absl::StrCat(where, ": data_offsets end ", *end, " is past the data section of ",
+                            data_size, " bytes"));
+  }
+  if (static_cast<unsigned __int128>(*end - *begin) != nbytes) {
+    return Bad(absl::StrCat(where, ": shape needs ", static_cast<uint64_t>(nbytes),
+                            " bytes but data_offsets span ", *end - *begin));
+  }
+  info->begin = *begin;
+  info->end = *end;
+  return absl::OkStatus();
+}
+
+// One tensor's header entry: exactly dtype, shape and data_offsets.
+absl::StatusOr<TensorInfo> ReadTensorEntry(const std::string& name, const json& entry,
+                                           uint64_t data_size) {
+  const std::string where = absl::StrCat("tensor '", name, "'");
+  if (!entry.is_object()) return Bad(absl::StrCat(where, " must be an object"));
+  for (const auto& [k, v] : entry.items()) {
+    if (k != "dtype" && k != "shape" && k != "data_offsets") {
+      return Bad(absl::StrCat(where, " has unknown field '", k, "'"));
+    }
+  }
+  if (!entry.contains("dtype") || !entry.contains("shape") || !entry.contains("data_offsets")) {
+    return Bad(absl::StrCat(where, " needs dtype, shape and data_offsets"));
+  }
+  TensorInfo info;
+  info.name = name;
+  if (!entry["dtype"].is_string()) return Bad(absl::StrCat(where, ": dtype must be a string"));
+  auto dtype = ParseDType(entry["dtype"].get<std::string>());
+  if (!dtype.ok()) return Bad(absl::StrCat(where, ": ", dtype.status().message()));
+  info.dtype = *dtype;
+  LOOM_ASSIGN_OR_RETURN(const unsigned __int128 nbytes, ReadShape(entry["shape"], where, &info));
+  LOOM_RETURN_IF_ERROR(ReadOffsets(entry["data_offsets"], where, data_size, nbytes, &info));
+  return info;
+}
+
+// Sorted by offset, the tensors must tile the data section: no overlap, gap or trailing bytes.
+absl::Status CheckTiling(std::vector<TensorInfo>& tensors, uint64_t data_size) {
+  std::sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
   uint64_t cursor = 0;
   const TensorInfo* previous = nullptr;
-  for (const TensorInfo& t : file.tensors_) {
+  for (const TensorInfo& t : tensors) {
     if (t.begin < cursor) {
-      return fail(absl::StrCat("tensor '", t.name, "' overlaps tensor '", previous->name, "'"));
+      return Bad(absl::StrCat("tensor '", t.name, "' overlaps tensor '", previous->name, "'"));
     }
     if (t.begin > cursor) {
-      return fail(absl::StrCat("gap of ", t.begin - cursor, " bytes before tensor '", t.name, "'"));
+      return Bad(absl::StrCat("gap of ", t.begin - cursor, " bytes before tensor '", t.name, "'"));
     }
     cursor = t.end;
     previous = &t;
   }
   if (cursor != data_size) {
-    return fail(absl::StrCat(data_size - cursor, " trailing bytes after the last tensor"));
+    return Bad(absl::StrCat(data_size - cursor, " trailing bytes after the last tensor"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, std::string source) {
+  auto fail = [&](const absl::Status& s) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", s.message()));
+  };
+  const absl::StatusOr<uint64_t> header_len = HeaderLength(bytes);
+  if (!header_len.ok()) return fail(header_len.status());
+  std::string_view header(bytes.data() + 8, *header_len);
+  if (header.empty() || header.front() != '{') return fail(Bad("header must be a JSON object"));
+  auto parsed = ParseStrictJson(header, source);
+  if (!parsed.ok()) return parsed.status();
+  const json& root = *parsed;
+  if (!root.is_object()) return fail(Bad("header must be a JSON object"));
+  SafetensorsFile file;
+  file.data_start_ = 8 + *header_len;
+  const uint64_t data_size = bytes.size() - file.data_start_;
+  for (const auto& [name, entry] : root.items()) {
+    if (name != kMetadataKey) {
+      absl::StatusOr<TensorInfo> info = ReadTensorEntry(name, entry, data_size);
+      if (!info.ok()) return fail(info.status());
+      file.tensors_.push_back(*std::move(info));
+      continue;
+    }
+    if (!entry.is_object()) return fail(Bad("__metadata__ must be an object of strings"));
+    for (const auto& [k, v] : entry.items()) {
+      if (!v.is_string()) return fail(Bad(absl::StrCat("__metadata__.", k, " must be a string")));
+      file.metadata_[k] = v.get<std::string>();
+    }
+  }
+  if (absl::Status s = CheckTiling(file.tensors_, data_size); !s.ok()) return fail(s);
   file.bytes_ = std::move(bytes);
   return file;
 }

@@ -1,4 +1,4 @@
-#include "safetensors.h"
+#include "storage/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

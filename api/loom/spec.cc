@@ -14,7 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "loom/status_macros.h"
+#include "base/status_macros.h"
 
 namespace loom {
 namespace {

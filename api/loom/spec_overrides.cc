@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/types/span.h"
-#include "loom/status_macros.h"
+#include "base/status_macros.h"
 
 namespace loom {
 namespace {

@@ -23,16 +23,16 @@
 #include <string>
 #include <vector>
 
-#include "attention_common.h"
-#include "iha_core.h"
-#include "iha_cuda.h"
-#include "iha_fused.h"
 #include "loom/torch_compat.h"
+#include "plugins/attention/common/attention_common.h"
+#include "plugins/attention/iha/cuda/iha_cuda.h"
+#include "plugins/attention/iha/iha_core.h"
+#include "plugins/attention/iha/iha_fused.h"
 
 #ifdef LOOM_TORCH_HAS_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
-#include "loom/blas_core.h"
+#include "base/blas_core.h"
 
 namespace {
 
@@ -537,7 +537,7 @@ void AttentionBench::IhaRows() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
+  loom::ReexecWithBestBlasCore(argv);  // before any matmul (base/blas_core.h)
   int exit_code = 0;
   const std::optional<Flags> flags = ParseFlags(argc, argv, &exit_code);
   if (!flags) return exit_code;

@@ -1,10 +1,10 @@
-// OpenBLAS kernel choice (api/loom/blas_core.h): the replacement table, and end to end on this
+// OpenBLAS kernel choice (base/blas_core.h): the replacement table, and end to end on this
 // machine: a Loom program started without OPENBLAS_CORETYPE must end up on kernels at least as
 // wide as the CPU's AVX2/AVX-512 (OpenBLAS reports its choice with OPENBLAS_VERBOSE=2). And the
 // threading flavour (cmake/LoomTorch.cmake): with Debian's LibTorch and libopenblas0-openmp
 // installed, Loom's programs run the OpenMP build, whose threads are LibTorch's (it reads
 // omp_get_max_threads(), which torch::set_num_threads sets, at every call).
-#include "loom/blas_core.h"
+#include "base/blas_core.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

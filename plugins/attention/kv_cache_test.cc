@@ -8,11 +8,11 @@
 #include <functional>
 #include <memory>
 
-#include "attention_test_util.h"
-#include "diff_attention.h"
-#include "iha_attention.h"
-#include "mha_attention.h"
-#include "talking_heads_attention.h"
+#include "plugins/attention/common/attention_test_util.h"
+#include "plugins/attention/diff/diff_attention.h"
+#include "plugins/attention/iha/iha_attention.h"
+#include "plugins/attention/mha/mha_attention.h"
+#include "plugins/attention/talking_heads/talking_heads_attention.h"
 
 namespace loom::attention {
 namespace {

@@ -1,4 +1,4 @@
-#include "agent.h"
+#include "worker/agent/agent.h"
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -19,11 +19,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "loom/exit_codes.h"
 #include "loom/lease_clock.h"
-#include "loom/status_macros.h"
 #include "loom/trainer_events.h"
-#include "train_metrics.h"
+#include "worker/train_metrics/train_metrics.h"
 
 namespace fs = std::filesystem;
 

@@ -16,12 +16,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "gpus.h"
-#include "http_exporter.h"
+#include "client/rest_client.h"
 #include "loom/v1/control.pb.h"
 #include "loom/v1/events.pb.h"
-#include "prometheus.h"
-#include "rest_client.h"
+#include "metrics/http_exporter.h"
+#include "metrics/prometheus.h"
+#include "worker/agent/gpus.h"
 
 namespace loom::agent {
 

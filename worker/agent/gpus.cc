@@ -1,4 +1,4 @@
-#include "gpus.h"
+#include "worker/agent/gpus.h"
 
 #include <dlfcn.h>
 

@@ -11,9 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "agent.h"
-#include "loom/cli_args.h"
-#include "loom/status_macros.h"
+#include "base/cli_args.h"
+#include "base/status_macros.h"
+#include "worker/agent/agent.h"
 
 namespace loom::agent {
 namespace {

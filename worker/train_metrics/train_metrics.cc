@@ -1,4 +1,4 @@
-#include "train_metrics.h"
+#include "worker/train_metrics/train_metrics.h"
 
 namespace loom::worker {
 

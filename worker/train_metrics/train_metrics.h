@@ -5,7 +5,7 @@
 #ifndef LOOM_WORKER_TRAIN_METRICS_TRAIN_METRICS_H_
 #define LOOM_WORKER_TRAIN_METRICS_TRAIN_METRICS_H_
 
-#include "prometheus.h"
+#include "metrics/prometheus.h"
 
 namespace loom::worker {
 

@@ -1,6 +1,6 @@
-#include "activation_checkpoint.h"
+#include "worker/trainer/activation_checkpoint.h"
 
-#include "autocast.h"
+#include "worker/trainer/autocast.h"
 
 namespace loom::trainer {
 namespace {

@@ -1,4 +1,4 @@
-#include "adamw.h"
+#include "worker/trainer/adamw.h"
 
 #include <cmath>
 

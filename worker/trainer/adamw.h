@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "tensor_io.h"
+#include "worker/trainer/tensor_io.h"
 
 namespace loom::trainer {
 

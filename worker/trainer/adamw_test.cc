@@ -1,6 +1,6 @@
 // Loom's AdamW against torch::optim::AdamW (float64, tolerance 1e-12 over 6 steps), decay only on
 // matrices, and state round trips.
-#include "adamw.h"
+#include "worker/trainer/adamw.h"
 
 #include <gtest/gtest.h>
 

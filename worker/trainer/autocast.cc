@@ -1,4 +1,4 @@
-#include "autocast.h"
+#include "worker/trainer/autocast.h"
 
 #include <ATen/autocast_mode.h>
 

@@ -1,4 +1,4 @@
-#include "batch_source.h"
+#include "worker/trainer/batch_source.h"
 
 #include <algorithm>
 #include <map>
@@ -6,10 +6,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "data/token_shards.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
-#include "plugin_factory.h"
-#include "token_shards.h"
+#include "worker/trainer/plugin_factory.h"
 
 namespace loom::trainer {
 namespace {

@@ -18,12 +18,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "chat.h"
-#include "corpus.h"
+#include "data/chat.h"
+#include "data/tasks.h"
+#include "data/tokenizer.h"
 #include "loom/sft_plugin.h"
 #include "loom/v1/job.pb.h"
-#include "tasks.h"
-#include "tokenizer.h"
+#include "worker/trainer/corpus.h"
 
 namespace loom::trainer {
 

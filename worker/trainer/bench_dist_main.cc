@@ -14,10 +14,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "bench_main.h"
+#include "base/status_macros.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
-#include "trainer.h"
+#include "worker/trainer/bench_main.h"
+#include "worker/trainer/trainer.h"
 
 namespace loom::trainer {
 namespace {

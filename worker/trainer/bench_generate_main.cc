@@ -9,11 +9,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "bench_main.h"
-#include "generate.h"
-#include "loom/cli_args.h"
+#include "base/cli_args.h"
+#include "base/status_macros.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
+#include "worker/trainer/bench_main.h"
+#include "worker/trainer/generate.h"
 
 namespace loom::trainer {
 namespace {

@@ -1,5 +1,5 @@
 // main() of the loom-bench-* trainer programs: OpenBLAS's wide kernels first
-// (api/loom/blas_core.h), then the benchmark; a failed Status or an escaping exception is
+// (base/blas_core.h), then the benchmark; a failed Status or an escaping exception is
 // reported as "<program>: <message>" with exit code 1.
 #ifndef LOOM_WORKER_TRAINER_BENCH_MAIN_H_
 #define LOOM_WORKER_TRAINER_BENCH_MAIN_H_
@@ -9,7 +9,7 @@
 #include <iostream>
 
 #include "absl/status/status.h"
-#include "loom/blas_core.h"
+#include "base/blas_core.h"
 
 namespace loom::trainer {
 

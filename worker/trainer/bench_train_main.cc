@@ -18,12 +18,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "bench_main.h"
-#include "loom/cli_args.h"
+#include "base/cli_args.h"
+#include "base/status_macros.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
-#include "op_profile.h"
-#include "trainer.h"
+#include "worker/trainer/bench_main.h"
+#include "worker/trainer/op_profile.h"
+#include "worker/trainer/trainer.h"
 
 namespace loom::trainer {
 namespace {

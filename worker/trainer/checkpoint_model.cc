@@ -1,4 +1,4 @@
-#include "checkpoint_model.h"
+#include "worker/trainer/checkpoint_model.h"
 
 #include <google/protobuf/util/json_util.h>
 
@@ -9,12 +9,12 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "checkpoint.h"
-#include "job_tokenizer.h"
+#include "base/status_macros.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
-#include "plugin_factory.h"
-#include "tensor_io.h"
+#include "storage/checkpoint.h"
+#include "worker/trainer/job_tokenizer.h"
+#include "worker/trainer/plugin_factory.h"
+#include "worker/trainer/tensor_io.h"
 
 namespace loom::trainer {
 namespace {

@@ -12,11 +12,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "data/tokenizer.h"
 #include "loom/sft_plugin.h"
 #include "loom/v1/job.pb.h"
-#include "model.h"
-#include "plugin_loader.h"
-#include "tokenizer.h"
+#include "worker/trainer/model.h"
+#include "worker/trainer/plugin_loader.h"
 
 namespace loom::trainer {
 

@@ -1,4 +1,4 @@
-#include "checkpointer.h"
+#include "worker/trainer/checkpointer.h"
 
 #include <google/protobuf/util/json_util.h>
 
@@ -6,10 +6,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "lease.h"
+#include "base/status_macros.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
-#include "tensor_io.h"
+#include "worker/trainer/lease.h"
+#include "worker/trainer/tensor_io.h"
 
 namespace loom::trainer {
 namespace {

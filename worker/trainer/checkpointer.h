@@ -19,15 +19,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "adamw.h"
-#include "batch_source.h"
-#include "checkpoint.h"
-#include "distributed.h"
-#include "evaluator.h"
 #include "loom/v1/job.pb.h"
-#include "loss_scaler.h"
-#include "model.h"
-#include "step_reporter.h"
+#include "storage/checkpoint.h"
+#include "worker/trainer/adamw.h"
+#include "worker/trainer/batch_source.h"
+#include "worker/trainer/distributed.h"
+#include "worker/trainer/evaluator.h"
+#include "worker/trainer/loss_scaler.h"
+#include "worker/trainer/model.h"
+#include "worker/trainer/step_reporter.h"
 
 namespace loom::trainer {
 

@@ -1,4 +1,4 @@
-#include "corpus.h"
+#include "worker/trainer/corpus.h"
 
 #include <stdexcept>
 

@@ -1,4 +1,4 @@
-#include "devices.h"
+#include "worker/trainer/devices.h"
 
 #include <torch/torch.h>
 
@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 
 #ifdef LOOM_HAVE_CUDA
-#include "cuda/cuda_probe.h"
+#include "worker/trainer/cuda/cuda_probe.h"
 #endif
 
 namespace loom::trainer {

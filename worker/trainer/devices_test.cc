@@ -1,6 +1,6 @@
 // The trainer's choice of GPU from LOCAL_RANK and the visible devices (no GPU needed: the choice
 // is a function of the launcher's environment and the device count).
-#include "devices.h"
+#include "worker/trainer/devices.h"
 
 #include <gtest/gtest.h>
 

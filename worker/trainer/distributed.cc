@@ -1,4 +1,4 @@
-#include "distributed.h"
+#include "worker/trainer/distributed.h"
 
 #include <cstdlib>
 
@@ -12,7 +12,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "nccl_comm.h"
+#include "worker/trainer/nccl_comm.h"
 
 namespace loom::trainer {
 namespace {

@@ -1,4 +1,4 @@
-#include "evaluator.h"
+#include "worker/trainer/evaluator.h"
 
 #include <algorithm>
 #include <vector>

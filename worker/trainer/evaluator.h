@@ -12,8 +12,8 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "batch_source.h"
-#include "model.h"
+#include "worker/trainer/batch_source.h"
+#include "worker/trainer/model.h"
 
 namespace loom::trainer {
 

@@ -1,4 +1,4 @@
-#include "generate.h"
+#include "worker/trainer/generate.h"
 
 #include <algorithm>
 #include <chrono>
@@ -7,7 +7,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "loom/status_macros.h"
+#include "base/status_macros.h"
 
 namespace loom::trainer {
 namespace {

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "model.h"
+#include "worker/trainer/model.h"
 
 namespace loom::trainer {
 

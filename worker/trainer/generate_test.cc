@@ -2,7 +2,7 @@
 // prefix for every attention plugin (float64, 1e-10), greedy generation equals a naive argmax
 // loop over full forwards, sampled sequences do not depend on their batch, stops and limits, and
 // Pass@1 / Maj@k scoring with ties and unanswerable samples.
-#include "generate.h"
+#include "worker/trainer/generate.h"
 
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
@@ -11,8 +11,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "plugin_factory.h"
-#include "reasoning_eval.h"
+#include "worker/trainer/plugin_factory.h"
+#include "worker/trainer/reasoning_eval.h"
 
 namespace loom::trainer {
 namespace {

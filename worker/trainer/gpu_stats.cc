@@ -1,4 +1,4 @@
-#include "gpu_stats.h"
+#include "worker/trainer/gpu_stats.h"
 
 #include <cstdio>
 #include <fstream>

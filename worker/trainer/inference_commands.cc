@@ -1,4 +1,4 @@
-#include "inference_commands.h"
+#include "worker/trainer/inference_commands.h"
 
 #include <cmath>
 #include <nlohmann/json.hpp>
@@ -6,10 +6,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "checkpoint_model.h"
-#include "generate.h"
-#include "loom/status_macros.h"
-#include "tensor_io.h"
+#include "base/status_macros.h"
+#include "worker/trainer/checkpoint_model.h"
+#include "worker/trainer/generate.h"
+#include "worker/trainer/tensor_io.h"
 
 namespace loom::trainer {
 namespace {

@@ -8,8 +8,8 @@
 #include <ostream>
 
 #include "absl/status/status.h"
-#include "loom/cli_args.h"
-#include "plugin_loader.h"
+#include "base/cli_args.h"
+#include "worker/trainer/plugin_loader.h"
 
 namespace loom::trainer {
 

@@ -1,10 +1,10 @@
-#include "job_tokenizer.h"
+#include "worker/trainer/job_tokenizer.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "bpe_tokenizer.h"
-#include "loom/status_macros.h"
-#include "token_shards.h"
+#include "base/status_macros.h"
+#include "data/bpe_tokenizer.h"
+#include "data/token_shards.h"
 
 namespace loom::trainer {
 

@@ -9,9 +9,9 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "chat.h"
+#include "data/chat.h"
+#include "data/tokenizer.h"
 #include "loom/v1/job.pb.h"
-#include "tokenizer.h"
 
 namespace loom::trainer {
 

@@ -1,4 +1,4 @@
-#include "lease.h"
+#include "worker/trainer/lease.h"
 
 #include <unistd.h>
 

@@ -1,4 +1,4 @@
-#include "loss_scaler.h"
+#include "worker/trainer/loss_scaler.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,6 @@
 // The loss scaler on real tensors: why it exists (an fp16 gradient of 1e-8 underflows to zero
 // and survives when scaled), exact unscaling, back-off and growth, and its checkpoint state.
-#include "loss_scaler.h"
+#include "worker/trainer/loss_scaler.h"
 
 #include <gtest/gtest.h>
 

@@ -20,23 +20,23 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "checkpoint.h"
-#include "corpus.h"
-#include "devices.h"
-#include "hf_folder.h"
-#include "inference_commands.h"
-#include "lease.h"
-#include "loom/blas_core.h"
-#include "loom/cli_args.h"
+#include "base/blas_core.h"
+#include "base/cli_args.h"
+#include "base/status_macros.h"
+#include "interop/hf_folder.h"
 #include "loom/exit_codes.h"
 #include "loom/spec_overrides.h"
-#include "loom/status_macros.h"
-#include "model.h"
-#include "plugin_factory.h"
-#include "plugin_loader.h"
-#include "tensor_io.h"
-#include "test_hooks.h"
-#include "trainer.h"
+#include "storage/checkpoint.h"
+#include "worker/trainer/corpus.h"
+#include "worker/trainer/devices.h"
+#include "worker/trainer/inference_commands.h"
+#include "worker/trainer/lease.h"
+#include "worker/trainer/model.h"
+#include "worker/trainer/plugin_factory.h"
+#include "worker/trainer/plugin_loader.h"
+#include "worker/trainer/tensor_io.h"
+#include "worker/trainer/test_hooks.h"
+#include "worker/trainer/trainer.h"
 
 namespace loom::trainer {
 namespace {
@@ -484,7 +484,7 @@ absl::Status RunDevices(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   using namespace loom::trainer;
-  loom::ReexecWithBestBlasCore(argv);  // before any matmul (api/loom/blas_core.h)
+  loom::ReexecWithBestBlasCore(argv);  // before any matmul (base/blas_core.h)
   if (argc < 2 || std::string(argv[1]) == "help" || std::string(argv[1]) == "--help") {
     std::cout << kUsage;
     return argc < 2 ? 2 : 0;

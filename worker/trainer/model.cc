@@ -1,12 +1,12 @@
-#include "model.h"
+#include "worker/trainer/model.h"
 
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "activation_checkpoint.h"
+#include "base/status_macros.h"
 #include "loom/spec.h"
-#include "loom/status_macros.h"
-#include "plugin_factory.h"
+#include "worker/trainer/activation_checkpoint.h"
+#include "worker/trainer/plugin_factory.h"
 
 namespace loom::trainer {
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {

@@ -16,7 +16,7 @@
 #include "loom/attention_plugin.h"
 #include "loom/spec.h"
 #include "loom/v1/model.pb.h"
-#include "plugin_loader.h"
+#include "worker/trainer/plugin_loader.h"
 
 namespace loom::trainer {
 

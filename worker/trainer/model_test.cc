@@ -1,4 +1,4 @@
-#include "model.h"
+#include "worker/trainer/model.h"
 
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-#include "nccl_comm.h"
+#include "worker/trainer/nccl_comm.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -8,7 +8,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "devices.h"
+#include "worker/trainer/devices.h"
 
 namespace loom::trainer {
 namespace {

@@ -1,4 +1,4 @@
-#include "op_profile.h"
+#include "worker/trainer/op_profile.h"
 
 #include <ATen/record_function.h>
 

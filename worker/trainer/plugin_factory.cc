@@ -1,10 +1,10 @@
-#include "plugin_factory.h"
+#include "worker/trainer/plugin_factory.h"
 
 #include <cmath>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
-#include "loom/status_macros.h"
+#include "base/status_macros.h"
 
 namespace loom::trainer {
 

@@ -7,11 +7,11 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "chat.h"
+#include "data/chat.h"
 #include "loom/attention_plugin.h"
 #include "loom/sft_plugin.h"
 #include "loom/v1/model.pb.h"
-#include "plugin_loader.h"
+#include "worker/trainer/plugin_loader.h"
 
 namespace loom::trainer {
 

@@ -1,4 +1,4 @@
-#include "plugin_loader.h"
+#include "worker/trainer/plugin_loader.h"
 
 #include <dirent.h>
 #include <dlfcn.h>

@@ -1,13 +1,13 @@
 // The loader against real plugin libraries: the shipped mha/local plugins and six deliberately
 // broken ones (testdata/). Each failure must have its own clear error, and the process (and the
 // loader) must keep working afterwards.
-#include "plugin_loader.h"
+#include "worker/trainer/plugin_loader.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 
-#include "plugin_factory.h"
+#include "worker/trainer/plugin_factory.h"
 
 namespace loom::trainer {
 namespace {

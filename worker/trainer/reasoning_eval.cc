@@ -1,4 +1,4 @@
-#include "reasoning_eval.h"
+#include "worker/trainer/reasoning_eval.h"
 
 #include <algorithm>
 #include <fstream>

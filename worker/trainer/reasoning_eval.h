@@ -10,13 +10,13 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "chat.h"
-#include "generate.h"
+#include "data/chat.h"
+#include "data/tokenizer.h"
 #include "loom/sft_plugin.h"
 #include "loom/v1/events.pb.h"
 #include "loom/v1/job.pb.h"
-#include "model.h"
-#include "tokenizer.h"
+#include "worker/trainer/generate.h"
+#include "worker/trainer/model.h"
 
 namespace loom::trainer {
 

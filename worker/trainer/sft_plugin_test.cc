@@ -6,9 +6,9 @@
 
 #include <cstdlib>
 
-#include "chat.h"
+#include "data/chat.h"
 #include "loom/spec.h"
-#include "plugin_factory.h"
+#include "worker/trainer/plugin_factory.h"
 
 namespace loom::trainer {
 namespace {

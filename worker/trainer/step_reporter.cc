@@ -1,4 +1,4 @@
-#include "step_reporter.h"
+#include "worker/trainer/step_reporter.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "loom/trainer_events.h"
-#include "train_metrics.h"
+#include "worker/train_metrics/train_metrics.h"
 
 namespace loom::trainer {
 namespace {

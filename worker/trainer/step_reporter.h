@@ -13,11 +13,11 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "evaluator.h"
-#include "http_exporter.h"
 #include "loom/v1/events.pb.h"
 #include "loom/v1/job.pb.h"
-#include "prometheus.h"
+#include "metrics/http_exporter.h"
+#include "metrics/prometheus.h"
+#include "worker/trainer/evaluator.h"
 
 namespace loom::trainer {
 

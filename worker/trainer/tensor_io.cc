@@ -1,11 +1,11 @@
-#include "tensor_io.h"
+#include "worker/trainer/tensor_io.h"
 
 #include <cstring>
 #include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "safetensors.h"
+#include "storage/safetensors.h"
 
 namespace loom::trainer {
 namespace {

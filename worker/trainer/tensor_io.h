@@ -11,7 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "safetensors.h"
+#include "storage/safetensors.h"
 
 namespace loom::trainer {
 

@@ -1,4 +1,4 @@
-#include "tensor_io.h"
+#include "worker/trainer/tensor_io.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "test_hooks.h"
+#include "worker/trainer/test_hooks.h"
 
 #include <cstdlib>
 #include <string>

@@ -7,7 +7,7 @@
 #define LOOM_WORKER_TRAINER_TEST_HOOKS_H_
 
 #include "absl/status/statusor.h"
-#include "trainer.h"
+#include "worker/trainer/trainer.h"
 
 namespace loom::trainer {
 

@@ -1,4 +1,4 @@
-#include "trainer.h"
+#include "worker/trainer/trainer.h"
 
 #include <ATen/record_function.h>
 
@@ -13,13 +13,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "autocast.h"
-#include "devices.h"
-#include "gpu_stats.h"
-#include "job_tokenizer.h"
-#include "loom/blas_core.h"
-#include "loom/status_macros.h"
-#include "plugin_factory.h"
+#include "base/blas_core.h"
+#include "base/status_macros.h"
+#include "worker/trainer/autocast.h"
+#include "worker/trainer/devices.h"
+#include "worker/trainer/gpu_stats.h"
+#include "worker/trainer/job_tokenizer.h"
+#include "worker/trainer/plugin_factory.h"
 
 namespace loom::trainer {
 namespace {

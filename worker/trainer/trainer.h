@@ -14,19 +14,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "adamw.h"
-#include "batch_source.h"
-#include "checkpointer.h"
-#include "distributed.h"
-#include "evaluator.h"
+#include "data/tokenizer.h"
 #include "loom/sft_plugin.h"
 #include "loom/v1/job.pb.h"
-#include "loss_scaler.h"
-#include "model.h"
-#include "prometheus.h"
-#include "reasoning_eval.h"
-#include "step_reporter.h"
-#include "tokenizer.h"
+#include "metrics/prometheus.h"
+#include "worker/trainer/adamw.h"
+#include "worker/trainer/batch_source.h"
+#include "worker/trainer/checkpointer.h"
+#include "worker/trainer/distributed.h"
+#include "worker/trainer/evaluator.h"
+#include "worker/trainer/loss_scaler.h"
+#include "worker/trainer/model.h"
+#include "worker/trainer/reasoning_eval.h"
+#include "worker/trainer/step_reporter.h"
 
 namespace loom::trainer {
 

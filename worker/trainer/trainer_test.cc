@@ -1,7 +1,7 @@
 // The trainer in-process: the loss falls, gradient accumulation equals a larger batch, the NaN
 // guard skips and then fails, the schedule is right. Multi-process behaviour (exact resume,
 // kill -9 during a checkpoint, /metrics) is in tests/trainer_e2e_test.py.
-#include "trainer.h"
+#include "worker/trainer/trainer.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -13,10 +13,10 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
-#include "checkpoint.h"
-#include "corpus.h"
 #include "loom/spec.h"
-#include "tensor_io.h"
+#include "storage/checkpoint.h"
+#include "worker/trainer/corpus.h"
+#include "worker/trainer/tensor_io.h"
 
 namespace loom::trainer {
 namespace {

@@ -1,4 +1,4 @@
-#include "attention_common.h"
+#include "plugins/attention/common/attention_common.h"
 
 #include <cerrno>
 #include <cmath>

@@ -1,8 +1,8 @@
-#include "diff_attention.h"
+#include "plugins/attention/diff/diff_attention.h"
 
 #include <cmath>
 
-#include "attention_common.h"
+#include "plugins/attention/common/attention_common.h"
 
 namespace loom::attention {
 

@@ -17,8 +17,8 @@
 
 #include <torch/torch.h>
 
-#include "attention_common.h"
 #include "loom/attention_plugin.h"
+#include "plugins/attention/common/attention_common.h"
 
 namespace loom::attention {
 

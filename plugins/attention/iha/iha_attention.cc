@@ -1,12 +1,12 @@
-#include "iha_attention.h"
+#include "plugins/attention/iha/iha_attention.h"
 
 #include <atomic>
 #include <iostream>
 #include <limits>
 
-#include "attention_common.h"
-#include "iha_cuda.h"
-#include "iha_fused.h"
+#include "plugins/attention/common/attention_common.h"
+#include "plugins/attention/iha/cuda/iha_cuda.h"
+#include "plugins/attention/iha/iha_fused.h"
 
 namespace loom::attention::iha {
 

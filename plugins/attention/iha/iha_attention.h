@@ -15,9 +15,9 @@
 
 #include <torch/torch.h>
 
-#include "attention_common.h"
-#include "iha_core.h"
 #include "loom/attention_plugin.h"
+#include "plugins/attention/common/attention_common.h"
+#include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
 

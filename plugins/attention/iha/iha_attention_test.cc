@@ -2,17 +2,17 @@
 // indices j and heads h, in float64, across mask × window × RoPE phase × P × (H, d). Tolerances:
 // 1e-10 absolute for forward values; 1e-6 absolute between autograd and central finite
 // differences (step 1e-6).
-#include "iha_attention.h"
+#include "plugins/attention/iha/iha_attention.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <vector>
 
-#include "attention_common.h"
-#include "attention_test_util.h"
-#include "iha_core.h"
-#include "mha_attention.h"
+#include "plugins/attention/common/attention_common.h"
+#include "plugins/attention/common/attention_test_util.h"
+#include "plugins/attention/iha/iha_core.h"
+#include "plugins/attention/mha/mha_attention.h"
 
 namespace loom::attention::iha {
 namespace {

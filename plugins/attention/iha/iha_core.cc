@@ -1,9 +1,9 @@
-#include "iha_core.h"
+#include "plugins/attention/iha/iha_core.h"
 
 #include <cmath>
 #include <stdexcept>
 
-#include "attention_common.h"
+#include "plugins/attention/common/attention_common.h"
 
 namespace loom::attention::iha {
 namespace {

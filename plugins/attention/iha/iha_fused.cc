@@ -1,4 +1,4 @@
-#include "iha_fused.h"
+#include "plugins/attention/iha/iha_fused.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -13,9 +13,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention_common.h"
-#include "kernel_autograd.h"
-#include "loom/blas_core.h"
+#include "base/blas_core.h"
+#include "plugins/attention/common/attention_common.h"
+#include "plugins/attention/iha/kernel_autograd.h"
 
 // The Fortran BLAS GEMMs, weak: Debian's LibTorch calls them from libblas (OpenBLAS), so they
 // are in the process whenever LibTorch is; where they are not (LibTorch with a statically linked

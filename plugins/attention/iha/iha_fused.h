@@ -28,7 +28,7 @@
 
 #include <torch/torch.h>
 
-#include "iha_core.h"
+#include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
 

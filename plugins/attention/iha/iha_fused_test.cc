@@ -3,11 +3,11 @@
 // the gradients of q, k, v and the three alpha tensors, across mask × window × RoPE phase × P ×
 // odd N × tile size × score. The output is poisoned with NaN before each run, so an element the
 // kernel forgets to write fails the comparison. Tolerance: 1e-10 absolute (float64).
-#include "iha_fused.h"
+#include "plugins/attention/iha/iha_fused.h"
 
 #include <gtest/gtest.h>
 
-#include "iha_core.h"
+#include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
 namespace {

@@ -7,10 +7,10 @@
 #include <utility>
 #include <vector>
 
-#include "attention_test_util.h"
-#include "iha_attention.h"
-#include "iha_core.h"
-#include "mha_attention.h"
+#include "plugins/attention/common/attention_test_util.h"
+#include "plugins/attention/iha/iha_attention.h"
+#include "plugins/attention/iha/iha_core.h"
+#include "plugins/attention/mha/mha_attention.h"
 
 namespace loom::attention::iha {
 namespace {

@@ -1,6 +1,6 @@
-#include "kernel_autograd.h"
+#include "plugins/attention/iha/kernel_autograd.h"
 
-#include "attention_common.h"
+#include "plugins/attention/common/attention_common.h"
 
 namespace loom::attention::iha {
 

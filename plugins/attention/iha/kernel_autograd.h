@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "iha_core.h"
+#include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
 

@@ -1,9 +1,9 @@
-#include "mha_attention.h"
+#include "plugins/attention/mha/mha_attention.h"
 
 #include <cmath>
 
-#include "attention_common.h"
-#include "iha_fused.h"
+#include "plugins/attention/common/attention_common.h"
+#include "plugins/attention/iha/iha_fused.h"
 
 namespace loom::attention {
 

@@ -2,15 +2,15 @@
 // window, RoPE and encoder properties, on both CPU kernels (fused, the default, and reference),
 // and the two kernels against each other at sizes that span several tiles. Tolerance: 1e-10
 // absolute in float64.
-#include "mha_attention.h"
+#include "plugins/attention/mha/mha_attention.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <vector>
 
-#include "attention_common.h"
-#include "attention_test_util.h"
+#include "plugins/attention/common/attention_common.h"
+#include "plugins/attention/common/attention_test_util.h"
 
 namespace loom::attention {
 namespace {

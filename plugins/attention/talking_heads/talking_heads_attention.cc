@@ -1,9 +1,9 @@
-#include "talking_heads_attention.h"
+#include "plugins/attention/talking_heads/talking_heads_attention.h"
 
 #include <cmath>
 #include <limits>
 
-#include "attention_common.h"
+#include "plugins/attention/common/attention_common.h"
 
 namespace loom::attention {
 

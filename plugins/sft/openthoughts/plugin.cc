@@ -13,7 +13,7 @@
 #include <map>
 #include <string>
 
-#include "chat.h"
+#include "data/chat.h"
 #include "loom/sft_plugin.h"
 #include "loom/torch_compat.h"
 

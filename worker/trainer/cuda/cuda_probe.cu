@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "cuda_probe.h"
+#include "worker/trainer/cuda/cuda_probe.h"
 
 namespace {
 

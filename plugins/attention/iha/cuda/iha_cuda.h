@@ -12,7 +12,7 @@
 #include <string>
 #include <utility>
 
-#include "iha_core.h"
+#include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
 

@@ -24,10 +24,10 @@
 #include <cstring>
 #include <random>
 
-#include "iha_core.h"
-#include "iha_cuda.h"
-#include "iha_cuda_test_util.h"
-#include "iha_cuda_tiles.h"
+#include "plugins/attention/iha/cuda/iha_cuda.h"
+#include "plugins/attention/iha/cuda/iha_cuda_test_util.h"
+#include "plugins/attention/iha/cuda/iha_cuda_tiles.h"
+#include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
 namespace {

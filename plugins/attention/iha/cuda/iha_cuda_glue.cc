@@ -5,11 +5,11 @@
 #include <limits>
 #include <vector>
 
-#include "attention_common.h"
-#include "kernel_autograd.h"
-#include "iha_cuda.h"
-#include "iha_cuda_tiles.h"
 #include "loom/torch_compat.h"
+#include "plugins/attention/common/attention_common.h"
+#include "plugins/attention/iha/cuda/iha_cuda.h"
+#include "plugins/attention/iha/cuda/iha_cuda_tiles.h"
+#include "plugins/attention/iha/kernel_autograd.h"
 
 // LOOM_TORCH_HAS_CUDA: the build system found a LibTorch with CUDA (TORCH_CUDA_LIBRARIES; ATen's
 // own AT_CUDA_ENABLED() is gone from current LibTorch). LOOM_IHA_HAVE_CUDA_KERNELS: the .cu was
@@ -24,7 +24,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "iha_cuda_kernels.h"
+#include "plugins/attention/iha/cuda/iha_cuda_kernels.h"
 #else
 #define LOOM_IHA_CUDA_LAUNCH 0
 #endif

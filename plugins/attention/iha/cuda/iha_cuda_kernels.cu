@@ -7,8 +7,8 @@
 
 #include <string>
 
-#include "iha_cuda_kernels.h"
-#include "iha_cuda_tiles.h"
+#include "plugins/attention/iha/cuda/iha_cuda_kernels.h"
+#include "plugins/attention/iha/cuda/iha_cuda_tiles.h"
 
 namespace loom::attention::iha::cuda {
 namespace {

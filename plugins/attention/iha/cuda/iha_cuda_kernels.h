@@ -7,7 +7,7 @@
 
 #include <string>
 
-#include "iha_cuda_tiles.h"
+#include "plugins/attention/iha/cuda/iha_cuda_tiles.h"
 
 namespace loom::attention::iha::cuda {
 

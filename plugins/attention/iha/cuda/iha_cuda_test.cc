@@ -8,14 +8,14 @@
 // accumulation over up to ~1000 keys); bf16 inputs 5e-2 (outputs and gradients rounded to bf16,
 // 2^-8 relative, and delta = rowsum(dO · O) taken from the rounded output; the reference uses
 // the same bf16-rounded inputs).
-#include "iha_cuda.h"
+#include "plugins/attention/iha/cuda/iha_cuda.h"
 
 #include <gtest/gtest.h>
 
-#include "attention_test_util.h"
-#include "iha_attention.h"
-#include "iha_core.h"
-#include "iha_cuda_test_util.h"
+#include "plugins/attention/common/attention_test_util.h"
+#include "plugins/attention/iha/cuda/iha_cuda_test_util.h"
+#include "plugins/attention/iha/iha_attention.h"
+#include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
 namespace {

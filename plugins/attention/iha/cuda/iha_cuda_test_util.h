@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "iha_core.h"
-#include "iha_cuda.h"
+#include "plugins/attention/iha/cuda/iha_cuda.h"
+#include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
 

@@ -1,7 +1,7 @@
 // Minimal flag parsing for the loom-train subcommands: --name value or --name=value, known
 // flags only, and errors that name the flag.
-#ifndef LOOM_API_CLI_ARGS_H_
-#define LOOM_API_CLI_ARGS_H_
+#ifndef LOOM_BASE_CLI_ARGS_H_
+#define LOOM_BASE_CLI_ARGS_H_
 
 #include <cstdint>
 #include <map>
@@ -48,4 +48,4 @@ class CliArgs {
 
 }  // namespace loom
 
-#endif  // LOOM_API_CLI_ARGS_H_
+#endif  // LOOM_BASE_CLI_ARGS_H_

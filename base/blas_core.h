@@ -10,8 +10,8 @@
 // CPU can run and re-execute the program (same PID, arguments and descriptors). Nothing happens
 // when OPENBLAS_CORETYPE is already set (the user's choice), when LOOM_BLAS_CORE_KEEP is set,
 // or when the BLAS is not OpenBLAS (MKL in the PyTorch wheels).
-#ifndef LOOM_API_BLAS_CORE_H_
-#define LOOM_API_BLAS_CORE_H_
+#ifndef LOOM_BASE_BLAS_CORE_H_
+#define LOOM_BASE_BLAS_CORE_H_
 
 #include <unistd.h>
 
@@ -115,4 +115,4 @@ inline void ReexecWithBestBlasCore(char** argv) {
 
 }  // namespace loom
 
-#endif  // LOOM_API_BLAS_CORE_H_
+#endif  // LOOM_BASE_BLAS_CORE_H_

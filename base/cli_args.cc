@@ -1,4 +1,4 @@
-#include "loom/cli_args.h"
+#include "base/cli_args.h"
 
 #include <cerrno>
 #include <cmath>

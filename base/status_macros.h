@@ -1,7 +1,7 @@
 // absl::Status helpers. Debian's Abseil (20220623) ships no status macros, so Loom defines the
 // two it needs once, here.
-#ifndef LOOM_API_STATUS_MACROS_H_
-#define LOOM_API_STATUS_MACROS_H_
+#ifndef LOOM_BASE_STATUS_MACROS_H_
+#define LOOM_BASE_STATUS_MACROS_H_
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,4 +23,4 @@
   if (!statusor.ok()) return statusor.status();         \
   lhs = std::move(statusor).value()
 
-#endif  // LOOM_API_STATUS_MACROS_H_
+#endif  // LOOM_BASE_STATUS_MACROS_H_
