@@ -9,18 +9,13 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "loom/proto_json.h"
 #include "loom/spec.h"
 
 namespace loom::client {
 
 std::string MessageToJson(const google::protobuf::Message& m, bool pretty, bool with_defaults) {
-  google::protobuf::util::JsonPrintOptions options;
-  options.preserve_proto_field_names = true;
-  options.add_whitespace = pretty;
-  options.always_print_primitive_fields = with_defaults;
-  std::string json;
-  (void)google::protobuf::util::MessageToJsonString(m, &json, options);
-  return json;
+  return MessageToJsonText(m, pretty, with_defaults);
 }
 
 std::string ErrorMessage(const std::string& body) {

@@ -12,6 +12,7 @@
 #include "base/status_macros.h"
 #include "coordinator/states.h"
 #include "coordinator/stats.h"
+#include "loom/proto_json.h"
 #include "loom/spec.h"
 
 namespace loom::coordinator {
@@ -187,11 +188,7 @@ absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
 
 absl::StatusOr<v1::JobSpec> ApplyCell(const v1::JobSpec& base, const SweepCell& cell,
                                       uint64_t seed) {
-  google::protobuf::util::JsonPrintOptions print;
-  print.preserve_proto_field_names = true;
-  std::string text;
-  (void)google::protobuf::util::MessageToJsonString(base, &text, print);
-  nlohmann::json json = nlohmann::json::parse(text, nullptr, false);
+  nlohmann::json json = nlohmann::json::parse(MessageToJsonText(base), nullptr, false);
   if (json.is_discarded()) return absl::InternalError("base spec does not print as JSON");
   for (const auto& [path, value] : cell.set) {
     nlohmann::json v = nlohmann::json::parse(ValueText(value), nullptr, false);

@@ -1,7 +1,6 @@
 // loom-train import-hf: a Hugging Face Llama, Mistral or Loom-IHA folder as a weights-only Loom
 // checkpoint (hf_folder.h). Every field and tensor of the folder is treated as hostile input:
 // bounded sizes, plain shard file names, every tensor mapped and shaped as the config says.
-#include <google/protobuf/util/json_util.h>
 
 #include <cstring>
 #include <filesystem>
@@ -15,6 +14,7 @@
 #include "base/status_macros.h"
 #include "interop/hf_folder.h"
 #include "interop/hf_model.h"
+#include "loom/proto_json.h"
 #include "loom/spec.h"
 #include "storage/checkpoint.h"
 #include "storage/safetensors.h"
@@ -324,12 +324,7 @@ absl::StatusOr<std::map<std::string, ImportedTensor>> MapTensors(
 }
 
 absl::Status WriteModelJson(const fs::path& path, const v1::ModelConfig& m) {
-  std::string json;
-  google::protobuf::util::JsonPrintOptions print;
-  print.preserve_proto_field_names = true;
-  print.add_whitespace = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &json, print);
-  return storage::WriteFileAtomically(path.string(), json);
+  return storage::WriteFileAtomically(path.string(), MessageToJsonText(m, /*pretty=*/true));
 }
 
 absl::StatusOr<std::string> CommitCheckpoint(const ImportOptions& options, const v1::ModelConfig& m,
@@ -353,13 +348,9 @@ absl::StatusOr<std::string> CommitCheckpoint(const ImportOptions& options, const
   }
   v1::JobSpec spec;
   *spec.mutable_model() = m;
-  std::string spec_json;
-  google::protobuf::util::JsonPrintOptions print;
-  print.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(spec, &spec_json, print);
   storage::Manifest manifest;
   manifest.kind = "import";
-  manifest.state = {{"spec", spec_json},
+  manifest.state = {{"spec", MessageToJsonText(spec)},
                     {"imported_from", fs::absolute(options.in_dir).string()},
                     {"imported_architecture", arch},
                     {"rope_pairing", options.rope_pairing}};

@@ -1,12 +1,11 @@
 #include "worker/trainer/checkpointer.h"
 
-#include <google/protobuf/util/json_util.h>
-
 #include <filesystem>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "loom/proto_json.h"
 #include "loom/spec.h"
 #include "worker/trainer/lease.h"
 #include "worker/trainer/tensor_io.h"
@@ -20,14 +19,6 @@ using Clock = std::chrono::steady_clock;
 constexpr char kModelPrefix[] = "model.";
 constexpr char kOptimPrefix[] = "optim.";
 constexpr char kTorchRng[] = "rng.torch_cpu";
-
-std::string SpecJson(const v1::JobSpec& spec) {
-  std::string json;
-  google::protobuf::util::JsonPrintOptions print;
-  print.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(spec, &json, print);
-  return json;
-}
 
 // The shards' tensors merged by name and split into the model's and AdamW's (prefixes dropped).
 // Parameters live in shard 0, moments in the shard of the rank that owned them.
@@ -249,7 +240,7 @@ storage::Manifest Checkpointer::ManifestNow() const {
                     {"nan.consecutive", std::to_string(p.consecutive_nan)},
                     {"model_hash", model_hash_},
                     {"zero_stage", options_.zero ? "1" : "0"},
-                    {"spec", SpecJson(spec_)}};
+                    {"spec", MessageToJsonText(spec_)}};
   if (state_.early_stop != nullptr) manifest.state["split.early_stop"] = state_.early_stop->State();
   if (state_.loss_scaler != nullptr) manifest.state["loss_scale"] = state_.loss_scaler->State();
   return manifest;

@@ -5,7 +5,6 @@
 //   export-hf | import-hf      Hugging Face model folders (interop/hf_folder.h)
 //   plugins    list the plugins found on the search path, and those that failed to load
 //   devices    report CPU threads and CUDA devices
-#include <google/protobuf/util/json_util.h>
 #include <signal.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -25,6 +24,7 @@
 #include "base/status_macros.h"
 #include "interop/hf_folder.h"
 #include "loom/exit_codes.h"
+#include "loom/proto_json.h"
 #include "loom/spec_overrides.h"
 #include "storage/checkpoint.h"
 #include "worker/trainer/corpus.h"
@@ -217,12 +217,7 @@ absl::Status RunTrain(int argc, char** argv) {
                                                      {"print-spec", "no-retention"}, {"set"}));
   LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, JobFromArgs(args));
   if (args.Has("print-spec")) {
-    std::string json;
-    google::protobuf::util::JsonPrintOptions print;
-    print.add_whitespace = true;
-    print.preserve_proto_field_names = true;
-    (void)google::protobuf::util::MessageToJsonString(spec, &json, print);
-    std::cout << json;
+    std::cout << MessageToJsonText(spec, /*pretty=*/true);
     return absl::OkStatus();
   }
   TrainerOptions options;
