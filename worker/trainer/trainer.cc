@@ -67,13 +67,13 @@ absl::Status Trainer::Setup(const PluginLoader& loader) {
     LOOM_ASSIGN_OR_RETURN(data_, BuildTrainingData(spec_, tokenizer_.get(), objective_.get(), log));
   }
   forward_flops_per_token_ = model_->ForwardFlopsPerToken(spec_.seq_len());
-  tokens_per_step_ =
-      spec_.micro_batch() * spec_.grad_accum() * spec_.seq_len() * comm_->world_size();
   // data.splits: an epoch is one pass's worth of steps over the train split (every rank draws
   // from the same global order, so world_size ranks together take micro_batch x world_size).
-  const int64_t examples_per_step = spec_.micro_batch() * spec_.grad_accum() * comm_->world_size();
+  examples_per_step_ = spec_.micro_batch() * spec_.grad_accum() * comm_->world_size();
+  tokens_per_step_ = examples_per_step_ * spec_.seq_len();
   if (splits()) {
-    steps_per_epoch_ = (spec_.data().splits().train() + examples_per_step - 1) / examples_per_step;
+    steps_per_epoch_ =
+        (spec_.data().splits().train() + examples_per_step_ - 1) / examples_per_step_;
   }
   evaluator_ = std::make_unique<Evaluator>(
       model_.get(), [this](const TrainBatch& b) { return Forward(b); }, spec_.micro_batch(),
@@ -265,8 +265,8 @@ void Trainer::LogRunStart() const {
   if (!splits()) return;
   LogLine(absl::StrFormat(
       "splits: %d train examples, %d per step: %d steps per epoch, at most %d epochs; patience %d",
-      spec_.data().splits().train(), spec_.micro_batch() * spec_.grad_accum() * comm_->world_size(),
-      steps_per_epoch_, EpochOf(spec_.steps()), spec_.eval().patience()));
+      spec_.data().splits().train(), examples_per_step_, steps_per_epoch_, EpochOf(spec_.steps()),
+      spec_.eval().patience()));
 }
 
 // One optimizer step: forward and backward over grad_accum micro-batches, gradients reduced

@@ -169,7 +169,7 @@ class Trainer {
   EarlyStopping early_;  // data.splits
   TrainProgress progress_;
   double forward_flops_per_token_ = 0;
-  int64_t tokens_per_step_ = 0, steps_per_epoch_ = 0;
+  int64_t examples_per_step_ = 0, tokens_per_step_ = 0, steps_per_epoch_ = 0;
   int64_t first_step_ = 0, last_eval_step_ = -1;
   bool stop_early_ = false;
 };
