@@ -272,10 +272,12 @@ class Cli {
         if (!e.details().empty()) std::cout << "    samples: " << e.details() << "\n";
         continue;
       }
+      const std::string kind = e.kind() == "length" ? absl::StrCat("length ", e.length(), " ")
+                               : e.kind().empty() || e.kind() == "heldout" ? ""
+                                                                           : e.kind() + " ";
       std::cout << absl::StrFormat(
-          "  %seval at step %d: loss %.4f  accuracy %.3f  exact match %.3f\n",
-          e.kind().empty() || e.kind() == "heldout" ? "" : e.kind() + " ", e.step(), e.eval_loss(),
-          e.accuracy(), e.exact_match());
+          "  %seval at step %d: loss %.4f  accuracy %.3f  exact match %.3f\n", kind, e.step(),
+          e.eval_loss(), e.accuracy(), e.exact_match());
     }
     if (!job.checkpoints().empty()) {
       std::cout << "  checkpoints: " << absl::StrJoin(job.checkpoints(), ", ") << "\n";
@@ -912,11 +914,13 @@ void AddSweepCommands(CommandLine& line, Commands& c) {
   for (CLI::App* cmd : {status, cancel, report}) {
     cmd->add_option("sweep", c.sweep_arg, "sweep id")->required();
   }
-  C::Flags(report,
-           {{"format", "FORMAT", "table | json | yaml | csv (default: table, or -o)"},
-            {"plot", "PNG", "also write metric vs step per cell (PNG)"},
-            {"metric", "METRIC", "eval_loss | accuracy | exact_match (default: the sweep's)"},
-            {"select", "SELECTION", "final | best | test (default: the sweep's)"}});
+  C::Flags(
+      report,
+      {{"format", "FORMAT", "table | json | yaml | csv (default: table, or -o)"},
+       {"plot", "PNG", "also write metric vs step per cell (PNG)"},
+       {"metric", "METRIC", "eval_loss | accuracy | exact_match (default: the sweep's)"},
+       {"select", "SELECTION", "final | best | test (default: the sweep's)"},
+       {"length", "N", "the end-of-run evaluation at this eval.lengths length (0: training)"}});
   C::Switch(report, "-f,--follow", "");  // accepted for symmetry with submit; no effect
 }
 

@@ -46,8 +46,10 @@ std::string Counts(const v1::Sweep& s) {
 }
 
 void PrintReportTable(const v1::SweepReport& r) {
-  std::cout << absl::StrFormat("sweep %s: %s (%s), 95%% intervals%s\n", r.sweep_id(), r.metric(),
-                               r.select(), r.complete() ? "" : "  [partial: jobs still running]");
+  const std::string at = r.length() > 0 ? absl::StrCat(", at length ", r.length()) : "";
+  std::cout << absl::StrFormat("sweep %s: %s (%s%s), 95%% intervals%s\n", r.sweep_id(), r.metric(),
+                               r.select(), at,
+                               r.complete() ? "" : "  [partial: jobs still running]");
   std::cout << absl::StrFormat("%-40s %3s %10s %10s %23s %7s\n", "cell", "n", "mean", "sd",
                                "95% CI (t)", "pending");
   for (const auto& c : r.cells()) {
@@ -145,13 +147,13 @@ absl::Status Report(client::RestClient& client, const std::string& id, const Cli
                     Output output) {
   v1::SweepReport r;
   std::string query;
-  for (const char* name : {"metric", "select"}) {
+  for (const char* name : {"metric", "select", "length"}) {
     if (!args.Has(name)) continue;
     const std::string value = args.Get(name);
     for (char ch : value) {  // the coordinator names the valid values; keep the URL plain
       if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_') {
         return absl::InvalidArgumentError(
-            absl::StrCat("--", name, ": '", value, "' is not a metric or selection name"));
+            absl::StrCat("--", name, ": '", value, "' is not a metric, selection or length"));
       }
     }
     absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=", value);

@@ -669,9 +669,10 @@ absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const 
 
 absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
                                                          const std::string& metric,
-                                                         const std::string& select) {
+                                                         const std::string& select,
+                                                         std::optional<int64_t> length) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
-  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(metric, select));
+  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(metric, select, length.value_or(0)));
   v1::Sweep sweep;
   std::map<std::string, v1::Job> jobs;
   {
@@ -687,6 +688,10 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
   // A report of another metric or selection than the sweep's own: the same jobs, read again.
   if (!metric.empty()) sweep.mutable_spec()->set_metric(metric);
   if (!select.empty()) sweep.mutable_spec()->set_select(select);
+  if (length.has_value()) sweep.mutable_spec()->set_length(*length);
+  if (sweep.spec().length() > 0 && sweep.spec().select() == "test") {
+    return FieldError("length", "is an end-of-run evaluation: select final or best, not test");
+  }
   return BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
 }
 
@@ -1363,7 +1368,8 @@ void Coordinator::RecordEvals(Txn& txn, v1::Job& job, const v1::AttemptReport& r
   for (const auto& ev : r.evals()) {
     bool seen = false;
     for (const auto& have : job.evals()) {
-      seen |= have.step() == ev.step() && have.attempt() == r.attempt() && have.kind() == ev.kind();
+      seen |= have.step() == ev.step() && have.attempt() == r.attempt() &&
+              have.kind() == ev.kind() && have.length() == ev.length();
     }
     if (!seen) {
       *job.add_evals() = ev;

@@ -511,8 +511,14 @@ void CreateSweep(Coordinator* c, const std::string& user, Req req, HttpResponse&
 }
 
 void ReportSweep(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-  if (!CheckParams(req, res, {"metric", "select"})) return;
-  Reply(res, c->ReportSweep(req.matches[0], req.Param("metric"), req.Param("select")));
+  int64_t length = 0;
+  if (!CheckParams(req, res, {"metric", "select", "length"}) ||
+      !IntParam(req, res, "length", 0, 0, int64_t{1} << 40, &length)) {
+    return;
+  }
+  Reply(res,
+        c->ReportSweep(req.matches[0], req.Param("metric"), req.Param("select"),
+                       req.HasParam("length") ? std::optional<int64_t>(length) : std::nullopt));
 }
 
 // GET .../{id}: no query parameters; the answer is the resource.

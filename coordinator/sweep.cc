@@ -89,16 +89,17 @@ double MetricOf(const v1::EvalResult& e, const std::string& metric) {
 
 // The evaluation a job's value comes from: its last held-out one (validation evaluations of
 // data.splits jobs count as held-out), the one with the lowest eval loss (best by validation),
-// or for `test` its last test evaluation (the test split at the best validation epoch). Null
-// when it has none.
-const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select) {
+// or for `test` its last test evaluation (the test split at the best validation epoch). With a
+// length, only the end-of-run evaluations at that eval.lengths length count. Null when it has
+// none.
+const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select, int64_t length) {
   const v1::EvalResult* chosen = nullptr;
   for (const auto& e : job.evals()) {
-    if (select == "test"
-            ? e.kind() != "test"
-            : !(e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation")) {
-      continue;
-    }
+    const bool wanted = length > 0 ? e.kind() == "length" && e.length() == length
+                        : select == "test"
+                            ? e.kind() == "test"
+                            : e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation";
+    if (!wanted) continue;
     if (chosen == nullptr ||
         (select == "best" ? e.eval_loss() < chosen->eval_loss() : e.step() >= chosen->step())) {
       chosen = &e;
@@ -109,12 +110,17 @@ const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select) 
 
 }  // namespace
 
-absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& select) {
+absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& select,
+                                  int64_t length) {
   if (!metric.empty() && metric != "eval_loss" && metric != "accuracy" && metric != "exact_match") {
     return FieldError("metric", "eval_loss | accuracy | exact_match");
   }
   if (!select.empty() && select != "final" && select != "best" && select != "test") {
     return FieldError("select", "final | best | test");
+  }
+  if (length < 0) return FieldError("length", "must be >= 0 (0 = the training length)");
+  if (length > 0 && select == "test") {
+    return FieldError("length", "is an end-of-run evaluation: select final or best, not test");
   }
   return absl::OkStatus();
 }
@@ -126,7 +132,7 @@ absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
   if (seeds.size() != static_cast<size_t>(spec.seeds_size())) {
     return FieldError("seeds", "each seed at most once");
   }
-  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(spec.metric(), spec.select()));
+  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(spec.metric(), spec.select(), spec.length()));
   // The grid's combinations: paths sorted (a protobuf map iterates in no fixed order), values in
   // their order.
   const std::map<std::string, google::protobuf::ListValue> sorted_grid(spec.grid().begin(),
@@ -211,6 +217,7 @@ v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
   report.set_sweep_id(sweep.id());
   report.set_metric(spec.metric().empty() ? "eval_loss" : spec.metric());
   report.set_select(spec.select().empty() ? "final" : spec.select());
+  report.set_length(spec.length());
   report.set_baseline(spec.baseline().empty() && !sweep.cells().empty() ? sweep.cells(0)
                                                                         : spec.baseline());
   report.set_complete(true);
@@ -229,7 +236,8 @@ v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
         continue;
       }
       const bool succeeded = state == JobState::kSucceeded;
-      const v1::EvalResult* e = succeeded ? ChosenEval(it->second, report.select()) : nullptr;
+      const v1::EvalResult* e =
+          succeeded ? ChosenEval(it->second, report.select(), report.length()) : nullptr;
       if (e == nullptr) {
         if (!succeeded) {
           cell->set_pending(cell->pending() + 1);

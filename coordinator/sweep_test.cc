@@ -182,5 +182,52 @@ TEST(SweepTest, SelectTestTakesTheTestMetricAtTheBestValidationEpoch) {
   EXPECT_DOUBLE_EQ(value("best"), 0.50);
 }
 
+// eval.lengths jobs end with one evaluation per extra length (kind "length"): a plain report
+// never reads them (they come last, at the final step), a report with a length reads only its
+// own, and a length cannot be combined with select test.
+TEST(SweepTest, LengthSelectsTheEndOfRunEvaluationAtThatLength) {
+  v1::SweepSpec spec = BaseSweep();
+  spec.set_length(-1);
+  EXPECT_NE(ExpandSweep(spec).status().message().find("length"), std::string::npos);
+  spec.set_length(128);
+  spec.set_select("test");
+  EXPECT_NE(ExpandSweep(spec).status().message().find("length"), std::string::npos);
+  spec.set_select("final");
+  ASSERT_TRUE(ExpandSweep(spec).ok());
+  v1::Job job;
+  job.set_state("succeeded");
+  auto add = [&](int64_t step, int64_t length, double accuracy) {
+    v1::EvalResult* e = job.add_evals();
+    e->set_step(step);
+    if (length > 0) e->set_kind("length");
+    e->set_length(length);
+    e->set_accuracy(accuracy);
+  };
+  add(500, 0, 0.30);
+  add(1000, 0, 0.40);  // the training length's final evaluation
+  add(1000, 128, 0.70);
+  add(1000, 256, 0.60);
+  auto value = [&](int64_t length) {
+    v1::Sweep sweep;
+    sweep.set_id("sweep-000003");
+    *sweep.mutable_spec() = BaseSweep();
+    sweep.mutable_spec()->set_metric("accuracy");
+    sweep.mutable_spec()->set_length(length);
+    sweep.add_cells("a");
+    v1::SweepJob* sj = sweep.add_jobs();
+    sj->set_cell("a");
+    sj->set_seed(1);
+    sj->set_job_id("j");
+    const v1::SweepReport r = BuildSweepReport(sweep, {{"j", job}});
+    EXPECT_EQ(r.length(), length);
+    EXPECT_EQ(r.cells(0).n(), length == 512 ? 0 : 1) << length;
+    return r.cells(0).mean();
+  };
+  EXPECT_DOUBLE_EQ(value(0), 0.40);
+  EXPECT_DOUBLE_EQ(value(128), 0.70);
+  EXPECT_DOUBLE_EQ(value(256), 0.60);
+  value(512);  // no evaluation at that length: the job counts as failed, not as a value
+}
+
 }  // namespace
 }  // namespace loom::coordinator

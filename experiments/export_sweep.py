@@ -3,7 +3,8 @@
 the held-out value at the sweep's selection for each metric, steps run, wall-clock seconds) so
 docs/results.md's tables can be recomputed without the coordinator that ran them.
 
-usage: export_sweep.py --coordinator URL --token-file F --sweep ID --out raw.csv
+usage: export_sweep.py --coordinator URL --token-file F --sweep ID --out raw.csv [--length N]
+(--length: the end-of-run evaluations at that eval.lengths length instead of the training length's)
 """
 import argparse
 import csv
@@ -17,9 +18,13 @@ def get(base, token, path):
         return json.load(resp)
 
 
-def selected(evals, select):
-    """The evaluation the sweep report reads for `select` (coordinator/sweep.cc's rule)."""
-    held_out = [e for e in evals if e.get("kind", "") in ("", "heldout", "validation")]
+def selected(evals, select, length=0):
+    """The evaluation the sweep report reads for `select` and `length` (coordinator/sweep.cc's
+    rule)."""
+    if length > 0:
+        held_out = [e for e in evals if e.get("kind") == "length" and int(e.get("length", 0)) == length]
+    else:
+        held_out = [e for e in evals if e.get("kind", "") in ("", "heldout", "validation")]
     if select == "test":
         tests = [e for e in evals if e.get("kind") == "test"]
         return tests[-1] if tests else None
@@ -36,6 +41,7 @@ def main():
     ap.add_argument("--token-file", required=True)
     ap.add_argument("--sweep", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--length", type=int, default=0)
     a = ap.parse_args()
     token = open(a.token_file).read().strip()
     sweep = get(a.coordinator, token, f"/v1/sweeps/{a.sweep}")
@@ -44,11 +50,11 @@ def main():
     for sj in sweep["jobs"]:
         job = get(a.coordinator, token, f"/v1/jobs/{sj['job_id']}")
         evals = sorted(job.get("evals", []), key=lambda e: int(e.get("step", 0)))
-        e = selected(evals, select) or {}
+        e = selected(evals, select, a.length) or {}
         start, end = int(job.get("start_time_ms", 0)), int(job.get("end_time_ms", 0))
         rows.append({
             "cell": sj["cell"], "seed": int(sj["seed"]), "job": sj["job_id"],
-            "state": job["state"], "select": select, "step": int(e.get("step", 0)),
+            "state": job["state"], "select": select, "length": a.length, "step": int(e.get("step", 0)),
             "eval_loss": e.get("eval_loss", ""), "accuracy": e.get("accuracy", ""),
             "exact_match": e.get("exact_match", ""),
             "steps_run": int(job.get("progress", {}).get("step", 0)),

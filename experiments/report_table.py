@@ -14,7 +14,8 @@ def main():
     scale = float(sys.argv[sys.argv.index("--scale") + 1]) if "--scale" in sys.argv else 1.0
     r = json.load(open(path))
     f = lambda x: f"{scale * float(x or 0):.2f}"
-    print(f"{r['metric']} ({r['select']}), 95% intervals{'' if r.get('complete') else ' [partial]'}\n")
+    at = f", at length {r['length']}" if int(r.get("length", 0)) else ""
+    print(f"{r['metric']} ({r['select']}{at}), 95% intervals{'' if r.get('complete') else ' [partial]'}\n")
     print("| cell | n | mean | sd | 95% CI |")
     print("| --- | ---: | ---: | ---: | --- |")
     for c in r["cells"]:

@@ -261,6 +261,56 @@ def test_select_test_early_stopping(up, tmp):
           f"best validation epoch ({values})")
 
 
+LENGTHS_SWEEP = """name: needle-lengths
+base:
+  spec:
+    preset: micro
+    steps: 12
+    micro_batch: 4
+    seq_len: 200
+    threads: 1
+    model: {max_seq_len: 256}
+    data: {source: task, task: needle, task_options: {needles: 1, queries: 1}}
+    eval: {interval: 6, batches: 2, lengths: [80, 120]}
+grid:
+  optimizer.lr: [0.003]
+seeds: [1, 2]
+metric: eval_loss
+request_id: lengths-1
+"""
+
+
+def test_report_at_an_eval_length(up, tmp):
+    """eval.lengths evaluations arrive with kind length and their length; a plain report ignores
+    them (they come last, at the final step), ?length= / --length reads only that length's."""
+    path = write(tmp, "lengths.yaml", LENGTHS_SWEEP)
+    sweep = up.wait_sweep(json.loads(up.loom("sweep", "submit", path, "--json"))["id"])
+    assert sweep["job_states"] == {"succeeded": 2}, sweep
+    final, at = [], {80: [], 120: []}  # 0, 1 and 3 filler sentences at 80, 120 and 200 bytes
+    for j in sorted(sweep["jobs"], key=lambda j: int(j["seed"])):
+        evals = up.api.job(j["job_id"])["evals"]
+        held_out = [e for e in evals if e.get("kind", "") == ""]
+        final.append(max(held_out, key=lambda e: int(e.get("step", 0)))["eval_loss"])
+        for length in at:
+            [e] = [e for e in evals if e.get("kind") == "length" and int(e["length"]) == length]
+            assert int(e["step"]) == 12, e
+            at[length].append(e["eval_loss"])
+    assert len({tuple(final), tuple(at[80]), tuple(at[120])}) == 3, (final, at)
+    plain = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report")
+    close(plain["cells"][0]["mean"], mean(final), 1e-12, "training-length mean")
+    for length, values in at.items():
+        r = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report?length={length}")
+        assert int(r["length"]) == length and r["cells"][0]["n"] == 2, r
+        close(r["cells"][0]["mean"], mean(values), 1e-12, f"length {length} mean")
+    cli = json.loads(up.loom("sweep", "report", sweep["id"], "--length", "120", "--format", "json"))
+    close(cli["cells"][0]["mean"], mean(at[120]), 1e-12, "CLI --length mean")
+    for query, field in (("length=-1", "length"), ("length=80&select=test", "length")):
+        status, body, text = up.api.request("GET", f"/v1/sweeps/{sweep['id']}/report?{query}")
+        assert status == 400 and field in body["error"]["message"], (query, status, text)
+    print(f"ok: {sweep['id']}: reports at the training length and at eval.lengths 80 and 120 match the "
+          "jobs' own evaluations")
+
+
 def test_partial_report_and_cancel(up, tmp):
     path = write(tmp, "long.yaml", SWEEP.format(steps=100000, seeds="[1, 2]", request_id="long-1"))
     sweep_id = json.loads(up.loom("sweep", "submit", path, "--json"))["id"]
@@ -311,6 +361,7 @@ def main():
         up = Up(args, tmp)
         test_report_matches_raw_results(up, tmp)
         test_select_test_early_stopping(up, tmp)
+        test_report_at_an_eval_length(up, tmp)
         test_partial_report_and_cancel(up, tmp)
         test_two_hundred_jobs(up, tmp)
     except BaseException:

@@ -566,8 +566,14 @@ void Agent::OnEval(Attempt& a, const v1::EvalEvent& ev, const metrics::Labels& l
   e.set_accuracy(ev.accuracy());
   e.set_exact_match(ev.exact_match());
   // data.splits: "validation" (every epoch) or "test" (at each new best validation loss);
-  // absent: the fresh-sample held-out evaluation.
+  // eval.lengths: "length" (the end-of-run evaluation at another sequence length); absent: the
+  // fresh-sample held-out evaluation. The gauges follow the held-out/validation ones only.
   if (ev.has_split()) e.set_kind(ev.split());
+  if (ev.has_length()) {
+    e.set_kind("length");
+    e.set_length(ev.length());
+    return;
+  }
   if (ev.split() == "test") return;
   registry_.Set("loom_train_eval_loss", ev.eval_loss(), labels);
   registry_.Set("loom_train_eval_accuracy_ratio", ev.accuracy(), labels);
