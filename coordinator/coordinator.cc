@@ -689,9 +689,8 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
   if (!metric.empty()) sweep.mutable_spec()->set_metric(metric);
   if (!select.empty()) sweep.mutable_spec()->set_select(select);
   if (length.has_value()) sweep.mutable_spec()->set_length(*length);
-  if (sweep.spec().length() > 0 && sweep.spec().select() == "test") {
-    return FieldError("length", "is an end-of-run evaluation: select final or best, not test");
-  }
+  const v1::SweepSpec& spec = sweep.spec();  // the overrides combined with the sweep's own
+  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(spec.metric(), spec.select(), spec.length()));
   return BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
 }
 

@@ -140,6 +140,19 @@ TEST(SweepTest, ReportPairsSeedsAndCountsPending) {
   EXPECT_LT(d.p_value(), 1.0);
 }
 
+// The report of a sweep with one cell "a" and one seed, whose job is `job`.
+v1::SweepReport ReportOfOneJob(const v1::SweepSpec& spec, const v1::Job& job) {
+  v1::Sweep sweep;
+  sweep.set_id("sweep-000002");
+  *sweep.mutable_spec() = spec;
+  sweep.add_cells("a");
+  v1::SweepJob* sj = sweep.add_jobs();
+  sj->set_cell("a");
+  sj->set_seed(1);
+  sj->set_job_id("j");
+  return BuildSweepReport(sweep, {{"j", job}});
+}
+
 // data.splits jobs: select test takes the last test evaluation (the test split at the best
 // validation epoch); final and best read the validation evaluations, never the test ones.
 TEST(SweepTest, SelectTestTakesTheTestMetricAtTheBestValidationEpoch) {
@@ -164,16 +177,9 @@ TEST(SweepTest, SelectTestTakesTheTestMetricAtTheBestValidationEpoch) {
   add(24, "validation", 0.55);
   add(32, "validation", 0.58);  // patience 2: stopped here
   auto value = [&](const std::string& select) {
-    v1::Sweep sweep;
-    sweep.set_id("sweep-000002");
-    *sweep.mutable_spec() = BaseSweep();
-    sweep.mutable_spec()->set_select(select);
-    sweep.add_cells("a");
-    v1::SweepJob* sj = sweep.add_jobs();
-    sj->set_cell("a");
-    sj->set_seed(1);
-    sj->set_job_id("j");
-    const v1::SweepReport r = BuildSweepReport(sweep, {{"j", job}});
+    v1::SweepSpec spec = BaseSweep();
+    spec.set_select(select);
+    const v1::SweepReport r = ReportOfOneJob(spec, job);
     EXPECT_EQ(r.cells(0).n(), 1) << select;
     return r.cells(0).mean();
   };
@@ -208,17 +214,10 @@ TEST(SweepTest, LengthSelectsTheEndOfRunEvaluationAtThatLength) {
   add(1000, 128, 0.70);
   add(1000, 256, 0.60);
   auto value = [&](int64_t length) {
-    v1::Sweep sweep;
-    sweep.set_id("sweep-000003");
-    *sweep.mutable_spec() = BaseSweep();
-    sweep.mutable_spec()->set_metric("accuracy");
-    sweep.mutable_spec()->set_length(length);
-    sweep.add_cells("a");
-    v1::SweepJob* sj = sweep.add_jobs();
-    sj->set_cell("a");
-    sj->set_seed(1);
-    sj->set_job_id("j");
-    const v1::SweepReport r = BuildSweepReport(sweep, {{"j", job}});
+    v1::SweepSpec spec = BaseSweep();
+    spec.set_metric("accuracy");
+    spec.set_length(length);
+    const v1::SweepReport r = ReportOfOneJob(spec, job);
     EXPECT_EQ(r.length(), length);
     EXPECT_EQ(r.cells(0).n(), length == 512 ? 0 : 1) << length;
     return r.cells(0).mean();
