@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "base/blas_core.h"
 #include "base/cli_args.h"
+#include "base/cpu_process.h"
 #include "base/status_macros.h"
 #include "coordinator/http_server.h"
 #include "loom/exit_codes.h"
@@ -171,7 +171,7 @@ absl::Status Run(int argc, char** argv) {
 }  // namespace loom::serve
 
 int main(int argc, char** argv) {
-  loom::ReexecWithBestBlasCore(argv);  // before any matmul (base/blas_core.h)
+  loom::SetUpCpuProcess(argv);  // before any matmul or large allocation (base/cpu_process.h)
   if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
     std::cout << loom::serve::kUsage;
     return 0;

@@ -33,6 +33,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 #include "base/blas_core.h"
+#include "base/cpu_process.h"
 
 namespace {
 
@@ -537,7 +538,7 @@ void AttentionBench::IhaRows() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  loom::ReexecWithBestBlasCore(argv);  // before any matmul (base/blas_core.h)
+  loom::SetUpCpuProcess(argv);  // before any matmul or large allocation (base/cpu_process.h)
   int exit_code = 0;
   const std::optional<Flags> flags = ParseFlags(argc, argv, &exit_code);
   if (!flags) return exit_code;

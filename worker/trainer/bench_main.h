@@ -1,5 +1,5 @@
-// main() of the loom-bench-* trainer programs: OpenBLAS's wide kernels first
-// (base/blas_core.h), then the benchmark; a failed Status or an escaping exception is
+// main() of the loom-bench-* trainer programs: OpenBLAS's wide kernels and malloc settings first
+// (base/cpu_process.h), then the benchmark; a failed Status or an escaping exception is
 // reported as "<program>: <message>" with exit code 1.
 #ifndef LOOM_WORKER_TRAINER_BENCH_MAIN_H_
 #define LOOM_WORKER_TRAINER_BENCH_MAIN_H_
@@ -9,13 +9,13 @@
 #include <iostream>
 
 #include "absl/status/status.h"
-#include "base/blas_core.h"
+#include "base/cpu_process.h"
 
 namespace loom::trainer {
 
 inline int BenchmarkMain(const char* program, char** argv,
                          const std::function<absl::Status()>& run) {
-  ReexecWithBestBlasCore(argv);  // before any matmul
+  SetUpCpuProcess(argv);  // before any matmul or large allocation
   absl::Status s;
   try {
     s = run();

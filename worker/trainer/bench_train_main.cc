@@ -1,13 +1,15 @@
 // loom-bench-train: training throughput and MFU on this machine, for global MHA, local
 // (sliding-window) MHA, global IHA and the paper's hybrid schedule, at the tiny-cpu width and a
-// wider one (--widths tiny,wide), for each thread count of --threads 1,2, with a per-op profile
-// of where the step goes (--profile ROWS). MFU is measured against a matmul ceiling this
+// wider one (--widths tiny,wide), for each thread count of --threads 1,2 (--repeats R runs of
+// each, the thread counts interleaved, medians reported), with a per-op profile of where the step
+// goes (--profile ROWS). MFU is measured against a matmul ceiling this
 // program measures itself at the same thread count in the same run, so the numbers mean
 // something on any CPU. Prints Markdown tables (docs/benchmarks.md records them).
 #include <sys/resource.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -161,6 +163,7 @@ void PrintProfile(const Measured& m, double profiled_s, int64_t rows) {
 // What one invocation measures.
 struct BenchPlan {
   int64_t steps = 0, warmup = 0, batch = 0, p = 0, layers = 0, profile_rows = 0;
+  int64_t repeats = 1;  // runs per schedule and thread count, interleaved; medians reported
   std::vector<int64_t> thread_counts;  // 0 = LibTorch's default
   std::vector<Width> widths;
   bool bf16 = false;
@@ -175,6 +178,7 @@ absl::StatusOr<BenchPlan> PlanFromArgs(const CliArgs& args) {
   LOOM_ASSIGN_OR_RETURN(plan.p, args.GetInt("p", 2, 1, 16));
   LOOM_ASSIGN_OR_RETURN(plan.layers, args.GetInt("layers", 5, 1, 64));
   LOOM_ASSIGN_OR_RETURN(plan.profile_rows, args.GetInt("profile", 0, 0, 1000));
+  LOOM_ASSIGN_OR_RETURN(plan.repeats, args.GetInt("repeats", 1, 1, 100));
   plan.bf16 = args.Has("bf16");
   for (absl::string_view t : absl::StrSplit(args.Has("threads") ? args.Get("threads") : "0", ',')) {
     int64_t n = 0;
@@ -209,13 +213,20 @@ class TrainBench {
     return RunSchedule(w, v, plan_.layers, plan_.batch, plan_.warmup, plan_.steps, loader_, profile,
                        precision);
   }
-  // One table at the current thread count; the schedules' tokens/s.
-  absl::StatusOr<std::vector<double>> ThroughputTable(const Width& w,
-                                                      const std::vector<Variant>& variants);
+  // runs[thread count][schedule]: plan_.repeats runs each, the thread counts interleaved per
+  // schedule so that a slow minute of a shared VM hits both sides of a ratio alike.
+  using Runs = std::vector<std::vector<std::vector<Measured>>>;
+  absl::StatusOr<Runs> MeasureAll(const Width& w, const std::vector<Variant>& variants);
+  // One table per thread count from the runs' medians; the schedules' tokens/s.
+  std::vector<double> ThroughputTable(const Width& w, const std::vector<Variant>& variants,
+                                      const std::vector<std::vector<Measured>>& runs,
+                                      double ceiling);
   absl::Status Bf16Table(const Width& w, const std::vector<Variant>& variants,
                          const std::vector<double>& fp32_rates);
-  void ScalingLine(const std::vector<Variant>& variants,
-                   const std::vector<std::vector<double>>& rates) const;
+  void ScalingLine(const std::vector<Variant>& variants, const Runs& runs) const;
+  void SetThreads(int64_t threads) const {
+    torch::set_num_threads(threads > 0 ? static_cast<int>(threads) : default_threads_);
+  }
   absl::Status Profiles(const Width& w, const std::vector<Variant>& variants);
 
   BenchPlan plan_;
@@ -223,35 +234,62 @@ class TrainBench {
   const int default_threads_ = torch::get_num_threads();
 };
 
+// The run with the median step time (the upper median of an even count).
+const Measured& MedianRun(const std::vector<Measured>& runs) {
+  std::vector<const Measured*> sorted;
+  for (const Measured& m : runs) sorted.push_back(&m);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const Measured* a, const Measured* b) { return a->step_s < b->step_s; });
+  return *sorted[sorted.size() / 2];
+}
+
 absl::Status TrainBench::RunWidth(const Width& w) {
   const std::vector<Variant> variants = Schedules(plan_.p, w.seq_len);
+  LOOM_ASSIGN_OR_RETURN(Runs runs, MeasureAll(w, variants));
   std::vector<std::vector<double>> rates;  // [thread count][schedule]
-  for (int64_t threads : plan_.thread_counts) {
-    torch::set_num_threads(threads > 0 ? static_cast<int>(threads) : default_threads_);
-    LOOM_ASSIGN_OR_RETURN(std::vector<double> at_threads, ThroughputTable(w, variants));
-    rates.push_back(std::move(at_threads));
+  for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
+    SetThreads(plan_.thread_counts[t]);
+    rates.push_back(ThroughputTable(w, variants, runs[t], MatmulCeilingFlops(1024)));
   }
   // Mixed precision against the fp32 rows above (the last thread count).
   if (plan_.bf16) LOOM_RETURN_IF_ERROR(Bf16Table(w, variants, rates.back()));
-  if (rates.size() > 1) ScalingLine(variants, rates);
+  if (rates.size() > 1) ScalingLine(variants, runs);
   if (plan_.profile_rows > 0) LOOM_RETURN_IF_ERROR(Profiles(w, variants));
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<double>> TrainBench::ThroughputTable(
-    const Width& w, const std::vector<Variant>& variants) {
-  const double ceiling = MatmulCeilingFlops(1024);
+absl::StatusOr<TrainBench::Runs> TrainBench::MeasureAll(const Width& w,
+                                                        const std::vector<Variant>& variants) {
+  Runs runs(plan_.thread_counts.size(), std::vector<std::vector<Measured>>(variants.size()));
+  for (size_t v = 0; v < variants.size(); ++v) {
+    for (int64_t r = 0; r < plan_.repeats; ++r) {
+      for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
+        SetThreads(plan_.thread_counts[t]);
+        LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, variants[v], false));
+        runs[t][v].push_back(std::move(m));
+      }
+    }
+  }
+  return runs;
+}
+
+std::vector<double> TrainBench::ThroughputTable(const Width& w,
+                                                const std::vector<Variant>& variants,
+                                                const std::vector<std::vector<Measured>>& runs,
+                                                double ceiling) {
   std::cout << absl::StrFormat(
       "\n### %s, %d layers, batch %d x %d tokens, %d LibTorch threads; fp32 matmul ceiling "
-      "%.1f GFLOP/s (1024^3, best of 5); %d timed steps after %d warm-up\n\n",
+      "%.1f GFLOP/s (1024^3, best of 5); %d timed steps after %d warm-up%s\n\n",
       w.name, plan_.layers, plan_.batch, w.seq_len, torch::get_num_threads(), ceiling / 1e9,
-      plan_.steps, plan_.warmup);
+      plan_.steps, plan_.warmup,
+      plan_.repeats > 1 ? absl::StrFormat("; median of %d runs", plan_.repeats) : "");
   std::cout << "| schedule | FLOPs/token (fwd) | step ms | tokens/s | vs mha | GFLOP/s | MFU vs "
                "matmul ceiling | sys/user CPU |\n"
             << "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
   std::vector<double> rates;
-  for (const Variant& v : variants) {
-    LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, v, false));
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const Variant& v = variants[i];
+    const Measured& m = MedianRun(runs[i]);
     const double rate = static_cast<double>(plan_.batch * w.seq_len) / m.step_s;
     rates.push_back(rate);
     const double achieved = 3.0 * m.flops_per_token * rate;
@@ -278,13 +316,23 @@ absl::Status TrainBench::Bf16Table(const Width& w, const std::vector<Variant>& v
   return absl::OkStatus();
 }
 
-void TrainBench::ScalingLine(const std::vector<Variant>& variants,
-                             const std::vector<std::vector<double>>& rates) const {
-  std::cout << absl::StrFormat("\nTokens/s at %d threads / at %d threads: ",
-                               plan_.thread_counts.back(), plan_.thread_counts.front());
+// Per schedule, the ratio of each run pair (the same repeat at the last and the first thread
+// count, measured back to back): their median, and their range when there are several.
+void TrainBench::ScalingLine(const std::vector<Variant>& variants, const Runs& runs) const {
+  std::cout << absl::StrFormat(
+      "\nTokens/s at %d threads / at %d threads%s: ", plan_.thread_counts.back(),
+      plan_.thread_counts.front(), plan_.repeats > 1 ? " (median of the paired runs, range)" : "");
   for (size_t i = 0; i < variants.size(); ++i) {
+    std::vector<double> ratios;
+    for (int64_t r = 0; r < plan_.repeats; ++r) {
+      ratios.push_back(runs.front()[i][r].step_s / runs.back()[i][r].step_s);
+    }
+    std::sort(ratios.begin(), ratios.end());
     std::cout << absl::StrFormat("%s%s %.2fx", i ? ", " : "", variants[i].name,
-                                 rates.back()[i] / rates.front()[i]);
+                                 ratios[ratios.size() / 2]);
+    if (ratios.size() > 1) {
+      std::cout << absl::StrFormat(" (%.2f-%.2f)", ratios.front(), ratios.back());
+    }
   }
   std::cout << "\n";
 }
@@ -306,7 +354,7 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(CliArgs args,
                         CliArgs::Parse(argc, argv, 1,
                                        {"steps", "warmup", "seq-len", "batch", "threads", "p",
-                                        "plugin-dir", "layers", "widths", "profile"},
+                                        "plugin-dir", "layers", "widths", "profile", "repeats"},
                                        {"bf16"}));
   LOOM_ASSIGN_OR_RETURN(BenchPlan plan, PlanFromArgs(args));
   PluginLoader loader;

@@ -19,8 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "base/blas_core.h"
 #include "base/cli_args.h"
+#include "base/cpu_process.h"
 #include "base/status_macros.h"
 #include "interop/hf_folder.h"
 #include "loom/exit_codes.h"
@@ -479,7 +479,7 @@ absl::Status RunDevices(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   using namespace loom::trainer;
-  loom::ReexecWithBestBlasCore(argv);  // before any matmul (base/blas_core.h)
+  loom::SetUpCpuProcess(argv);  // before any matmul or large allocation (base/cpu_process.h)
   if (argc < 2 || std::string(argv[1]) == "help" || std::string(argv[1]) == "--help") {
     std::cout << kUsage;
     return argc < 2 ? 2 : 0;
