@@ -184,6 +184,12 @@ void Gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t
 
 enum class TileClass { kSkip, kFull, kPartial };
 
+// A run of consecutive tiles [start, start + len) tokens, taken as one block of GEMMs.
+struct Block {
+  int64_t start = 0, len = 0;
+  TileClass cls = TileClass::kSkip;  // kSkip: no block left
+};
+
 // Per-head rows of q, k or v: x[b, n, m, :] starts at data + b·sb + n·sn + m·sh (the last
 // dimension contiguous), so [B, N, H, d] tensors and transposed [B, H, N, d] ones both pass
 // without a copy.
@@ -199,6 +205,7 @@ struct HeadRows {
 template <typename in_t, typename T>
 struct Kernel {
   int64_t b = 0, n = 0, h = 0, p = 1, dk = 0, dv = 0, tile = 0, tiles = 0;
+  int64_t block = 0;  // most tokens in one block of consecutive tiles (a multiple of tile)
   Options o;
   T scale = 1;
   HeadRows<in_t> q, k, v;  // [B, N, H, d]
@@ -238,6 +245,30 @@ struct Kernel {
       return TileClass::kPartial;
     }
     return all ? TileClass::kFull : TileClass::kPartial;
+  }
+
+  // From tile *next on, the next run of consecutive tiles with work against the fixed range
+  // [f0, f0 + flen): key tiles against a query range (keys) or query tiles against a key range,
+  // at most `block` tokens; *next moves past it. Sliding windows make tiles small, so one window's
+  // worth of key tiles (or query tiles, in the backward pass) is one GEMM instead of several
+  // small ones.
+  Block NextBlock(int64_t bi, bool keys, int64_t f0, int64_t flen, int64_t* next) const {
+    Block blk;
+    bool full = true;
+    for (; *next < tiles; ++*next) {
+      const int64_t t0 = *next * tile, len = TileLen(*next);
+      const TileClass c = keys ? Classify(bi, f0, flen, t0, len) : Classify(bi, t0, len, f0, flen);
+      if (c == TileClass::kSkip) {
+        if (blk.len > 0) break;
+        continue;
+      }
+      if (blk.len + len > block) break;
+      if (blk.len == 0) blk.start = t0;
+      blk.len += len;
+      full &= c == TileClass::kFull;
+    }
+    if (blk.len > 0) blk.cls = full ? TileClass::kFull : TileClass::kPartial;
+    return blk;
   }
 
   // The allowed columns [lo, hi] (inclusive; lo > hi: none) of query row s in a key tile whose
@@ -349,16 +380,16 @@ struct Kernel {
   }
 };
 
-// Scratch for one task, sized for the largest tile.
+// Scratch for one task: at most rows pseudo-queries against at most cols pseudo-keys.
 template <typename T>
 struct Scratch {
   std::vector<T> q, k, v, s, ds, acc, m, l;
-  Scratch(int64_t rows, int64_t dk, int64_t dv)
+  Scratch(int64_t rows, int64_t cols, int64_t dk, int64_t dv)
       : q(rows * dk),
-        k(rows * dk),
-        v(rows * dv),
-        s(rows * rows),
-        ds(rows * rows),
+        k(cols * dk),
+        v(cols * dv),
+        s(rows * cols),
+        ds(rows * cols),
         acc(rows * dv),
         m(rows),
         l(rows) {}
@@ -409,8 +440,8 @@ void ParallelTasks(int64_t count, MakeScratch make_scratch, Fn fn) {
 template <typename in_t, typename T>
 void Forward(const Kernel<in_t, T>& kn, in_t* out, T* lse) {
   const bool softmax = kn.o.score == Score::kSoftmax;
-  const int64_t np = kn.n * kn.p, rows_max = kn.tile * kn.p;
-  auto scratch = [&] { return Scratch<T>(rows_max, kn.dk, kn.dv); };
+  const int64_t np = kn.n * kn.p;
+  auto scratch = [&] { return Scratch<T>(kn.tile * kn.p, kn.block * kn.p, kn.dk, kn.dv); };
   ParallelTasks(kn.b * kn.tiles * kn.h, scratch, [&](Scratch<T>& ws, int64_t task) {
     const int64_t hd = task % kn.h, bi = (task / kn.h) % kn.b;
     const int64_t qi = kn.tiles - 1 - task / (kn.h * kn.b);
@@ -419,10 +450,11 @@ void Forward(const Kernel<in_t, T>& kn, in_t* out, T* lse) {
     std::fill(ws.acc.begin(), ws.acc.end(), T(0));
     std::fill(ws.m.begin(), ws.m.end(), -std::numeric_limits<T>::infinity());
     std::fill(ws.l.begin(), ws.l.end(), T(0));
-    for (int64_t ki = 0; ki < kn.tiles; ++ki) {
-      const int64_t t0 = ki * kn.tile, tk = kn.TileLen(ki), cols = kn.p * tk;
-      const TileClass cls = kn.Classify(bi, n0, tq, t0, tk);
-      if (cls == TileClass::kSkip) continue;
+    for (int64_t next = 0;;) {
+      const Block blk = kn.NextBlock(bi, /*keys=*/true, n0, tq, &next);
+      const TileClass cls = blk.cls;
+      if (cls == TileClass::kSkip) break;
+      const int64_t t0 = blk.start, tk = blk.len, cols = kn.p * tk;
       kn.Keys(bi, hd, t0, tk, ws.k.data());
       kn.Values(bi, hd, t0, tk, ws.v.data());
       T* s = ws.s.data();
@@ -480,8 +512,8 @@ template <typename in_t, typename T>
 void BackwardPseudo(const Kernel<in_t, T>& kn, const T* go, const T* lse, const T* delta,
                     T* dq_pseudo, T* dk_pseudo, T* dv_pseudo) {
   const bool softmax = kn.o.score == Score::kSoftmax;
-  const int64_t np = kn.n * kn.p, rows_max = kn.tile * kn.p;
-  auto scratch = [&] { return Scratch<T>(rows_max, kn.dk, kn.dv); };
+  const int64_t np = kn.n * kn.p;
+  auto scratch = [&] { return Scratch<T>(kn.block * kn.p, kn.tile * kn.p, kn.dk, kn.dv); };
   ParallelTasks(kn.b * kn.h, scratch, [&](Scratch<T>& ws, int64_t task) {
     const int64_t bi = task / kn.h, hd = task % kn.h;
     const int64_t head = (bi * kn.h + hd) * np;  // first row of this head's pseudo sequence
@@ -491,10 +523,11 @@ void BackwardPseudo(const Kernel<in_t, T>& kn, const T* go, const T* lse, const 
       kn.Values(bi, hd, t0, tk, ws.v.data());
       T* dk = dk_pseudo + (head + t0 * kn.p) * kn.dk;
       T* dv = dv_pseudo + (head + t0 * kn.p) * kn.dv;
-      for (int64_t qi = 0; qi < kn.tiles; ++qi) {
-        const int64_t n0 = qi * kn.tile, tq = kn.TileLen(qi), rows = kn.p * tq;
-        const TileClass cls = kn.Classify(bi, n0, tq, t0, tk);
-        if (cls == TileClass::kSkip) continue;
+      for (int64_t next = 0;;) {
+        const Block blk = kn.NextBlock(bi, /*keys=*/false, t0, tk, &next);
+        const TileClass cls = blk.cls;
+        if (cls == TileClass::kSkip) break;
+        const int64_t n0 = blk.start, tq = blk.len, rows = kn.p * tq;
         kn.Queries(bi, hd, n0, tq, ws.q.data());
         const T* dout = go + (head + n0 * kn.p) * kn.dv;
         const T* lse_rows = lse + head + n0 * kn.p;
@@ -570,12 +603,12 @@ void Unmix(const Kernel<in_t, T>& kn, const T* dq_pseudo, const T* dk_pseudo, co
 struct Prepared {
   Tensor q, k, v, aq, ak, av, cos, sin, seg_first, seg_last;
   Options o;
-  int64_t tile = 0;
+  int64_t tile = 0, block = 0;
 };
 
 Prepared Prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& alpha_q,
                  const Tensor& alpha_k, const Tensor& alpha_v, const Tensor& cos, const Tensor& sin,
-                 const Tensor& segments, const Options& o, int64_t tile) {
+                 const Tensor& segments, const Options& o, int64_t tile, int64_t block) {
   Prepared pr;
   const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   auto rows = [](const Tensor& x) { return x.stride(3) == 1 ? x : x.contiguous(); };
@@ -608,6 +641,7 @@ Prepared Prepare(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   }
   pr.o = o;
   pr.tile = tile;
+  pr.block = block;
   return pr;
 }
 
@@ -625,6 +659,7 @@ Kernel<in_t, T> MakeKernel(const Prepared& pr) {
       static_cast<T>(pr.o.scale > 0 ? pr.o.scale : 1.0 / std::sqrt(static_cast<double>(kn.dk)));
   kn.tile = pr.tile;
   kn.tiles = (kn.n + pr.tile - 1) / pr.tile;
+  kn.block = std::max<int64_t>(1, pr.block / pr.tile) * pr.tile;
   auto rows = [](const Tensor& x) {
     return HeadRows<in_t>{x.data_ptr<in_t>(), x.stride(0), x.stride(1), x.stride(2)};
   };
@@ -742,27 +777,29 @@ Grads RunBackward(const Prepared& pr, const Tensor& grad_out, const Tensor& out,
 
 class FusedAttentionFunction : public torch::autograd::Function<FusedAttentionFunction> {
  public:
-  static constexpr size_t kInputs = 16;  // the arguments of forward() after ctx
+  static constexpr size_t kInputs = 17;  // the arguments of forward() after ctx
 
   static Tensor forward(torch::autograd::AutogradContext* ctx, Tensor q, Tensor k, Tensor v,
                         Tensor alpha_q, Tensor alpha_k, Tensor alpha_v, Tensor cos, Tensor sin,
                         Tensor segments, int64_t mask, int64_t window, int64_t p, int64_t score,
-                        double scale, int64_t tile, bool poison) {
+                        double scale, int64_t tile, int64_t block, bool poison) {
     RECORD_USER_SCOPE("loom::fused_attention_forward");  // autograd Functions are no ops
     const Options o = KernelOptions(p, mask, window, score, scale);
-    Prepared pr = Prepare(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, o, tile);
+    Prepared pr = Prepare(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, o, tile, block);
     auto [out, lse] = RunForward(pr, poison);
     ctx->save_for_backward({q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, out, lse});
     SaveKernelOptions(ctx, o);
     ctx->saved_data["tile"] = tile;
+    ctx->saved_data["block"] = block;
     return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto s = ctx->get_saved_variables();
-    Prepared pr = Prepare(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8],
-                          SavedKernelOptions(ctx), ctx->saved_data["tile"].toInt());
+    Prepared pr =
+        Prepare(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], SavedKernelOptions(ctx),
+                ctx->saved_data["tile"].toInt(), ctx->saved_data["block"].toInt());
     Grads g = RunBackward(pr, grads[0], s[9], s[10]);
     if (!g.daq.defined()) return LeadingGrads({g.dq, g.dk, g.dv}, kInputs);
     return LeadingGrads({g.dq, g.dk, g.dv, g.daq.to(s[3].scalar_type()),
@@ -787,12 +824,23 @@ int64_t DefaultTileTokens(int64_t p, int64_t window) {
   return tile;
 }
 
+int64_t DefaultBlockTokens(int64_t p, int64_t window, int64_t tile) {
+  // Windowed layers: consecutive tiles up to a global tile's ~256 pseudo-tokens are one block
+  // (tiles stay small so that few masked keys are computed; blocks make their GEMMs large enough
+  // to run near the BLAS rate and to scale across threads). Global layers: one tile per block.
+  return window > 0 ? std::max(tile, DefaultTileTokens(p, 0)) : tile;
+}
+
 namespace {
 
 // Tokens per tile of a call over n tokens: FusedOptions' choice or the default, at most n.
 int64_t TileTokens(const FusedOptions& fused, const Options& o, int64_t n) {
   const int64_t tile = fused.tile_tokens > 0 ? fused.tile_tokens : DefaultTileTokens(o.p, o.window);
   return std::min<int64_t>(tile, std::max<int64_t>(1, n));
+}
+
+int64_t BlockTokens(const FusedOptions& fused, const Options& o, int64_t tile) {
+  return fused.block_tokens > 0 ? fused.block_tokens : DefaultBlockTokens(o.p, o.window, tile);
 }
 
 }  // namespace
@@ -811,9 +859,10 @@ torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
   const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
   auto [cos, sin] = ExpandedRopeTables(q, positions, o, compute);
   torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), torch::kCPU);
-  return FusedAttentionFunction::apply(
-      q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, static_cast<int64_t>(o.mask),
-      o.window, o.p, static_cast<int64_t>(o.score), o.scale, tile, fused.poison_output);
+  return FusedAttentionFunction::apply(q, k, v, alpha_q, alpha_k, alpha_v, cos, sin, segments,
+                                       static_cast<int64_t>(o.mask), o.window, o.p,
+                                       static_cast<int64_t>(o.score), o.scale, tile,
+                                       BlockTokens(fused, o, tile), fused.poison_output);
 }
 
 torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -844,7 +893,7 @@ torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
   return FusedAttentionFunction::apply(q, k, v, none, none, none, torch::empty({0}),
                                        torch::empty({0}), segments, static_cast<int64_t>(o.mask),
                                        o.window, o.p, static_cast<int64_t>(o.score), o.scale, tile,
-                                       fused.poison_output)
+                                       BlockTokens(fused, o, tile), fused.poison_output)
       .squeeze(3);
 }
 

@@ -5,11 +5,12 @@
 // tile, the tile's pseudo-queries are mixed from the original H heads (Σ_m alpha[m, h, j]·q[m]),
 // rotated (RoPE) and scaled on the fly; the kernel walks the key tiles the mask allows, mixing
 // each key tile's pseudo-keys and pseudo-values the same way, with an online softmax (running
-// max and sum). Tiles wholly outside the mask (causal future, outside a sliding window, another
-// packed segment) are skipped; tiles wholly inside it skip the masking; inside a tile every row
-// touches only its allowed column range. Score and value products are direct BLAS calls on
-// raw scratch buffers; exp, max and sums are vectorised row loops (AVX-512 / AVX2 / baseline
-// chosen at load time).
+// max and sum). Under sliding windows, consecutive allowed tiles are taken as one block (one
+// GEMM each instead of one per tile). Tiles wholly outside the mask (causal future, outside a
+// sliding window, another packed segment) are skipped; tiles wholly inside it skip the masking;
+// inside a tile every row touches only its allowed column range. Score and value products are
+// direct BLAS calls on raw scratch buffers; exp, max and sums are vectorised row loops (AVX-512 /
+// AVX2 / baseline chosen at load time).
 //
 // Only the log-sum-exp per pseudo-query is kept for the backward pass, which recomputes scores
 // tile by tile (FlashAttention-2) in one pass: a task owns one (batch row, head), so it owns that
@@ -34,6 +35,9 @@ namespace loom::attention::iha {
 
 struct FusedOptions {
   int64_t tile_tokens = 0;  // tokens per tile; 0 = DefaultTileTokens(P, window)
+  // Most tokens of consecutive tiles taken as one block of GEMMs (rounded down to whole tiles, at
+  // least one); 0 = DefaultBlockTokens(P, window, tile).
+  int64_t block_tokens = 0;
   bool poison_output =
       false;  // tests: fill the output with NaN first (every element must be written)
 };
@@ -41,6 +45,10 @@ struct FusedOptions {
 // Tokens per tile when FusedOptions.tile_tokens is 0: about 256 pseudo-tokens, fewer for
 // sliding windows (measured in docs/benchmarks.md).
 int64_t DefaultTileTokens(int64_t p, int64_t window);
+
+// Tokens per block when FusedOptions.block_tokens is 0: a global tile's worth for sliding
+// windows (their small tiles' GEMMs batched), one tile otherwise.
+int64_t DefaultBlockTokens(int64_t p, int64_t window, int64_t tile);
 
 // Same contract as PseudoOutputs (iha_core.h): [B, N, H, P, dv], differentiable with respect to
 // q, k, v and the three alpha tensors. CPU tensors only (float64, float32, bfloat16, float16).

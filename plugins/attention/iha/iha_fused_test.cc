@@ -21,6 +21,7 @@ struct Case {
   int64_t n;
   int64_t tile;
   Score score;
+  int64_t block = 0;  // FusedOptions::block_tokens (0: the default)
 };
 
 std::string Name(const Case& c) {
@@ -28,7 +29,8 @@ std::string Name(const Case& c) {
          " window=" + std::to_string(c.window) + " rope=" + std::to_string(c.rope) +
          " phase=" + std::to_string(static_cast<int>(c.phase)) + " p=" + std::to_string(c.p) +
          " n=" + std::to_string(c.n) + " tile=" + std::to_string(c.tile) +
-         " score=" + std::to_string(static_cast<int>(c.score));
+         " score=" + std::to_string(static_cast<int>(c.score)) +
+         " block=" + std::to_string(c.block);
 }
 
 void ExpectMatchesReference(const Case& c, uint64_t seed) {
@@ -54,6 +56,7 @@ void ExpectMatchesReference(const Case& c, uint64_t seed) {
   auto ref_grads = torch::autograd::grad({(ref * upstream).sum()}, {q, k, v, aq, ak, av});
   FusedOptions fused;
   fused.tile_tokens = c.tile;
+  fused.block_tokens = c.block;
   fused.poison_output = true;
   torch::Tensor got = FusedPseudoOutputs(q, k, v, aq, ak, av, positions, o, fused);
   ASSERT_EQ(got.sizes(), ref.sizes()) << Name(c);
@@ -88,6 +91,22 @@ TEST(IhaFusedTest, MatchesTheReferenceAcrossMasksWindowsRopeAndTiles) {
     }
   }
   EXPECT_EQ(cases, 108);
+}
+
+// Sliding windows take consecutive tiles as one block: blocks shorter than the window's span
+// (several blocks per query tile, and per key tile in the backward pass, so the online softmax
+// runs across blocks), one tile per block, and the default (one block per span).
+TEST(IhaFusedTest, SlidingWindowBlocksOfTilesMatchTheReference) {
+  uint64_t seed = 100;
+  for (Mask mask : {Mask::kInterleaved, Mask::kBlock, Mask::kNone}) {
+    for (int64_t p : {1, 2, 3}) {
+      for (int64_t block : {4, 2, 0}) {
+        ExpectMatchesReference(
+            {mask, 5, 100, RopePhase::kInterleaved, p, 29, 2, Score::kSoftmax, block}, seed++);
+      }
+      ExpectMatchesReference({mask, 9, 0, RopePhase::kToken, p, 31, 3, Score::kLinear, 7}, seed++);
+    }
+  }
 }
 
 TEST(IhaFusedTest, LinearScoresAndLongerSequences) {
