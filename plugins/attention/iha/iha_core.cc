@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "plugins/attention/common/attention_common.h"
+#include "plugins/attention/iha/collapse_cpu.h"
 
 namespace loom::attention::iha {
 namespace {
@@ -142,6 +143,13 @@ torch::Tensor Collapse(const torch::Tensor& pseudo, const torch::Tensor& collaps
   const int64_t h = pseudo.size(2), p = pseudo.size(3);
   TORCH_CHECK(collapse.dim() == 2 && collapse.size(0) == h && collapse.size(1) == h * p,
               "iha: collapse must be [H, H·P] = [", h, ", ", h * p, "], got ", collapse.sizes());
+  torch::Tensor r = collapse.to(pseudo.dtype());
+  if (CpuCollapseApplies(pseudo, r)) return CpuCollapse(pseudo, r);
+  return EinsumCollapse(pseudo, r);
+}
+
+torch::Tensor EinsumCollapse(const torch::Tensor& pseudo, const torch::Tensor& collapse) {
+  const int64_t h = pseudo.size(2), p = pseudo.size(3);
   // R[h, h'·P + j] viewed as [h, h', j].
   return torch::einsum("bngjd,hgj->bnhd", {pseudo, collapse.view({h, h, p}).to(pseudo.dtype())});
 }

@@ -91,8 +91,11 @@ torch::Tensor PseudoOutputs(const torch::Tensor& q, const torch::Tensor& k, cons
                             const torch::Tensor& alpha_v, const torch::Tensor& positions,
                             const Options& options);
 
-// Collapse pseudo outputs [B, N, H, P, dv] with R [H, H·P] -> [B, N, H, dv].
+// Collapse pseudo outputs [B, N, H, P, dv] with R [H, H·P] -> [B, N, H, dv]: on CPU float32 and
+// float64 tensors the row kernel of collapse_cpu.h, elsewhere EinsumCollapse.
 torch::Tensor Collapse(const torch::Tensor& pseudo, const torch::Tensor& collapse);
+// The collapse as one einsum (what the row kernel is tested against).
+torch::Tensor EinsumCollapse(const torch::Tensor& pseudo, const torch::Tensor& collapse);
 
 }  // namespace loom::attention::iha
 
