@@ -4,7 +4,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <vector>
 
 namespace loom::attention::iha {
 namespace {
