@@ -362,8 +362,9 @@ AttentionBench::Variant AttentionBench::Mha(int64_t window) const {
   Options o;
   o.mask = causal_ ? Mask::kInterleaved : Mask::kNone;
   o.window = window;
-  return
-      [this, o] { return loom::attention::iha::FusedHeadAttention(g_.q, g_.k, g_.v, o, tiles_); };
+  return [this, o] {
+    return loom::attention::iha::FusedHeadAttention(g_.q, g_.k, g_.v, torch::Tensor(), o, tiles_);
+  };
 }
 
 Options AttentionBench::IhaOptions(int64_t window) const {

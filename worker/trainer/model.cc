@@ -7,6 +7,7 @@
 #include "loom/spec.h"
 #include "worker/trainer/activation_checkpoint.h"
 #include "worker/trainer/plugin_factory.h"
+#include "worker/trainer/rms_norm_cpu.h"
 
 namespace loom::trainer {
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
@@ -14,7 +15,8 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  return x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight_;
+  if (CpuRmsNormApplies(x, weight_)) return CpuRmsNorm(x, weight_, eps_);
+  return CompositeRmsNorm(x, weight_, eps_);
 }
 
 FeedForwardImpl::FeedForwardImpl(int64_t d_model, int64_t hidden, bool swiglu)

@@ -194,16 +194,18 @@ TEST_F(TrainerTest, DynamicLossScalingWithoutOverflowIsExact) {
   EXPECT_EQ(b->loss_scale_overflows, 0);
 }
 
-// Real overflow: with an initial scale of 2^127 (fp32's largest power of two) the backward pass
-// overflows to inf (measured: at 2^127, not at 2^126), so the first step is skipped and the scale
-// halved until the backward fits. Overflows are not divergences (max_nan_skips 1 would stop the
-// run at the first if they counted), and a resume from a checkpoint restores the scale: it ends
-// bitwise where the uninterrupted run ends.
+// Real overflow: with an initial scale of 2^127 (fp32's largest power of two) and steps of two
+// tokens (one sequence of 2: per-token gradients are large) the scaled gradients exceed fp32's
+// range (measured: gradient norms of 5-10 at scale 1, overflowing at 2^127 within the first
+// steps), so that step is skipped and the scale halved until the backward fits. Overflows are not
+// divergences (max_nan_skips 1 would stop the run at the first if they counted), and a resume from
+// a checkpoint restores the scale: it ends bitwise where the uninterrupted run ends.
 TEST_F(TrainerTest, LossScalingSkipsOverflowsAndResumesExactly) {
   const std::string dir = ::testing::TempDir() + "/loom-scale-" + std::to_string(::getpid());
   std::filesystem::remove_all(dir);
   auto spec = [&](const std::string& ckpt) {
     return Spec(absl::StrCat(R"({"preset": "micro", "steps": 40, "max_nan_skips": 1,
+                                 "micro_batch": 1, "seq_len": 2,
                                  "data": {"corpus_bytes": 65536}, "eval": {"batches": 1},
                                  "loss_scale": {"mode": "dynamic", "initial": 1.7014118346046923e38,
                                                 "growth_interval": 1000},
@@ -215,9 +217,11 @@ TEST_F(TrainerTest, LossScalingSkipsOverflowsAndResumesExactly) {
   auto r = (*first)->Run();
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->steps.size(), 40u);
-  EXPECT_TRUE(r->steps[0].overflowed);
-  EXPECT_EQ(r->steps[0].loss_scale, 0x1p127);
-  EXPECT_EQ(r->steps[1].loss_scale, 0x1p126);
+  size_t first_overflow = 0;
+  while (first_overflow < 20 && !r->steps[first_overflow].overflowed) ++first_overflow;
+  ASSERT_LT(first_overflow, 20u) << "no overflow at 2^127 in the first 20 steps";
+  EXPECT_EQ(r->steps[first_overflow].loss_scale, 0x1p127);
+  EXPECT_EQ(r->steps[first_overflow + 1].loss_scale, 0x1p126);
   EXPECT_GE(r->loss_scale_overflows, 1);
   EXPECT_EQ(r->nan_skipped, 0);
   int64_t overflows = 0;
@@ -228,7 +232,9 @@ TEST_F(TrainerTest, LossScalingSkipsOverflowsAndResumesExactly) {
   }
   EXPECT_EQ(overflows, r->loss_scale_overflows);
   EXPECT_FALSE(r->steps.back().overflowed) << "the scale settles where the backward fits";
-  EXPECT_LT(r->steps.back().loss, r->steps[overflows].loss) << "and training goes on";
+  double early = 0, late = 0;  // two tokens a step: compare means of ten steps
+  for (size_t i = 0; i < 10; ++i) early += r->steps[i].loss, late += r->steps[30 + i].loss;
+  EXPECT_LT(late, early) << "and training goes on";
   const std::string text = (*first)->registry().Render();
   EXPECT_NE(
       text.find(absl::StrCat(

@@ -144,7 +144,7 @@ ProjectedAttention::ProjectedAttention(const LoomAttentionSpecV1& spec, const st
 }
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ProjectedAttention::QueriesKeysValues(
-    const torch::Tensor& x, const AttentionInputs& inputs, int64_t v_heads) {
+    const torch::Tensor& x, const AttentionInputs& inputs, int64_t v_heads, bool rotate) {
   TORCH_CHECK(x.dim() == 3 && x.size(2) == d_model_, plugin_, ": x must be [B, N, ", d_model_,
               "], got ", x.sizes());
   const int64_t b = x.size(0), n = x.size(1);
@@ -152,7 +152,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ProjectedAttention::Quer
     return t.view({b, n, heads, n_heads_ * head_dim_ / heads}).transpose(1, 2);
   };
   torch::Tensor q = split(proj_.q->forward(x), n_heads_), k = split(proj_.k->forward(x), n_heads_);
-  if (rope_theta_ > 0) {
+  if (rope_theta_ > 0 && rotate) {
     torch::Tensor pos = CheckedPositions(inputs.positions, b, n, x.device());
     q = ApplyRope(q, pos, rope_theta_);
     k = ApplyRope(k, pos, rope_theta_);

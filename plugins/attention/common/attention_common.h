@@ -121,9 +121,10 @@ class ProjectedAttention : public AttentionLayer {
   // Heads v is split into (QueriesKeysValues' v_heads).
   virtual int64_t ValueHeads() const { return n_heads_; }
 
-  // x [B, N, D] -> q, k [B, H, N, d] (RoPE applied when on) and v [B, v_heads, N, H·d / v_heads].
+  // x [B, N, D] -> q, k [B, H, N, d] (RoPE applied when on, unless `rotate` is false: a kernel
+  // that rotates as it loads) and v [B, v_heads, N, H·d / v_heads].
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> QueriesKeysValues(
-      const torch::Tensor& x, const AttentionInputs& inputs, int64_t v_heads);
+      const torch::Tensor& x, const AttentionInputs& inputs, int64_t v_heads, bool rotate = true);
   // heads [B, H', N, w] with H'·w = H·d -> o_proj of their concatenation, [B, N, D].
   torch::Tensor Output(const torch::Tensor& heads);
   // The four projections' FLOPs per token.

@@ -875,10 +875,10 @@ torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const
 }
 
 torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v, const Options& o,
-                                 const FusedOptions& fused) {
-  TORCH_CHECK(o.p == 1 && o.rope_theta <= 0 && o.mask != Mask::kBlock,
-              "fused multi-head attention: P = 1, RoPE applied by the caller, causal or no mask");
+                                 const torch::Tensor& v, const torch::Tensor& positions,
+                                 const Options& o, const FusedOptions& fused) {
+  TORCH_CHECK(o.p == 1 && o.mask != Mask::kBlock,
+              "fused multi-head attention: P = 1, causal or no mask");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.sizes() == k.sizes() &&
                   v.size(0) == q.size(0) && v.size(1) == q.size(1) && v.size(2) == q.size(2),
               "fused multi-head attention: q, k [B, N, H, dk] and v [B, N, H, dv], got ", q.sizes(),
@@ -889,10 +889,12 @@ torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
   const int64_t tile = TileTokens(fused, o, q.size(1));
   // Empty alpha tensors: no mixing (autograd's apply needs defined tensors).
   torch::Tensor none = torch::empty({0}, q.options());
+  const auto compute = q.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  auto [cos, sin] = ExpandedRopeTables(q, positions, o, compute);
   torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), torch::kCPU);
-  return FusedAttentionFunction::apply(q, k, v, none, none, none, torch::empty({0}),
-                                       torch::empty({0}), segments, static_cast<int64_t>(o.mask),
-                                       o.window, o.p, static_cast<int64_t>(o.score), o.scale, tile,
+  return FusedAttentionFunction::apply(q, k, v, none, none, none, cos, sin, segments,
+                                       static_cast<int64_t>(o.mask), o.window, o.p,
+                                       static_cast<int64_t>(o.score), o.scale, tile,
                                        BlockTokens(fused, o, tile), fused.poison_output)
       .squeeze(3);
 }

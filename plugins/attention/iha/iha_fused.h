@@ -67,12 +67,14 @@ torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const
 
 // Multi-head attention on the same kernel (P = 1, no mixing: the `mha` and `local` plugins'
 // fused path): q, k [B, N, H, dk], v [B, N, H, dv], each with a contiguous last dimension (a
-// transposed [B, H, N, d] tensor passes without a copy), RoPE already applied; options: p = 1,
-// mask interleaved (causal) or none, window, score, scale, segments. Returns [B, N, H, dv],
-// differentiable with respect to q, k and v.
+// transposed [B, H, N, d] tensor passes without a copy), before RoPE: with options.rope_theta > 0
+// the kernel rotates each query and key tile as it loads it (positions [N] or [B, N]), so RoPE
+// costs no passes over q and k of its own; options: p = 1, mask interleaved (causal) or none,
+// window, score, scale, rope_theta, segments. Returns [B, N, H, dv], differentiable with respect
+// to q, k and v.
 torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v, const Options& options,
-                                 const FusedOptions& fused = {});
+                                 const torch::Tensor& v, const torch::Tensor& positions,
+                                 const Options& options, const FusedOptions& fused = {});
 
 }  // namespace loom::attention::iha
 

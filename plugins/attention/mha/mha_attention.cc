@@ -34,8 +34,9 @@ std::string MultiHeadAttention::KernelFor(const torch::Device& device) const {
 }
 
 torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
-  auto [q, k, v] = QueriesKeysValues(x, inputs, n_heads_);
   const std::string kernel = KernelFor(x.device());
+  // The fused kernel rotates q and k itself, tile by tile as it loads them.
+  auto [q, k, v] = QueriesKeysValues(x, inputs, n_heads_, /*rotate=*/kernel != "fused");
   if (kernel == "stock") return Output(Stock(q, k, v, inputs));
   if (kernel == "reference") return Output(Reference(q, k, v, inputs));
   TORCH_CHECK(x.is_cpu(), plugin_, ": options.kernel: 'fused' runs on CPU tensors only");
@@ -43,9 +44,10 @@ torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const Attentio
   o.mask = causal_ ? iha::Mask::kInterleaved : iha::Mask::kNone;
   o.window = window_;
   o.segments = inputs.segments;
+  o.rope_theta = rope_theta_;
   // [B, H, N, d] -> [B, N, H, d] views; the kernel reads them in place.
-  torch::Tensor heads =
-      iha::FusedHeadAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), o);
+  torch::Tensor heads = iha::FusedHeadAttention(q.transpose(1, 2), k.transpose(1, 2),
+                                                v.transpose(1, 2), inputs.positions, o);
   return Output(heads.transpose(1, 2));
 }
 

@@ -151,7 +151,10 @@ TEST(MultiHeadAttention, FusedKernelMatchesReferenceKernel) {
       torch::manual_seed(5);
       torch::Tensor x = torch::randn({2, sh.n, 16}, dtype);
       AttentionInputs in{torch::arange(sh.n)};
-      if (sh.segments) in.segments = (torch::arange(sh.n) / 23).repeat({2, 1});
+      if (sh.segments) {  // packed documents: positions restart per row ([B, N] tables)
+        in.segments = (torch::arange(sh.n) / 23).repeat({2, 1});
+        in.positions = torch::stack({torch::arange(sh.n) % 23, torch::arange(sh.n) + 40});
+      }
       auto run = [&](MultiHeadAttention& m) {
         torch::Tensor xi = x.clone().requires_grad_(true);
         m.zero_grad();
