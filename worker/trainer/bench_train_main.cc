@@ -5,7 +5,6 @@
 // goes (--profile ROWS). MFU is measured against a matmul ceiling this
 // program measures itself at the same thread count in the same run, so the numbers mean
 // something on any CPU. Prints Markdown tables (docs/benchmarks.md records them).
-#include <sys/resource.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -92,17 +91,9 @@ std::vector<Variant> Schedules(int64_t p, int64_t seq_len) {
   };
 }
 
-// CPU seconds this process has used, in user and in system (kernel) mode.
-std::pair<double, double> CpuSeconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * t.tv_usec; };
-  return {s(u.ru_utime), s(u.ru_stime)};
-}
-
 struct Measured {
   double step_s = 0, flops_per_token = 0;
-  double sys_per_user = 0;  // system / user CPU time over the whole run (allocation churn)
+  double sys_per_user = 0;  // system / user CPU time over the timed steps (allocation churn)
   std::vector<OpProfile::Row> profile;  // with --profile only
 };
 
@@ -122,13 +113,15 @@ absl::StatusOr<Measured> RunSchedule(const Width& w, const Variant& v, int64_t l
   LOOM_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(resolved, loader, {}));
   std::unique_ptr<OpProfile> recorder;
   if (profile) recorder = std::make_unique<OpProfile>();
-  const auto [user0, sys0] = CpuSeconds();
   LOOM_ASSIGN_OR_RETURN(TrainSummary summary, trainer->Run());
-  const auto [user1, sys1] = CpuSeconds();
   Measured m;
-  m.sys_per_user = (sys1 - sys0) / std::max(1e-9, user1 - user0);
-  for (size_t i = static_cast<size_t>(warmup); i < summary.steps.size(); ++i)
+  double user = 0, sys = 0;
+  for (size_t i = static_cast<size_t>(warmup); i < summary.steps.size(); ++i) {
     m.step_s += summary.steps[i].seconds;
+    user += summary.steps[i].cpu_user_s;
+    sys += summary.steps[i].cpu_sys_s;
+  }
+  m.sys_per_user = sys / std::max(1e-9, user);
   m.step_s /= static_cast<double>(steps);
   m.flops_per_token = trainer->model().ForwardFlopsPerToken(w.seq_len);
   if (recorder) m.profile = recorder->Rows();

@@ -27,6 +27,7 @@ struct StepRecord {
   double loss_scale = 0;  // the dynamic loss scale this step ran at; 0 without loss scaling
   bool skipped = false;
   bool overflowed = false;  // skipped because the scaled gradients overflowed (loss scaling)
+  double cpu_user_s = 0, cpu_sys_s = 0;  // the process's user and system CPU time in the step
 };
 
 // Where an evaluation ran: the fixed held-out batches (split ""), a data.splits split with its

@@ -1,6 +1,7 @@
 #include "worker/trainer/trainer.h"
 
 #include <ATen/record_function.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -271,8 +272,19 @@ void Trainer::LogRunStart() const {
 
 // One optimizer step: forward and backward over grad_accum micro-batches, gradients reduced
 // across ranks, clipped, and the update applied (or skipped when non-finite).
+namespace {
+// This process's user and system CPU seconds so far.
+std::pair<double, double> ProcessCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * t.tv_usec; };
+  return {s(u.ru_utime), s(u.ru_stime)};
+}
+}  // namespace
+
 absl::StatusOr<StepRecord> Trainer::TrainStep(TrainSummary* summary) {
   const auto start = Clock::now();
+  const auto [user0, sys0] = ProcessCpuSeconds();
   StepRecord r;
   r.step = progress_.step + 1;
   r.lr = LearningRateAt(spec_.optimizer(), spec_.steps(), progress_.step);
@@ -283,6 +295,9 @@ absl::StatusOr<StepRecord> Trainer::TrainStep(TrainSummary* summary) {
   ++progress_.step;
   progress_.tokens_seen += tokens_per_step_;
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const auto [user1, sys1] = ProcessCpuSeconds();
+  r.cpu_user_s = user1 - user0;
+  r.cpu_sys_s = sys1 - sys0;
   r.tokens_per_second = static_cast<double>(tokens_per_step_) / r.seconds;
   const double flops_per_step =
       3.0 * forward_flops_per_token_ * static_cast<double>(tokens_per_step_);
