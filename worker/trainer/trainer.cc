@@ -270,8 +270,6 @@ void Trainer::LogRunStart() const {
       spec_.eval().patience()));
 }
 
-// One optimizer step: forward and backward over grad_accum micro-batches, gradients reduced
-// across ranks, clipped, and the update applied (or skipped when non-finite).
 namespace {
 // This process's user and system CPU seconds so far.
 std::pair<double, double> ProcessCpuSeconds() {
@@ -282,6 +280,8 @@ std::pair<double, double> ProcessCpuSeconds() {
 }
 }  // namespace
 
+// One optimizer step: forward and backward over grad_accum micro-batches, gradients reduced
+// across ranks, clipped, and the update applied (or skipped when non-finite).
 absl::StatusOr<StepRecord> Trainer::TrainStep(TrainSummary* summary) {
   const auto start = Clock::now();
   const auto [user0, sys0] = ProcessCpuSeconds();
