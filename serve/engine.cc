@@ -125,6 +125,7 @@ absl::Status Engine::Submit(const std::vector<std::shared_ptr<Sequence>>& sequen
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return absl::UnavailableError("the server is shutting down");
+    DropCancelledQueued();  // a departed client's sequences hold no queue slots
     if (queue_.size() + sequences.size() > static_cast<size_t>(options_.max_queue)) {
       return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", queue_.size(), " of ",
                                                        options_.max_queue,
@@ -151,6 +152,7 @@ void Engine::Loop() {
       std::unique_lock<std::mutex> lock(mu_);
       wake_.wait(lock, [&] { return stop_ || !queue_.empty() || !rows_.empty(); });
       if (stop_) break;
+      DropCancelledQueued();
       joining = TakeAdmissible();
       if (registry_)
         registry_->Set("loom_serve_queued_sequences", static_cast<double>(queue_.size()));
@@ -176,19 +178,28 @@ void Engine::Loop() {
   for (auto& s : queue_) s->Finish("cancelled", "", down);
 }
 
-// Called with mu_ held: queued sequences that fit in the batch (cancelled ones are dropped).
+// Called with mu_ held, every engine step: a client that leaves while queued is answered at
+// once, not when the queue reaches its sequence (which behind long rows can take minutes).
+void Engine::DropCancelledQueued() {
+  std::deque<std::shared_ptr<Sequence>> kept;
+  for (auto& s : queue_) {
+    if (!s->cancelled()) {
+      kept.push_back(std::move(s));
+      continue;
+    }
+    s->Finish("cancelled", "");
+    if (registry_) registry_->Increment("loom_serve_cancelled_total");
+  }
+  queue_ = std::move(kept);
+}
+
+// Called with mu_ held: queued sequences that fit in the batch.
 std::vector<std::shared_ptr<Sequence>> Engine::TakeAdmissible() {
   std::vector<std::shared_ptr<Sequence>> joining;
   while (!queue_.empty() &&
          rows_.size() + joining.size() < static_cast<size_t>(options_.max_batch)) {
-    std::shared_ptr<Sequence> s = std::move(queue_.front());
+    joining.push_back(std::move(queue_.front()));
     queue_.pop_front();
-    if (s->cancelled()) {
-      s->Finish("cancelled", "");
-      if (registry_) registry_->Increment("loom_serve_cancelled_total");
-      continue;
-    }
-    joining.push_back(std::move(s));
   }
   return joining;
 }

@@ -132,6 +132,7 @@ class Engine {
   };
 
   void Loop();
+  void DropCancelledQueued();
   std::vector<std::shared_ptr<Sequence>> TakeAdmissible();
   void Prefill(const std::vector<std::shared_ptr<Sequence>>& joining);
   // The prompt's log-probabilities from its prefill logits [n, vocab].

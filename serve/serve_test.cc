@@ -282,6 +282,24 @@ TEST_F(EngineTest, StopsLimitsCancellationAndAFullQueue) {
   EXPECT_TRUE(absl::IsResourceExhausted(engine.Submit(four)));
 }
 
+TEST_F(EngineTest, ASequenceCancelledWhileQueuedLeavesAtOnce) {
+  Engine engine(model_, Bytes, EngineOptions{1, 16}, nullptr);
+  // One row, eight long sequences ahead: FIFO admission alone would answer the victim only
+  // after about 8 x 60 decode steps.
+  std::vector<std::shared_ptr<Sequence>> ahead;
+  for (int i = 0; i < 8; ++i) ahead.push_back(Greedy({static_cast<uint32_t>(i + 1)}, 60));
+  ASSERT_TRUE(engine.Submit(ahead).ok());
+  auto victim = Greedy({3}, 60);
+  ASSERT_TRUE(engine.Submit({victim}).ok());
+  victim->Cancel();
+  WaitDone(*victim);
+  EXPECT_EQ(victim->finish_reason(), "cancelled");
+  EXPECT_TRUE(Tokens(*victim).empty());
+  EXPECT_FALSE(ahead.back()->done()) << "the victim left before the queue reached it";
+  EXPECT_LE(engine.queued(), 7);
+  for (const auto& s : ahead) WaitDone(*s);
+}
+
 TEST_F(EngineTest, OpenApiDocumentsExactlyTheServedRoutes) {
   const char* path = std::getenv("LOOM_SERVE_OPENAPI");
   ASSERT_NE(path, nullptr);
