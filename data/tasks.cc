@@ -172,10 +172,12 @@ class NeedleTask : public Task {
   int64_t needles_, queries_, context_;
 };
 
+// A random functional graph and `queries` questions about distinct start nodes, each "the node
+// `hops` edges on". Only the answer letters are scored: the rest is as predictable as the prompt.
 class KHopTask : public Task {
  public:
-  KHopTask(TaskInfo info, int64_t nodes, int64_t hops)
-      : info_(std::move(info)), nodes_(nodes), hops_(hops) {}
+  KHopTask(TaskInfo info, int64_t nodes, int64_t hops, int64_t queries)
+      : info_(std::move(info)), nodes_(nodes), hops_(hops), queries_(queries) {}
   const TaskInfo& info() const override { return info_; }
   std::vector<Example> Batch(int64_t batch, std::mt19937_64& rng) const override {
     std::vector<Example> out;
@@ -185,22 +187,26 @@ class KHopTask : public Task {
       std::vector<int> order(static_cast<size_t>(nodes_));
       for (int i = 0; i < nodes_; ++i) order[i] = i;
       std::shuffle(order.begin(), order.end(), rng);
-      std::string prompt;
-      for (int i : order)
-        prompt += absl::StrCat(std::string(1, static_cast<char>('a' + i)), ">",
-                               std::string(1, static_cast<char>('a' + next[i])), " ");
-      const int start = static_cast<int>(Uniform(rng, 0, nodes_ - 1));
-      int node = start;
-      for (int64_t h = 0; h < hops_; ++h) node = next[node];
-      prompt += absl::StrCat("\nq:", std::string(1, static_cast<char>('a' + start)), hops_, "=");
-      out.push_back(LmExample(prompt, std::string(1, static_cast<char>('a' + node)) + ".\n"));
+      std::string graph;
+      for (int i : order) graph += absl::StrCat(Letter(i), ">", Letter(next[i]), " ");
+      std::vector<std::pair<std::string, bool>> segments = {{graph, false}};
+      std::shuffle(order.begin(), order.end(), rng);  // distinct start nodes
+      for (int64_t q = 0; q < queries_; ++q) {
+        int node = order[q];
+        segments.push_back({absl::StrCat("\nq:", Letter(node), hops_, "="), false});
+        for (int64_t h = 0; h < hops_; ++h) node = next[node];
+        segments.push_back({Letter(node), true});
+        segments.push_back({".", false});
+      }
+      out.push_back(LmExample(segments));
     }
     return out;
   }
 
  private:
+  static std::string Letter(int node) { return std::string(1, static_cast<char>('a' + node)); }
   TaskInfo info_;
-  int64_t nodes_, hops_;
+  int64_t nodes_, hops_, queries_;
 };
 
 // Polynomial-filter query on a small random digraph: (A^k x)_v, the sum of the values at the
@@ -354,8 +360,10 @@ absl::StatusOr<std::unique_ptr<Task>> MakeTask(const std::string& name,
     auto hops = o.Int("hops", 2, 1, 9);
     if (!nodes.ok()) return nodes.status();
     if (!hops.ok()) return hops.status();
-    info.max_len = *nodes * 4 + 10;
-    task = std::make_unique<KHopTask>(info, *nodes, *hops);
+    auto queries = o.Int("queries", 1, 1, *nodes);
+    if (!queries.ok()) return queries.status();
+    info.max_len = *nodes * 4 + *queries * 8 - 1;  // tokens: the text minus its last byte
+    task = std::make_unique<KHopTask>(info, *nodes, *hops, *queries);
   } else if (name == "poly_filter") {
     auto nodes = o.Int("nodes", 6, 2, 26);
     auto edges = o.Int("edges", 9, 1, 26 * 26);

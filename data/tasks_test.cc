@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <regex>
+#include <set>
 
 namespace loom::data {
 namespace {
@@ -106,24 +108,41 @@ TEST(Tasks, NeedleAnswersAreTheStatedCodes) {
 }
 
 TEST(Tasks, KHopAnswersFollowTheEdges) {
-  auto task = MakeTask("khop", {{"nodes", "10"}, {"hops", "3"}}, 512);
-  ASSERT_TRUE(task.ok());
-  std::mt19937_64 rng(3);
-  for (const Example& e : (*task)->Batch(30, rng)) {
-    const std::string text = Text(e);
-    std::map<char, char> next;
-    const std::regex edge("([a-z])>([a-z]) ");
-    for (auto it = std::sregex_iterator(text.begin(), text.end(), edge);
-         it != std::sregex_iterator(); ++it) {
-      next[(*it).str(1)[0]] = (*it).str(2)[0];
+  for (int queries : {1, 5}) {
+    auto task = MakeTask(
+        "khop", {{"nodes", "10"}, {"hops", "3"}, {"queries", std::to_string(queries)}}, 512);
+    ASSERT_TRUE(task.ok());
+    std::mt19937_64 rng(3);
+    for (const Example& e : (*task)->Batch(30, rng)) {
+      ASSERT_LE(static_cast<int64_t>(e.tokens.size()), (*task)->info().max_len);
+      const std::string text = Text(e) + ".";  // the last byte is a target only
+      std::map<char, char> next;
+      const std::regex edge("([a-z])>([a-z]) ");
+      for (auto it = std::sregex_iterator(text.begin(), text.end(), edge);
+           it != std::sregex_iterator(); ++it) {
+        next[(*it).str(1)[0]] = (*it).str(2)[0];
+      }
+      ASSERT_EQ(next.size(), 10u);
+      // Only the answer letters are scored, one per question; the questions' starts differ.
+      std::string expected;
+      std::set<char> starts;
+      const std::regex question("\\nq:([a-z])([0-9])=([a-z])\\.");
+      for (auto it = std::sregex_iterator(text.begin(), text.end(), question);
+           it != std::sregex_iterator(); ++it) {
+        char node = (*it).str(1)[0];
+        starts.insert(node);
+        for (int h = 0; h < std::stoi((*it).str(2)); ++h) node = next.at(node);
+        expected.push_back(node);
+      }
+      EXPECT_EQ(starts.size(), static_cast<size_t>(queries));
+      EXPECT_EQ(Scored(e), expected);
     }
-    ASSERT_EQ(next.size(), 10u);
-    std::smatch q;
-    ASSERT_TRUE(std::regex_search(text, q, std::regex("q:([a-z])([0-9])=")));
-    char node = q.str(1)[0];
-    for (int h = 0; h < std::stoi(q.str(2)); ++h) node = next.at(node);
-    EXPECT_EQ(Scored(e), std::string(1, node) + ".\n");
   }
+  EXPECT_NE(MakeTask("khop", {{"nodes", "6"}, {"queries", "7"}}, 512)
+                .status()
+                .message()
+                .find("data.task_options.queries"),
+            std::string::npos);
 }
 
 // Counts walks by explicit enumeration (depth-first), independent of the generator's propagation.
