@@ -4,7 +4,10 @@ the held-out value at the sweep's selection for each metric, steps run, wall-clo
 docs/results.md's tables can be recomputed without the coordinator that ran them.
 
 usage: export_sweep.py --coordinator URL --token-file F --sweep ID --out raw.csv [--length N]
-(--length: the end-of-run evaluations at that eval.lengths length instead of the training length's)
+                       [--solved-accuracy X]
+(--length: the end-of-run evaluations at that eval.lengths length instead of the training length's;
+--solved-accuracy: add `solved_step`, the first held-out evaluation with accuracy >= X, empty if
+none: for tasks that a model solves in a sudden transition, when it happened)
 """
 import argparse
 import csv
@@ -42,6 +45,7 @@ def main():
     ap.add_argument("--sweep", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--length", type=int, default=0)
+    ap.add_argument("--solved-accuracy", type=float, default=None)
     a = ap.parse_args()
     token = open(a.token_file).read().strip()
     sweep = get(a.coordinator, token, f"/v1/sweeps/{a.sweep}")
@@ -60,6 +64,10 @@ def main():
             "steps_run": int(job.get("progress", {}).get("step", 0)),
             "wall_s": round((end - start) / 1000.0, 1) if end and start else "",
         })
+        if a.solved_accuracy is not None:
+            solved = [e for e in evals if e.get("kind", "") in ("", "heldout", "validation")
+                      and float(e.get("accuracy", 0)) >= a.solved_accuracy]
+            rows[-1]["solved_step"] = int(solved[0].get("step", 0)) if solved else ""
     with open(a.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         w.writeheader()
