@@ -21,13 +21,18 @@ def get(base, token, path):
         return json.load(resp)
 
 
+def held_out_evals(evals):
+    """The held-out evaluations at the training length (validation ones under data.splits)."""
+    return [e for e in evals if e.get("kind", "") in ("", "heldout", "validation")]
+
+
 def selected(evals, select, length=0):
     """The evaluation the sweep report reads for `select` and `length` (coordinator/sweep.cc's
     rule)."""
     if length > 0:
         held_out = [e for e in evals if e.get("kind") == "length" and int(e.get("length", 0)) == length]
     else:
-        held_out = [e for e in evals if e.get("kind", "") in ("", "heldout", "validation")]
+        held_out = held_out_evals(evals)
     if select == "test":
         tests = [e for e in evals if e.get("kind") == "test"]
         return tests[-1] if tests else None
@@ -65,8 +70,8 @@ def main():
             "wall_s": round((end - start) / 1000.0, 1) if end and start else "",
         })
         if a.solved_accuracy is not None:
-            solved = [e for e in evals if e.get("kind", "") in ("", "heldout", "validation")
-                      and float(e.get("accuracy", 0)) >= a.solved_accuracy]
+            solved = [e for e in held_out_evals(evals)
+                      if float(e.get("accuracy", 0)) >= a.solved_accuracy]
             rows[-1]["solved_step"] = int(solved[0].get("step", 0)) if solved else ""
     with open(a.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
