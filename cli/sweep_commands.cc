@@ -45,7 +45,42 @@ std::string Counts(const v1::Sweep& s) {
   return absl::StrJoin(parts, ", ");
 }
 
+// select reach: steps to the threshold per cell (censored seeds apart), then which cell got
+// there first per seed with the sign test beside the paired t over seeds where both did.
+void PrintReachTable(const v1::SweepReport& r) {
+  std::cout << absl::StrFormat(
+      "sweep %s: steps until %s %s %g (first held-out evaluation there), 95%% intervals%s\n",
+      r.sweep_id(), r.metric(), r.metric() == "eval_loss" ? "<=" : ">=", r.threshold(),
+      r.complete() ? "" : "  [partial: jobs still running]");
+  std::cout << absl::StrFormat("%-40s %3s %8s %10s %10s %23s %7s\n", "cell", "n", "censored",
+                               "mean", "sd", "95% CI (t)", "pending");
+  for (const auto& c : r.cells()) {
+    std::cout << absl::StrFormat("%-40s %3d %8d %10.1f %10.1f   [%9.1f, %9.1f] %7d\n",
+                                 c.cell().substr(0, 40), c.n(), c.censored(), c.mean(), c.sd(),
+                                 c.ci_low(), c.ci_high(), c.pending());
+  }
+  std::cout << "(n: seeds that reached it; censored: ended without reaching it, not in the mean)\n";
+  if (r.differences().empty()) return;
+  std::cout << absl::StrFormat(
+      "\nvs %s, per seed: which reached it first (exact sign test), and the paired difference "
+      "in steps where both did (paired t):\n",
+      r.baseline());
+  std::cout << absl::StrFormat("%-40s %5s %5s %4s %9s %8s %3s %10s %23s %8s\n", "cell", "first",
+                               "later", "tie", "unordered", "sign p", "n", "mean diff",
+                               "95% CI (paired t)", "p");
+  for (const auto& d : r.differences()) {
+    const std::string t = d.n() < 2
+                              ? absl::StrFormat("%10s   %23s %8s", "-", "(too few seeds)", "-")
+                              : absl::StrFormat("%10.1f   [%9.1f, %9.1f] %8.4f", d.mean(),
+                                                d.t_low(), d.t_high(), d.p_value());
+    std::cout << absl::StrFormat("%-40s %5d %5d %4d %9d %8.4f %3d %s\n", d.cell().substr(0, 40),
+                                 d.first(), d.later(), d.ties(), d.unordered(), d.sign_p_value(),
+                                 d.n(), t);
+  }
+}
+
 void PrintReportTable(const v1::SweepReport& r) {
+  if (r.select() == "reach") return PrintReachTable(r);
   const std::string at = r.length() > 0 ? absl::StrCat(", at length ", r.length()) : "";
   std::cout << absl::StrFormat("sweep %s: %s (%s%s), 95%% intervals%s\n", r.sweep_id(), r.metric(),
                                r.select(), at,
@@ -75,16 +110,23 @@ void PrintReportTable(const v1::SweepReport& r) {
 }
 
 void PrintReportCsv(const v1::SweepReport& r) {
-  std::cout << "kind,cell,baseline,n,mean,sd,low,high,boot_low,boot_high,p_value\n";
+  // The last six columns are select reach's (empty otherwise).
+  std::cout << "kind,cell,baseline,n,mean,sd,low,high,boot_low,boot_high,p_value,"
+               "censored,first,later,ties,unordered,sign_p_value\n";
+  const bool reach = r.select() == "reach";
   for (const auto& c : r.cells()) {
-    std::cout << absl::StrFormat("cell,\"%s\",,%d,%.17g,%.17g,%.17g,%.17g,,,\n", c.cell(), c.n(),
-                                 c.mean(), c.sd(), c.ci_low(), c.ci_high());
+    std::cout << absl::StrFormat("cell,\"%s\",,%d,%.17g,%.17g,%.17g,%.17g,,,,%s,,,,,\n", c.cell(),
+                                 c.n(), c.mean(), c.sd(), c.ci_low(), c.ci_high(),
+                                 reach ? absl::StrCat(c.censored()) : "");
   }
   for (const auto& d : r.differences()) {
     std::cout << absl::StrFormat(
-        "difference,\"%s\",\"%s\",%d,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g\n", d.cell(),
+        "difference,\"%s\",\"%s\",%d,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g,%s\n", d.cell(),
         d.baseline(), d.n(), d.mean(), d.sd(), d.t_low(), d.t_high(), d.boot_low(), d.boot_high(),
-        d.p_value());
+        d.p_value(),
+        reach ? absl::StrFormat(",%d,%d,%d,%d,%.17g", d.first(), d.later(), d.ties(), d.unordered(),
+                                d.sign_p_value())
+              : ",,,,,");
   }
 }
 
@@ -147,13 +189,14 @@ absl::Status Report(client::RestClient& client, const std::string& id, const Cli
                     Output output) {
   v1::SweepReport r;
   std::string query;
-  for (const char* name : {"metric", "select", "length"}) {
+  for (const char* name : {"metric", "select", "length", "threshold"}) {
     if (!args.Has(name)) continue;
     const std::string value = args.Get(name);
     for (char ch : value) {  // the coordinator names the valid values; keep the URL plain
-      if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_') {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--", name, ": '", value, "' is not a metric, selection or length"));
+      if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_' && ch != '.' && ch != '-' &&
+          ch != '+') {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--", name, ": '", value, "' is not a metric, selection, length or threshold"));
       }
     }
     absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=", value);

@@ -670,9 +670,12 @@ absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const 
 absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
                                                          const std::string& metric,
                                                          const std::string& select,
-                                                         std::optional<int64_t> length) {
+                                                         std::optional<int64_t> length,
+                                                         std::optional<double> threshold) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
-  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(metric, select, length.value_or(0)));
+  // The names now; the combination (a reach threshold fits the metric) once the sweep's own
+  // fields fill in what the query leaves out.
+  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(metric, select == "reach" ? "" : select, 0));
   v1::Sweep sweep;
   std::map<std::string, v1::Job> jobs;
   {
@@ -689,8 +692,10 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
   if (!metric.empty()) sweep.mutable_spec()->set_metric(metric);
   if (!select.empty()) sweep.mutable_spec()->set_select(select);
   if (length.has_value()) sweep.mutable_spec()->set_length(*length);
+  if (threshold.has_value()) sweep.mutable_spec()->set_threshold(*threshold);
   const v1::SweepSpec& spec = sweep.spec();  // the overrides combined with the sweep's own
-  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(spec.metric(), spec.select(), spec.length()));
+  LOOM_RETURN_IF_ERROR(
+      CheckMetricAndSelect(spec.metric(), spec.select(), spec.length(), spec.threshold()));
   return BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
 }
 

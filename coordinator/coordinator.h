@@ -90,11 +90,12 @@ class Coordinator {
                                                     const std::string& page_token = "");
   // Cancels every job of the sweep that has not ended.
   absl::StatusOr<v1::Sweep> CancelSweep(const std::string& id, const std::string& user);
-  // The sweep's report; a non-empty metric or select, or a length, replaces the sweep's own
-  // (400 if unknown).
+  // The sweep's report; a non-empty metric or select, or a length or threshold, replaces the
+  // sweep's own (400 if unknown).
   absl::StatusOr<v1::SweepReport> ReportSweep(const std::string& id, const std::string& metric = "",
                                               const std::string& select = "",
-                                              std::optional<int64_t> length = std::nullopt);
+                                              std::optional<int64_t> length = std::nullopt,
+                                              std::optional<double> threshold = std::nullopt);
   absl::StatusOr<v1::ListWorkersResponse> ListWorkers(int page_size = kMaxPageSize,
                                                       const std::string& page_token = "");
 

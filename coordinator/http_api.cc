@@ -4,6 +4,7 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <memory>
 #include <mutex>
@@ -512,13 +513,20 @@ void CreateSweep(Coordinator* c, const std::string& user, Req req, HttpResponse&
 
 void ReportSweep(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
   int64_t length = 0;
-  if (!CheckParams(req, res, {"metric", "select", "length"}) ||
+  double threshold = 0;
+  if (!CheckParams(req, res, {"metric", "select", "length", "threshold"}) ||
       !IntParam(req, res, "length", 0, 0, int64_t{1} << 40, &length)) {
     return;
   }
-  Reply(res,
-        c->ReportSweep(req.matches[0], req.Param("metric"), req.Param("select"),
-                       req.HasParam("length") ? std::optional<int64_t>(length) : std::nullopt));
+  if (req.HasParam("threshold") &&
+      (!absl::SimpleAtod(req.Param("threshold"), &threshold) || !std::isfinite(threshold))) {
+    SetJsonError(res, 400, "threshold: expected a number");
+    return;
+  }
+  Reply(res, c->ReportSweep(
+                 req.matches[0], req.Param("metric"), req.Param("select"),
+                 req.HasParam("length") ? std::optional<int64_t>(length) : std::nullopt,
+                 req.HasParam("threshold") ? std::optional<double>(threshold) : std::nullopt));
 }
 
 // GET .../{id}: no query parameters; the answer is the resource.

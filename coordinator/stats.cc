@@ -94,6 +94,18 @@ double TTestPValue(const std::vector<double>& x) {
   return 2 * (1 - StudentTCdf(std::fabs(t), static_cast<double>(x.size() - 1)));
 }
 
+double SignTestPValue(int wins, int losses) {
+  const int n = wins + losses, k = std::min(wins, losses);
+  if (n <= 0) return 1;
+  // P(X <= k) = sum_i C(n, i) / 2^n, in logs so that large n does not overflow.
+  double tail = 0;
+  for (int i = 0; i <= k; ++i) {
+    tail += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) -
+                     n * std::log(2.0));
+  }
+  return std::min(1.0, 2 * tail);
+}
+
 Interval BootstrapInterval(const std::vector<double>& x, int resamples, uint64_t seed,
                            double level) {
   if (x.empty()) return {Mean(x), Mean(x)};

@@ -26,6 +26,9 @@ struct Interval {
 Interval TInterval(const std::vector<double>& x, double level = 0.95);
 // Two-sided p-value of a one-sample t test of mean 0 (1 for n < 2; 0 or 1 when sd is 0).
 double TTestPValue(const std::vector<double>& x);
+// Two-sided exact sign test (binomial, p = 1/2) of `wins` against `losses`, ties left out:
+// min(1, 2 P(X <= min(wins, losses))) with X ~ Bin(wins + losses, 1/2); 1 when both are 0.
+double SignTestPValue(int wins, int losses);
 // Percentile bootstrap interval of the mean: `resamples` resamples with replacement from a
 // generator seeded with `seed` (the same inputs give the same interval).
 Interval BootstrapInterval(const std::vector<double>& x, int resamples = 10000, uint64_t seed = 1,

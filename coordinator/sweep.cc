@@ -2,7 +2,9 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "absl/strings/numbers.h"
@@ -87,6 +89,10 @@ double MetricOf(const v1::EvalResult& e, const std::string& metric) {
   return e.eval_loss();
 }
 
+bool HeldOut(const v1::EvalResult& e) {
+  return e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation";
+}
+
 // The evaluation a job's value comes from: its last held-out one (validation evaluations of
 // data.splits jobs count as held-out), the one with the lowest eval loss (best by validation),
 // or for `test` its last test evaluation (the test split at the best validation epoch). With a
@@ -95,10 +101,9 @@ double MetricOf(const v1::EvalResult& e, const std::string& metric) {
 const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select, int64_t length) {
   const v1::EvalResult* chosen = nullptr;
   for (const auto& e : job.evals()) {
-    const bool wanted = length > 0 ? e.kind() == "length" && e.length() == length
-                        : select == "test"
-                            ? e.kind() == "test"
-                            : e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation";
+    const bool wanted = length > 0         ? e.kind() == "length" && e.length() == length
+                        : select == "test" ? e.kind() == "test"
+                                           : HeldOut(e);
     if (!wanted) continue;
     if (chosen == nullptr ||
         (select == "best" ? e.eval_loss() < chosen->eval_loss() : e.step() >= chosen->step())) {
@@ -108,19 +113,124 @@ const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select, 
   return chosen;
 }
 
+// select reach: the earliest held-out evaluation at or past the threshold (a loss at or below
+// it); null when none is.
+const v1::EvalResult* ReachingEval(const v1::Job& job, const v1::SweepReport& report) {
+  const v1::EvalResult* first = nullptr;
+  for (const auto& e : job.evals()) {
+    if (!HeldOut(e)) continue;
+    const double m = MetricOf(e, report.metric());
+    const bool reached =
+        report.metric() == "eval_loss" ? m <= report.threshold() : m >= report.threshold();
+    if (reached && (first == nullptr || e.step() < first->step())) first = &e;
+  }
+  return first;
+}
+
+enum class Outcome { kValue, kPending, kFailed };
+
+// What one job of a cell contributes: a value (filled into *v), not yet (pending), or nothing
+// (failed, cancelled, or succeeded without an evaluation to read).
+Outcome JobOutcome(const v1::Job* job, const v1::SweepReport& report, v1::SeedValue* v) {
+  const std::optional<JobState> state =
+      job == nullptr ? std::optional<JobState>(JobState::kQueued) : JobStateOf(*job);
+  if (state == JobState::kFailed || state == JobState::kCancelled) return Outcome::kFailed;
+  const bool succeeded = state == JobState::kSucceeded;
+  const v1::EvalResult* e = nullptr;
+  if (report.select() == "reach") {
+    // A running job that has reached the threshold has its value already.
+    e = job == nullptr ? nullptr : ReachingEval(*job, report);
+    if (e != nullptr) {
+      v->set_value(static_cast<double>(e->step()));
+      v->set_step(e->step());
+      return Outcome::kValue;
+    }
+    e = succeeded ? ChosenEval(*job, "final", 0) : nullptr;
+    if (e == nullptr) return succeeded ? Outcome::kFailed : Outcome::kPending;
+    v->set_value(static_cast<double>(e->step()));
+    v->set_step(e->step());
+    v->set_censored(true);
+    return Outcome::kValue;
+  }
+  e = succeeded ? ChosenEval(*job, report.select(), report.length()) : nullptr;
+  if (e == nullptr) return succeeded ? Outcome::kFailed : Outcome::kPending;
+  v->set_value(MetricOf(*e, report.metric()));
+  v->set_step(e->step());
+  return Outcome::kValue;
+}
+
+// select reach: which of two seeds' jobs reached the threshold first, where that is known.
+void CountOrder(const v1::SeedValue& cell, const v1::SeedValue& base, v1::PairedDifference* d) {
+  const int64_t c = cell.step(), b = base.step();
+  if (!cell.censored() && !base.censored()) {
+    if (c < b) d->set_first(d->first() + 1);
+    if (c > b) d->set_later(d->later() + 1);
+    if (c == b) d->set_ties(d->ties() + 1);
+  } else if (!cell.censored() && c <= b) {  // the baseline had not reached it by step b
+    d->set_first(d->first() + 1);
+  } else if (!base.censored() && b <= c) {
+    d->set_later(d->later() + 1);
+  } else {
+    d->set_unordered(d->unordered() + 1);
+  }
+}
+
+// The paired difference of `cell` against the report's baseline over the seeds both have a
+// value for (under reach: both reached the threshold; the order counts take the rest).
+void AddDifference(const std::string& cell,
+                   const std::map<std::string, std::map<uint64_t, v1::SeedValue>>& by_cell,
+                   v1::SweepReport* report) {
+  static const std::map<uint64_t, v1::SeedValue> kNone;
+  auto values = [&](const std::string& name) -> const std::map<uint64_t, v1::SeedValue>& {
+    auto it = by_cell.find(name);
+    return it == by_cell.end() ? kNone : it->second;
+  };
+  const auto& base_values = values(report->baseline());
+  v1::PairedDifference* d = report->add_differences();
+  d->set_cell(cell);
+  d->set_baseline(report->baseline());
+  std::vector<double> diffs;
+  for (const auto& [seed, v] : values(cell)) {
+    auto base = base_values.find(seed);
+    if (base == base_values.end()) continue;
+    if (report->select() == "reach") CountOrder(v, base->second, d);
+    if (!v.censored() && !base->second.censored())
+      diffs.push_back(v.value() - base->second.value());
+  }
+  if (report->select() == "reach") d->set_sign_p_value(SignTestPValue(d->first(), d->later()));
+  d->set_n(static_cast<int>(diffs.size()));
+  if (diffs.empty()) return;
+  const Interval t = TInterval(diffs), boot = BootstrapInterval(diffs);
+  d->set_mean(Mean(diffs));
+  d->set_sd(SampleSd(diffs));
+  d->set_t_low(t.low);
+  d->set_t_high(t.high);
+  d->set_p_value(TTestPValue(diffs));
+  d->set_boot_low(boot.low);
+  d->set_boot_high(boot.high);
+}
+
 }  // namespace
 
 absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& select,
-                                  int64_t length) {
+                                  int64_t length, double threshold) {
   if (!metric.empty() && metric != "eval_loss" && metric != "accuracy" && metric != "exact_match") {
     return FieldError("metric", "eval_loss | accuracy | exact_match");
   }
-  if (!select.empty() && select != "final" && select != "best" && select != "test") {
-    return FieldError("select", "final | best | test");
+  if (!select.empty() && select != "final" && select != "best" && select != "test" &&
+      select != "reach") {
+    return FieldError("select", "final | best | test | reach");
   }
   if (length < 0) return FieldError("length", "must be >= 0 (0 = the training length)");
-  if (length > 0 && select == "test") {
-    return FieldError("length", "is an end-of-run evaluation: select final or best, not test");
+  if (length > 0 && (select == "test" || select == "reach")) {
+    return FieldError("length", "is an end-of-run evaluation: select final or best, not " + select);
+  }
+  if (select != "reach") return absl::OkStatus();
+  const bool loss = metric.empty() || metric == "eval_loss";
+  if (!(threshold > 0) || !std::isfinite(threshold) || (!loss && threshold > 1)) {
+    return FieldError("threshold", absl::StrCat("select reach needs the level to reach: ",
+                                                loss ? "an eval_loss > 0" : "a fraction in (0, 1]",
+                                                ", got ", threshold));
   }
   return absl::OkStatus();
 }
@@ -132,7 +242,8 @@ absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
   if (seeds.size() != static_cast<size_t>(spec.seeds_size())) {
     return FieldError("seeds", "each seed at most once");
   }
-  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(spec.metric(), spec.select(), spec.length()));
+  LOOM_RETURN_IF_ERROR(
+      CheckMetricAndSelect(spec.metric(), spec.select(), spec.length(), spec.threshold()));
   // The grid's combinations: paths sorted (a protobuf map iterates in no fixed order), values in
   // their order.
   const std::map<std::string, google::protobuf::ListValue> sorted_grid(spec.grid().begin(),
@@ -218,42 +329,39 @@ v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
   report.set_metric(spec.metric().empty() ? "eval_loss" : spec.metric());
   report.set_select(spec.select().empty() ? "final" : spec.select());
   report.set_length(spec.length());
+  if (report.select() == "reach") report.set_threshold(spec.threshold());
   report.set_baseline(spec.baseline().empty() && !sweep.cells().empty() ? sweep.cells(0)
                                                                         : spec.baseline());
   report.set_complete(true);
-  std::map<std::string, std::map<uint64_t, double>> by_cell;  // cell -> seed -> value
+  std::map<std::string, std::map<uint64_t, v1::SeedValue>> by_cell;  // cell -> seed -> value
   for (const std::string& name : sweep.cells()) {
     v1::CellStats* cell = report.add_cells();
     cell->set_cell(name);
-    std::vector<double> values;
+    std::vector<double> values;  // of the seeds that count in the mean (not censored)
     for (const v1::SweepJob& sj : sweep.jobs()) {
       if (sj.cell() != name) continue;
       auto it = jobs.find(sj.job_id());
-      const std::optional<JobState> state =
-          it == jobs.end() ? std::optional<JobState>(JobState::kQueued) : JobStateOf(it->second);
-      if (state == JobState::kFailed || state == JobState::kCancelled) {
-        cell->set_failed(cell->failed() + 1);
-        continue;
-      }
-      const bool succeeded = state == JobState::kSucceeded;
-      const v1::EvalResult* e =
-          succeeded ? ChosenEval(it->second, report.select(), report.length()) : nullptr;
-      if (e == nullptr) {
-        if (!succeeded) {
+      v1::SeedValue v;
+      switch (JobOutcome(it == jobs.end() ? nullptr : &it->second, report, &v)) {
+        case Outcome::kFailed:
+          cell->set_failed(cell->failed() + 1);
+          continue;
+        case Outcome::kPending:
           cell->set_pending(cell->pending() + 1);
           report.set_complete(false);
-        } else {
-          cell->set_failed(cell->failed() + 1);  // succeeded without an evaluation
-        }
-        continue;
+          continue;
+        case Outcome::kValue:
+          break;
       }
-      v1::SeedValue* v = cell->add_values();
-      v->set_seed(sj.seed());
-      v->set_value(MetricOf(*e, report.metric()));
-      v->set_step(e->step());
-      v->set_job_id(sj.job_id());
-      values.push_back(v->value());
-      by_cell[name][sj.seed()] = v->value();
+      v.set_seed(sj.seed());
+      v.set_job_id(sj.job_id());
+      if (v.censored()) {
+        cell->set_censored(cell->censored() + 1);
+      } else {
+        values.push_back(v.value());
+      }
+      *cell->add_values() = v;
+      by_cell[name][sj.seed()] = v;
     }
     cell->set_n(static_cast<int>(values.size()));
     if (values.empty()) continue;
@@ -264,25 +372,7 @@ v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
     cell->set_ci_high(ci.high);
   }
   for (const std::string& name : sweep.cells()) {
-    if (name == report.baseline()) continue;
-    std::vector<double> diffs;
-    for (const auto& [seed, value] : by_cell[name]) {
-      auto base = by_cell[report.baseline()].find(seed);
-      if (base != by_cell[report.baseline()].end()) diffs.push_back(value - base->second);
-    }
-    v1::PairedDifference* d = report.add_differences();
-    d->set_cell(name);
-    d->set_baseline(report.baseline());
-    d->set_n(static_cast<int>(diffs.size()));
-    if (diffs.empty()) continue;
-    const Interval t = TInterval(diffs), boot = BootstrapInterval(diffs);
-    d->set_mean(Mean(diffs));
-    d->set_sd(SampleSd(diffs));
-    d->set_t_low(t.low);
-    d->set_t_high(t.high);
-    d->set_p_value(TTestPValue(diffs));
-    d->set_boot_low(boot.low);
-    d->set_boot_high(boot.high);
+    if (name != report.baseline()) AddDifference(name, by_cell, &report);
   }
   return report;
 }

@@ -22,10 +22,11 @@ struct SweepCell {
   std::vector<std::pair<std::string, google::protobuf::Value>> set;  // path -> value, in order
 };
 
-// A report's metric (eval_loss | accuracy | exact_match), selection (final | best | test) and
-// eval.lengths length (0 = the training length); empty/0 means the default. Errors name the field.
+// A report's metric (eval_loss | accuracy | exact_match), selection (final | best | test |
+// reach), eval.lengths length (0 = the training length) and, for reach, the threshold; empty/0
+// means the default. Errors name the field.
 absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& select,
-                                  int64_t length = 0);
+                                  int64_t length = 0, double threshold = 0);
 
 // Checks the spec's own fields (seeds, metric, select, sizes) and expands its cells: the grid's
 // combinations (paths in order, values in order), crossed with the listed cells when both are

@@ -228,5 +228,155 @@ TEST(SweepTest, LengthSelectsTheEndOfRunEvaluationAtThatLength) {
   value(512);  // no evaluation at that length: the job counts as failed, not as a value
 }
 
+TEST(StatsTest, SignTestIsTheExactBinomial) {
+  EXPECT_DOUBLE_EQ(SignTestPValue(0, 0), 1.0);
+  EXPECT_DOUBLE_EQ(SignTestPValue(5, 0), 2.0 / 32);  // the smallest p five seeds can give
+  EXPECT_DOUBLE_EQ(SignTestPValue(0, 5), 2.0 / 32);
+  EXPECT_DOUBLE_EQ(SignTestPValue(4, 1), 2.0 * 6 / 32);
+  EXPECT_DOUBLE_EQ(SignTestPValue(3, 3), 1.0);
+  // 9 of 10: 2 (1 + 10) / 1024.
+  EXPECT_NEAR(SignTestPValue(9, 1), 22.0 / 1024, 1e-15);
+  EXPECT_NEAR(SignTestPValue(1, 9), 22.0 / 1024, 1e-15);
+}
+
+// select reach: the value is the step of a job's first held-out evaluation at the threshold; a
+// job that ended without reaching it is censored (listed, not in the mean); a running job that
+// has reached it counts already. Paired: which seed's job got there first, where known.
+TEST(SweepTest, ReachReportsStepsToTheThresholdWithCensoredSeedsApart) {
+  v1::SweepSpec spec = BaseSweep();
+  spec.set_metric("accuracy");
+  spec.set_select("reach");
+  EXPECT_NE(ExpandSweep(spec).status().message().find("threshold"), std::string::npos);
+  spec.set_threshold(1.5);  // accuracy is a fraction
+  EXPECT_NE(ExpandSweep(spec).status().message().find("threshold"), std::string::npos);
+  spec.set_threshold(0.95);
+  spec.set_length(128);
+  EXPECT_NE(ExpandSweep(spec).status().message().find("length"), std::string::npos);
+  spec.set_length(0);
+  ASSERT_TRUE(ExpandSweep(spec).ok());
+  v1::SweepSpec loss = BaseSweep();
+  loss.set_select("reach");
+  loss.set_threshold(1.5);  // eval_loss <= 1.5 is a fine target
+  EXPECT_TRUE(ExpandSweep(loss).ok());
+
+  v1::Sweep sweep;
+  sweep.set_id("sweep-000003");
+  *sweep.mutable_spec() = spec;
+  sweep.add_cells("a");
+  sweep.add_cells("b");
+  std::map<std::string, v1::Job> jobs;
+  // Per seed and cell: the step accuracy first reaches 0.95 (0 = never), and the job's state.
+  struct Run {
+    int reach_at;
+    const char* state;
+  };
+  const std::vector<std::pair<Run, Run>> runs = {
+      {{3000, "succeeded"}, {2000, "succeeded"}},  // b first, both reached: diff -1000
+      {{4000, "succeeded"}, {5000, "succeeded"}},  // a first: diff +1000
+      {{0, "succeeded"}, {1000, "succeeded"}},     // b first, a censored at 5000
+      {{0, "succeeded"}, {0, "succeeded"}},        // neither: unordered
+      {{2000, "succeeded"}, {2000, "running"}},    // a tie; b still running, already there
+      {{0, "running"}, {0, "running"}},            // both pending
+  };
+  for (size_t i = 0; i < runs.size(); ++i) {
+    for (const std::string cell : {"a", "b"}) {
+      const Run& run = cell == "a" ? runs[i].first : runs[i].second;
+      v1::SweepJob* sj = sweep.add_jobs();
+      sj->set_cell(cell);
+      sj->set_seed(i + 1);
+      sj->set_job_id(cell + std::to_string(i));
+      v1::Job job;
+      job.set_state(run.state);
+      const int last = std::string(run.state) == "running" ? 3000 : 5000;
+      for (int step = 0; step <= last; step += 1000) {
+        v1::EvalResult* e = job.add_evals();
+        e->set_step(step);
+        e->set_accuracy(run.reach_at > 0 && step >= run.reach_at ? 0.97 + 0.001 * step / 1000
+                                                                 : 0.5);
+        if (step == 1000) {  // a test evaluation past the threshold never counts
+          v1::EvalResult* t = job.add_evals();
+          t->set_step(step);
+          t->set_kind("test");
+          t->set_accuracy(1.0);
+        }
+      }
+      jobs[sj->job_id()] = job;
+    }
+  }
+  const v1::SweepReport r = BuildSweepReport(sweep, jobs);
+  EXPECT_EQ(r.select(), "reach");
+  EXPECT_DOUBLE_EQ(r.threshold(), 0.95);
+  EXPECT_FALSE(r.complete());
+  ASSERT_EQ(r.cells_size(), 2);
+  const auto& a = r.cells(0);  // reached at 3000, 4000, 2000; censored seeds 3 and 4
+  EXPECT_EQ(a.n(), 3);
+  EXPECT_EQ(a.censored(), 2);
+  EXPECT_EQ(a.pending(), 1);
+  EXPECT_DOUBLE_EQ(a.mean(), 3000.0);
+  EXPECT_DOUBLE_EQ(a.sd(), 1000.0);
+  ASSERT_EQ(a.values_size(), 5);
+  EXPECT_TRUE(a.values(2).censored());
+  EXPECT_EQ(a.values(2).step(), 5000);  // its last held-out evaluation
+  const auto& b = r.cells(1);           // 2000, 5000, 1000, and 2000 while running; seed 4 censored
+  EXPECT_EQ(b.n(), 4);
+  EXPECT_EQ(b.censored(), 1);
+  EXPECT_EQ(b.pending(), 1);
+  EXPECT_DOUBLE_EQ(b.mean(), 2500.0);
+  ASSERT_EQ(r.differences_size(), 1);
+  const auto& d = r.differences(0);  // b - a over seeds 1, 2, 5: -1000, +1000, 0
+  EXPECT_EQ(d.n(), 3);
+  EXPECT_DOUBLE_EQ(d.mean(), 0.0);
+  EXPECT_EQ(d.first(), 2);                  // seeds 1 and 3
+  EXPECT_EQ(d.later(), 1);                  // seed 2
+  EXPECT_EQ(d.ties(), 1);                   // seed 5
+  EXPECT_EQ(d.unordered(), 1);              // seed 4
+  EXPECT_DOUBLE_EQ(d.sign_p_value(), 1.0);  // 2 against 1
+}
+
+// A censored job is known to be later only up to the step it ended at: a seed whose baseline
+// stopped at 2000 without reaching it, while the cell reached it at 3000, is unordered.
+TEST(SweepTest, ReachOrdersACensoredSeedOnlyUpToItsLastEvaluation) {
+  v1::SweepSpec spec = BaseSweep();
+  spec.set_metric("eval_loss");
+  spec.set_select("reach");
+  spec.set_threshold(1.0);
+  v1::Sweep sweep;
+  sweep.set_id("sweep-000004");
+  *sweep.mutable_spec() = spec;
+  sweep.add_cells("base");
+  sweep.add_cells("other");
+  std::map<std::string, v1::Job> jobs;
+  auto add = [&](const std::string& cell, uint64_t seed, std::vector<double> losses) {
+    v1::SweepJob* sj = sweep.add_jobs();
+    sj->set_cell(cell);
+    sj->set_seed(seed);
+    sj->set_job_id(cell + std::to_string(seed));
+    v1::Job job;
+    job.set_state("succeeded");
+    for (size_t i = 0; i < losses.size(); ++i) {
+      v1::EvalResult* e = job.add_evals();
+      e->set_step(static_cast<int64_t>(i) * 1000);
+      e->set_eval_loss(losses[i]);
+    }
+    jobs[sj->job_id()] = job;
+  };
+  add("base", 1, {3.0, 2.0, 1.5});            // ended at 2000 without loss <= 1
+  add("other", 1, {3.0, 2.0, 1.5, 0.9});      // reached at 3000: after the base ended
+  add("base", 2, {3.0, 2.0, 1.5, 1.2, 1.1});  // censored at 4000
+  add("other", 2, {3.0, 1.0, 0.5});           // reached at 1000 (<= 1 counts): known first
+  const v1::SweepReport r = BuildSweepReport(sweep, jobs);
+  EXPECT_TRUE(r.complete());
+  EXPECT_EQ(r.cells(0).n(), 0);
+  EXPECT_EQ(r.cells(0).censored(), 2);
+  EXPECT_EQ(r.cells(1).n(), 2);
+  EXPECT_DOUBLE_EQ(r.cells(1).mean(), 2000.0);
+  const auto& d = r.differences(0);
+  EXPECT_EQ(d.n(), 0);  // no seed where both reached it
+  EXPECT_EQ(d.first(), 1);
+  EXPECT_EQ(d.later(), 0);
+  EXPECT_EQ(d.unordered(), 1);
+  EXPECT_DOUBLE_EQ(d.sign_p_value(), 1.0);
+}
+
 }  // namespace
 }  // namespace loom::coordinator

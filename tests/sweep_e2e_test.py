@@ -199,6 +199,7 @@ def test_report_matches_raw_results(up, tmp):
         assert status == 400 and field in body["error"]["message"], (query, status, text)
         violations = [v for d in body["error"]["details"] for v in d.get("fieldViolations", [])]
         assert [v["field"] for v in violations] == [field], (query, body)
+    check_reach_report(up, sweep)
     # The other formats and the plot.
     csv = up.loom("sweep", "report", sweep["id"], "--format", "csv").splitlines()
     assert csv[0].startswith("kind,cell,baseline,n,mean") and len(csv) == 4, csv
@@ -210,6 +211,69 @@ def test_report_matches_raw_results(up, tmp):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     print(f"ok: {sweep['id']}: 2 cells x 3 seeds paired by seed; report = independent computation "
           f"(mean diff {d['mean']:.4f}, t [{d['t_low']:.4f}, {d['t_high']:.4f}], p {d['p_value']:.2g})")
+
+
+def sign_test_p(wins, losses):
+    n, k = wins + losses, min(wins, losses)
+    return 1.0 if n == 0 else min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
+def check_reach_report(up, sweep):
+    """select reach (steps until eval_loss <= a level) against the same from the jobs' evals."""
+    held = {}  # cell -> seed -> [(step, loss)] of held-out evaluations
+    for j in sweep["jobs"]:
+        evals = [e for e in up.api.job(j["job_id"])["evals"]
+                 if e.get("kind", "") in ("", "heldout", "validation")]
+        held.setdefault(j["cell"], {})[int(j["seed"])] = sorted(
+            (int(e.get("step", 0)), e["eval_loss"]) for e in evals)
+    # The median of the jobs' best losses: the jobs whose best is above it never reach it.
+    bests = sorted(min(loss for _, loss in v) for c in held.values() for v in c.values())
+    level = bests[len(bests) // 2]
+    def outcome(evals):  # (step, censored)
+        reached = [step for step, loss in evals if loss <= level]
+        return (reached[0], False) if reached else (evals[-1][0], True)
+    r = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report?select=reach&threshold={level!r}")
+    assert r["select"] == "reach" and r["threshold"] == level, r
+    cells = sweep["cells"]
+    out = {c: {s: outcome(v) for s, v in held[c].items()} for c in cells}
+    assert any(c for o in out.values() for _, c in o.values()), "no job was censored"
+    for c in r["cells"]:
+        steps = [st for st, cen in out[c["cell"]].values() if not cen]
+        assert c.get("n", 0) == len(steps), (c, out)
+        assert c.get("censored", 0) == 3 - len(steps), (c, out)
+        if steps:
+            close(c["mean"], mean(steps), 1e-9, f"{c['cell']} mean steps to the level")
+        for v in c["values"]:
+            assert (int(v["step"]), v.get("censored", False)) == out[c["cell"]][int(v["seed"])], v
+    [d] = r["differences"]
+    counts = {"first": 0, "later": 0, "ties": 0, "unordered": 0}
+    diffs = []
+    for seed in (1, 2, 3):
+        (cs, cc), (bs, bc) = out[cells[1]][seed], out[cells[0]][seed]
+        if not cc and not bc:
+            diffs.append(cs - bs)
+            counts["first" if cs < bs else "later" if cs > bs else "ties"] += 1
+        elif not cc and cs <= bs:
+            counts["first"] += 1
+        elif not bc and bs <= cs:
+            counts["later"] += 1
+        else:
+            counts["unordered"] += 1
+    for k, v in counts.items():
+        assert d.get(k, 0) == v, (k, d, out)
+    assert d.get("n", 0) == len(diffs), (d, out)
+    if diffs:
+        close(d["mean"], mean(diffs), 1e-9, "paired steps difference")
+    close(d["sign_p_value"], sign_test_p(counts["first"], counts["later"]), 1e-12, "sign test p")
+    table = up.loom("sweep", "report", sweep["id"], "--select", "reach", "--threshold", repr(level))
+    assert "steps until eval_loss <=" in table and "sign p" in table, table
+    for query in ("select=reach", "select=reach&threshold=-1", "select=reach&threshold=abc",
+                  "select=reach&length=80&threshold=1"):
+        status, body, text = up.api.request("GET", f"/v1/sweeps/{sweep['id']}/report?{query}")
+        field = "length" if "length" in query else "threshold"
+        assert status == 400 and field in body["error"]["message"], (query, status, text)
+    print(f"ok: {sweep['id']}: steps until eval loss <= {level:.4f} = independent computation "
+          f"({counts})")
 
 
 SPLITS_SWEEP = """name: early-stopping

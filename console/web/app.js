@@ -758,14 +758,24 @@
     every(5000, async () => {
       const r = await api('GET', `/v1/sweeps/${encodeURIComponent(id)}/report`);
       const ci = (lo, hi) => `[${fmt(lo)}, ${fmt(hi)}]`;
+      const count = (v) => h('td', { class: 'num' }, v || 0);
+      // select reach: values are steps until the threshold; censored seeds and who got there first.
+      const reach = r.select === 'reach';
+      const what = reach
+        ? `Steps until ${r.metric} ${r.metric === 'eval_loss' ? '≤' : '≥'} ${r.threshold} (reach; censored seeds are not in the mean)`
+        : `Metric ${r.metric} (${r.select})`;
       body.replaceChildren(
-        h('p', {}, `Metric ${r.metric} (${r.select}); baseline ${r.baseline}; `, r.complete ? 'complete' : 'jobs still running'),
-        table(['Cell', 'n', 'Pending', 'Failed', 'Mean', '95% interval'], (r.cells || []).map((c) => h('tr', {},
-          h('td', {}, c.cell), h('td', { class: 'num' }, c.n), h('td', { class: 'num' }, c.pending), h('td', { class: 'num' }, c.failed),
-          h('td', { class: 'num' }, fmt(c.mean)), h('td', { class: 'num' }, ci(c.ci_low, c.ci_high)))), 'Cells'),
-        table(['Cell', 'Baseline', 'Paired n', 'Mean difference', '95% paired t', '95% bootstrap', 'p'],
+        h('p', {}, `${what}; baseline ${r.baseline}; `, r.complete ? 'complete' : 'jobs still running'),
+        table(['Cell', 'n', ...(reach ? ['Censored'] : []), 'Pending', 'Failed', 'Mean', '95% interval'],
+          (r.cells || []).map((c) => h('tr', {},
+            h('td', {}, c.cell), count(c.n), ...(reach ? [count(c.censored)] : []), count(c.pending), count(c.failed),
+            h('td', { class: 'num' }, fmt(c.mean)), h('td', { class: 'num' }, ci(c.ci_low, c.ci_high)))), 'Cells'),
+        table(['Cell', 'Baseline', ...(reach ? ['First', 'Later', 'Ties', 'Unordered', 'Sign test p'] : []),
+          'Paired n', 'Mean difference', '95% paired t', '95% bootstrap', 'p'],
           (r.differences || []).map((d) => h('tr', {}, h('td', {}, d.cell), h('td', {}, d.baseline),
-            h('td', { class: 'num' }, d.n), h('td', { class: 'num' }, fmt(d.mean)),
+            ...(reach ? [count(d.first), count(d.later), count(d.ties), count(d.unordered),
+              h('td', { class: 'num' }, fmt(d.sign_p_value))] : []),
+            count(d.n), h('td', { class: 'num' }, fmt(d.mean)),
             h('td', { class: 'num' }, ci(d.t_low, d.t_high)), h('td', { class: 'num' }, ci(d.boot_low, d.boot_high)),
             h('td', { class: 'num' }, fmt(d.p_value)))), 'Paired differences against the baseline'));
     });
