@@ -961,7 +961,7 @@ def main():
         h.test_log_followers(long_job)
         h.test_forged_heartbeats(long_job)
         h.test_forged_checkpoints()
-        job = h.api.wait_end(long_job, timeout=300)
+        job = h.api.wait_end_progressing(long_job)  # a loaded 2-core machine runs it slowly
         assert job["state"] == "succeeded" and job["restarts"] == 0, job
         print(f"ok: the long job {long_job} succeeded untouched by the forged reports")
         for f in h.fakes:

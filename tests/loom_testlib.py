@@ -250,6 +250,22 @@ class Api:
     def wait_end(self, job_id, timeout=240):
         return self.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), "the end", timeout)
 
+    def wait_end_progressing(self, job_id, stall=60):
+        """The job's end however slow the machine is, as long as its step keeps moving: a job
+        that makes no progress for `stall` seconds fails the wait (the test's own timeout bounds
+        the rest)."""
+        last, moved = -1, time.time()
+        while True:
+            job = self.job(job_id)
+            if job["state"] in ("succeeded", "failed", "cancelled"):
+                return job
+            step = int(job.get("progress", {}).get("step", 0))
+            if step != last:
+                last, moved = step, time.time()
+            assert time.time() - moved < stall, \
+                f"{job_id}: no progress for {stall} s at step {step}; last state {json.dumps(job)[:3000]}"
+            time.sleep(0.2)
+
 
 def final_tensors(api, job_id, step):
     """{name: (dtype, shape, bytes)} of rank 0's shard of a job's checkpoint at `step`."""
