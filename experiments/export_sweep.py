@@ -4,10 +4,12 @@ the held-out value at the sweep's selection for each metric, steps run, wall-clo
 docs/results.md's tables can be recomputed without the coordinator that ran them.
 
 usage: export_sweep.py --coordinator URL --token-file F --sweep ID --out raw.csv [--length N]
-                       [--solved-accuracy X]
+                       [--solved-accuracy X] [--curves curves.csv]
 (--length: the end-of-run evaluations at that eval.lengths length instead of the training length's;
 --solved-accuracy: add `solved_step`, the first held-out evaluation with accuracy >= X, empty if
-none: for tasks that a model solves in a sudden transition, when it happened)
+none: for tasks that a model solves in a sudden transition, when it happened; --curves: also every
+held-out evaluation of every job, one row each, so that `select: reach` at any threshold can be
+recomputed. A `select: reach` sweep's rows hold each job's final evaluation.)
 """
 import argparse
 import csv
@@ -38,7 +40,7 @@ def selected(evals, select, length=0):
         return tests[-1] if tests else None
     if not held_out:
         return None
-    if select == "best":
+    if select == "best":  # (reach: the final one; its steps are solved_step and the curves)
         return min(held_out, key=lambda e: e.get("eval_loss", 0.0))
     return held_out[-1]
 
@@ -51,11 +53,12 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--length", type=int, default=0)
     ap.add_argument("--solved-accuracy", type=float, default=None)
+    ap.add_argument("--curves", default=None)
     a = ap.parse_args()
     token = open(a.token_file).read().strip()
     sweep = get(a.coordinator, token, f"/v1/sweeps/{a.sweep}")
     select = sweep["spec"].get("select") or "final"
-    rows = []
+    rows, curves = [], []
     for sj in sweep["jobs"]:
         job = get(a.coordinator, token, f"/v1/jobs/{sj['job_id']}")
         evals = sorted(job.get("evals", []), key=lambda e: int(e.get("step", 0)))
@@ -69,6 +72,10 @@ def main():
             "steps_run": int(job.get("progress", {}).get("step", 0)),
             "wall_s": round((end - start) / 1000.0, 1) if end and start else "",
         })
+        for h in held_out_evals(evals):
+            curves.append({"cell": sj["cell"], "seed": int(sj["seed"]), "job": sj["job_id"],
+                           "step": int(h.get("step", 0)), "eval_loss": h.get("eval_loss", ""),
+                           "accuracy": h.get("accuracy", ""), "exact_match": h.get("exact_match", "")})
         if a.solved_accuracy is not None:
             solved = [e for e in held_out_evals(evals)
                       if float(e.get("accuracy", 0)) >= a.solved_accuracy]
@@ -78,6 +85,12 @@ def main():
         w.writeheader()
         w.writerows(rows)
     print(f"{a.out}: {len(rows)} jobs of {a.sweep}")
+    if a.curves and curves:
+        with open(a.curves, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(curves[0].keys()))
+            w.writeheader()
+            w.writerows(curves)
+        print(f"{a.curves}: {len(curves)} held-out evaluations")
 
 
 if __name__ == "__main__":
