@@ -755,8 +755,8 @@ class CommandLine {
                     "http://127.0.0.1:8470)")
         ->type_name("URL");
     app_.add_option("--token-file",
-                    "file holding a user token (default $LOOM_TOKEN; for a "
-                    "loopback coordinator started by `loom up`, the token it wrote)")
+                    "file holding a user token (default: the token in $LOOM_TOKEN, then, "
+                    "for a loopback coordinator started by `loom up`, the token it wrote)")
         ->type_name("FILE");
     app_.add_option("--ca-file",
                     "PEM file of the CA that signed an https:// coordinator's "
