@@ -415,7 +415,7 @@ TEST_F(CoordinatorTest, ForgedReportsAreRefusedAndChangeNothing) {
   as_other.set_worker_id(host);
   EXPECT_EQ(c_->Heartbeat(as_other, other).status().code(), absl::StatusCode::kPermissionDenied);
   // The host itself: checkpoints outside the job's directory, a step that does not match.
-  for (const std::string path :
+  for (const std::string& path :
        {std::string("/etc"), CheckpointPath(id, 5) + "/../../../../job-000009/checkpoints",
         CheckpointPath(id, 6)}) {
     s = forge(host, [&](v1::AttemptReport& r) {

@@ -101,7 +101,9 @@ TEST(ChatTest, OnlyAssistantTokensAreScored) {
   EncodedChat e2 = EncodeChat(c2, t, EncodeBytes);
   EXPECT_EQ(e2.loss_mask, e.loss_mask);
   for (size_t i = 0; i < e.tokens.size(); ++i) {
-    if (e.loss_mask[i]) EXPECT_EQ(e2.tokens[i], e.tokens[i]);
+    if (e.loss_mask[i]) {
+      EXPECT_EQ(e2.tokens[i], e.tokens[i]);
+    }
   }
   // The generation prompt ends with the assistant marker and has no answer in it.
   std::vector<uint32_t> prompt = EncodePrompt(c, t, EncodeBytes);
@@ -181,7 +183,9 @@ TEST(ChatTest, TruncationAndPacking) {
   for (const PackedRow& r : rows) {
     ASSERT_EQ(r.tokens.size(), 16u);
     for (size_t i = 0; i < 16; ++i) {
-      if (r.segment[i] == 0) EXPECT_EQ(r.loss_mask[i], 0);  // padding is never scored
+      if (r.segment[i] == 0) {
+        EXPECT_EQ(r.loss_mask[i], 0);  // padding is never scored
+      }
     }
   }
   EXPECT_EQ(std::vector<uint32_t>(rows[1].tokens.begin(), rows[1].tokens.begin() + 12), e.tokens);

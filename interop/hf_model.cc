@@ -171,7 +171,10 @@ absl::StatusOr<std::vector<LayerAttention>> ResolveLayers(const v1::ModelConfig&
     for (const auto& [key, value] : a.options().fields()) {
       if (key != "kernel") return LayerError(i, absl::StrCat("options.", key, ": unknown option"));
     }
-    out.push_back(LayerAttention{a.plugin(), a.window()});
+    LayerAttention layer;  // mha or local: the iha-only fields stay empty
+    layer.kind = a.plugin();
+    layer.window = a.window();
+    out.push_back(layer);
   }
   return out;
 }

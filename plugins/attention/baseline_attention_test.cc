@@ -75,7 +75,7 @@ TEST(TalkingHeads, MatchesLoopReference) {
     m.to(f64);
     const int64_t B = 2, N = 6, H = 3, d = 4;
     torch::Tensor x = torch::randn({B, N, 12}, f64);
-    torch::Tensor y = m.forward(x, {torch::arange(N)});
+    torch::Tensor y = m.forward(x, {torch::arange(N), {}});
     auto p = m.named_parameters();
     auto PL = m.logit_mix.accessor<double, 2>(), PW = m.weight_mix.accessor<double, 2>();
     torch::Tensor concat = torch::zeros({B, N, H * d}, f64);
@@ -127,7 +127,7 @@ TEST(TalkingHeads, IdentityMixingIsMhaAndMixingCouplesHeads) {
     for (auto& p : mha.named_parameters()) p.value().copy_(src[p.key()]);
   }
   torch::Tensor x = torch::randn({1, 5, 12}, f64);
-  AttentionInputs in{torch::arange(5)};
+  AttentionInputs in{torch::arange(5), {}};
   EXPECT_LT((th.forward(x, in) - mha.forward(x, in)).abs().max().item<double>(), 1e-12);
   EXPECT_EQ(th.NumParameters() - mha.NumParameters(), 2 * 3 * 3);
   {
@@ -154,7 +154,7 @@ TEST(Diff, MatchesLoopReference) {
     m.to(f64);
     const int64_t B = 2, N = 5, H = 4, d = 4, pairs = 2;
     torch::Tensor x = torch::randn({B, N, 16}, f64);
-    torch::Tensor y = m.forward(x, {torch::arange(N)});
+    torch::Tensor y = m.forward(x, {torch::arange(N), {}});
     auto p = m.named_parameters();
     const double lq1k1 = (m.lambda_q1 * m.lambda_k1).sum().item<double>();
     const double lq2k2 = (m.lambda_q2 * m.lambda_k2).sum().item<double>();
@@ -218,7 +218,7 @@ TEST(Diff, DefiningEquations) {
     }
   }
   torch::Tensor x = torch::randn({1, 6, 16}, f64) * 100;
-  AttentionInputs in{torch::arange(6)};
+  AttentionInputs in{torch::arange(6), {}};
   torch::Tensor y0 = m.forward(x, in);
   {
     torch::NoGradGuard g;
@@ -251,7 +251,7 @@ TEST(Baselines, GradientsMatchFiniteDifferences) {
   for (auto& m : layers) {
     m->to(f64);
     torch::Tensor x = torch::randn({1, 4, 8}, f64), w = torch::randn({1, 4, 8}, f64);
-    AttentionInputs in{torch::arange(4)};
+    AttentionInputs in{torch::arange(4), {}};
     ExpectGradientsMatchFiniteDifferences(
         *m, [&] { return (m->forward(x, in) * w).sum(); }, [](const std::string&) { return 3; },
         1e-6);

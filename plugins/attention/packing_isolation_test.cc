@@ -78,8 +78,8 @@ TEST(PackingIsolation, EveryPluginSeesOnlyItsOwnExample) {
         torch::cat({torch::full({na}, 1, torch::kInt64), torch::full({nb}, 2, torch::kInt64)})
             .unsqueeze(0);
     torch::Tensor y = layer->forward(packed, in);
-    torch::Tensor ya = layer->forward(a, {torch::arange(na)});
-    torch::Tensor yb = layer->forward(b, {torch::arange(nb)});
+    torch::Tensor ya = layer->forward(a, {torch::arange(na), {}});
+    torch::Tensor yb = layer->forward(b, {torch::arange(nb), {}});
     EXPECT_LT((y.narrow(1, 0, na) - ya).abs().max().item<double>(), 1e-12) << c.name;
     EXPECT_LT((y.narrow(1, na, nb) - yb).abs().max().item<double>(), 1e-12) << c.name;
     // A's outputs do not depend on B's inputs (and, for encoders, the other way round).
@@ -106,7 +106,7 @@ TEST(PackingIsolation, BatchRowsPackDifferently) {
     in.positions = torch::tensor({0, 1, 2, 3, 0, 1, 0, 1, 0, 1, 2, 3}, torch::kInt64).view({2, 6});
     torch::Tensor y = layer.forward(x, in);
     auto alone = [&](int64_t row, int64_t from, int64_t len) {
-      return layer.forward(x.narrow(0, row, 1).narrow(1, from, len), {torch::arange(len)});
+      return layer.forward(x.narrow(0, row, 1).narrow(1, from, len), {torch::arange(len), {}});
     };
     EXPECT_LT((y.narrow(0, 0, 1).narrow(1, 0, 4) - alone(0, 0, 4)).abs().max().item<double>(),
               1e-12)

@@ -258,7 +258,7 @@ absl::StatusOr<TrainingData> ChatData(const v1::JobSpec& spec, const data::Token
 
 TrainBatch WindowSampler::Next(int64_t batch) {
   auto [inputs, targets] = SampleWindows(*tokens_, batch, seq_len_, rng_);
-  return {inputs, targets, {}, {}};
+  return {inputs, targets, {}, {}, {}, {}};
 }
 
 TrainBatch ChatSampler::Next(int64_t batch) {

@@ -171,7 +171,7 @@ TEST(IhaAttention, ModuleIsProjectionsAroundTheCore) {
       auto m = MakeIha(12, 3, 4, true, 0, 10000,
                        {{"p", "2"}, {"mask", mask}, {"init", "random"}, {"kernel", kernel}});
       torch::Tensor x = torch::randn({2, 6, 12}, torch::kFloat64);
-      torch::Tensor y = m->forward(x, {torch::arange(6)});
+      torch::Tensor y = m->forward(x, {torch::arange(6), {}});
       auto [q, k, v] = m->Project(x);
       torch::Tensor heads =
           LoopIha(q, k, v, m->alpha_q, m->alpha_k, m->alpha_v, m->collapse, m->options());
@@ -196,7 +196,7 @@ TEST(IhaAttention, GradientsOfEveryParameterMatchFiniteDifferences) {
     auto m = MakeIha(8, 2, 4, true, 2, 10000, {{"p", "2"}, {"init", "random"}, {"kernel", kernel}});
     torch::Tensor x = torch::randn({1, 4, 8}, torch::kFloat64);
     torch::Tensor w = torch::randn({1, 4, 8}, torch::kFloat64);
-    AttentionInputs in{torch::arange(4)};
+    AttentionInputs in{torch::arange(4), {}};
     // Every alpha and R entry; every fifth projection weight.
     const int64_t checked = ExpectGradientsMatchFiniteDifferences(
         *m, [&] { return (m->forward(x, in) * w).sum(); },
@@ -236,7 +236,7 @@ TEST(IhaAttention, CausalityAndWindowForBothMasks) {
                             {"init", "random"},
                             {"kernel", kernel}});
           torch::Tensor x = torch::randn({1, N, 12}, torch::kFloat64);
-          AttentionInputs in{torch::arange(N)};
+          AttentionInputs in{torch::arange(N), {}};
           torch::Tensor y = m->forward(x, in);
           for (int64_t t = 0; t < N; ++t) {
             torch::Tensor x2 = x.clone();

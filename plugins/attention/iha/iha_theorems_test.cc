@@ -42,7 +42,7 @@ TEST(IhaTheorem2, IdentityMixingReproducesMhaExactly) {
       mha.to(f64);
       CopyProjections(iha, mha);
       torch::Tensor x = torch::randn({2, 7, 12}, f64);
-      AttentionInputs in{torch::arange(7)};
+      AttentionInputs in{torch::arange(7), {}};
       EXPECT_LT((iha.forward(x, in) - mha.forward(x, in)).abs().max().item<double>(), 1e-12)
           << st.mask << " P " << p;
     }
@@ -57,7 +57,7 @@ TEST(IhaTheorem2, IdentityMixingReproducesMhaExactly) {
   mha.to(f64);
   CopyProjections(iha, mha);
   torch::Tensor x = torch::randn({1, 7, 12}, f64);
-  AttentionInputs in{torch::arange(7)};
+  AttentionInputs in{torch::arange(7), {}};
   EXPECT_GT((iha.forward(x, in) - mha.forward(x, in)).abs().max().item<double>(), 1e-6);
 }
 
@@ -127,7 +127,7 @@ TEST(IhaTheorem2, OppositePseudoHeadsAreNonlinearOnRepeatedTokens) {
     iha.to(f64);
     mha.to(f64);
     CopyProjections(iha, mha);
-    AttentionInputs in{torch::arange(N)};
+    AttentionInputs in{torch::arange(N), {}};
     auto repeated = [&](const torch::Tensor& v) { return v.expand({1, N, D}).contiguous(); };
     // max |f(2x) − 2·f(x)| / max |2·f(x)|: 0 for a layer linear on S.
     auto nonlinearity = [&](AttentionLayer& layer, const torch::Tensor& xv) {

@@ -116,7 +116,7 @@ TEST(MultiHeadAttention, MatchesLoopReference) {
       auto m = Make(spec, kernel);
       torch::manual_seed(3);
       torch::Tensor x = torch::randn({2, 9, c.d_model}, torch::kFloat64);
-      AttentionInputs in{torch::arange(9)};
+      AttentionInputs in{torch::arange(9), {}};
       torch::Tensor y = m->forward(x, in);
       torch::Tensor ref = LoopReference(*m, x, spec);
       EXPECT_LT((y - ref).abs().max().item<double>(), kTol)
@@ -150,7 +150,7 @@ TEST(MultiHeadAttention, FusedKernelMatchesReferenceKernel) {
       reference->to(dtype);
       torch::manual_seed(5);
       torch::Tensor x = torch::randn({2, sh.n, 16}, dtype);
-      AttentionInputs in{torch::arange(sh.n)};
+      AttentionInputs in{torch::arange(sh.n), {}};
       if (sh.segments) {  // packed documents: positions restart per row ([B, N] tables)
         in.segments = (torch::arange(sh.n) / 23).repeat({2, 1});
         in.positions = torch::stack({torch::arange(sh.n) % 23, torch::arange(sh.n) + 40});
@@ -181,7 +181,7 @@ TEST(MultiHeadAttention, CausalityChangingTokenTNeverChangesEarlierOutputs) {
     auto spec = TestSpec(16, 4, 4, true, window, 10000);
     auto m = Make(spec);
     torch::Tensor x = torch::randn({1, 12, 16}, torch::kFloat64);
-    AttentionInputs in{torch::arange(12)};
+    AttentionInputs in{torch::arange(12), {}};
     torch::Tensor y = m->forward(x, in);
     for (int64_t t = 0; t < 12; ++t) {
       torch::Tensor x2 = x.clone();
@@ -201,7 +201,7 @@ TEST(MultiHeadAttention, WindowTokensOutsideHaveNoEffect) {
     auto spec = TestSpec(16, 4, 4, causal, W, 10000);
     auto m = Make(spec);
     torch::Tensor x = torch::randn({1, N, 16}, torch::kFloat64);
-    AttentionInputs in{torch::arange(N)};
+    AttentionInputs in{torch::arange(N), {}};
     torch::Tensor y = m->forward(x, in);
     for (int64_t t = 0; t < N; ++t) {
       torch::Tensor x2 = x.clone();
@@ -244,11 +244,11 @@ TEST(MultiHeadAttention, ShiftingAllPositionsLeavesOutputUnchanged) {
     auto spec = TestSpec(16, 4, 4, causal, 0, 10000);
     auto m = Make(spec);
     torch::Tensor x = torch::randn({2, 10, 16}, torch::kFloat64);
-    torch::Tensor y0 = m->forward(x, {torch::arange(10)});
-    torch::Tensor y1 = m->forward(x, {torch::arange(10) + 1000});
+    torch::Tensor y0 = m->forward(x, {torch::arange(10), {}});
+    torch::Tensor y1 = m->forward(x, {torch::arange(10) + 1000, {}});
     EXPECT_LT((y0 - y1).abs().max().item<double>(), 1e-9);
     // Per-batch positions [B, N] are accepted and give the same answer.
-    torch::Tensor y2 = m->forward(x, {torch::arange(10).unsqueeze(0).repeat({2, 1}) + 37});
+    torch::Tensor y2 = m->forward(x, {torch::arange(10).unsqueeze(0).repeat({2, 1}) + 37, {}});
     EXPECT_LT((y0 - y2).abs().max().item<double>(), 1e-9);
   }
 }
@@ -257,7 +257,7 @@ TEST(MultiHeadAttention, EncoderModeSeesTheFuture) {
   auto spec = TestSpec(16, 4, 4, false, 0, 10000);
   auto m = Make(spec);
   torch::Tensor x = torch::randn({1, 8, 16}, torch::kFloat64);
-  AttentionInputs in{torch::arange(8)};
+  AttentionInputs in{torch::arange(8), {}};
   torch::Tensor y = m->forward(x, in);
   torch::Tensor x2 = x.clone();
   x2.index_put_({0, 7}, torch::randn({16}, torch::kFloat64));
@@ -269,7 +269,7 @@ TEST(MultiHeadAttention, GradientsMatchFiniteDifferences) {
   auto spec = TestSpec(8, 2, 4, true, 3, 10000);
   auto m = Make(spec);
   torch::Tensor x = torch::randn({1, 5, 8}, torch::kFloat64);
-  AttentionInputs in{torch::arange(5)};
+  AttentionInputs in{torch::arange(5), {}};
   torch::Tensor w = torch::randn({1, 5, 8}, torch::kFloat64);
   ExpectGradientsMatchFiniteDifferences(
       *m, [&] { return (m->forward(x, in) * w).sum(); }, [](const std::string&) { return 7; },

@@ -91,7 +91,7 @@ TEST(IhaCudaTest, ModuleKernelChoice) {
                                    m.options())
            .empty()) {
     try {
-      m.forward(x, {torch::arange(5)});
+      m.forward(x, {torch::arange(5), {}});
       ADD_FAILURE() << "kernel: cuda ran on CPU tensors";
     } catch (const InvalidAttentionSpec& e) {
       EXPECT_NE(std::string(e.what()).find("options.kernel"), std::string::npos) << e.what();
@@ -99,7 +99,7 @@ TEST(IhaCudaTest, ModuleKernelChoice) {
   }
   std::vector<LoomOption> automatic = {{"p", "2"}};
   IhaAttention a(TestSpec(8, 2, 4, true, 0, 0, &automatic));
-  EXPECT_EQ(a.forward(x, {torch::arange(5)}).sizes(), x.sizes());
+  EXPECT_EQ(a.forward(x, {torch::arange(5), {}}).sizes(), x.sizes());
   EXPECT_EQ(a.AcceleratedKernel(x.view({1, 5, 2, 4}), x.view({1, 5, 2, 4}), x.view({1, 5, 2, 4}),
                                 a.options()),
             "");
