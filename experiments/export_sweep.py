@@ -40,9 +40,9 @@ def selected(evals, select, length=0):
         return tests[-1] if tests else None
     if not held_out:
         return None
-    if select == "best":  # (reach: the final one; its steps are solved_step and the curves)
+    if select == "best":
         return min(held_out, key=lambda e: e.get("eval_loss", 0.0))
-    return held_out[-1]
+    return held_out[-1]  # final, and reach (its steps are in solved_step and the curves)
 
 
 def main():
@@ -72,13 +72,13 @@ def main():
             "steps_run": int(job.get("progress", {}).get("step", 0)),
             "wall_s": round((end - start) / 1000.0, 1) if end and start else "",
         })
-        for h in held_out_evals(evals):
+        held_out = held_out_evals(evals)
+        for h in held_out:
             curves.append({"cell": sj["cell"], "seed": int(sj["seed"]), "job": sj["job_id"],
                            "step": int(h.get("step", 0)), "eval_loss": h.get("eval_loss", ""),
                            "accuracy": h.get("accuracy", ""), "exact_match": h.get("exact_match", "")})
         if a.solved_accuracy is not None:
-            solved = [e for e in held_out_evals(evals)
-                      if float(e.get("accuracy", 0)) >= a.solved_accuracy]
+            solved = [e for e in held_out if float(e.get("accuracy", 0)) >= a.solved_accuracy]
             rows[-1]["solved_step"] = int(solved[0].get("step", 0)) if solved else ""
     with open(a.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
