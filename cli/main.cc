@@ -919,7 +919,7 @@ void AddSweepCommands(CommandLine& line, Commands& c) {
       {{"format", "FORMAT", "table | json | yaml | csv (default: table, or -o)"},
        {"plot", "PNG", "also write metric vs step per cell (PNG)"},
        {"metric", "METRIC", "eval_loss | accuracy | exact_match (default: the sweep's)"},
-       {"select", "SELECTION", "final | best | test | reach (default: the sweep's)"},
+       {"select", "SELECTION", "final | best | test | reach | mean (default: the sweep's)"},
        {"threshold", "X", "select reach: the metric level to reach (steps until it)"},
        {"length", "N", "the end-of-run evaluation at this eval.lengths length (0: training)"}});
   C::Switch(report, "-f,--follow", "");  // accepted for symmetry with submit; no effect

@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -127,6 +128,22 @@ const v1::EvalResult* ReachingEval(const v1::Job& job, const v1::SweepReport& re
   return first;
 }
 
+// select mean: the metric averaged over a job's held-out evaluations after step 0 (the area
+// under its learning curve over the trained steps, in the metric's units when evaluations are
+// evenly spaced); the step-0 evaluation only measures the initialisation. Null without one.
+std::optional<double> MeanOverEvals(const v1::Job& job, const std::string& metric, int64_t* last) {
+  double sum = 0;
+  int count = 0;
+  for (const auto& e : job.evals()) {
+    if (!HeldOut(e) || e.step() <= 0) continue;
+    sum += MetricOf(e, metric);
+    ++count;
+    *last = std::max(*last, e.step());
+  }
+  if (count == 0) return std::nullopt;
+  return sum / count;
+}
+
 enum class Outcome { kValue, kPending, kFailed };
 
 // What one job of a cell contributes: a value (filled into *v), not yet (pending), or nothing
@@ -150,6 +167,16 @@ Outcome JobOutcome(const v1::Job* job, const v1::SweepReport& report, v1::SeedVa
     v->set_value(static_cast<double>(e->step()));
     v->set_step(e->step());
     v->set_censored(true);
+    return Outcome::kValue;
+  }
+  if (report.select() == "mean") {
+    // Only a finished curve: the mean of a running job's first evaluations would favour it.
+    if (!succeeded) return Outcome::kPending;
+    int64_t last = 0;
+    const std::optional<double> m = MeanOverEvals(*job, report.metric(), &last);
+    if (!m) return Outcome::kFailed;
+    v->set_value(*m);
+    v->set_step(last);
     return Outcome::kValue;
   }
   e = succeeded ? ChosenEval(*job, report.select(), report.length()) : nullptr;
@@ -218,11 +245,11 @@ absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& 
     return FieldError("metric", "eval_loss | accuracy | exact_match");
   }
   if (!select.empty() && select != "final" && select != "best" && select != "test" &&
-      select != "reach") {
-    return FieldError("select", "final | best | test | reach");
+      select != "reach" && select != "mean") {
+    return FieldError("select", "final | best | test | reach | mean");
   }
   if (length < 0) return FieldError("length", "must be >= 0 (0 = the training length)");
-  if (length > 0 && (select == "test" || select == "reach")) {
+  if (length > 0 && (select == "test" || select == "reach" || select == "mean")) {
     return FieldError("length", "is an end-of-run evaluation: select final or best, not " + select);
   }
   if (select != "reach") return absl::OkStatus();

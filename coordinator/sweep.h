@@ -23,8 +23,8 @@ struct SweepCell {
 };
 
 // A report's metric (eval_loss | accuracy | exact_match), selection (final | best | test |
-// reach), eval.lengths length (0 = the training length) and, for reach, the threshold; empty/0
-// means the default. Errors name the field.
+// reach | mean), eval.lengths length (0 = the training length) and, for reach, the threshold;
+// empty/0 means the default. Errors name the field.
 absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& select,
                                   int64_t length = 0, double threshold = 0);
 

@@ -228,6 +228,52 @@ TEST(SweepTest, LengthSelectsTheEndOfRunEvaluationAtThatLength) {
   value(512);  // no evaluation at that length: the job counts as failed, not as a value
 }
 
+// select mean: the metric averaged over the held-out evaluations after step 0 (the area under
+// the learning curve); step 0, test and length evaluations are left out; a running job is
+// pending however many evaluations it has, and a length cannot be combined with it.
+TEST(SweepTest, SelectMeanAveragesTheHeldOutCurveAfterStepZero) {
+  v1::SweepSpec spec = BaseSweep();
+  spec.set_select("mean");
+  spec.set_length(128);
+  EXPECT_NE(ExpandSweep(spec).status().message().find("length"), std::string::npos);
+  spec.set_length(0);
+  spec.set_metric("accuracy");
+  ASSERT_TRUE(ExpandSweep(spec).ok());
+  v1::Job job;
+  job.set_state("succeeded");
+  auto add = [&](int64_t step, const std::string& kind, double accuracy) {
+    v1::EvalResult* e = job.add_evals();
+    e->set_step(step);
+    e->set_kind(kind);
+    if (kind == "length") e->set_length(128);
+    e->set_accuracy(accuracy);
+  };
+  add(0, "", 0.05);  // the initialisation: not part of the curve
+  add(250, "", 0.40);
+  add(500, "heldout", 0.50);
+  add(500, "test", 0.99);
+  add(750, "", 0.90);
+  add(750, "length", 0.99);
+  v1::SweepReport r = ReportOfOneJob(spec, job);
+  ASSERT_EQ(r.cells(0).n(), 1);
+  EXPECT_DOUBLE_EQ(r.cells(0).mean(), (0.40 + 0.50 + 0.90) / 3);
+  EXPECT_EQ(r.cells(0).values(0).step(), 750);
+  EXPECT_FALSE(r.cells(0).values(0).censored());
+  job.set_state("running");
+  r = ReportOfOneJob(spec, job);
+  EXPECT_EQ(r.cells(0).n(), 0);
+  EXPECT_EQ(r.cells(0).pending(), 1);
+  // Succeeded with only its step-0 evaluation: no curve, counted as failed, not as a 0.
+  v1::Job untrained;
+  untrained.set_state("succeeded");
+  untrained.add_evals()->set_accuracy(0.05);
+  r = ReportOfOneJob(spec, untrained);
+  EXPECT_EQ(r.cells(0).n(), 0);
+  EXPECT_EQ(r.cells(0).failed(), 1);
+  spec.set_select("median");
+  EXPECT_NE(ExpandSweep(spec).status().message().find("mean"), std::string::npos);
+}
+
 TEST(StatsTest, SignTestIsTheExactBinomial) {
   EXPECT_DOUBLE_EQ(SignTestPValue(0, 0), 1.0);
   EXPECT_DOUBLE_EQ(SignTestPValue(5, 0), 2.0 / 32);  // the smallest p five seeds can give

@@ -163,7 +163,7 @@ def test_report_matches_raw_results(up, tmp):
         x = [raw[c["cell"]][s] for s in sorted(raw[c["cell"]])]
         assert c["n"] == 3 and not c.get("pending"), c
         close(c["mean"], mean(x), 1e-12, f"{c['cell']} mean")
-        close(c["sd"], sd(x), 1e-9, f"{c['cell']} sd")
+        close(c.get("sd", 0.0), sd(x), 1e-9, f"{c['cell']} sd")
         lo, hi = t_interval(x)
         close(c["ci_low"], lo, 1e-6, f"{c['cell']} CI low")
         close(c["ci_high"], hi, 1e-6, f"{c['cell']} CI high")
@@ -200,6 +200,7 @@ def test_report_matches_raw_results(up, tmp):
         violations = [v for d in body["error"]["details"] for v in d.get("fieldViolations", [])]
         assert [v["field"] for v in violations] == [field], (query, body)
     check_reach_report(up, sweep)
+    check_mean_report(up, sweep)
     # The other formats and the plot.
     csv = up.loom("sweep", "report", sweep["id"], "--format", "csv").splitlines()
     assert csv[0].startswith("kind,cell,baseline,n,mean") and len(csv) == 4, csv
@@ -274,6 +275,38 @@ def check_reach_report(up, sweep):
         assert status == 400 and field in body["error"]["message"], (query, status, text)
     print(f"ok: {sweep['id']}: steps until eval loss <= {level:.4f} = independent computation "
           f"({counts})")
+
+
+def check_mean_report(up, sweep):
+    """select mean (the metric over the held-out evaluations after step 0) against the same
+    from the jobs' evals, for eval_loss and accuracy, through the API and the CLI."""
+    for metric in ("eval_loss", "accuracy"):
+        curve = {}  # cell -> seed -> mean over the evaluations after step 0
+        for j in sweep["jobs"]:
+            evals = [e for e in up.api.job(j["job_id"])["evals"]
+                     if e.get("kind", "") in ("", "heldout", "validation")
+                     and int(e.get("step", 0)) > 0]
+            assert len(evals) == 3, evals  # steps 10, 20, 30
+            curve.setdefault(j["cell"], {})[int(j["seed"])] = mean([e.get(metric, 0.0) for e in evals])
+        r = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report?select=mean&metric={metric}")
+        assert r["select"] == "mean" and r["metric"] == metric, r
+        cells = sweep["cells"]
+        for c in r["cells"]:
+            x = [curve[c["cell"]][s] for s in (1, 2, 3)]
+            assert c["n"] == 3, c
+            close(c.get("mean", 0.0), mean(x), 1e-9, f"{c['cell']} select mean {metric}")
+            close(c.get("sd", 0.0), sd(x), 1e-9, f"{c['cell']} select mean {metric} sd")
+        [d] = r["differences"]
+        diffs = [curve[cells[1]][s] - curve[cells[0]][s] for s in (1, 2, 3)]
+        close(d.get("mean", 0.0), mean(diffs), 1e-9, f"select mean {metric} paired difference")
+        lo, hi = t_interval(diffs)
+        close(d.get("t_low", 0.0), lo, 1e-6, f"select mean {metric} paired t low")
+        cli = json.loads(up.loom("sweep", "report", sweep["id"], "--select", "mean", "--metric",
+                                 metric, "--format", "json"))
+        assert cli == r, (cli, r)
+    status, body, text = up.api.request("GET", f"/v1/sweeps/{sweep['id']}/report?select=mean&length=80")
+    assert status == 400 and "length" in body["error"]["message"], (status, text)
+    print(f"ok: {sweep['id']}: select mean (the held-out curve after step 0) = independent computation")
 
 
 SPLITS_SWEEP = """name: early-stopping
