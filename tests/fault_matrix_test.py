@@ -37,10 +37,14 @@ USERS = {"alice": "alice-token-0123456789abcdef"}
 ENROLMENT_TOKEN = "enrolment-token-0123456789abcdef"
 HEARTBEAT_MS, LOST_AFTER_MS, TERM_GRACE_MS = 250, 4000, 2000
 LEASE_MS = LOST_AFTER_MS // 2
-# Sized on a 2-core VM: the micro preset at micro_batch 8 x seq_len 64 with a checkpoint every 20
-# steps takes ~9 ms a step (loom-train alone, 1 thread), so STEPS_LONG is ~18 s uninterrupted.
-MICRO_BATCH, SEQ_LEN = 8, 64
-STEPS_LONG = 2000
+# The faults, not the training, are under test: a one-layer d_model 32 model at micro_batch 4 x
+# seq_len 32 does a step in a few ms (1 thread), about 1/7 of the micro preset's cost at 8 x 64,
+# so the jobs' compute no longer dominates the suite on a 2-core CI machine. STEPS_LONG is sized
+# so that a job still runs on the fastest machine when a fault lands: a rank runs on for its
+# lease (2 s) after its agent freezes, and that must end well before the last step.
+MICRO_BATCH, SEQ_LEN = 4, 32
+MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2}
+STEPS_LONG = 4000
 STEPS_SHORT = 600
 
 
@@ -192,8 +196,9 @@ class Sampler(threading.Thread):
 
 
 def job_body(steps, world=1, interval=20, keep_last=3, pool="cpu", **extra):
-    """The micro() spec shape of control_plane_test (preset micro, 1 thread, a small corpus)."""
-    spec = {"preset": "micro", "steps": steps, "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "threads": 1,
+    """Preset micro narrowed to MODEL, 1 thread, a small corpus, a checkpoint every `interval`."""
+    spec = {"preset": "micro", "model": dict(MODEL), "steps": steps, "micro_batch": MICRO_BATCH,
+            "seq_len": SEQ_LEN, "threads": 1,
             "dist_timeout_seconds": 30, "data": {"corpus_bytes": 65536}, "eval": {"batches": 1},
             "checkpoint": {"interval": interval, "keep_last": keep_last}, "metrics": {"log_every": 10}}
     spec.update(extra)

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.parse
 
 
 def safetensors_raw(path):
@@ -232,7 +233,18 @@ class Api:
         return self.ok("GET", f"/v1/jobs/{job_id}")
 
     def catalogue(self, job_id=None):
-        return self.ok("GET", "/v1/checkpoints" + (f"?job={job_id}" if job_id else ""))["checkpoints"]
+        """Every catalogue entry (of one job), all pages: a long job's retained-and-deleted
+        entries outnumber one page."""
+        entries, token = [], ""
+        while True:
+            query = [f"job={job_id}"] if job_id else []
+            if token:
+                query.append(f"page_token={urllib.parse.quote(token)}")
+            page = self.ok("GET", "/v1/checkpoints" + ("?" + "&".join(query) if query else ""))
+            entries += page.get("checkpoints", [])
+            token = page.get("next_page_token", "")
+            if not token:
+                return entries
 
     def workers(self):
         return self.ok("GET", "/v1/workers")["workers"]
