@@ -9,7 +9,8 @@ usage: export_sweep.py --coordinator URL --token-file F --sweep ID --out raw.csv
 --solved-accuracy: add `solved_step`, the first held-out evaluation with accuracy >= X, empty if
 none: for tasks that a model solves in a sudden transition, when it happened; --curves: also every
 held-out evaluation of every job, one row each, so that `select: reach` at any threshold can be
-recomputed. A `select: reach` sweep's rows hold each job's final evaluation.)
+recomputed. A `select: reach` sweep's rows hold each job's final evaluation. Every row also has
+`mean_<metric>`, select mean's value: the metric over the held-out evaluations after step 0.)
 """
 import argparse
 import csv
@@ -77,6 +78,11 @@ def main():
             curves.append({"cell": sj["cell"], "seed": int(sj["seed"]), "job": sj["job_id"],
                            "step": int(h.get("step", 0)), "eval_loss": h.get("eval_loss", ""),
                            "accuracy": h.get("accuracy", ""), "exact_match": h.get("exact_match", "")})
+        # select mean's values: each metric over the held-out evaluations after step 0.
+        trained = [h for h in held_out if int(h.get("step", 0)) > 0]
+        for m in ("eval_loss", "accuracy", "exact_match"):
+            values = [float(h.get(m, 0.0)) for h in trained]
+            rows[-1]["mean_" + m] = sum(values) / len(values) if values else ""
         if a.solved_accuracy is not None:
             solved = [e for e in held_out if float(e.get("accuracy", 0)) >= a.solved_accuracy]
             rows[-1]["solved_step"] = int(solved[0].get("step", 0)) if solved else ""

@@ -106,13 +106,15 @@ TEST_F(TrainerTest, FusedKernelsTrainLikeTheReferenceKernels) {
   }
 }
 
-// bf16 mixed precision on the CPU (autocast): tiny-cpu tracks its fp32 run from the same seed
-// at every step over 200 steps (kBf16Tolerance nats), the parameters stay fp32 (master
-// weights), the checkpoint holds fp32 weights and AdamW moments, and a resume from step 150
-// ends bitwise where the uninterrupted bf16 run ends. Micro-batches of 4 rows, because on CPUs
-// without AVX-512 LibTorch's bf16 matmuls take a scalar path (~16x fp32's time), and lr 1e-3,
-// because at that batch the preset's 3e-3 gives loss spikes that land on different steps in the
-// two runs (measured: 0.40 nats apart at one step with 3e-3, at most 0.085 with 1e-3).
+// bf16 mixed precision on the CPU (autocast): tiny-cpu's local + mha schedule, narrowed to
+// d_model 64 and 2 layers, tracks its fp32 run from the same seed at every step over 200 steps
+// (kBf16Tolerance nats), the parameters stay fp32 (master weights), the checkpoint holds fp32
+// weights and AdamW moments, and a resume from step 150 ends bitwise where the uninterrupted
+// bf16 run ends. Small because on CPUs without AVX-512 LibTorch's bf16 matmuls take a scalar
+// path (~16x fp32's time: the full tiny-cpu model made this test 230 s of a loaded 2-core CI
+// run), micro-batches of 4 rows, and lr 1e-3, because at that batch the preset's 3e-3 gives loss
+// spikes that land on different steps in the two runs (measured at the full width: 0.40 nats
+// apart at one step with 3e-3, at most 0.085 with 1e-3; at this width at most 0.032).
 constexpr double kBf16Tolerance = 0.15;
 
 TEST_F(TrainerTest, Bf16TracksFp32KeepsFp32MasterWeightsAndResumesBitwise) {
@@ -120,6 +122,7 @@ TEST_F(TrainerTest, Bf16TracksFp32KeepsFp32MasterWeightsAndResumesBitwise) {
   std::filesystem::remove_all(dir);
   auto spec = [&](const std::string& precision, const std::string& ckpt) {
     return Spec(absl::StrCat(R"({"preset": "tiny-cpu", "steps": 200, "micro_batch": 4,
+                                 "model": {"d_model": 64, "n_layers": 2},
                                  "optimizer": {"lr": 0.001}, "precision": ")",
                              precision,
                              R"(", "data": {"corpus_bytes": 262144}, "eval": {"batches": 1},
