@@ -84,13 +84,13 @@ TEST_F(ModelTest, DecoderIsCausalEndToEnd) {
   ASSERT_TRUE(model.ok()) << model.status();
   (*model)->to(torch::kFloat64);
   torch::Tensor tokens = torch::randint(0, 50, {2, 16}, torch::kInt64);
-  torch::Tensor logits = (*model)->forward(ModelInputs{tokens, {}, {}, {}});
+  torch::Tensor logits = (*model)->forward(ModelInputs{tokens, {}, {}, {}, {}});
   EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 16, 50}));
   torch::Tensor changed = tokens.clone();
   changed.index_put_({torch::indexing::Slice(), 10},
                      (tokens.index({torch::indexing::Slice(), 10}) + 1) % 50);
   torch::Tensor diff =
-      ((*model)->forward(ModelInputs{changed, {}, {}, {}}) - logits).abs().amax({0, 2});
+      ((*model)->forward(ModelInputs{changed, {}, {}, {}, {}}) - logits).abs().amax({0, 2});
   for (int i = 0; i < 10; ++i) EXPECT_EQ(diff[i].item<double>(), 0.0) << i;
   EXPECT_GT(diff[10].item<double>(), 0.0);
 }
@@ -117,8 +117,8 @@ TEST_F(ModelTest, PackedExamplesMatchTheirSoloRuns) {
       torch::cat({torch::ones({7}, torch::kInt64), 2 * torch::ones({6}, torch::kInt64)})
           .unsqueeze(0);
   torch::Tensor y = (*model)->forward(packed);
-  torch::Tensor ya = (*model)->forward(ModelInputs{a, {}, {}, {}});
-  torch::Tensor yb = (*model)->forward(ModelInputs{b, {}, {}, {}});
+  torch::Tensor ya = (*model)->forward(ModelInputs{a, {}, {}, {}, {}});
+  torch::Tensor yb = (*model)->forward(ModelInputs{b, {}, {}, {}, {}});
   EXPECT_LT((y.narrow(1, 0, 7) - ya).abs().max().item<double>(), 1e-10);
   EXPECT_LT((y.narrow(1, 7, 6) - yb).abs().max().item<double>(), 1e-10);
 }
@@ -183,7 +183,7 @@ TEST_F(ModelTest, SwigluAndUntiedHead) {
   EXPECT_TRUE(params.contains("lm_head.weight"));
   EXPECT_TRUE(params.contains("layers.0.ffn.gate.weight"));
   torch::Tensor logits =
-      (*model)->forward(ModelInputs{torch::randint(0, 11, {1, 8}, torch::kInt64), {}, {}, {}});
+      (*model)->forward(ModelInputs{torch::randint(0, 11, {1, 8}, torch::kInt64), {}, {}, {}, {}});
   EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{1, 8, 11}));
 }
 

@@ -111,7 +111,7 @@ TEST(PluginLoader, OneBadLibraryDoesNotStopTheOthers) {
   AttentionShape shape{16, 4, 4, true, false, 10000, 0, 1};
   auto layer = CreateAttentionLayer(loader, config, shape);
   ASSERT_TRUE(layer.ok()) << layer.status();
-  torch::Tensor y = (*layer)->forward(torch::randn({1, 3, 16}), {torch::arange(3)});
+  torch::Tensor y = (*layer)->forward(torch::randn({1, 3, 16}), {torch::arange(3), {}});
   EXPECT_EQ(y.sizes(), (std::vector<int64_t>{1, 3, 16}));
 }
 
