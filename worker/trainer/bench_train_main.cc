@@ -1,10 +1,10 @@
 // loom-bench-train: training throughput and MFU on this machine, for global MHA, local
 // (sliding-window) MHA, global IHA and the paper's hybrid schedule, at the tiny-cpu width and a
-// wider one (--widths tiny,wide), for each thread count of --threads 1,2 (--repeats R runs of
-// each, the thread counts interleaved, medians reported), with a per-op profile of where the step
-// goes (--profile ROWS). MFU is measured against a matmul ceiling this
-// program measures itself at the same thread count in the same run, so the numbers mean
-// something on any CPU. Prints Markdown tables (docs/benchmarks.md records them).
+// wider one (--widths tiny,wide), for each thread count of --threads 1,2 (--repeats R rounds over
+// the schedules, the thread counts back to back, medians reported), with a per-op profile of where
+// the step goes (--profile ROWS). MFU is measured against a matmul ceiling this program measures
+// itself at the same thread count in the same run, so the numbers mean something on any CPU. Prints
+// Markdown tables (docs/benchmarks.md records them).
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -156,7 +156,7 @@ void PrintProfile(const Measured& m, double profiled_s, int64_t rows) {
 // What one invocation measures.
 struct BenchPlan {
   int64_t steps = 0, warmup = 0, batch = 0, p = 0, layers = 0, profile_rows = 0;
-  int64_t repeats = 1;  // runs per schedule and thread count, interleaved; medians reported
+  int64_t repeats = 1;  // rounds over the schedules and thread counts; medians reported
   std::vector<int64_t> thread_counts;  // 0 = LibTorch's default
   std::vector<Width> widths;
   bool bf16 = false;
@@ -206,8 +206,9 @@ class TrainBench {
     return RunSchedule(w, v, plan_.layers, plan_.batch, plan_.warmup, plan_.steps, loader_, profile,
                        precision);
   }
-  // runs[thread count][schedule]: plan_.repeats runs each, the thread counts interleaved per
-  // schedule so that a slow minute of a shared VM hits both sides of a ratio alike.
+  // runs[thread count][schedule]: plan_.repeats rounds over every schedule, the thread counts
+  // back to back per schedule, so that a slow minute of a shared VM hits both sides of a ratio
+  // alike and one round of every schedule, not every repeat of one (the medians drop it).
   using Runs = std::vector<std::vector<std::vector<Measured>>>;
   absl::StatusOr<Runs> MeasureAll(const Width& w, const std::vector<Variant>& variants);
   // One table per thread count from the runs' medians; the schedules' tokens/s.
@@ -254,8 +255,8 @@ absl::Status TrainBench::RunWidth(const Width& w) {
 absl::StatusOr<TrainBench::Runs> TrainBench::MeasureAll(const Width& w,
                                                         const std::vector<Variant>& variants) {
   Runs runs(plan_.thread_counts.size(), std::vector<std::vector<Measured>>(variants.size()));
-  for (size_t v = 0; v < variants.size(); ++v) {
-    for (int64_t r = 0; r < plan_.repeats; ++r) {
+  for (int64_t r = 0; r < plan_.repeats; ++r) {
+    for (size_t v = 0; v < variants.size(); ++v) {
       for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
         SetThreads(plan_.thread_counts[t]);
         LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, variants[v], false));
