@@ -69,6 +69,10 @@ def read_cell(spec):
 
 
 def paired(a, b, column):
+    for rows in (a, b):
+        if column not in next(iter(rows.values())):
+            raise SystemExit(f"--column {column}: not a column of the raw CSV (export_sweep.py writes "
+                             "accuracy, exact_match, eval_loss and their mean_ forms)")
     seeds = sorted(s for s in a if s in b and a[s][column] != "" and b[s][column] != "")
     d = [float(b[s][column]) - float(a[s][column]) for s in seeds]
     n = len(d)
