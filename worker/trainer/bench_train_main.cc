@@ -2,15 +2,17 @@
 // (sliding-window) MHA, global IHA and the paper's hybrid schedule, at the tiny-cpu width and a
 // wider one (--widths tiny,wide), for each thread count of --threads 1,2 (--repeats R rounds over
 // the schedules, the thread counts back to back, medians reported), with a per-op profile of where
-// the step goes (--profile ROWS). MFU is measured against a matmul ceiling this program measures
-// itself at the same thread count in the same run, so the numbers mean something on any CPU. Prints
-// Markdown tables (docs/benchmarks.md records them).
+// the step goes (--profile ROWS), and with --linear split,torch the row-split linear against
+// torch::linear in the same rounds (cpu_kernels/linear_cpu.h). MFU is measured against a matmul
+// ceiling this program measures itself at the same thread count in the same run, so the numbers
+// mean something on any CPU. Prints Markdown tables (docs/benchmarks.md records them).
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -139,18 +141,22 @@ std::string ShortOpName(const std::string& name) {
   return (colon == std::string::npos ? inner : inner.substr(colon + 2)) + " (backward)";
 }
 
-// The profile's largest rows as a share of the profiled steps' time (warm-up included).
-void PrintProfile(const Measured& m, double profiled_s, int64_t rows) {
+// The profile's largest rows as a share of the profiled steps' time (warm-up included) and in
+// milliseconds per step, which compare across thread counts.
+void PrintProfile(const Measured& m, double profiled_s, int64_t steps, int64_t rows) {
   double recorded = 0;
   for (const OpProfile::Row& r : m.profile) recorded += r.self_s;
-  std::cout << "| op (self time) | share | calls |\n| --- | ---: | ---: |\n";
+  const double per_step = 1e3 / static_cast<double>(std::max<int64_t>(1, steps));
+  std::cout << "| op (self time) | share | ms/step | calls |\n| --- | ---: | ---: | ---: |\n";
   for (int64_t i = 0; i < rows && i < static_cast<int64_t>(m.profile.size()); ++i) {
     const OpProfile::Row& r = m.profile[i];
-    std::cout << absl::StrFormat("| %s | %.1f%% | %d |\n", ShortOpName(r.name),
-                                 100 * r.self_s / profiled_s, r.calls);
+    std::cout << absl::StrFormat("| %s | %.1f%% | %.2f | %d |\n", ShortOpName(r.name),
+                                 100 * r.self_s / profiled_s, r.self_s * per_step, r.calls);
   }
-  std::cout << absl::StrFormat("| (outside any op: data, Python-free glue, waits) | %.1f%% | |\n\n",
-                               100 * std::max(0.0, profiled_s - recorded) / profiled_s);
+  const double outside = std::max(0.0, profiled_s - recorded);
+  std::cout << absl::StrFormat(
+      "| (outside any op: data, Python-free glue, waits) | %.1f%% | %.2f | |\n\n",
+      100 * outside / profiled_s, outside * per_step);
 }
 
 // What one invocation measures.
@@ -159,6 +165,8 @@ struct BenchPlan {
   int64_t repeats = 1;  // rounds over the schedules and thread counts; medians reported
   std::vector<int64_t> thread_counts;  // 0 = LibTorch's default
   std::vector<Width> widths;
+  // LOOM_CPU_LINEAR per run (cpu_kernels/linear_cpu.h): "split", "torch"; empty = as set.
+  std::vector<std::string> linears{""};
   bool bf16 = false;
 };
 
@@ -181,6 +189,17 @@ absl::StatusOr<BenchPlan> PlanFromArgs(const CliArgs& args) {
     }
     plan.thread_counts.push_back(n);
   }
+  if (args.Has("linear")) plan.linears.clear();
+  for (absl::string_view l :
+       absl::StrSplit(args.Has("linear") ? args.Get("linear") : "", ',', absl::SkipEmpty())) {
+    if (l != "split" && l != "torch") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--linear: '", l, "' is not a linear (split, torch)"));
+    }
+    plan.linears.emplace_back(l);
+  }
+  if (plan.linears.empty())
+    return absl::InvalidArgumentError("--linear: give split, torch or both");
   for (absl::string_view name :
        absl::StrSplit(args.Has("widths") ? args.Get("widths") : "tiny", ',')) {
     if (name == "tiny") {
@@ -209,8 +228,10 @@ class TrainBench {
   // runs[thread count][schedule]: plan_.repeats rounds over every schedule, the thread counts
   // back to back per schedule, so that a slow minute of a shared VM hits both sides of a ratio
   // alike and one round of every schedule, not every repeat of one (the medians drop it).
+  // With several --linear values, one Runs per value, each run of a round back to back.
   using Runs = std::vector<std::vector<std::vector<Measured>>>;
-  absl::StatusOr<Runs> MeasureAll(const Width& w, const std::vector<Variant>& variants);
+  absl::StatusOr<std::vector<Runs>> MeasureAll(const Width& w,
+                                               const std::vector<Variant>& variants);
   // One table per thread count from the runs' medians; the schedules' tokens/s.
   std::vector<double> ThroughputTable(const Width& w, const std::vector<Variant>& variants,
                                       const std::vector<std::vector<Measured>>& runs,
@@ -218,6 +239,10 @@ class TrainBench {
   absl::Status Bf16Table(const Width& w, const std::vector<Variant>& variants,
                          const std::vector<double>& fp32_rates);
   void ScalingLine(const std::vector<Variant>& variants, const Runs& runs) const;
+  void LinearLine(const std::vector<Variant>& variants, const std::vector<Runs>& runs) const;
+  void SetLinear(size_t l) const {
+    if (!plan_.linears[l].empty()) setenv("LOOM_CPU_LINEAR", plan_.linears[l].c_str(), 1);
+  }
   void SetThreads(int64_t threads) const {
     torch::set_num_threads(threads > 0 ? static_cast<int>(threads) : default_threads_);
   }
@@ -239,7 +264,9 @@ const Measured& MedianRun(const std::vector<Measured>& runs) {
 
 absl::Status TrainBench::RunWidth(const Width& w) {
   const std::vector<Variant> variants = Schedules(plan_.p, w.seq_len);
-  LOOM_ASSIGN_OR_RETURN(Runs runs, MeasureAll(w, variants));
+  LOOM_ASSIGN_OR_RETURN(std::vector<Runs> all, MeasureAll(w, variants));
+  const Runs& runs = all.front();  // the tables are the first --linear's
+  SetLinear(0);
   std::vector<std::vector<double>> rates;  // [thread count][schedule]
   for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
     SetThreads(plan_.thread_counts[t]);
@@ -248,19 +275,25 @@ absl::Status TrainBench::RunWidth(const Width& w) {
   // Mixed precision against the fp32 rows above (the last thread count).
   if (plan_.bf16) LOOM_RETURN_IF_ERROR(Bf16Table(w, variants, rates.back()));
   if (rates.size() > 1) ScalingLine(variants, runs);
+  if (all.size() > 1) LinearLine(variants, all);
   if (plan_.profile_rows > 0) LOOM_RETURN_IF_ERROR(Profiles(w, variants));
   return absl::OkStatus();
 }
 
-absl::StatusOr<TrainBench::Runs> TrainBench::MeasureAll(const Width& w,
-                                                        const std::vector<Variant>& variants) {
-  Runs runs(plan_.thread_counts.size(), std::vector<std::vector<Measured>>(variants.size()));
+absl::StatusOr<std::vector<TrainBench::Runs>> TrainBench::MeasureAll(
+    const Width& w, const std::vector<Variant>& variants) {
+  std::vector<Runs> runs(
+      plan_.linears.size(),
+      Runs(plan_.thread_counts.size(), std::vector<std::vector<Measured>>(variants.size())));
   for (int64_t r = 0; r < plan_.repeats; ++r) {
     for (size_t v = 0; v < variants.size(); ++v) {
       for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
         SetThreads(plan_.thread_counts[t]);
-        LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, variants[v], false));
-        runs[t][v].push_back(std::move(m));
+        for (size_t l = 0; l < plan_.linears.size(); ++l) {
+          SetLinear(l);
+          LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, variants[v], false));
+          runs[l][t][v].push_back(std::move(m));
+        }
       }
     }
   }
@@ -331,6 +364,31 @@ void TrainBench::ScalingLine(const std::vector<Variant>& variants, const Runs& r
   std::cout << "\n";
 }
 
+// Per thread count and schedule, step time with the last --linear over the first (run pairs of
+// one round, back to back): the median, and the range when there are several.
+void TrainBench::LinearLine(const std::vector<Variant>& variants,
+                            const std::vector<Runs>& runs) const {
+  for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
+    std::cout << absl::StrFormat(
+        "\nStep time with linear %s / with linear %s at %d threads%s: ", plan_.linears.back(),
+        plan_.linears.front(), plan_.thread_counts[t],
+        plan_.repeats > 1 ? " (median of the paired runs, range)" : "");
+    for (size_t i = 0; i < variants.size(); ++i) {
+      std::vector<double> ratios;
+      for (int64_t r = 0; r < plan_.repeats; ++r) {
+        ratios.push_back(runs.back()[t][i][r].step_s / runs.front()[t][i][r].step_s);
+      }
+      std::sort(ratios.begin(), ratios.end());
+      std::cout << absl::StrFormat("%s%s %.2fx", i ? ", " : "", variants[i].name,
+                                   ratios[ratios.size() / 2]);
+      if (ratios.size() > 1) {
+        std::cout << absl::StrFormat(" (%.2f-%.2f)", ratios.front(), ratios.back());
+      }
+    }
+    std::cout << "\n";
+  }
+}
+
 absl::Status TrainBench::Profiles(const Width& w, const std::vector<Variant>& variants) {
   std::cout << absl::StrFormat("\nWhere the step goes (%d threads, %d steps profiled):\n",
                                torch::get_num_threads(), plan_.warmup + plan_.steps);
@@ -339,17 +397,17 @@ absl::Status TrainBench::Profiles(const Width& w, const std::vector<Variant>& va
     LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, v, true));
     std::cout << "\n" << v.name << ":\n\n";
     PrintProfile(m, std::chrono::duration<double>(Clock::now() - start).count(),
-                 plan_.profile_rows);
+                 plan_.warmup + plan_.steps, plan_.profile_rows);
   }
   return absl::OkStatus();
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args,
-                        CliArgs::Parse(argc, argv, 1,
-                                       {"steps", "warmup", "seq-len", "batch", "threads", "p",
-                                        "plugin-dir", "layers", "widths", "profile", "repeats"},
-                                       {"bf16"}));
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 1,
+                                                     {"steps", "warmup", "seq-len", "batch",
+                                                      "threads", "p", "plugin-dir", "layers",
+                                                      "widths", "profile", "repeats", "linear"},
+                                                     {"bf16"}));
   LOOM_ASSIGN_OR_RETURN(BenchPlan plan, PlanFromArgs(args));
   PluginLoader loader;
   loader.LoadDirectories(args.Has("plugin-dir") ? std::vector<std::string>{args.Get("plugin-dir")}

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "cpu_kernels/linear_cpu.h"
 #include "loom/spec.h"
 #include "worker/trainer/activation_checkpoint.h"
 #include "worker/trainer/plugin_factory.h"
@@ -29,8 +30,9 @@ FeedForwardImpl::FeedForwardImpl(int64_t d_model, int64_t hidden, bool swiglu)
 }
 
 torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
-  if (swiglu_) return down_(torch::silu(gate_(x)) * up_(x));
-  return down_(torch::gelu(up_(x)));
+  using cpu_kernels::Linear;
+  if (swiglu_) return Linear(down_, torch::silu(Linear(gate_, x)) * Linear(up_, x));
+  return Linear(down_, torch::gelu(Linear(up_, x)));
 }
 
 double FeedForwardImpl::FlopsPerToken() const {
@@ -180,8 +182,8 @@ torch::Tensor Transformer::forward(const ModelInputs& in) {
   attention_inputs.segments = in.segments;
   for (Block& block : blocks_) h = block(h, attention_inputs);
   h = final_norm_(h);
-  if (head_) return head_(h);
-  return torch::nn::functional::linear(h, embed_->weight);  // tied LM head
+  if (head_) return cpu_kernels::Linear(head_, h);
+  return cpu_kernels::Linear(h, embed_->weight);  // tied LM head
 }
 
 DecodeState Transformer::NewDecodeState() const {
@@ -209,8 +211,8 @@ torch::Tensor Transformer::ForwardCached(const ModelInputs& in, DecodeState& sta
   for (size_t i = 0; i < blocks_.size(); ++i)
     h = blocks_[i]->ForwardCached(h, attention_inputs, *state.caches[i]);
   h = final_norm_(h);
-  if (head_) return head_(h);
-  return torch::nn::functional::linear(h, embed_->weight);
+  if (head_) return cpu_kernels::Linear(head_, h);
+  return cpu_kernels::Linear(h, embed_->weight);
 }
 
 int64_t Transformer::NumParameters() const {

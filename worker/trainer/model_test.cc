@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <map>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -93,6 +95,43 @@ TEST_F(ModelTest, DecoderIsCausalEndToEnd) {
       ((*model)->forward(ModelInputs{changed, {}, {}, {}, {}}) - logits).abs().amax({0, 2});
   for (int i = 0; i < 10; ++i) EXPECT_EQ(diff[i].item<double>(), 0.0) << i;
   EXPECT_GT(diff[10].item<double>(), 0.0);
+}
+
+// Every projection (mha's and iha's), both FFN matrices and the tied LM head take the row-split
+// linear (cpu_kernels/linear_cpu.h) on two threads, and none does with LOOM_CPU_LINEAR=torch.
+int CountNodes(const torch::Tensor& root, const std::string& part) {
+  std::set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> todo{root.grad_fn().get()};
+  int count = 0;
+  while (!todo.empty()) {
+    torch::autograd::Node* node = todo.back();
+    todo.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    if (node->name().find(part) != std::string::npos) ++count;
+    for (const auto& edge : node->next_edges()) todo.push_back(edge.function.get());
+  }
+  return count;
+}
+
+TEST_F(ModelTest, LinearLayersTakeTheRowSplitKernelOnTwoThreads) {
+  auto model = Transformer::Create(Parse(R"({"d_model": 64, "n_layers": 2, "n_heads": 4,
+      "vocab_size": 256, "max_seq_len": 64, "rope_theta": 10000, "tie_embeddings": true,
+      "schedule": [{"repeat": 1, "attention": {"plugin": "iha"}},
+                   {"repeat": 1, "attention": {"plugin": "mha"}}]})"),
+                                   loader_);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(2);
+  torch::Tensor tokens = torch::randint(0, 256, {8, 64}, torch::kInt64);
+  torch::Tensor logits = (*model)->forward(ModelInputs{tokens, {}, {}, {}, {}});
+  // 2 layers × (4 projections + up + down) + the LM head.
+  EXPECT_EQ(CountNodes(logits, "RowSplitLinearFunction"), 13);
+  setenv("LOOM_CPU_LINEAR", "torch", 1);
+  torch::Tensor reference = (*model)->forward(ModelInputs{tokens, {}, {}, {}, {}});
+  unsetenv("LOOM_CPU_LINEAR");
+  torch::set_num_threads(threads);
+  EXPECT_EQ(CountNodes(reference, "RowSplit"), 0);
+  EXPECT_TRUE(torch::allclose(logits, reference, 1e-5, 1e-5));
 }
 
 // Packed examples (ModelInputs.segments, positions restarting per example): each example's

@@ -3,10 +3,12 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 namespace loom::trainer {
 namespace {
@@ -16,6 +18,10 @@ using Clock = std::chrono::steady_clock;
 struct Totals {
   std::mutex mu;
   std::map<std::string, OpProfile::Row> rows;
+  // The step's thread (the one that made the profile; CPU autograd runs there too). Records of
+  // LibTorch's pool threads, such as the row-split linear's per-thread GEMMs, would count the
+  // same wall time once per thread; on the step's thread the wait for them stays in the caller.
+  std::atomic<std::thread::id> thread;
 };
 Totals& Global() {
   static Totals* totals = new Totals();  // never destroyed: callbacks may outlive statics
@@ -29,13 +35,16 @@ struct Frame {
 };
 thread_local std::vector<Frame> open_frames;
 
+bool OnStepThread() { return Global().thread.load() == std::this_thread::get_id(); }
+
 std::unique_ptr<at::ObserverContext> Start(const at::RecordFunction&) {
+  if (!OnStepThread()) return nullptr;
   open_frames.push_back({Clock::now(), 0});
   return nullptr;
 }
 
 void End(const at::RecordFunction& record, at::ObserverContext*) {
-  if (open_frames.empty()) return;  // started before the profile was
+  if (!OnStepThread() || open_frames.empty()) return;  // or started before the profile was
   const Frame frame = open_frames.back();
   open_frames.pop_back();
   const double total = std::chrono::duration<double>(Clock::now() - frame.start).count();
@@ -54,6 +63,7 @@ OpProfile::OpProfile() {
     std::lock_guard<std::mutex> lock(Global().mu);
     Global().rows.clear();
   }
+  Global().thread = std::this_thread::get_id();
   handle_ = at::addGlobalCallback(
       at::RecordFunctionCallback(&Start, &End)
           .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION,

@@ -1,8 +1,9 @@
 // Where a training step's time goes: self time per LibTorch operator, autograd node and named
-// region (RECORD_USER_SCOPE), from at::RecordFunction callbacks on every thread while an
-// OpProfile is alive. Self time excludes nested records, so the rows add up to the time spent
-// inside records; the benchmark reports the rest of the step as "outside any op". One
-// profile at a time per process.
+// region (RECORD_USER_SCOPE), from at::RecordFunction callbacks on the thread that made the
+// OpProfile (the step's: CPU autograd runs there too) while it is alive; work handed to
+// LibTorch's pool shows as its caller's self time, so the rows are wall time. Self time excludes
+// nested records, so the rows add up to the time spent inside records; the benchmark reports the
+// rest of the step as "outside any op". One profile at a time per process.
 #ifndef LOOM_WORKER_TRAINER_OP_PROFILE_H_
 #define LOOM_WORKER_TRAINER_OP_PROFILE_H_
 

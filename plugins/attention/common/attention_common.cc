@@ -5,7 +5,11 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "cpu_kernels/linear_cpu.h"
+
 namespace loom::attention {
+
+using cpu_kernels::Linear;
 
 PluginOptions::PluginOptions(const LoomAttentionSpecV1& spec, std::string plugin)
     : plugin_(std::move(plugin)) {
@@ -151,13 +155,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ProjectedAttention::Quer
   auto split = [&](const torch::Tensor& t, int64_t heads) {
     return t.view({b, n, heads, n_heads_ * head_dim_ / heads}).transpose(1, 2);
   };
-  torch::Tensor q = split(proj_.q->forward(x), n_heads_), k = split(proj_.k->forward(x), n_heads_);
+  torch::Tensor q = split(Linear(proj_.q, x), n_heads_), k = split(Linear(proj_.k, x), n_heads_);
   if (rope_theta_ > 0 && rotate) {
     torch::Tensor pos = CheckedPositions(inputs.positions, b, n, x.device());
     q = ApplyRope(q, pos, rope_theta_);
     k = ApplyRope(k, pos, rope_theta_);
   }
-  return {q, k, split(proj_.v->forward(x), v_heads)};
+  return {q, k, split(Linear(proj_.v, x), v_heads)};
 }
 
 std::unique_ptr<AttentionCache> ProjectedAttention::NewCache() const {
@@ -324,8 +328,8 @@ KeyValueCache::View KeyValueCache::Append(const torch::Tensor& k, const torch::T
 }
 
 torch::Tensor ProjectedAttention::Output(const torch::Tensor& heads) {
-  return proj_.o->forward(
-      heads.transpose(1, 2).reshape({heads.size(0), heads.size(2), n_heads_ * head_dim_}));
+  return Linear(
+      proj_.o, heads.transpose(1, 2).reshape({heads.size(0), heads.size(2), n_heads_ * head_dim_}));
 }
 
 double ProjectedAttention::ProjectionFlopsPerToken() const {

@@ -4,11 +4,14 @@
 #include <iostream>
 #include <limits>
 
+#include "cpu_kernels/linear_cpu.h"
 #include "plugins/attention/common/attention_common.h"
 #include "plugins/attention/iha/cuda/iha_cuda.h"
 #include "plugins/attention/iha/iha_fused.h"
 
 namespace loom::attention::iha {
+
+using cpu_kernels::Linear;
 
 IhaAttention::IhaAttention(const LoomAttentionSpecV1& spec) : ProjectedAttention(spec, "iha") {
   PluginOptions opts(spec, plugin_);
@@ -72,7 +75,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> IhaAttention::Project(
               x.sizes());
   const int64_t b = x.size(0), n = x.size(1);
   auto heads = [&](const torch::Tensor& t) { return t.view({b, n, n_heads_, head_dim_}); };
-  return {heads(proj_.q->forward(x)), heads(proj_.k->forward(x)), heads(proj_.v->forward(x))};
+  return {heads(Linear(proj_.q, x)), heads(Linear(proj_.k, x)), heads(Linear(proj_.v, x))};
 }
 
 torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
@@ -96,7 +99,7 @@ torch::Tensor IhaAttention::forward(const torch::Tensor& x, const AttentionInput
   } else {
     heads = Forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, positions, call);
   }
-  return proj_.o->forward(heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
+  return Linear(proj_.o, heads.reshape({x.size(0), x.size(1), n_heads_ * head_dim_}));
 }
 
 int64_t IhaCache::bytes() const { return DefinedBytes({&keys, &values, &positions, &segments}); }
@@ -214,7 +217,7 @@ torch::Tensor IhaAttention::ForwardCached(const torch::Tensor& x, const Attentio
   cache->tokens_ += t;
   cache->heads_layout = cache_heads_;
   cache->p = p;
-  return proj_.o->forward(heads.reshape({b, t, n_heads_ * head_dim_}));
+  return Linear(proj_.o, heads.reshape({b, t, n_heads_ * head_dim_}));
 }
 
 bool IhaAttention::UsesFusedKernel(const torch::Device& device) const {
