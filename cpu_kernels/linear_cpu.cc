@@ -1,6 +1,7 @@
 #include "cpu_kernels/linear_cpu.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/record_function.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstring>
 
 #include "base/blas_core.h"
+#include "loom/torch_compat.h"
 
 namespace loom::cpu_kernels {
 namespace {
@@ -127,11 +129,21 @@ bool SplitAllowed() {
   return blas_ok && (choice == nullptr || std::strcmp(choice, "torch") != 0);
 }
 
+// Under CPU autocast torch::linear runs in bf16; the split's GEMMs (out= variants, below
+// autocast) would quietly run in float32.
+bool CpuAutocastOn() {
+#if LOOM_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(at::kCPU);
+#else
+  return at::autocast::is_cpu_enabled();
+#endif
+}
+
 }  // namespace
 
 bool RowSplitLinearApplies(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const auto type = x.scalar_type();
-  if (!x.is_cpu() || !weight.is_cpu() || weight.scalar_type() != type ||
+  if (CpuAutocastOn() || !x.is_cpu() || !weight.is_cpu() || weight.scalar_type() != type ||
       (type != torch::kFloat32 && type != torch::kFloat64)) {
     return false;
   }

@@ -12,7 +12,8 @@
 namespace loom::cpu_kernels {
 
 // Whether RowSplitLinear takes these tensors: CPU, one float32/float64 dtype, more than one
-// thread to split over, and enough rows for the split to pay.
+// thread to split over, enough rows for the split to pay, and CPU autocast off (under it
+// torch::linear runs in bf16).
 bool RowSplitLinearApplies(const torch::Tensor& x, const torch::Tensor& weight,
                            const torch::Tensor& bias);
 

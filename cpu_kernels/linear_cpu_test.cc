@@ -2,16 +2,20 @@
 // 1e-12, float32 to 1e-5 relative), forward and the gradients of x, W and b, at two and three
 // threads, for 2-D and 3-D inputs, non-contiguous inputs, row counts that do not divide evenly,
 // with and without a bias; only the gradients asked for are computed; where it applies and where
-// torch::linear is kept; and a clear error for mismatched shapes.
+// torch::linear is kept (CPU autocast included, which must stay bf16); and a clear error for
+// mismatched shapes.
 #include "cpu_kernels/linear_cpu.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <atomic>
 #include <string>
 #include <vector>
+
+#include "loom/torch_compat.h"
 
 namespace loom::cpu_kernels {
 namespace {
@@ -24,6 +28,18 @@ class ThreadCount {  // sets LibTorch's thread count for one scope
  private:
   int saved_;
 };
+
+// bf16 autocast on the CPU (LibTorch 2.4 replaced the per-device setters).
+void SetCpuAutocast(bool on) {
+#if LOOM_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+  at::autocast::set_autocast_enabled(at::kCPU, on);
+#else
+  at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+  at::autocast::set_cpu_enabled(on);
+#endif
+  if (!on) at::autocast::clear_cache();
+}
 
 struct Result {
   torch::Tensor y, dx, dw, db;
@@ -138,6 +154,18 @@ TEST(RowSplitLinear, AppliesToLargeCpuFloatsOnMoreThanOneThread) {
     if (RowSplitLinearApplies(x, w, {})) ++applied;
   });
   EXPECT_EQ(applied.load(), 0);
+}
+
+TEST(RowSplitLinear, CpuAutocastKeepsTorchLinearAndItsBf16) {
+  ThreadCount scope(2);
+  torch::Tensor x = torch::randn({8, 256, 128}), w = torch::randn({512, 128});
+  ASSERT_TRUE(RowSplitLinearApplies(x, w, {}));
+  SetCpuAutocast(true);
+  const bool applies = RowSplitLinearApplies(x, w, {});
+  const torch::ScalarType type = Linear(x, w).scalar_type();
+  SetCpuAutocast(false);
+  EXPECT_FALSE(applies);
+  EXPECT_EQ(type, torch::kBFloat16);
 }
 
 TEST(RowSplitLinear, MismatchedShapesAreAClearError) {
