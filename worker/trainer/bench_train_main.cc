@@ -343,17 +343,13 @@ absl::Status TrainBench::Bf16Table(const Width& w, const std::vector<Variant>& v
   return absl::OkStatus();
 }
 
-// Per schedule, the ratio of each run pair (the same repeat at the last and the first thread
-// count, measured back to back): their median, and their range when there are several.
-void TrainBench::ScalingLine(const std::vector<Variant>& variants, const Runs& runs) const {
-  std::cout << absl::StrFormat(
-      "\nTokens/s at %d threads / at %d threads%s: ", plan_.thread_counts.back(),
-      plan_.thread_counts.front(), plan_.repeats > 1 ? " (median of the paired runs, range)" : "");
+// Per schedule, ratio(schedule, repeat) over the repeats: the median, and the range when there
+// are several (the ratios are of run pairs measured back to back in one round).
+template <typename Ratio>
+void PrintPairedRatios(const std::vector<Variant>& variants, int64_t repeats, const Ratio& ratio) {
   for (size_t i = 0; i < variants.size(); ++i) {
     std::vector<double> ratios;
-    for (int64_t r = 0; r < plan_.repeats; ++r) {
-      ratios.push_back(runs.front()[i][r].step_s / runs.back()[i][r].step_s);
-    }
+    for (int64_t r = 0; r < repeats; ++r) ratios.push_back(ratio(i, r));
     std::sort(ratios.begin(), ratios.end());
     std::cout << absl::StrFormat("%s%s %.2fx", i ? ", " : "", variants[i].name,
                                  ratios[ratios.size() / 2]);
@@ -364,8 +360,17 @@ void TrainBench::ScalingLine(const std::vector<Variant>& variants, const Runs& r
   std::cout << "\n";
 }
 
-// Per thread count and schedule, step time with the last --linear over the first (run pairs of
-// one round, back to back): the median, and the range when there are several.
+// Tokens/s at the last thread count over the first.
+void TrainBench::ScalingLine(const std::vector<Variant>& variants, const Runs& runs) const {
+  std::cout << absl::StrFormat(
+      "\nTokens/s at %d threads / at %d threads%s: ", plan_.thread_counts.back(),
+      plan_.thread_counts.front(), plan_.repeats > 1 ? " (median of the paired runs, range)" : "");
+  PrintPairedRatios(variants, plan_.repeats, [&](size_t i, int64_t r) {
+    return runs.front()[i][r].step_s / runs.back()[i][r].step_s;
+  });
+}
+
+// Per thread count, step time with the last --linear over the first.
 void TrainBench::LinearLine(const std::vector<Variant>& variants,
                             const std::vector<Runs>& runs) const {
   for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
@@ -373,19 +378,9 @@ void TrainBench::LinearLine(const std::vector<Variant>& variants,
         "\nStep time with linear %s / with linear %s at %d threads%s: ", plan_.linears.back(),
         plan_.linears.front(), plan_.thread_counts[t],
         plan_.repeats > 1 ? " (median of the paired runs, range)" : "");
-    for (size_t i = 0; i < variants.size(); ++i) {
-      std::vector<double> ratios;
-      for (int64_t r = 0; r < plan_.repeats; ++r) {
-        ratios.push_back(runs.back()[t][i][r].step_s / runs.front()[t][i][r].step_s);
-      }
-      std::sort(ratios.begin(), ratios.end());
-      std::cout << absl::StrFormat("%s%s %.2fx", i ? ", " : "", variants[i].name,
-                                   ratios[ratios.size() / 2]);
-      if (ratios.size() > 1) {
-        std::cout << absl::StrFormat(" (%.2f-%.2f)", ratios.front(), ratios.back());
-      }
-    }
-    std::cout << "\n";
+    PrintPairedRatios(variants, plan_.repeats, [&](size_t i, int64_t r) {
+      return runs.back()[t][i][r].step_s / runs.front()[t][i][r].step_s;
+    });
   }
 }
 
