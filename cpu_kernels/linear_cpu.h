@@ -1,9 +1,10 @@
 // y = x·Wᵀ (+ b) on CPU float32/float64 tensors with its rows split across LibTorch's threads:
 // each thread runs a single-threaded GEMM on its own block of rows (forward and the input's
 // gradient) or of output features (the weight's gradient). The trainer's GEMMs are skinny
-// (thousands of rows × 128–1024), and OpenBLAS threading one such GEMM reached 1.44–1.80× on two
-// cores where splitting the rows reached 1.91–2.13× (docs/benchmarks.md). torch::linear stays the
-// reference it is tested against and the path for other dtypes, devices and tiny inputs.
+// (thousands of rows × 128–1024): OpenBLAS threading each one made the trainer's aten::mm
+// 1.45× faster on two cores, the split rows 1.95× (docs/benchmarks.md). torch::linear stays the
+// reference it is tested against and the path for other dtypes, devices and small inputs;
+// LOOM_CPU_LINEAR=torch (read at each call) keeps it everywhere.
 #ifndef LOOM_CPU_KERNELS_LINEAR_CPU_H_
 #define LOOM_CPU_KERNELS_LINEAR_CPU_H_
 
