@@ -189,17 +189,19 @@ absl::StatusOr<BenchPlan> PlanFromArgs(const CliArgs& args) {
     }
     plan.thread_counts.push_back(n);
   }
-  if (args.Has("linear")) plan.linears.clear();
-  for (absl::string_view l :
-       absl::StrSplit(args.Has("linear") ? args.Get("linear") : "", ',', absl::SkipEmpty())) {
-    if (l != "split" && l != "torch") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--linear: '", l, "' is not a linear (split, torch)"));
+  if (args.Has("linear")) {
+    plan.linears.clear();
+    for (absl::string_view l : absl::StrSplit(args.Get("linear"), ',', absl::SkipEmpty())) {
+      if (l != "split" && l != "torch") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--linear: '", l, "' is not a linear (split, torch)"));
+      }
+      plan.linears.emplace_back(l);
     }
-    plan.linears.emplace_back(l);
+    if (plan.linears.empty()) {
+      return absl::InvalidArgumentError("--linear: give split, torch or both");
+    }
   }
-  if (plan.linears.empty())
-    return absl::InvalidArgumentError("--linear: give split, torch or both");
   for (absl::string_view name :
        absl::StrSplit(args.Has("widths") ? args.Get("widths") : "tiny", ',')) {
     if (name == "tiny") {
@@ -265,8 +267,8 @@ const Measured& MedianRun(const std::vector<Measured>& runs) {
 absl::Status TrainBench::RunWidth(const Width& w) {
   const std::vector<Variant> variants = Schedules(plan_.p, w.seq_len);
   LOOM_ASSIGN_OR_RETURN(std::vector<Runs> all, MeasureAll(w, variants));
-  const Runs& runs = all.front();  // the tables are the first --linear's
-  SetLinear(0);
+  const Runs& runs = all.front();          // the tables are the first --linear's
+  SetLinear(0);                            // and so are the bf16 table and the profiles below
   std::vector<std::vector<double>> rates;  // [thread count][schedule]
   for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
     SetThreads(plan_.thread_counts[t]);
