@@ -397,6 +397,27 @@ class Matrix:
               f"elsewhere, never two attempts alive; {job_id} succeeded (restarts 0, infra_restarts "
               f"{job.get('infra_restarts')})")
 
+    def _freeze_after_reported_commit(self, job_id, root, pid):
+        """SIGSTOPs the rank where its newest committed checkpoint is also in the catalogue and
+        returns that step. A stop can land between a commit and its event (retention runs in
+        between), and a frozen rank never reports it: then the rank runs on briefly and is
+        stopped again."""
+        for tries in range(1, 41):
+            os.kill(pid, signal.SIGSTOP)
+            steps = committed_steps(root)
+            assert len(steps) >= 2, f"{root}: {steps}"
+            newest = steps[-1]
+            deadline = time.time() + 8 * HEARTBEAT_MS / 1000
+            while time.time() < deadline:
+                if any(int(x["step"]) == newest for x in self.api.catalogue(job_id)):
+                    if tries > 1:
+                        print(f"   ({job_id}: stopped {tries} times before its newest commit was reported)")
+                    return newest
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.03)
+        raise AssertionError(f"{job_id}: no stop of its rank found its newest commit in the catalogue")
+
     def _damage_then_kill(self, damage, what):
         """Runs a reference-spec job; with its rank frozen, damages the newest committed
         checkpoint (damage(dir)), kills the rank (-9) and follows the job to its end. Returns
@@ -407,13 +428,8 @@ class Matrix:
                        "a checkpoint at step >= 400")
         root = job["spec"]["checkpoint"]["dir"]
         pid = rank_pid(self.tmp, job_id)
-        os.kill(pid, signal.SIGSTOP)
         try:
-            steps = committed_steps(root)
-            assert len(steps) >= 2, f"{root}: {steps}"
-            newest = steps[-1]
-            wait_for(f"step {newest} in the catalogue", lambda: any(
-                int(x["step"]) == newest for x in api.catalogue(job_id)), timeout=15)
+            newest = self._freeze_after_reported_commit(job_id, root, pid)
             damage(os.path.join(root, f"step-{newest:08d}"))
         finally:
             os.kill(pid, signal.SIGKILL)  # also ends a stopped process
