@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "cpu_kernels/adamw_cpu.h"
 
 namespace loom::trainer {
 
@@ -27,17 +28,35 @@ bool AdamW::Decays(const std::string& name) const {
 void AdamW::Step(double lr) {
   torch::NoGradGuard no_grad;
   ++step_;
-  const double bc1 = 1.0 - std::pow(config_.beta1, static_cast<double>(step_));
-  const double bc2 = 1.0 - std::pow(config_.beta2, static_cast<double>(step_));
+  // CPU float parameters take one fused pass (cpu_kernels/adamw_cpu.h); the tensor ops below
+  // are the reference it is tested against and the path for GPUs and other dtypes.
+  std::vector<cpu_kernels::AdamWTensors> fused;
   for (Slot& s : slots_) {
     const torch::Tensor& g = s.param.grad();
     if (!s.owned || !g.defined()) continue;
-    if (s.decay && config_.weight_decay != 0) s.param.mul_(1.0 - lr * config_.weight_decay);
-    s.exp_avg.mul_(config_.beta1).add_(g, 1.0 - config_.beta1);
-    s.exp_avg_sq.mul_(config_.beta2).addcmul_(g, g, 1.0 - config_.beta2);
-    torch::Tensor denom = (s.exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(config_.eps);
-    s.param.addcdiv_(s.exp_avg, denom, -lr / bc1);
+    cpu_kernels::AdamWTensors t{s.param, g, s.exp_avg, s.exp_avg_sq,
+                                s.decay && config_.weight_decay != 0};
+    if (config_.fused_cpu && cpu_kernels::FusedAdamWApplies(t)) {
+      fused.push_back(std::move(t));
+    } else {
+      StepWithTensorOps(s, lr);
+    }
   }
+  if (!fused.empty()) {
+    cpu_kernels::FusedAdamWStep(
+        fused, {lr, config_.beta1, config_.beta2, config_.eps, config_.weight_decay, step_});
+  }
+}
+
+void AdamW::StepWithTensorOps(Slot& s, double lr) {
+  const double bc1 = 1.0 - std::pow(config_.beta1, static_cast<double>(step_));
+  const double bc2 = 1.0 - std::pow(config_.beta2, static_cast<double>(step_));
+  const torch::Tensor& g = s.param.grad();
+  if (s.decay && config_.weight_decay != 0) s.param.mul_(1.0 - lr * config_.weight_decay);
+  s.exp_avg.mul_(config_.beta1).add_(g, 1.0 - config_.beta1);
+  s.exp_avg_sq.mul_(config_.beta2).addcmul_(g, g, 1.0 - config_.beta2);
+  torch::Tensor denom = (s.exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(config_.eps);
+  s.param.addcdiv_(s.exp_avg, denom, -lr / bc1);
 }
 
 NamedTensors AdamW::StateTensors() const {

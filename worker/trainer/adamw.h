@@ -23,6 +23,9 @@ namespace loom::trainer {
 
 struct AdamWConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  // CPU float32/float64 parameters update in one fused, threaded pass (cpu_kernels/adamw_cpu.h);
+  // false keeps the tensor-op path everywhere (the reference, for tests).
+  bool fused_cpu = true;
 };
 
 class AdamW {
@@ -50,6 +53,8 @@ class AdamW {
     bool decay;
     bool owned;
   };
+  void StepWithTensorOps(Slot& s, double lr);
+
   AdamWConfig config_;
   std::vector<Slot> slots_;
   int64_t step_ = 0;

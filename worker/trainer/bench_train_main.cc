@@ -2,8 +2,9 @@
 // (sliding-window) MHA, global IHA and the paper's hybrid schedule, at the tiny-cpu width and a
 // wider one (--widths tiny,wide), for each thread count of --threads 1,2 (--repeats R rounds over
 // the schedules, the thread counts back to back, medians reported), with a per-op profile of where
-// the step goes (--profile ROWS), and with --linear split,torch the row-split linear against
-// torch::linear in the same rounds (cpu_kernels/linear_cpu.h). MFU is measured against a matmul
+// the step goes (--profile ROWS), and two kernels against their LibTorch reference in the same
+// rounds: --linear split,torch (cpu_kernels/linear_cpu.h) or --adamw fused,torch
+// (cpu_kernels/adamw_cpu.h). MFU is measured against a matmul
 // ceiling this program measures itself at the same thread count in the same run, so the numbers
 // mean something on any CPU. Prints Markdown tables (docs/benchmarks.md records them).
 #include <torch/torch.h>
@@ -16,6 +17,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -165,8 +167,12 @@ struct BenchPlan {
   int64_t repeats = 1;  // rounds over the schedules and thread counts; medians reported
   std::vector<int64_t> thread_counts;  // 0 = LibTorch's default
   std::vector<Width> widths;
-  // LOOM_CPU_LINEAR per run (cpu_kernels/linear_cpu.h): "split", "torch"; empty = as set.
-  std::vector<std::string> linears{""};
+  // Kernel switches compared in the same rounds (one run per arm, back to back): the
+  // environment variable and value an arm sets, and its label; one unlabelled arm = as set.
+  struct Arm {
+    std::string variable, value, label;
+  };
+  std::vector<Arm> arms{Arm{}};
   bool bf16 = false;
 };
 
@@ -189,17 +195,24 @@ absl::StatusOr<BenchPlan> PlanFromArgs(const CliArgs& args) {
     }
     plan.thread_counts.push_back(n);
   }
-  if (args.Has("linear")) {
-    plan.linears.clear();
-    for (absl::string_view l : absl::StrSplit(args.Get("linear"), ',', absl::SkipEmpty())) {
-      if (l != "split" && l != "torch") {
+  if (args.Has("linear") && args.Has("adamw")) {
+    return absl::InvalidArgumentError("--linear and --adamw: compare one kernel at a time");
+  }
+  for (const auto& [flag, variable, ours] :
+       {std::tuple<const char*, const char*, const char*>{"linear", "LOOM_CPU_LINEAR", "split"},
+        {"adamw", "LOOM_CPU_ADAMW", "fused"}}) {
+    if (!args.Has(flag)) continue;
+    plan.arms.clear();
+    for (absl::string_view a : absl::StrSplit(args.Get(flag), ',', absl::SkipEmpty())) {
+      if (a != ours && a != "torch") {
         return absl::InvalidArgumentError(
-            absl::StrCat("--linear: '", l, "' is not a linear (split, torch)"));
+            absl::StrCat("--", flag, ": '", a, "' is not ", ours, " or torch"));
       }
-      plan.linears.emplace_back(l);
+      plan.arms.push_back({variable, std::string(a), absl::StrCat(flag, " ", a)});
     }
-    if (plan.linears.empty()) {
-      return absl::InvalidArgumentError("--linear: give split, torch or both");
+    if (plan.arms.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": give ", ours, ", torch or both"));
     }
   }
   for (absl::string_view name :
@@ -230,7 +243,7 @@ class TrainBench {
   // runs[thread count][schedule]: plan_.repeats rounds over every schedule, the thread counts
   // back to back per schedule, so that a slow minute of a shared VM hits both sides of a ratio
   // alike and one round of every schedule, not every repeat of one (the medians drop it).
-  // With several --linear values, one Runs per value, each run of a round back to back.
+  // With several arms (--linear, --adamw), one Runs per arm, each run of a round back to back.
   using Runs = std::vector<std::vector<std::vector<Measured>>>;
   absl::StatusOr<std::vector<Runs>> MeasureAll(const Width& w,
                                                const std::vector<Variant>& variants);
@@ -241,9 +254,10 @@ class TrainBench {
   absl::Status Bf16Table(const Width& w, const std::vector<Variant>& variants,
                          const std::vector<double>& fp32_rates);
   void ScalingLine(const std::vector<Variant>& variants, const Runs& runs) const;
-  void LinearLine(const std::vector<Variant>& variants, const std::vector<Runs>& runs) const;
-  void SetLinear(size_t l) const {
-    if (!plan_.linears[l].empty()) setenv("LOOM_CPU_LINEAR", plan_.linears[l].c_str(), 1);
+  void ArmLine(const std::vector<Variant>& variants, const std::vector<Runs>& runs) const;
+  void SetArm(size_t a) const {
+    const BenchPlan::Arm& arm = plan_.arms[a];
+    if (!arm.variable.empty()) setenv(arm.variable.c_str(), arm.value.c_str(), 1);
   }
   void SetThreads(int64_t threads) const {
     torch::set_num_threads(threads > 0 ? static_cast<int>(threads) : default_threads_);
@@ -267,8 +281,8 @@ const Measured& MedianRun(const std::vector<Measured>& runs) {
 absl::Status TrainBench::RunWidth(const Width& w) {
   const std::vector<Variant> variants = Schedules(plan_.p, w.seq_len);
   LOOM_ASSIGN_OR_RETURN(std::vector<Runs> all, MeasureAll(w, variants));
-  const Runs& runs = all.front();          // the tables are the first --linear's
-  SetLinear(0);                            // and so are the bf16 table and the profiles below
+  const Runs& runs = all.front();          // the tables are the first arm's
+  SetArm(0);                               // and so are the bf16 table and the profiles below
   std::vector<std::vector<double>> rates;  // [thread count][schedule]
   for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
     SetThreads(plan_.thread_counts[t]);
@@ -277,7 +291,7 @@ absl::Status TrainBench::RunWidth(const Width& w) {
   // Mixed precision against the fp32 rows above (the last thread count).
   if (plan_.bf16) LOOM_RETURN_IF_ERROR(Bf16Table(w, variants, rates.back()));
   if (rates.size() > 1) ScalingLine(variants, runs);
-  if (all.size() > 1) LinearLine(variants, all);
+  if (all.size() > 1) ArmLine(variants, all);
   if (plan_.profile_rows > 0) LOOM_RETURN_IF_ERROR(Profiles(w, variants));
   return absl::OkStatus();
 }
@@ -285,16 +299,16 @@ absl::Status TrainBench::RunWidth(const Width& w) {
 absl::StatusOr<std::vector<TrainBench::Runs>> TrainBench::MeasureAll(
     const Width& w, const std::vector<Variant>& variants) {
   std::vector<Runs> runs(
-      plan_.linears.size(),
+      plan_.arms.size(),
       Runs(plan_.thread_counts.size(), std::vector<std::vector<Measured>>(variants.size())));
   for (int64_t r = 0; r < plan_.repeats; ++r) {
     for (size_t v = 0; v < variants.size(); ++v) {
       for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
         SetThreads(plan_.thread_counts[t]);
-        for (size_t l = 0; l < plan_.linears.size(); ++l) {
-          SetLinear(l);
+        for (size_t a = 0; a < plan_.arms.size(); ++a) {
+          SetArm(a);
           LOOM_ASSIGN_OR_RETURN(Measured m, Measure(w, variants[v], false));
-          runs[l][t][v].push_back(std::move(m));
+          runs[a][t][v].push_back(std::move(m));
         }
       }
     }
@@ -372,13 +386,13 @@ void TrainBench::ScalingLine(const std::vector<Variant>& variants, const Runs& r
   });
 }
 
-// Per thread count, step time with the last --linear over the first.
-void TrainBench::LinearLine(const std::vector<Variant>& variants,
-                            const std::vector<Runs>& runs) const {
+// Per thread count, step time with the last arm over the first.
+void TrainBench::ArmLine(const std::vector<Variant>& variants,
+                         const std::vector<Runs>& runs) const {
   for (size_t t = 0; t < plan_.thread_counts.size(); ++t) {
     std::cout << absl::StrFormat(
-        "\nStep time with linear %s / with linear %s at %d threads%s: ", plan_.linears.back(),
-        plan_.linears.front(), plan_.thread_counts[t],
+        "\nStep time with %s / with %s at %d threads%s: ", plan_.arms.back().label,
+        plan_.arms.front().label, plan_.thread_counts[t],
         plan_.repeats > 1 ? " (median of the paired runs, range)" : "");
     PrintPairedRatios(variants, plan_.repeats, [&](size_t i, int64_t r) {
       return runs.back()[t][i][r].step_s / runs.front()[t][i][r].step_s;
@@ -400,11 +414,12 @@ absl::Status TrainBench::Profiles(const Width& w, const std::vector<Variant>& va
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 1,
-                                                     {"steps", "warmup", "seq-len", "batch",
-                                                      "threads", "p", "plugin-dir", "layers",
-                                                      "widths", "profile", "repeats", "linear"},
-                                                     {"bf16"}));
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args,
+      CliArgs::Parse(argc, argv, 1,
+                     {"steps", "warmup", "seq-len", "batch", "threads", "p", "plugin-dir", "layers",
+                      "widths", "profile", "repeats", "linear", "adamw"},
+                     {"bf16"}));
   LOOM_ASSIGN_OR_RETURN(BenchPlan plan, PlanFromArgs(args));
   PluginLoader loader;
   loader.LoadDirectories(args.Has("plugin-dir") ? std::vector<std::string>{args.Get("plugin-dir")}
