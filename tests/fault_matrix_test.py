@@ -397,7 +397,7 @@ class Matrix:
               f"elsewhere, never two attempts alive; {job_id} succeeded (restarts 0, infra_restarts "
               f"{job.get('infra_restarts')})")
 
-    def _freeze_after_reported_commit(self, job_id, root, pid):
+    def _freeze_after_reported_commit(self, job_id, root, pid, min_steps=2):
         """SIGSTOPs the rank where its newest committed checkpoint is also in the catalogue and
         returns that step. A stop can land between a commit and its event (retention runs in
         between), and a frozen rank never reports it: then the rank runs on briefly and is
@@ -405,7 +405,7 @@ class Matrix:
         for tries in range(1, 41):
             os.kill(pid, signal.SIGSTOP)
             steps = committed_steps(root)
-            assert len(steps) >= 2, f"{root}: {steps}"
+            assert len(steps) >= min_steps, f"{root}: {steps}"
             newest = steps[-1]
             deadline = time.time() + 8 * HEARTBEAT_MS / 1000
             while time.time() < deadline:
@@ -475,11 +475,14 @@ class Matrix:
     def case_e_pinned_by_queued_child(self):
         api = self.api
         parent = submit(api, job_body(STEPS_SHORT, interval=5, keep_last=1))
-        api.wait(parent, lambda j: j["state"] == "running" and newest_checkpoint(j) >= 5, "a first checkpoint")
+        job = api.wait(parent, lambda j: j["state"] == "running" and newest_checkpoint(j) >= 5,
+                       "a first checkpoint")
         pid = rank_pid(self.tmp, parent)
-        os.kill(pid, signal.SIGSTOP)  # no new commits while the child is submitted
         try:
-            time.sleep(4 * HEARTBEAT_MS / 1000)  # every commit reported, retention settled
+            # Frozen (no new commits while the child is submitted) after its newest commit is
+            # reported: retention may already have deleted the one before it.
+            self._freeze_after_reported_commit(parent, job["spec"]["checkpoint"]["dir"], pid, 1)
+            time.sleep(4 * HEARTBEAT_MS / 1000)  # retention settled in the catalogue
             child, pinned = None, None
             for entry in sorted(api.catalogue(parent), key=lambda x: -int(x["step"])):
                 if not entry.get("available"):
