@@ -13,17 +13,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cpu_kernels/thread_count_for_test.h"
+
 namespace loom::cpu_kernels {
 namespace {
-
-class ThreadCount {  // sets LibTorch's thread count for one scope
- public:
-  explicit ThreadCount(int n) : saved_(torch::get_num_threads()) { torch::set_num_threads(n); }
-  ~ThreadCount() { torch::set_num_threads(saved_); }
-
- private:
-  int saved_;
-};
 
 constexpr double kLr = 3e-3, kBeta1 = 0.9, kBeta2 = 0.95, kEps = 1e-8, kDecay = 0.1;
 

@@ -15,19 +15,11 @@
 #include <string>
 #include <vector>
 
+#include "cpu_kernels/thread_count_for_test.h"
 #include "loom/torch_compat.h"
 
 namespace loom::cpu_kernels {
 namespace {
-
-class ThreadCount {  // sets LibTorch's thread count for one scope
- public:
-  explicit ThreadCount(int n) : saved_(torch::get_num_threads()) { torch::set_num_threads(n); }
-  ~ThreadCount() { torch::set_num_threads(saved_); }
-
- private:
-  int saved_;
-};
 
 // bf16 autocast on the CPU (LibTorch 2.4 replaced the per-device setters).
 void SetCpuAutocast(bool on) {
