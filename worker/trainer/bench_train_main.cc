@@ -4,9 +4,9 @@
 // the schedules, the thread counts back to back, medians reported), with a per-op profile of where
 // the step goes (--profile ROWS), and two kernels against their LibTorch reference in the same
 // rounds: --linear split,torch (cpu_kernels/linear_cpu.h) or --adamw fused,torch
-// (cpu_kernels/adamw_cpu.h). MFU is measured against a matmul
-// ceiling this program measures itself at the same thread count in the same run, so the numbers
-// mean something on any CPU. Prints Markdown tables (docs/benchmarks.md records them).
+// (cpu_kernels/adamw_cpu.h). MFU is measured against a matmul ceiling this program measures
+// itself at the same thread count in the same run, so the numbers mean something on any CPU.
+// Prints Markdown tables (docs/benchmarks.md records them).
 #include <torch/torch.h>
 #include <unistd.h>
 
