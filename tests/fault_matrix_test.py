@@ -402,20 +402,24 @@ class Matrix:
         returns that step. A stop can land between a commit and its event (retention runs in
         between), and a frozen rank never reports it: then the rank runs on briefly and is
         stopped again."""
+        def reported(step):
+            return any(int(x["step"]) == step for x in self.api.catalogue(job_id))
+
         for tries in range(1, 41):
             os.kill(pid, signal.SIGSTOP)
             steps = committed_steps(root)
             assert len(steps) >= min_steps, f"{root}: {steps}"
             newest = steps[-1]
-            deadline = time.time() + 8 * HEARTBEAT_MS / 1000
-            while time.time() < deadline:
-                if any(int(x["step"]) == newest for x in self.api.catalogue(job_id)):
-                    if tries > 1:
-                        print(f"   ({job_id}: stopped {tries} times before its newest commit was reported)")
-                    return newest
-                time.sleep(0.05)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(0.03)
+            try:
+                wait_for(f"step {newest} in the catalogue", lambda: reported(newest),
+                         timeout=8 * HEARTBEAT_MS / 1000, interval=0.05)
+            except AssertionError:
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.03)
+                continue
+            if tries > 1:
+                print(f"   ({job_id}: stopped {tries} times before its newest commit was reported)")
+            return newest
         raise AssertionError(f"{job_id}: no stop of its rank found its newest commit in the catalogue")
 
     def _damage_then_kill(self, damage, what):

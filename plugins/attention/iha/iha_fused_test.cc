@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "cpu_kernels/thread_count_for_test.h"
 #include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
@@ -216,6 +217,49 @@ TEST(IhaFusedTest, SegmentsMatchTheReference) {
       for (int i = 0; i < 4; ++i) {
         EXPECT_LT((gg[i] - rg[i]).abs().max().item<double>(), 1e-10)
             << "gradient " << i << " mask " << int(mask) << " window " << window;
+      }
+    }
+  }
+}
+
+// The outputs and gradients of one fused call (poisoned output, so a task that never ran shows).
+std::vector<torch::Tensor> FusedResults(const RandomInputs& in, const torch::Tensor& upstream,
+                                        int64_t tile) {
+  auto leaf = [](const torch::Tensor& t) { return t.detach().clone().requires_grad_(); };
+  torch::Tensor q = leaf(in.q), k = leaf(in.k), v = leaf(in.v), aq = leaf(in.a),
+                ak = leaf(in.a * 0.9), av = leaf(in.a * 1.1);
+  FusedOptions f;
+  f.tile_tokens = tile;
+  f.poison_output = true;
+  torch::Tensor out = FusedPseudoOutputs(q, k, v, aq, ak, av, in.positions, in.o, f);
+  auto grads = torch::autograd::grad({(out * upstream).sum()}, {q, k, v, aq, ak, av});
+  grads.insert(grads.begin(), out.detach());
+  return grads;
+}
+
+// Tasks are dealt out per thread and stolen at the end: at 2, 3 and 5 threads, with more and
+// with fewer tasks than threads, every output and gradient has the bits of the one-thread run
+// (each task owns what it writes, so a task run twice or never changes a value or leaves NaN).
+TEST(IhaFusedTest, EveryThreadCountComputesTheSameBits) {
+  for (auto [window, tile, rows] :
+       {std::tuple<int64_t, int64_t, int64_t>{0, 3, 2}, {6, 2, 2}, {0, 64, 1}}) {
+    RandomInputs in = MakeInputs(31, 37, 2, window);
+    in.q = in.q.narrow(0, 0, rows);
+    in.k = in.k.narrow(0, 0, rows);
+    in.v = in.v.narrow(0, 0, rows);
+    const torch::Tensor upstream = torch::randn({rows, 37, 4, 2, 8}, torch::kFloat64);
+    std::vector<torch::Tensor> one;
+    {
+      cpu_kernels::ThreadCount threads(1);
+      one = FusedResults(in, upstream, tile);
+    }
+    ASSERT_TRUE(torch::isfinite(one[0]).all().item<bool>());
+    for (int n : {2, 3, 5}) {
+      cpu_kernels::ThreadCount threads(n);
+      const std::vector<torch::Tensor> got = FusedResults(in, upstream, tile);
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(torch::equal(got[i], one[i]))
+            << "result " << i << " at " << n << " threads, window " << window << ", tile " << tile;
       }
     }
   }
