@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_kernels/thread_count_for_test.h"
 
 namespace loom::trainer {
 namespace {
@@ -120,16 +121,17 @@ TEST_F(ModelTest, LinearLayersTakeTheRowSplitKernelOnTwoThreads) {
                    {"repeat": 1, "attention": {"plugin": "mha"}}]})"),
                                    loader_);
   ASSERT_TRUE(model.ok()) << model.status();
-  const int threads = torch::get_num_threads();
-  torch::set_num_threads(2);
-  torch::Tensor tokens = torch::randint(0, 256, {8, 64}, torch::kInt64);
-  torch::Tensor logits = (*model)->forward(ModelInputs{tokens, {}, {}, {}, {}});
+  torch::Tensor logits, reference;
+  {
+    cpu_kernels::ThreadCount two(2);
+    torch::Tensor tokens = torch::randint(0, 256, {8, 64}, torch::kInt64);
+    logits = (*model)->forward(ModelInputs{tokens, {}, {}, {}, {}});
+    setenv("LOOM_CPU_LINEAR", "torch", 1);
+    reference = (*model)->forward(ModelInputs{tokens, {}, {}, {}, {}});
+    unsetenv("LOOM_CPU_LINEAR");
+  }
   // 2 layers × (4 projections + up + down) + the LM head.
   EXPECT_EQ(CountNodes(logits, "RowSplitLinearFunction"), 13);
-  setenv("LOOM_CPU_LINEAR", "torch", 1);
-  torch::Tensor reference = (*model)->forward(ModelInputs{tokens, {}, {}, {}, {}});
-  unsetenv("LOOM_CPU_LINEAR");
-  torch::set_num_threads(threads);
   EXPECT_EQ(CountNodes(reference, "RowSplit"), 0);
   EXPECT_TRUE(torch::allclose(logits, reference, 1e-5, 1e-5));
 }

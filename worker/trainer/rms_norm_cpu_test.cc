@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_kernels/thread_count_for_test.h"
 #include "worker/trainer/model.h"
 
 namespace loom::trainer {
@@ -75,12 +76,11 @@ TEST(CpuRmsNorm, MatchesTheFloat64CompositeForwardAndGradients) {
 }
 
 TEST(CpuRmsNorm, GradientOfTheWeightDoesNotDependOnTheThreadCount) {
-  const int threads = torch::get_num_threads();
-  torch::set_num_threads(1);
-  const Result one = RunNorm(true, torch::kFloat32, {8, 300, 128}, false, 7);
-  torch::set_num_threads(2);
-  const Result two = RunNorm(true, torch::kFloat32, {8, 300, 128}, false, 7);
-  torch::set_num_threads(threads);
+  auto run = [](int threads) {
+    cpu_kernels::ThreadCount scope(threads);
+    return RunNorm(true, torch::kFloat32, {8, 300, 128}, false, 7);
+  };
+  const Result one = run(1), two = run(2);
   EXPECT_TRUE(torch::equal(one.dw, two.dw));
   EXPECT_TRUE(torch::equal(one.dx, two.dx));
   EXPECT_TRUE(torch::equal(one.y, two.y));

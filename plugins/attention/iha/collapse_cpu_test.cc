@@ -9,6 +9,7 @@
 
 #include <vector>
 
+#include "cpu_kernels/thread_count_for_test.h"
 #include "plugins/attention/iha/iha_core.h"
 
 namespace loom::attention::iha {
@@ -62,12 +63,11 @@ TEST(CpuCollapse, MatchesTheEinsumForwardAndGradients) {
 }
 
 TEST(CpuCollapse, GradientOfRDoesNotDependOnTheThreadCount) {
-  const int threads = torch::get_num_threads();
-  torch::set_num_threads(1);
-  const Result one = RunCollapse(true, torch::kFloat32, 4, 300, 4, 2, 32, false, 7);
-  torch::set_num_threads(2);
-  const Result two = RunCollapse(true, torch::kFloat32, 4, 300, 4, 2, 32, false, 7);
-  torch::set_num_threads(threads);
+  auto run = [](int threads) {
+    cpu_kernels::ThreadCount scope(threads);
+    return RunCollapse(true, torch::kFloat32, 4, 300, 4, 2, 32, false, 7);
+  };
+  const Result one = run(1), two = run(2);
   EXPECT_TRUE(torch::equal(one.dcollapse, two.dcollapse));
   EXPECT_TRUE(torch::equal(one.out, two.out));
 }
