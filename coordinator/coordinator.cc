@@ -423,6 +423,7 @@ absl::StatusOr<v1::Job> Coordinator::AddJobLocked(Txn& txn, const v1::SubmitJobR
                                                   const std::string& id) {
   LOOM_ASSIGN_OR_RETURN(const std::string init_path, InitFromPathLocked(request));
   LOOM_RETURN_IF_ERROR(ResolveJobPaths(spec, options_.storage_root, id));
+  ApplyCheckpointIntervalDefault(spec, options_.checkpoint_interval_seconds);
   v1::Job job;
   job.set_id(id);
   job.set_name(spec.name().empty() ? id : spec.name());
@@ -1442,7 +1443,8 @@ v1::AttemptRef* AddAttemptRef(google::protobuf::RepeatedPtrField<v1::AttemptRef>
 }
 
 // What a worker placed in `p` is told to start.
-v1::Assignment AssignmentOf(const std::string& id, const v1::Job& job, const v1::Placement& p) {
+v1::Assignment AssignmentOf(const std::string& id, const v1::Job& job, const v1::Placement& p,
+                            int64_t checkpoint_interval_seconds) {
   v1::Assignment a;
   a.set_job_id(id);
   a.set_attempt(job.attempt());
@@ -1451,6 +1453,8 @@ v1::Assignment AssignmentOf(const std::string& id, const v1::Job& job, const v1:
   a.set_master_addr(job.master_addr());
   a.set_master_port(job.master_port());
   *a.mutable_spec() = job.spec();
+  // Jobs stored before the time interval existed get it here.
+  ApplyCheckpointIntervalDefault(*a.mutable_spec(), checkpoint_interval_seconds);
   a.set_resume_from(job.spec().checkpoint().dir());
   a.set_init_from(job.init_from_path());
   return a;
@@ -1497,7 +1501,7 @@ void Coordinator::AssignLocked(const std::string& worker, const v1::HeartbeatReq
     if (reported.count({id, job.attempt()})) continue;  // already running there
     // Other workers wait for the port rank 0's worker picks (0 tells rank 0's worker to pick).
     if (job.master_port() == 0 && !HostsRankZero(job, worker)) continue;
-    *response.add_assignments() = AssignmentOf(id, job, *p);
+    *response.add_assignments() = AssignmentOf(id, job, *p, options_.checkpoint_interval_seconds);
   }
 }
 

@@ -39,7 +39,10 @@ struct CoordinatorOptions {
   // Fencing: a lost worker's jobs are placed again only this long after it was declared lost.
   // Its ranks stopped themselves earlier, when their lease (lost_after_ms / 2) ran out.
   int term_grace_ms = 5000;
-  int max_infra_restarts = 20;       // attempts a job may lose to lost or restarted workers
+  int max_infra_restarts = 20;  // attempts a job may lose to lost or restarted workers
+  // A job whose spec leaves checkpoint.interval_seconds 0 checkpoints this often: a lost worker
+  // then costs at most this much of its work.
+  int64_t checkpoint_interval_seconds = 600;
   int64_t max_body_bytes = 1 << 20;  // told to agents: heartbeats must fit
   SchedulerOptions scheduler;
   // Every time the coordinator reads (heartbeat silence, fencing, queue ages, event times).

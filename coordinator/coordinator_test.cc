@@ -552,6 +552,48 @@ TEST_F(CoordinatorTest, CheckpointIdsArePathSafeAndOldStateIsMigrated) {
   }
 }
 
+TEST_F(CoordinatorTest, JobsCheckpointByTimeUnlessTheirSpecSaysOtherwise) {
+  options_.checkpoint_interval_seconds = 120;
+  Reopen();
+  auto with_seconds = [&](int64_t seconds) {
+    v1::SubmitJobRequest r = MicroJob();
+    r.mutable_spec()->mutable_checkpoint()->set_interval_seconds(seconds);
+    return Job(Submit(r)).spec().checkpoint().interval_seconds();
+  };
+  EXPECT_EQ(with_seconds(0), 120);  // unset: the coordinator's default
+  EXPECT_EQ(with_seconds(-1), -1);  // never by time
+  EXPECT_EQ(with_seconds(30), 30);
+  auto bad = c_->Submit(
+      [&] {
+        v1::SubmitJobRequest r = MicroJob();
+        r.mutable_spec()->mutable_checkpoint()->set_interval_seconds(-5);
+        return r;
+      }(),
+      "alice");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("checkpoint.interval_seconds"), std::string::npos);
+
+  // A job stored before the field existed (0) is assigned with the default.
+  v1::Job legacy = Job("job-000001");
+  legacy.mutable_spec()->mutable_checkpoint()->clear_interval_seconds();
+  c_.reset();
+  {
+    auto store = StateStore::Open((fs::path(options_.data_dir) / "state").string());
+    ASSERT_TRUE(store.ok()) << store.status();
+    StateStore::Batch b;
+    b.PutJob(legacy);
+    ASSERT_TRUE((*store)->Commit(b, true).ok());
+  }
+  Reopen();
+  ASSERT_EQ(Job("job-000001").spec().checkpoint().interval_seconds(), 0);
+  const std::string w = RegisterWorker("a", 1);
+  c_->Tick();
+  const auto hb = Beat(w, "", 0, {});
+  ASSERT_EQ(hb.assignments_size(), 1);
+  EXPECT_EQ(hb.assignments(0).job_id(), "job-000001");
+  EXPECT_EQ(hb.assignments(0).spec().checkpoint().interval_seconds(), 120);
+}
+
 TEST_F(CoordinatorTest, RetentionKeepsWhatQueuedJobsStartFrom) {
   const std::string w = RegisterWorker("a", 1);
   v1::SubmitJobRequest r = MicroJob(1);

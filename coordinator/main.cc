@@ -37,6 +37,8 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --term-grace-ms N       after a worker is lost, wait this long more before its jobs run
                           elsewhere (default 5000)
   --max-infra-restarts N  attempts a job may lose to lost or restarted workers (default 20)
+  --checkpoint-interval-seconds S   jobs whose spec leaves checkpoint.interval_seconds 0
+                          checkpoint at least this often (default 600)
   --aging-seconds S       a queued job gains one priority point per S seconds (default 60)
   --reserve-after-s S     a blocked job reserves slots after waiting S seconds (default 300)
   --max-body-bytes N      request size limit (default 1048576)
@@ -94,6 +96,7 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
                          "lost-after-ms",
                          "term-grace-ms",
                          "max-infra-restarts",
+                         "checkpoint-interval-seconds",
                          "aging-seconds",
                          "reserve-after-s",
                          "max-body-bytes",
@@ -120,6 +123,8 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   LOOM_ASSIGN_OR_RETURN(int64_t lost, args.GetInt("lost-after-ms", 10000, 200, 86400000));
   LOOM_ASSIGN_OR_RETURN(int64_t grace, args.GetInt("term-grace-ms", 5000, 0, 3600000));
   LOOM_ASSIGN_OR_RETURN(int64_t infra, args.GetInt("max-infra-restarts", 20, 0, 100000));
+  LOOM_ASSIGN_OR_RETURN(options.checkpoint_interval_seconds,
+                        args.GetInt("checkpoint-interval-seconds", 600, 1, 31536000));
   LOOM_ASSIGN_OR_RETURN(options.scheduler.aging_seconds,
                         args.GetDouble("aging-seconds", 60, 0.001, 1e9));
   LOOM_ASSIGN_OR_RETURN(int64_t reserve, args.GetInt("reserve-after-s", 300, 0, 1000000000));

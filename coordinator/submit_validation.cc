@@ -151,6 +151,12 @@ absl::StatusOr<std::string> InsideStorageRoot(const std::string& storage_root,
   return full.string();
 }
 
+void ApplyCheckpointIntervalDefault(v1::JobSpec& spec, int64_t seconds) {
+  if (spec.checkpoint().interval_seconds() == 0) {
+    spec.mutable_checkpoint()->set_interval_seconds(seconds);
+  }
+}
+
 absl::Status ResolveJobPaths(v1::JobSpec& spec, const std::string& storage_root,
                              const std::string& job_id) {
   LOOM_RETURN_IF_ERROR(CheckCheckpointDirUnset(spec));

@@ -42,6 +42,8 @@ absl::StatusOr<std::string> InsideStorageRoot(const std::string& storage_root,
 // made absolute inside the root; refuses fields the coordinator or the agent owns.
 absl::Status ResolveJobPaths(v1::JobSpec& spec, const std::string& storage_root,
                              const std::string& job_id);
+// checkpoint.interval_seconds 0 (unset) becomes `seconds`; -1 (never by time) and a value stay.
+void ApplyCheckpointIntervalDefault(v1::JobSpec& spec, int64_t seconds);
 
 // A stored job must print and parse back as JSON: agents and every GET depend on it.
 absl::Status CheckPrintable(const v1::Job& job);

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Data parallelism with real processes over c10d Gloo on loopback: W ranks with micro-batch b
 train exactly like one rank with W*b (float64, tolerance 1e-10 absolute on losses and weights),
-a checkpoint written by 2 ranks resumes on 1 and on 3, and kill -9 of one rank makes the other
+a checkpoint written by 2 ranks resumes on 1 and on 3, checkpoints by wall-clock time
+(checkpoint.interval_seconds) are taken at the same step by every rank however their clocks differ
+(rank 1 is SIGSTOPped 1.5 s) and resume exactly, and kill -9 of one rank makes the other
 exit with a clear error within the timeout. Every process is killed on exit."""
 import argparse
 import json
@@ -143,6 +145,48 @@ def test_zero1_and_resharding(loom, tmp):
         print(f"2-shard ZeRO-1 checkpoint resumed on {world} rank(s) (zero_stage {zero}): identical")
 
 
+def committed(ckpt_root):
+    return sorted(int(d[len("step-"):]) for d in os.listdir(ckpt_root)
+                  if d.startswith("step-") and os.path.exists(os.path.join(ckpt_root, d, "manifest.json")))
+
+
+def test_timed_checkpoints_agree(loom, tmp):
+    """Only rank 0's clock decides; a rank stalled by SIGSTOP must still checkpoint with it (ZeRO-1:
+    each rank writes its own shard, so a disagreement would hang or leave one shard)."""
+    steps = 200
+    timed = {"interval": 0, "interval_seconds": 1, "keep_last": 1000}
+    spec = write_spec(tmp, "timed", 3, steps=steps, zero_stage=1,
+                      checkpoint={"dir": os.path.join(tmp, "timed"), **timed})
+    r0, r1 = launch(loom, 2, spec)
+    deadline = time.time() + 120
+    for line in r0.stdout:
+        if re.match(r"step 5/", line.strip()):
+            break
+        assert time.time() < deadline, "rank 0 never made progress"
+    os.kill(r1.pid, signal.SIGSTOP)
+    time.sleep(1.5)
+    os.kill(r1.pid, signal.SIGCONT)
+    out0, err0 = r0.communicate(timeout=300)
+    out1, err1 = r1.communicate(timeout=60)
+    assert r0.returncode == 0 and r1.returncode == 0, err0 + err1
+    saved = committed(os.path.join(tmp, "timed"))
+    early = [s for s in saved if s < steps]
+    assert early and saved[-1] == steps, f"no checkpoint by time before step {steps}: {saved}"
+    for s in saved:
+        with open(os.path.join(tmp, "timed", f"step-{s:08d}", "manifest.json")) as f:
+            m = json.load(f)
+        assert m["world_size"] == 2 and len(m["shards"]) == 2, (s, m["shards"])
+    first = early[0]
+    name = "timed-resume1"
+    resume_spec = write_spec(tmp, name, 6, steps=steps, checkpoint={"dir": os.path.join(tmp, name), **timed})
+    wait_all(launch(loom, 1, resume_spec,
+                    ["--resume", os.path.join(tmp, "timed", f"step-{first:08d}")]))
+    assert_close(weights(os.path.join(tmp, name, f"step-{steps:08d}")),
+                 weights(os.path.join(tmp, "timed", f"step-{steps:08d}")), "resume of a timed checkpoint")
+    print(f"checkpoints by time on 2 ZeRO ranks, rank 1 SIGSTOPped 1.5 s: steps {saved}, every one with both "
+          f"shards; step {first} resumed on 1 rank ends within {TOL} of the 2-rank run")
+
+
 def test_mpirun(loom, tmp):
     mpirun = shutil.which("mpirun")
     assert mpirun, "mpirun not found (install openmpi-bin)"
@@ -205,6 +249,7 @@ def main():
         test_ranks_match_one_big_batch(args.loom_train, tmp)
         test_resume_on_other_world_sizes(args.loom_train, tmp)
         test_zero1_and_resharding(args.loom_train, tmp)
+        test_timed_checkpoints_agree(args.loom_train, tmp)
         test_mpirun(args.loom_train, tmp)
         test_nccl_without_gpu(args.loom_train, tmp)
         test_killed_rank_fails_the_other(args.loom_train, tmp)

@@ -14,7 +14,9 @@ reference run's; (d) the newest step directory deleted, then kill -9: same; (e) 
 parent racing a queued fine-tune that pins one of its checkpoints; (f) kill -9 of the rank, then
 of its agent, then of the coordinator, in one run: final weights equal the reference's; (g) a
 coordinator restart while a job is scheduled but not launched: one attempt, each rank started
-once. Every process is killed on exit.
+once; (h) a job that checkpoints by wall-clock time only (checkpoint.interval_seconds, no step
+interval) and whose agent is SIGSTOPped: the new attempt resumes from a timed checkpoint and the
+final weights equal the reference's. Every process is killed on exit.
 """
 import os
 import re
@@ -608,10 +610,41 @@ class Matrix:
         print(f"ok: (g) coordinator restarted while {job_id} was scheduled (agents frozen {stopped:.1f} s): "
               f"one attempt ({sorted(attempts)}), each rank started once, succeeded")
 
+    def case_h_timed_checkpoints(self):
+        api = self.api
+        body = job_body(STEPS_LONG)
+        body["spec"]["checkpoint"] = {"interval": 0, "interval_seconds": 1}
+        job_id = submit(api, body)
+        job = api.wait(job_id, lambda j: j["state"] == "running" and newest_checkpoint(j) > 0,
+                       "a first timed checkpoint", timeout=120)
+        assert int(job["spec"]["checkpoint"]["interval_seconds"]) == 1, job["spec"]["checkpoint"]
+        seen = newest_checkpoint(job)
+        victim_id, victim = self.hosting_worker(job)
+        agent = self.s.workers[victim]
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+            job = api.wait(job_id, lambda j: j["attempt"] >= 2 and j["state"] == "running",
+                           "a new attempt on the other worker", timeout=40)
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        job = api.wait_end(job_id)
+        assert job["state"] == "succeeded", job
+        resumed = resumed_step(job, 2)
+        assert resumed is not None and resumed >= seen, \
+            f"attempt 2 resumed from {resumed}, but a checkpoint at step {seen} was catalogued: {reasons(job)}"
+        # With no step interval every checkpoint but the last was written because time had passed.
+        steps = sorted(int(c.rsplit(".", 1)[1]) for c in job.get("checkpoints", []))
+        assert len(steps) >= 3 and steps[-1] == STEPS_LONG, steps
+        assert_same_weights(final_tensors(api, job_id, STEPS_LONG), self.reference, job_id)
+        self.sampler.check(job_id)
+        self.ensure_workers()
+        print(f"ok: (h) {job_id}: checkpoints by time only (every 1 s: steps {steps[:6]}...), agent {victim} "
+              f"SIGSTOPped: attempt 2 resumed from step {resumed}, final weights = the reference's")
+
 
 def main():
     ap = control_plane_arg_parser()
-    ap.add_argument("--cases", default="abcdefg", help="which cases to run (letters)")
+    ap.add_argument("--cases", default="abcdefgh", help="which cases to run (letters)")
     args = ap.parse_args()
     tmp = os.path.realpath(tempfile.mkdtemp(prefix="loom-fault-matrix-"))
     m = Matrix(args, tmp)
@@ -622,11 +655,12 @@ def main():
         m.start_worker("node-b")
         m.s.wait_alive(["node-a", "node-b"])
         m.sampler.start()
-        if set(args.cases) & set("cdf"):
+        if set(args.cases) & set("cdfh"):
             m.run_reference()
         cases = {"a": m.case_a_agent_stopped, "b": m.case_b_partition, "c": m.case_c_flipped_bytes,
                  "d": m.case_d_deleted_dir, "e": m.case_e_pinned_by_queued_child,
-                 "f": m.case_f_rank_agent_coordinator, "g": m.case_g_restart_while_scheduled}
+                 "f": m.case_f_rank_agent_coordinator, "g": m.case_g_restart_while_scheduled,
+                 "h": m.case_h_timed_checkpoints}
         for letter in args.cases:
             t = time.time()
             cases[letter]()

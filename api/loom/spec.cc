@@ -204,6 +204,8 @@ absl::StatusOr<nlohmann::json> YamlNodeToJson(const YAML::Node& node, const std:
   return nlohmann::json(nullptr);
 }
 
+constexpr int64_t kMaxCheckpointIntervalSeconds = 365 * 24 * 3600;
+
 absl::Status SpecError(const std::string& field, const std::string& why) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
 }
@@ -602,8 +604,13 @@ absl::Status ResolveCheckpointAndMetrics(v1::JobSpec& j) {
   if (c->keep_last() < 0) return SpecError("checkpoint.keep_last", "must be >= 0 (0 = 3)");
   if (c->keep_last() == 0) c->set_keep_last(3);
   if (c->keep_every() < 0) return SpecError("checkpoint.keep_every", "must be >= 0");
-  if (c->dir().empty() && (c->interval() > 0 || c->keep_every() > 0)) {
-    return SpecError("checkpoint.dir", "is required when checkpoint.interval or keep_every is set");
+  if (c->interval_seconds() < -1 || c->interval_seconds() > kMaxCheckpointIntervalSeconds) {
+    return SpecError("checkpoint.interval_seconds",
+                     "must be in [-1, 31536000] (0 = not by time, -1 = never by time)");
+  }
+  if (c->dir().empty() && (c->interval() > 0 || c->keep_every() > 0 || c->interval_seconds() > 0)) {
+    return SpecError("checkpoint.dir",
+                     "is required when checkpoint.interval, interval_seconds or keep_every is set");
   }
   v1::MetricsConfig* mc = j.mutable_metrics();
   if (mc->port() < -1 || mc->port() > 65535)

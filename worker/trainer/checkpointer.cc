@@ -214,6 +214,12 @@ bool Checkpointer::Due(int64_t step) const {
          step % spec_.checkpoint().interval() == 0;
 }
 
+bool Checkpointer::DueByTime() const {
+  const int64_t seconds = spec_.checkpoint().interval_seconds();
+  return enabled() && seconds > 0 &&
+         std::chrono::steady_clock::now() - last_save_time_ >= std::chrono::seconds(seconds);
+}
+
 absl::Status Checkpointer::Save() {
   // Data-parallel state is replicated: rank 0 writes it, the others wait.
   if (comm_->rank() == 0 || options_.zero) {
@@ -221,6 +227,7 @@ absl::Status Checkpointer::Save() {
   }
   LOOM_RETURN_IF_ERROR(comm_->Barrier());
   last_saved_ = state_.progress->step;
+  last_save_time_ = std::chrono::steady_clock::now();
   if (comm_->rank() == 0) {
     reporter_->Log(
         absl::StrCat("checkpoint: step ", last_saved_, " committed to ", last_checkpoint_));

@@ -76,6 +76,9 @@ class Checkpointer {
   bool enabled() const { return !spec_.checkpoint().dir().empty(); }
   // checkpoint.interval says to save after `step`.
   bool Due(int64_t step) const;
+  // checkpoint.interval_seconds have passed since the last save (or the start). Each rank reads
+  // its own clock: the trainer lets rank 0's answer decide for all.
+  bool DueByTime() const;
   // Writes and commits a checkpoint at the current step (rank 0, or every rank with ZeRO-1), then
   // waits for every rank so none runs ahead of a checkpoint it might be restarted from.
   absl::Status Save();
@@ -104,6 +107,7 @@ class Checkpointer {
   Options options_;
   std::string model_hash_, spec_hash_;
   int64_t last_saved_ = -1;
+  std::chrono::steady_clock::time_point last_save_time_ = std::chrono::steady_clock::now();
   std::string last_checkpoint_;
   std::vector<Note> skipped_;  // --resume-if-any: damaged checkpoints passed over
   Note resumed_;               // and the one restored ("" dir: none)

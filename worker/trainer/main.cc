@@ -49,7 +49,8 @@ commands:
                 tiny-cpu) with optional --model model.json
                 overrides: --steps N --batch B --grad-accum K --seq-len N --lr X --min-lr X
                 --warmup N --seed S --log-every K --threads T --name NAME
-                --checkpoint-dir DIR --checkpoint-every N --metrics-port P --metrics-jsonl F
+                --checkpoint-dir DIR --checkpoint-every N --checkpoint-every-seconds S
+                --metrics-port P --metrics-jsonl F
                 --resume DIR (continue exactly) | --init-from DIR (weights only)
                 --resume-if-any DIR (newest intact checkpoint there, else a fresh start or
                   --init-from; damaged ones are skipped)   --no-retention (keep every checkpoint)
@@ -135,6 +136,7 @@ const FieldFlag kFieldFlags[] = {
     {"threads", "threads", ValueLimits::Integer(1, 1024)},
     {"checkpoint-dir", "checkpoint.dir", {}},
     {"checkpoint-every", "checkpoint.interval", ValueLimits::Integer(1, 1000000000)},
+    {"checkpoint-every-seconds", "checkpoint.interval_seconds", ValueLimits::Integer(1, 31536000)},
     {"metrics-port", "metrics.port", ValueLimits::Integer(-1, 65535)},
     {"metrics-jsonl", "metrics.jsonl", {}},
     {"name", "name", {}},

@@ -237,10 +237,10 @@ absl::StatusOr<TrainSummary> Trainer::Run() {
                          " consecutive non-finite steps (max_nan_skips = ", spec_.max_nan_skips(),
                          "); stopping"));
       }
-      LOOM_RETURN_IF_ERROR(AfterStep(&summary));
+      LOOM_ASSIGN_OR_RETURN(const StepSignals signals, AgreeAfterStep());
+      LOOM_RETURN_IF_ERROR(AfterStep(&summary, signals.checkpoint));
       if (stop_early_) break;
-      LOOM_ASSIGN_OR_RETURN(const bool stop, StopRequested());
-      if (stop) return StopOnRequest();
+      if (signals.stop) return StopOnRequest();
     }
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("step ", progress_.step + 1, ": ", e.what()));
@@ -394,14 +394,14 @@ absl::Status Trainer::BroadcastOwnedParameters() {
   return absl::OkStatus();
 }
 
-absl::Status Trainer::AfterStep(TrainSummary* summary) {
+absl::Status Trainer::AfterStep(TrainSummary* summary, bool checkpoint_now) {
   const int64_t step = progress_.step, total = spec_.steps();
   if (splits()) {
     if (step % steps_per_epoch_ == 0 || step == total) EndEpoch(summary);
   } else if (spec_.eval().interval() > 0 && step % spec_.eval().interval() == 0 && step < total) {
     Validate(summary);
   }
-  if (checkpointer_->Due(step)) LOOM_RETURN_IF_ERROR(checkpointer_->Save());
+  if (checkpointer_->Due(step) || checkpoint_now) LOOM_RETURN_IF_ERROR(checkpointer_->Save());
   return absl::OkStatus();
 }
 
@@ -449,14 +449,18 @@ absl::StatusOr<TrainSummary> Trainer::RunEvalJob() {
   return summary;
 }
 
-absl::StatusOr<bool> Trainer::StopRequested() {
-  const bool local = g_stop_requested.load(std::memory_order_relaxed);
-  if (comm_->world_size() == 1) return local;
-  // One scalar per step: a signal may reach some ranks and not others (other nodes).
-  LOOM_ASSIGN_OR_RETURN(const double any, comm_->AllReduceMean(local ? 1.0 : 0.0));
-  return any > 0;
+absl::StatusOr<Trainer::StepSignals> Trainer::AgreeAfterStep() {
+  const bool stop = g_stop_requested.load(std::memory_order_relaxed);
+  const bool by_time = comm_->rank() == 0 && checkpointer_->DueByTime();
+  const int world = comm_->world_size();
+  if (world == 1) return StepSignals{stop, by_time};
+  // One scalar per step (a signal may reach some ranks and not others): the ranks' sum, the
+  // SIGTERMed ranks plus (world + 1) if rank 0's clock says so, decodes exactly from the mean.
+  LOOM_ASSIGN_OR_RETURN(const double mean,
+                        comm_->AllReduceMean((stop ? 1.0 : 0.0) + (by_time ? world + 1.0 : 0.0)));
+  const int64_t sum = std::llround(mean * world);
+  return StepSignals{sum % (world + 1) > 0, sum >= world + 1};
 }
-
 // ---- Evaluation ----
 
 int64_t Trainer::EpochOf(int64_t step) const {

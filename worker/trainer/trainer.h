@@ -94,9 +94,6 @@ class Trainer {
                                                          const PluginLoader& loader,
                                                          TrainerOptions options);
   ~Trainer();
-  // Whether any rank was asked to stop (a collective when world_size > 1).
-  absl::StatusOr<bool> StopRequested();
-
   absl::StatusOr<TrainSummary> Run();
 
   Transformer& model() { return *model_; }
@@ -123,7 +120,14 @@ class Trainer {
   absl::Status ApplyUpdate(StepRecord* r, TrainSummary* summary);
   void UpdateLossScale(bool finite, StepRecord* r, TrainSummary* summary);
   absl::Status BroadcastOwnedParameters();
-  absl::Status AfterStep(TrainSummary* summary);  // evaluation, epoch end, checkpoint
+  // What every rank does after a step, agreed in one collective: stop (SIGTERM reached any
+  // rank) and checkpoint by time (rank 0's clock).
+  struct StepSignals {
+    bool stop = false, checkpoint = false;
+  };
+  absl::StatusOr<StepSignals> AgreeAfterStep();
+  // Evaluation, epoch end, checkpoint (by step, or `checkpoint_now` by time).
+  absl::Status AfterStep(TrainSummary* summary, bool checkpoint_now);
   absl::Status StopOnRequest();
   absl::Status FinishRun(TrainSummary* summary);
   absl::StatusOr<TrainSummary> RunEvalJob();
