@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace loom::data {
 namespace {
@@ -36,6 +37,18 @@ class TaskOptions {
                                                      "' is not a number in [", lo, ", ", hi, "]"));
     }
     return v;
+  }
+  // One of `choices` (the first is the default).
+  absl::StatusOr<std::string> Choice(const std::string& key,
+                                     const std::vector<std::string>& choices) {
+    used_.insert(key);
+    auto it = values_.find(key);
+    if (it == values_.end()) return choices.front();
+    if (std::find(choices.begin(), choices.end(), it->second) == choices.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("data.task_options.", key, ": '", it->second,
+                                                     "' is not ", absl::StrJoin(choices, " | ")));
+    }
+    return it->second;
   }
   absl::Status Finish() const {
     for (const auto& [k, v] : values_) {
@@ -174,39 +187,78 @@ class NeedleTask : public Task {
 
 // A random functional graph and `queries` questions about distinct start nodes, each "the node
 // `hops` edges on". Only the answer letters are scored: the rest is as predictable as the prompt.
+// With `simple` walks every question's walk visits hops + 1 distinct nodes (graphs are drawn
+// again until enough starts have one), so a short cycle never makes a shorter lookup right.
 class KHopTask : public Task {
  public:
-  KHopTask(TaskInfo info, int64_t nodes, int64_t hops, int64_t queries)
-      : info_(std::move(info)), nodes_(nodes), hops_(hops), queries_(queries) {}
+  KHopTask(TaskInfo info, int64_t nodes, int64_t hops, int64_t queries, bool simple)
+      : info_(std::move(info)), nodes_(nodes), hops_(hops), queries_(queries), simple_(simple) {}
   const TaskInfo& info() const override { return info_; }
   std::vector<Example> Batch(int64_t batch, std::mt19937_64& rng) const override {
     std::vector<Example> out;
-    for (int64_t b = 0; b < batch; ++b) {
-      std::vector<int> next(static_cast<size_t>(nodes_));
-      for (auto& n : next) n = static_cast<int>(Uniform(rng, 0, nodes_ - 1));
-      std::vector<int> order(static_cast<size_t>(nodes_));
-      for (int i = 0; i < nodes_; ++i) order[i] = i;
-      std::shuffle(order.begin(), order.end(), rng);
-      std::string graph;
-      for (int i : order) graph += absl::StrCat(Letter(i), ">", Letter(next[i]), " ");
-      std::vector<std::pair<std::string, bool>> segments = {{graph, false}};
-      std::shuffle(order.begin(), order.end(), rng);  // distinct start nodes
-      for (int64_t q = 0; q < queries_; ++q) {
-        int node = order[q];
-        segments.push_back({absl::StrCat("\nq:", Letter(node), hops_, "="), false});
-        for (int64_t h = 0; h < hops_; ++h) node = next[node];
-        segments.push_back({Letter(node), true});
-        segments.push_back({".", false});
-      }
-      out.push_back(LmExample(segments));
-    }
+    for (int64_t b = 0; b < batch; ++b) out.push_back(OneExample(rng));
     return out;
+  }
+  // Graphs drawn per accepted one with simple walks, estimated from `trials` draws.
+  double SimpleAcceptance(int trials) const {
+    std::mt19937_64 rng(12345);
+    int accepted = 0;
+    for (int t = 0; t < trials; ++t) {
+      accepted += static_cast<int64_t>(SimpleStarts(RandomGraph(rng)).size()) >= queries_;
+    }
+    return static_cast<double>(accepted) / trials;
   }
 
  private:
+  std::vector<int> RandomGraph(std::mt19937_64& rng) const {
+    std::vector<int> next(static_cast<size_t>(nodes_));
+    for (auto& n : next) n = static_cast<int>(Uniform(rng, 0, nodes_ - 1));
+    return next;
+  }
+  // The start nodes whose walk of `hops` edges repeats no node.
+  std::vector<int> SimpleStarts(const std::vector<int>& next) const {
+    std::vector<int> starts;
+    for (int s = 0; s < nodes_; ++s) {
+      std::vector<bool> seen(static_cast<size_t>(nodes_));
+      int node = s;
+      bool simple = true;
+      for (int64_t h = 0; h <= hops_ && simple; ++h) {
+        simple = !seen[node];
+        seen[node] = true;
+        node = next[node];
+      }
+      if (simple) starts.push_back(s);
+    }
+    return starts;
+  }
+  Example OneExample(std::mt19937_64& rng) const {
+    std::vector<int> next = RandomGraph(rng);
+    std::vector<int> simple_starts;
+    while (simple_ &&
+           static_cast<int64_t>((simple_starts = SimpleStarts(next)).size()) < queries_) {
+      next = RandomGraph(rng);
+    }
+    std::vector<int> order(static_cast<size_t>(nodes_));
+    for (int i = 0; i < nodes_; ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    std::string graph;
+    for (int i : order) graph += absl::StrCat(Letter(i), ">", Letter(next[i]), " ");
+    std::vector<std::pair<std::string, bool>> segments = {{graph, false}};
+    if (simple_) order = simple_starts;
+    std::shuffle(order.begin(), order.end(), rng);  // distinct start nodes
+    for (int64_t q = 0; q < queries_; ++q) {
+      int node = order[q];
+      segments.push_back({absl::StrCat("\nq:", Letter(node), hops_, "="), false});
+      for (int64_t h = 0; h < hops_; ++h) node = next[node];
+      segments.push_back({Letter(node), true});
+      segments.push_back({".", false});
+    }
+    return LmExample(segments);
+  }
   static std::string Letter(int node) { return std::string(1, static_cast<char>('a' + node)); }
   TaskInfo info_;
   int64_t nodes_, hops_, queries_;
+  bool simple_;
 };
 
 // Polynomial-filter query on a small random digraph: (A^k x)_v, the sum of the values at the
@@ -362,8 +414,24 @@ absl::StatusOr<std::unique_ptr<Task>> MakeTask(const std::string& name,
     if (!hops.ok()) return hops.status();
     auto queries = o.Int("queries", 1, 1, *nodes);
     if (!queries.ok()) return queries.status();
+    auto walks = o.Choice("walks", {"any", "simple"});
+    if (!walks.ok()) return walks.status();
+    const bool simple = *walks == "simple";
+    if (simple && *hops >= *nodes) {
+      return absl::InvalidArgumentError(absl::StrCat("data.task_options.hops: simple walks of ",
+                                                     *hops, " hops need more than ", *hops,
+                                                     " nodes (", *nodes, ")"));
+    }
     info.max_len = *nodes * 4 + *queries * 8 - 1;  // tokens: the text minus its last byte
-    task = std::make_unique<KHopTask>(info, *nodes, *hops, *queries);
+    auto khop = std::make_unique<KHopTask>(info, *nodes, *hops, *queries, simple);
+    // Rejection sampling must end quickly: refuse settings where few graphs qualify.
+    if (simple && khop->SimpleAcceptance(4096) < 1e-3) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("data.task_options.queries: fewer than 1 graph in 1000 has ", *queries,
+                       " start nodes with simple walks of ", *hops, " hops on ", *nodes,
+                       " nodes; ask fewer queries or hops"));
+    }
+    task = std::move(khop);
   } else if (name == "poly_filter") {
     auto nodes = o.Int("nodes", 6, 2, 26);
     auto edges = o.Int("edges", 9, 1, 26 * 26);

@@ -145,6 +145,55 @@ TEST(Tasks, KHopAnswersFollowTheEdges) {
             std::string::npos);
 }
 
+// walks: simple draws graphs until every question's walk repeats no node, so no shorter lookup
+// (a cycle back to an earlier node) gives the answer; the default keeps such questions.
+TEST(Tasks, KHopSimpleWalksNeverRevisitANode) {
+  for (const std::string walks : {"any", "simple"}) {
+    auto task =
+        MakeTask("khop", {{"nodes", "6"}, {"hops", "3"}, {"queries", "2"}, {"walks", walks}}, 512);
+    ASSERT_TRUE(task.ok()) << task.status();
+    std::mt19937_64 rng(5);
+    int questions = 0, revisiting = 0;
+    for (const Example& e : (*task)->Batch(200, rng)) {
+      const std::string text = Text(e) + ".";
+      std::map<char, char> next;
+      const std::regex edge("([a-z])>([a-z]) ");
+      for (auto it = std::sregex_iterator(text.begin(), text.end(), edge);
+           it != std::sregex_iterator(); ++it) {
+        next[(*it).str(1)[0]] = (*it).str(2)[0];
+      }
+      ASSERT_EQ(next.size(), 6u);
+      const std::regex question("\\nq:([a-z])3=([a-z])\\.");
+      for (auto it = std::sregex_iterator(text.begin(), text.end(), question);
+           it != std::sregex_iterator(); ++it) {
+        std::set<char> walk = {(*it).str(1)[0]};
+        char node = (*it).str(1)[0];
+        for (int h = 0; h < 3; ++h) walk.insert(node = next.at(node));
+        EXPECT_EQ(node, (*it).str(2)[0]);
+        ++questions;
+        revisiting += walk.size() < 4;
+      }
+    }
+    EXPECT_EQ(questions, 400);
+    if (walks == "simple") {
+      EXPECT_EQ(revisiting, 0);
+    } else {
+      EXPECT_GT(revisiting, 200) << "most 3-walks on 6-node functional graphs revisit a node";
+    }
+  }
+  auto error = [](std::map<std::string, std::string> options) {
+    return std::string(MakeTask("khop", options, 512).status().message());
+  };
+  EXPECT_NE(error({{"walks", "loops"}}).find("data.task_options.walks"), std::string::npos);
+  EXPECT_NE(
+      error({{"walks", "simple"}, {"nodes", "4"}, {"hops", "4"}}).find("data.task_options.hops"),
+      std::string::npos);
+  // Every start of 10 nodes simple for 9 hops: only a single 10-cycle (9! / 10^10 = 4e-5).
+  EXPECT_NE(error({{"walks", "simple"}, {"nodes", "10"}, {"hops", "9"}, {"queries", "10"}})
+                .find("data.task_options.queries"),
+            std::string::npos);
+}
+
 // Counts walks by explicit enumeration (depth-first), independent of the generator's propagation.
 int64_t WalkSum(const std::multimap<char, char>& edges, const std::map<char, int>& value, char node,
                 int hops) {
