@@ -60,6 +60,16 @@ def wait_all(procs, timeout=300):
     return outs
 
 
+def wait_for_step(rank0, step, timeout=120):
+    """Reads rank 0's progress lines until it reports `step`."""
+    deadline = time.time() + timeout
+    for line in rank0.stdout:
+        if re.match(rf"step {step}/", line.strip()):
+            return
+        assert time.time() < deadline, "rank 0 never made progress"
+    raise AssertionError(f"rank 0 exited before step {step}")
+
+
 def losses(jsonl):
     return {step: float(loss) for step, loss in step_losses(jsonl).items()}
 
@@ -158,11 +168,7 @@ def test_timed_checkpoints_agree(loom, tmp):
     spec = write_spec(tmp, "timed", 3, steps=steps, zero_stage=1,
                       checkpoint={"dir": os.path.join(tmp, "timed"), **timed})
     r0, r1 = launch(loom, 2, spec)
-    deadline = time.time() + 120
-    for line in r0.stdout:
-        if re.match(r"step 5/", line.strip()):
-            break
-        assert time.time() < deadline, "rank 0 never made progress"
+    wait_for_step(r0, 5)
     os.kill(r1.pid, signal.SIGSTOP)
     time.sleep(1.5)
     os.kill(r1.pid, signal.SIGCONT)
@@ -222,11 +228,7 @@ def test_nccl_without_gpu(loom, tmp):
 def test_killed_rank_fails_the_other(loom, tmp):
     spec = write_spec(tmp, "kill", 2, steps=100000, dist_timeout_seconds=10, checkpoint={"dir": ""})
     r0, r1 = launch(loom, 2, spec)
-    deadline = time.time() + 120
-    for line in r0.stdout:
-        if re.match(r"step 3/", line.strip()):
-            break
-        assert time.time() < deadline, "rank 0 never made progress"
+    wait_for_step(r0, 3)
     os.kill(r1.pid, signal.SIGKILL)
     killed_at = time.time()
     try:
