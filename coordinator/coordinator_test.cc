@@ -6,6 +6,7 @@
 #include "coordinator/coordinator.h"
 
 #include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
 
@@ -133,6 +134,14 @@ class CoordinatorTest : public ::testing::Test {
   std::unique_ptr<Coordinator> c_;
 };
 
+// data.source task, task khop with these options (JSON).
+void KHop(v1::SubmitJobRequest& r, const std::string& options) {
+  v1::DataConfig* d = r.mutable_spec()->mutable_data();
+  d->set_source("task");
+  d->set_task("khop");
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(options, d->mutable_task_options()).ok());
+}
+
 TEST_F(CoordinatorTest, RejectsBadSubmissionsNamingTheField) {
   struct Case {
     std::function<void(v1::SubmitJobRequest&)> edit;
@@ -160,6 +169,24 @@ TEST_F(CoordinatorTest, RejectsBadSubmissionsNamingTheField) {
       {[](auto& r) { r.mutable_spec()->mutable_metrics()->set_jsonl("/tmp/x.jsonl"); },
        "spec.metrics.jsonl"},
       {[](auto& r) { r.mutable_spec()->mutable_metrics()->set_port(9400); }, "spec.metrics.port"},
+      // A built-in task is checked as the trainer builds it: its options, the sequence length
+      // and the model's fit.
+      {[](auto& r) { KHop(r, R"({"nodes": 8, "hops": 3, "walks": "loops"})"); },
+       "spec.data.task_options.walks"},
+      {[](auto& r) { KHop(r, R"({"nodes": 8, "colour": "red"})"); },
+       "spec.data.task_options.colour"},
+      {[](auto& r) { KHop(r, R"({"nodes": 8, "hops": {"deep": 1}})"); },
+       "spec.data.task_options.hops"},
+      {[](auto& r) {
+         KHop(r, R"({"nodes": 26, "queries": 26})");
+         r.mutable_spec()->set_seq_len(64);
+       },
+       "spec.seq_len"},
+      {[](auto& r) {
+         KHop(r, "{}");
+         r.mutable_spec()->mutable_data()->set_task("relation_binary");  // an encoder task
+       },
+       "spec.model.mode"},
   };
   for (const auto& c : cases) {
     v1::SubmitJobRequest r = MicroJob();

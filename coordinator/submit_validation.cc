@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "data/task_spec.h"
 #include "loom/spec.h"
 
 namespace fs = std::filesystem;
@@ -114,6 +115,11 @@ absl::StatusOr<v1::JobSpec> ResolveSubmittedSpec(const v1::SubmitJobRequest& req
   auto resolved = ResolveJobSpec(unresolved);
   if (!resolved.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("spec.", resolved.status().message()));
+  }
+  // A built-in task is checked as the trainer will build it, so a bad one is a 400 now rather
+  // than a job that fails on a worker.
+  if (absl::Status task = data::CheckTaskSpec(*resolved); !task.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.", task.message()));
   }
   v1::JobSpec spec = *std::move(resolved);
   spec.mutable_checkpoint()->clear_dir();

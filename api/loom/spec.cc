@@ -705,6 +705,38 @@ absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifes
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> OptionsAsText(
+    const google::protobuf::Struct& options, const std::string& field) {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [key, value] : options.fields()) {
+    std::string text;
+    switch (value.kind_case()) {
+      case google::protobuf::Value::kStringValue:
+        text = value.string_value();
+        break;
+      case google::protobuf::Value::kBoolValue:
+        text = value.bool_value() ? "true" : "false";
+        break;
+      case google::protobuf::Value::kNumberValue: {
+        const double v = value.number_value();
+        if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9.0e15) {
+          text = absl::StrCat(static_cast<int64_t>(v));
+        } else {
+          char buf[64];
+          std::snprintf(buf, sizeof(buf), "%.17g", v);
+          text = buf;
+        }
+        break;
+      }
+      default:
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".", key, ": must be a string, number or boolean"));
+    }
+    out.emplace_back(key, std::move(text));
+  }
+  return out;
+}
+
 std::string ModelHash(const v1::JobSpec& resolved) {
   v1::ModelConfig model = resolved.model();
   model.clear_activation_checkpointing();  // how to train, not what is trained

@@ -4,7 +4,10 @@
 #ifndef LOOM_API_SPEC_H_
 #define LOOM_API_SPEC_H_
 
+#include <google/protobuf/struct.pb.h>
+
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -59,6 +62,12 @@ absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifes
 // model and training fields (name, steps, checkpoint, metrics and threads left out).
 std::string ModelHash(const v1::JobSpec& resolved);
 std::string SpecHash(const v1::JobSpec& resolved);
+
+// Free-form options (attention.options, data.task_options, ...) as the text map plugins and tasks
+// receive: strings stay, integral numbers print without a fraction, booleans as true/false.
+// Nested values are an InvalidArgument naming `field`.key.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> OptionsAsText(
+    const google::protobuf::Struct& options, const std::string& field);
 
 }  // namespace loom
 

@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "data/task_spec.h"
 #include "data/token_shards.h"
 #include "loom/spec.h"
 #include "worker/trainer/plugin_factory.h"
@@ -35,44 +36,14 @@ class ShardSlice : public TokenStream {
   int64_t begin_, length_;
 };
 
-// A built-in task's shape against the model that is to learn it.
-absl::Status CheckTaskFitsModel(const data::TaskInfo& info, const v1::ModelConfig& m) {
-  if (info.encoder != (m.mode() == "encoder")) {
-    return absl::InvalidArgumentError(absl::StrCat("model.mode: task ", info.name, " needs ",
-                                                   info.encoder ? "an encoder" : "a decoder"));
-  }
-  if (info.encoder && m.num_classes() != info.num_classes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.num_classes: task ", info.name, " needs ", info.num_classes));
-  }
-  if (info.grid > 0 && (m.grid_max_rows() < info.grid || m.grid_max_cols() < info.grid)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model.grid_max_rows: task ", info.name, " needs grid positions of at least ", info.grid));
-  }
-  if (m.vocab_size() < info.vocab_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.vocab_size: task ", info.name, " needs ", info.vocab_size));
-  }
-  if (info.max_len > m.max_seq_len()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.max_seq_len: task ", info.name, " needs ", info.max_len));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::map<std::string, std::string>> TaskOptions(const v1::DataConfig& d) {
-  LOOM_ASSIGN_OR_RETURN(auto options, OptionsAsText(d.task_options()));
-  return std::map<std::string, std::string>(options.begin(), options.end());
-}
-
 // data.source task: fresh samples, or fixed splits (App. D) with epochs over the train split.
 absl::StatusOr<TrainingData> TaskData(const v1::JobSpec& spec, const LogFn& log) {
   const auto& d = spec.data();
-  LOOM_ASSIGN_OR_RETURN(auto text, TaskOptions(d));
+  LOOM_ASSIGN_OR_RETURN(auto text, data::TaskOptionsText(d));
   LOOM_ASSIGN_OR_RETURN(std::shared_ptr<const data::Task> task,
                         data::MakeTask(d.task(), text, spec.seq_len()));
   const data::TaskInfo& info = task->info();
-  LOOM_RETURN_IF_ERROR(CheckTaskFitsModel(info, spec.model()));
+  LOOM_RETURN_IF_ERROR(data::CheckTaskFitsModel(info, spec.model()));
   const uint64_t eval_seed = d.seed() ^ kEvalSeedMix;
   TrainingData out;
   if (d.has_splits()) {
@@ -179,7 +150,7 @@ absl::StatusOr<std::vector<data::Conversation>> ReadConversations(const v1::JobS
                                                                   const SftObjective& objective,
                                                                   const LogFn& log) {
   const auto& d = spec.data();
-  LOOM_ASSIGN_OR_RETURN(auto opt, TaskOptions(d));
+  LOOM_ASSIGN_OR_RETURN(auto opt, data::TaskOptionsText(d));
   std::vector<data::Conversation> conversations;
   if (!d.path().empty()) {
     const bool skip = opt.count("skip_malformed") == 0 || opt["skip_malformed"] != "false";

@@ -1,51 +1,17 @@
 #include "worker/trainer/plugin_factory.h"
 
-#include <cmath>
-#include <cstdio>
-
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "loom/spec.h"
 
 namespace loom::trainer {
-
-absl::StatusOr<std::vector<std::pair<std::string, std::string>>> OptionsAsText(
-    const google::protobuf::Struct& options) {
-  std::vector<std::pair<std::string, std::string>> out;
-  for (const auto& [key, value] : options.fields()) {
-    std::string text;
-    switch (value.kind_case()) {
-      case google::protobuf::Value::kStringValue:
-        text = value.string_value();
-        break;
-      case google::protobuf::Value::kBoolValue:
-        text = value.bool_value() ? "true" : "false";
-        break;
-      case google::protobuf::Value::kNumberValue: {
-        const double v = value.number_value();
-        if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 9.0e15) {
-          text = absl::StrCat(static_cast<int64_t>(v));
-        } else {
-          char buf[64];
-          std::snprintf(buf, sizeof(buf), "%.17g", v);
-          text = buf;
-        }
-        break;
-      }
-      default:
-        return absl::InvalidArgumentError(
-            absl::StrCat("attention.options.", key, ": must be a string, number or boolean"));
-    }
-    out.emplace_back(key, std::move(text));
-  }
-  return out;
-}
 
 absl::StatusOr<AttentionLayerPtr> CreateAttentionLayer(const PluginLoader& loader,
                                                        const v1::AttentionConfig& config,
                                                        const AttentionShape& shape) {
   LOOM_ASSIGN_OR_RETURN(const LoadedPlugin* plugin,
                         loader.Find(config.plugin(), LOOM_PLUGIN_KIND_ATTENTION));
-  LOOM_ASSIGN_OR_RETURN(auto options, OptionsAsText(config.options()));
+  LOOM_ASSIGN_OR_RETURN(auto options, OptionsAsText(config.options(), "attention.options"));
   std::vector<LoomOption> c_options;
   for (const auto& [k, v] : options) c_options.push_back(LoomOption{k.c_str(), v.c_str()});
 
@@ -82,7 +48,7 @@ absl::StatusOr<SftObjectivePtr> CreateSftObjective(const PluginLoader& loader,
                                                    const google::protobuf::Struct& options,
                                                    const data::ChatTemplate& tokens) {
   LOOM_ASSIGN_OR_RETURN(const LoadedPlugin* plugin, loader.Find(name, LOOM_PLUGIN_KIND_SFT));
-  LOOM_ASSIGN_OR_RETURN(auto text, OptionsAsText(options));
+  LOOM_ASSIGN_OR_RETURN(auto text, OptionsAsText(options, "data.format_options"));
   std::vector<LoomOption> c_options;
   for (const auto& [k, v] : text) c_options.push_back(LoomOption{k.c_str(), v.c_str()});
   LoomSftSpecV1 spec{};

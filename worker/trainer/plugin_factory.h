@@ -26,11 +26,6 @@ struct AttentionShape {
   int64_t n_layers = 1;
 };
 
-// Options as the text map plugins receive: strings stay, integral numbers print without a
-// fraction, booleans as true/false. Nested values are an InvalidArgument naming the key.
-absl::StatusOr<std::vector<std::pair<std::string, std::string>>> OptionsAsText(
-    const google::protobuf::Struct& options);
-
 absl::StatusOr<AttentionLayerPtr> CreateAttentionLayer(const PluginLoader& loader,
                                                        const v1::AttentionConfig& config,
                                                        const AttentionShape& shape);
