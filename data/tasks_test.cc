@@ -107,6 +107,17 @@ TEST(Tasks, NeedleAnswersAreTheStatedCodes) {
   }
 }
 
+// A khop example's graph: "a>q b>c ..." as node -> next node.
+std::map<char, char> EdgesOf(const std::string& text) {
+  std::map<char, char> next;
+  const std::regex edge("([a-z])>([a-z]) ");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), edge); it != std::sregex_iterator();
+       ++it) {
+    next[(*it).str(1)[0]] = (*it).str(2)[0];
+  }
+  return next;
+}
+
 TEST(Tasks, KHopAnswersFollowTheEdges) {
   for (int queries : {1, 5}) {
     auto task = MakeTask(
@@ -116,12 +127,7 @@ TEST(Tasks, KHopAnswersFollowTheEdges) {
     for (const Example& e : (*task)->Batch(30, rng)) {
       ASSERT_LE(static_cast<int64_t>(e.tokens.size()), (*task)->info().max_len);
       const std::string text = Text(e) + ".";  // the last byte is a target only
-      std::map<char, char> next;
-      const std::regex edge("([a-z])>([a-z]) ");
-      for (auto it = std::sregex_iterator(text.begin(), text.end(), edge);
-           it != std::sregex_iterator(); ++it) {
-        next[(*it).str(1)[0]] = (*it).str(2)[0];
-      }
+      const std::map<char, char> next = EdgesOf(text);
       ASSERT_EQ(next.size(), 10u);
       // Only the answer letters are scored, one per question; the questions' starts differ.
       std::string expected;
@@ -156,12 +162,7 @@ TEST(Tasks, KHopSimpleWalksNeverRevisitANode) {
     int questions = 0, revisiting = 0;
     for (const Example& e : (*task)->Batch(200, rng)) {
       const std::string text = Text(e) + ".";
-      std::map<char, char> next;
-      const std::regex edge("([a-z])>([a-z]) ");
-      for (auto it = std::sregex_iterator(text.begin(), text.end(), edge);
-           it != std::sregex_iterator(); ++it) {
-        next[(*it).str(1)[0]] = (*it).str(2)[0];
-      }
+      const std::map<char, char> next = EdgesOf(text);
       ASSERT_EQ(next.size(), 6u);
       const std::regex question("\\nq:([a-z])3=([a-z])\\.");
       for (auto it = std::sregex_iterator(text.begin(), text.end(), question);
