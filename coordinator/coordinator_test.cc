@@ -187,6 +187,11 @@ TEST_F(CoordinatorTest, RejectsBadSubmissionsNamingTheField) {
          r.mutable_spec()->mutable_data()->set_task("relation_binary");  // an encoder task
        },
        "spec.model.mode"},
+      {[](auto& r) {
+         KHop(r, R"({"nodes": 8, "hops": 3})");
+         r.mutable_spec()->mutable_eval()->add_lengths(20);  // too short for the graph
+       },
+       "spec.eval.lengths: 20"},
   };
   for (const auto& c : cases) {
     v1::SubmitJobRequest r = MicroJob();

@@ -35,19 +35,26 @@ absl::StatusOr<std::map<std::string, std::string>> TaskOptionsText(const v1::Dat
   return std::map<std::string, std::string>(options.begin(), options.end());
 }
 
-absl::Status CheckTaskSpec(const v1::JobSpec& spec) {
+absl::StatusOr<SpecTasks> MakeSpecTasks(const v1::JobSpec& spec) {
   const v1::DataConfig& d = spec.data();
-  if (d.source() != "task") return absl::OkStatus();
   LOOM_ASSIGN_OR_RETURN(const auto text, TaskOptionsText(d));
-  LOOM_ASSIGN_OR_RETURN(const std::unique_ptr<Task> task, MakeTask(d.task(), text, spec.seq_len()));
-  LOOM_RETURN_IF_ERROR(CheckTaskFitsModel(task->info(), spec.model()));
+  SpecTasks out;
+  LOOM_ASSIGN_OR_RETURN(out.task, MakeTask(d.task(), text, spec.seq_len()));
+  LOOM_RETURN_IF_ERROR(CheckTaskFitsModel(out.task->info(), spec.model()));
   for (int64_t length : spec.eval().lengths()) {
-    if (auto at = MakeTask(d.task(), text, length); !at.ok()) {
+    auto at = MakeTask(d.task(), text, length);
+    if (!at.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("eval.lengths: ", length, ": ", at.status().message()));
     }
+    out.at_lengths.emplace_back(length, std::move(*at));
   }
-  return absl::OkStatus();
+  return out;
+}
+
+absl::Status CheckTaskSpec(const v1::JobSpec& spec) {
+  if (spec.data().source() != "task") return absl::OkStatus();
+  return MakeSpecTasks(spec).status();
 }
 
 }  // namespace loom::data

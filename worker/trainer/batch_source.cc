@@ -39,11 +39,9 @@ class ShardSlice : public TokenStream {
 // data.source task: fresh samples, or fixed splits (App. D) with epochs over the train split.
 absl::StatusOr<TrainingData> TaskData(const v1::JobSpec& spec, const LogFn& log) {
   const auto& d = spec.data();
-  LOOM_ASSIGN_OR_RETURN(auto text, data::TaskOptionsText(d));
-  LOOM_ASSIGN_OR_RETURN(std::shared_ptr<const data::Task> task,
-                        data::MakeTask(d.task(), text, spec.seq_len()));
+  LOOM_ASSIGN_OR_RETURN(data::SpecTasks tasks, data::MakeSpecTasks(spec));
+  std::shared_ptr<const data::Task> task = std::move(tasks.task);
   const data::TaskInfo& info = task->info();
-  LOOM_RETURN_IF_ERROR(data::CheckTaskFitsModel(info, spec.model()));
   const uint64_t eval_seed = d.seed() ^ kEvalSeedMix;
   TrainingData out;
   if (d.has_splits()) {
@@ -60,13 +58,8 @@ absl::StatusOr<TrainingData> TaskData(const v1::JobSpec& spec, const LogFn& log)
     out.train = std::make_unique<TaskSampler>(task, d.seed());
   }
   out.make_eval = [task, eval_seed] { return std::make_unique<TaskSampler>(task, eval_seed); };
-  for (int64_t length : spec.eval().lengths()) {  // made now: a bad length fails before training
-    auto at = data::MakeTask(d.task(), text, length);
-    if (!at.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("eval.lengths: ", length, ": ", at.status().message()));
-    }
-    std::shared_ptr<const data::Task> sized = std::move(*at);
+  for (auto& [length, at] : tasks.at_lengths) {
+    std::shared_ptr<const data::Task> sized = std::move(at);
     out.length_evals.emplace_back(
         length, [sized, eval_seed] { return std::make_unique<TaskSampler>(sized, eval_seed); });
   }
