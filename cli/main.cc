@@ -921,6 +921,9 @@ void AddSweepCommands(CommandLine& line, Commands& c) {
        {"metric", "METRIC", "eval_loss | accuracy | exact_match (default: the sweep's)"},
        {"select", "SELECTION", "final | best | test | reach | mean (default: the sweep's)"},
        {"threshold", "X", "select reach: the metric level to reach (steps until it)"},
+       {"baseline", "CELL",
+        "the cell the others are paired against (default: the sweep's); SWEEP_ID/CELL: another "
+        "sweep's cell, paired by seed"},
        {"length", "N", "the end-of-run evaluation at this eval.lengths length (0: training)"}});
   C::Switch(report, "-f,--follow", "");  // accepted for symmetry with submit; no effect
 }

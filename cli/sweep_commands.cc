@@ -11,6 +11,8 @@
 #include <map>
 #include <sstream>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -130,19 +132,43 @@ void PrintReportCsv(const v1::SweepReport& r) {
   }
 }
 
+// Each reported cell's job ids: the sweep's own cells, and a baseline from another sweep.
+absl::StatusOr<std::vector<std::pair<std::string, std::vector<std::string>>>> CellJobs(
+    client::RestClient& client, const v1::Sweep& sweep, const v1::SweepReport& report) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> out;
+  for (const std::string& cell : sweep.cells()) {
+    out.push_back({cell, {}});
+    for (const auto& sj : sweep.jobs()) {
+      if (sj.cell() == cell) out.back().second.push_back(sj.job_id());
+    }
+  }
+  for (const v1::CellStats& c : report.cells()) {
+    if (c.sweep_id().empty()) continue;
+    v1::Sweep other;
+    LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + c.sweep_id(), nullptr, &other));
+    out.push_back({c.cell(), {}});
+    for (const auto& sj : other.jobs()) {
+      if (absl::StrCat(other.id(), "/", sj.cell()) == c.cell()) {
+        out.back().second.push_back(sj.job_id());
+      }
+    }
+  }
+  return out;
+}
+
 // Metric vs step per cell: the mean over the cell's finished seeds with a ±1 sd band (gnuplot).
 absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
                        const v1::SweepReport& report, const std::string& out) {
+  LOOM_ASSIGN_OR_RETURN(const auto cells, CellJobs(client, sweep, report));
   const fs::path dir = fs::temp_directory_path() / absl::StrCat("loom-sweep-plot-", ::getpid());
   fs::create_directories(dir);
   std::string plots;
   int cell_index = 0, points = 0;
-  for (const std::string& cell : sweep.cells()) {
+  for (const auto& [cell, job_ids] : cells) {
     std::map<int64_t, std::vector<double>> by_step;
-    for (const auto& sj : sweep.jobs()) {
-      if (sj.cell() != cell) continue;
+    for (const std::string& job_id : job_ids) {
       v1::Job job;
-      LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/jobs/" + sj.job_id(), nullptr, &job));
+      LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/jobs/" + job_id, nullptr, &job));
       for (const auto& e : job.evals()) {
         if (!(e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation")) continue;
         const double v = report.metric() == "accuracy"      ? e.accuracy()
@@ -185,21 +211,27 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
   return absl::OkStatus();
 }
 
+// A query parameter's value, percent-encoded (a cell name holds '=', ',', '[' and spaces).
+std::string QueryValue(const std::string& value) {
+  std::string out;
+  for (unsigned char ch : value) {
+    if (std::isalnum(ch) || ch == '_' || ch == '.' || ch == '-' || ch == '~') {
+      out += static_cast<char>(ch);
+    } else {
+      absl::StrAppend(&out, absl::StrFormat("%%%02X", ch));
+    }
+  }
+  return out;
+}
+
 absl::Status Report(client::RestClient& client, const std::string& id, const CliArgs& args,
                     Output output) {
   v1::SweepReport r;
   std::string query;
-  for (const char* name : {"metric", "select", "length", "threshold"}) {
-    if (!args.Has(name)) continue;
-    const std::string value = args.Get(name);
-    for (char ch : value) {  // the coordinator names the valid values; keep the URL plain
-      if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '_' && ch != '.' && ch != '-' &&
-          ch != '+') {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--", name, ": '", value, "' is not a metric, selection, length or threshold"));
-      }
+  for (const char* name : {"metric", "select", "length", "threshold", "baseline"}) {
+    if (args.Has(name)) {
+      absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=", QueryValue(args.Get(name)));
     }
-    absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=", value);
   }
   LOOM_RETURN_IF_ERROR(
       client.Call("GET", absl::StrCat("/v1/sweeps/", id, "/report", query), nullptr, &r));

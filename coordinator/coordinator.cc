@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/message_differencer.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -668,17 +669,61 @@ absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const 
   return SweepWithStates(it->second);
 }
 
+absl::StatusOr<std::string> Coordinator::AddReportBaselineLocked(
+    const std::string& baseline, v1::Sweep& sweep, std::map<std::string, v1::Job>& jobs) const {
+  auto cells_text = [](const v1::Sweep& s) { return absl::StrJoin(s.cells(), "; "); };
+  auto has_cell = [](const v1::Sweep& s, const std::string& cell) {
+    return std::find(s.cells().begin(), s.cells().end(), cell) != s.cells().end();
+  };
+  if (baseline.size() > 256) return FieldError("baseline", "longer than 256 characters");
+  const size_t slash = baseline.find('/');
+  const std::string other_id = slash == std::string::npos ? sweep.id() : baseline.substr(0, slash);
+  const std::string cell = slash == std::string::npos ? baseline : baseline.substr(slash + 1);
+  if (other_id == sweep.id()) {
+    if (!has_cell(sweep, cell)) {
+      return FieldError("baseline", absl::StrCat("no cell named '", cell.substr(0, 200),
+                                                 "' (cells: ", cells_text(sweep), ")"));
+    }
+    sweep.mutable_spec()->set_baseline(cell);
+    return std::string();
+  }
+  auto it = IsValidId(other_id) ? sweeps_.find(other_id) : sweeps_.end();
+  if (it == sweeps_.end()) {
+    return FieldError("baseline", absl::StrCat("no sweep '", other_id.substr(0, 100),
+                                               "' (expected a cell, or SWEEP_ID/CELL)"));
+  }
+  const v1::Sweep& other = it->second;
+  if (!has_cell(other, cell)) {
+    return FieldError("baseline",
+                      absl::StrCat(other_id, " has no cell named '", cell.substr(0, 200),
+                                   "' (cells: ", cells_text(other), ")"));
+  }
+  if (has_cell(sweep, baseline)) {
+    return FieldError("baseline", absl::StrCat("'", baseline, "' is also a cell of ", sweep.id()));
+  }
+  sweep.add_cells(baseline);
+  for (const v1::SweepJob& sj : other.jobs()) {
+    if (sj.cell() != cell) continue;
+    v1::SweepJob* added = sweep.add_jobs();
+    *added = sj;
+    added->set_cell(baseline);
+    auto job = jobs_.find(sj.job_id());
+    if (job != jobs_.end()) jobs[sj.job_id()] = job->second;
+  }
+  sweep.mutable_spec()->set_baseline(baseline);
+  return other_id;
+}
+
 absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
-                                                         const std::string& metric,
-                                                         const std::string& select,
-                                                         std::optional<int64_t> length,
-                                                         std::optional<double> threshold) {
+                                                         const ReportQuery& query) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
   // The names now; the combination (a reach threshold fits the metric) once the sweep's own
   // fields fill in what the query leaves out.
-  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(metric, select == "reach" ? "" : select, 0));
+  LOOM_RETURN_IF_ERROR(
+      CheckMetricAndSelect(query.metric, query.select == "reach" ? "" : query.select, 0));
   v1::Sweep sweep;
   std::map<std::string, v1::Job> jobs;
+  std::string baseline_sweep;  // set when the baseline is another sweep's cell
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sweeps_.find(id);
@@ -688,16 +733,24 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
       auto job = jobs_.find(sj.job_id());
       if (job != jobs_.end()) jobs[sj.job_id()] = job->second;
     }
+    if (!query.baseline.empty()) {
+      LOOM_ASSIGN_OR_RETURN(baseline_sweep, AddReportBaselineLocked(query.baseline, sweep, jobs));
+    }
   }
   // A report of another metric or selection than the sweep's own: the same jobs, read again.
-  if (!metric.empty()) sweep.mutable_spec()->set_metric(metric);
-  if (!select.empty()) sweep.mutable_spec()->set_select(select);
-  if (length.has_value()) sweep.mutable_spec()->set_length(*length);
-  if (threshold.has_value()) sweep.mutable_spec()->set_threshold(*threshold);
+  if (!query.metric.empty()) sweep.mutable_spec()->set_metric(query.metric);
+  if (!query.select.empty()) sweep.mutable_spec()->set_select(query.select);
+  if (query.length.has_value()) sweep.mutable_spec()->set_length(*query.length);
+  if (query.threshold.has_value()) sweep.mutable_spec()->set_threshold(*query.threshold);
   const v1::SweepSpec& spec = sweep.spec();  // the overrides combined with the sweep's own
   LOOM_RETURN_IF_ERROR(
       CheckMetricAndSelect(spec.metric(), spec.select(), spec.length(), spec.threshold()));
-  return BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
+  v1::SweepReport report = BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
+  for (v1::CellStats& cell : *report.mutable_cells()) {
+    if (!baseline_sweep.empty() && cell.cell() == spec.baseline())
+      cell.set_sweep_id(baseline_sweep);
+  }
+  return report;
 }
 
 absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const std::string& state, int page_size,

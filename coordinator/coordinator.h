@@ -93,12 +93,15 @@ class Coordinator {
                                                     const std::string& page_token = "");
   // Cancels every job of the sweep that has not ended.
   absl::StatusOr<v1::Sweep> CancelSweep(const std::string& id, const std::string& user);
-  // The sweep's report; a non-empty metric or select, or a length or threshold, replaces the
-  // sweep's own (400 if unknown).
-  absl::StatusOr<v1::SweepReport> ReportSweep(const std::string& id, const std::string& metric = "",
-                                              const std::string& select = "",
-                                              std::optional<int64_t> length = std::nullopt,
-                                              std::optional<double> threshold = std::nullopt);
+  // The sweep's report; each set field of the query replaces the sweep's own (400 naming it if
+  // unknown). A baseline is a cell of this sweep, or SWEEP_ID/CELL: another sweep's cell, added
+  // to the report and paired with this sweep's cells by seed.
+  struct ReportQuery {
+    std::string metric, select, baseline;
+    std::optional<int64_t> length;
+    std::optional<double> threshold;
+  };
+  absl::StatusOr<v1::SweepReport> ReportSweep(const std::string& id, const ReportQuery& query = {});
   absl::StatusOr<v1::ListWorkersResponse> ListWorkers(int page_size = kMaxPageSize,
                                                       const std::string& page_token = "");
 
@@ -168,6 +171,10 @@ class Coordinator {
   absl::Status AddSweepJobsLocked(Txn& txn, v1::Sweep& sweep,
                                   const std::vector<PlannedJob>& planned, const std::string& user);
   v1::Sweep SweepWithStates(const v1::Sweep& sweep) const;
+  // A report's baseline into `sweep` (its spec.baseline) and, for another sweep's cell, that
+  // cell and its jobs (renamed SWEEP_ID/CELL) into `sweep` and `jobs`; returns that sweep's id.
+  absl::StatusOr<std::string> AddReportBaselineLocked(const std::string& baseline, v1::Sweep& sweep,
+                                                      std::map<std::string, v1::Job>& jobs) const;
   void Save(Txn& txn, const v1::Job& job);
   void Save(Txn& txn, const std::string& worker_id);
   void SaveCheckpoint(Txn& txn, const std::string& id);

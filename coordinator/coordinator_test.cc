@@ -834,6 +834,62 @@ TEST_F(CoordinatorTest, SweepsExpandIntoTaggedJobsAtomically) {
   EXPECT_EQ(Submit(MicroJob()), "job-000007");  // the job counter moved past the sweep's jobs
 }
 
+// A report's baseline may be a cell of another sweep: it joins the report as SWEEP_ID/CELL with
+// that sweep's jobs (paired by seed; docs/sweeps.md), or the query names what is wrong.
+TEST_F(CoordinatorTest, ReportsPairAgainstAnotherSweepsCell) {
+  auto sweep_of = [&](const std::vector<uint64_t>& seeds, const std::string& cell) {
+    v1::SweepSpec spec;
+    *spec.mutable_base() = MicroJob();
+    if (cell.empty()) {
+      auto* lr = &(*spec.mutable_grid())["optimizer.lr"];
+      lr->add_values()->set_number_value(0.001);
+      lr->add_values()->set_number_value(0.01);
+    } else {
+      spec.add_cells()->set_name(cell);
+    }
+    for (uint64_t seed : seeds) spec.add_seeds(seed);
+    auto created = c_->CreateSweep(spec, "alice");
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created.ok() ? created->id() : std::string();
+  };
+  const std::string a = sweep_of({7, 8, 9}, ""), b = sweep_of({8, 9, 10}, "x");
+  ASSERT_TRUE(c_->CancelSweep(b, "bob").ok());
+  Coordinator::ReportQuery query;
+  query.baseline = b + "/x";
+  auto r = c_->ReportSweep(a, query);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->baseline(), b + "/x");
+  ASSERT_EQ(r->cells_size(), 3);
+  EXPECT_EQ(r->cells(2).cell(), b + "/x");
+  EXPECT_EQ(r->cells(2).sweep_id(), b);
+  EXPECT_EQ(r->cells(2).failed(), 3);  // b's three cancelled jobs, not a's
+  EXPECT_EQ(r->cells(0).pending(), 3);
+  EXPECT_TRUE(r->cells(0).sweep_id().empty());
+  ASSERT_EQ(r->differences_size(), 2);
+  EXPECT_EQ(r->differences(0).baseline(), b + "/x");
+  // The sweep's own cell, plainly or as SWEEP_ID/CELL of itself.
+  for (const std::string& own : {std::string("optimizer.lr=0.01"), a + "/optimizer.lr=0.01"}) {
+    query.baseline = own;
+    auto self = c_->ReportSweep(a, query);
+    ASSERT_TRUE(self.ok()) << self.status();
+    EXPECT_EQ(self->baseline(), "optimizer.lr=0.01");
+    EXPECT_EQ(self->cells_size(), 2);
+  }
+  for (const auto& [bad, says] : std::vector<std::pair<std::string, std::string>>{
+           {"optimizer.lr=0.5", "no cell named 'optimizer.lr=0.5' (cells: optimizer.lr=0.001; "},
+           {"sweep-424242/x", "no sweep 'sweep-424242'"},
+           {"../x", "no sweep '..'"},
+           {b + "/y", b + " has no cell named 'y' (cells: x)"},
+           {std::string(300, 'x'), "longer than 256"}}) {
+    query.baseline = bad;
+    auto refused = c_->ReportSweep(a, query);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(refused.status().message().find("baseline: " + says), std::string::npos)
+        << refused.status();
+  }
+}
+
 TEST_F(CoordinatorTest, ListsPaginateAndFilter) {
   for (int i = 0; i < 7; ++i) Submit(MicroJob());
   ASSERT_TRUE(c_->Cancel("job-000002", "x").ok());

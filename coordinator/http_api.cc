@@ -514,7 +514,7 @@ void CreateSweep(Coordinator* c, const std::string& user, Req req, HttpResponse&
 void ReportSweep(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
   int64_t length = 0;
   double threshold = 0;
-  if (!CheckParams(req, res, {"metric", "select", "length", "threshold"}) ||
+  if (!CheckParams(req, res, {"metric", "select", "length", "threshold", "baseline"}) ||
       !IntParam(req, res, "length", 0, 0, int64_t{1} << 40, &length)) {
     return;
   }
@@ -523,10 +523,13 @@ void ReportSweep(Coordinator* c, const std::string&, Req req, HttpResponse& res)
     SetJsonError(res, 400, "threshold: expected a number");
     return;
   }
-  Reply(res, c->ReportSweep(
-                 req.matches[0], req.Param("metric"), req.Param("select"),
-                 req.HasParam("length") ? std::optional<int64_t>(length) : std::nullopt,
-                 req.HasParam("threshold") ? std::optional<double>(threshold) : std::nullopt));
+  Coordinator::ReportQuery query;
+  query.metric = req.Param("metric");
+  query.select = req.Param("select");
+  query.baseline = req.Param("baseline");
+  if (req.HasParam("length")) query.length = length;
+  if (req.HasParam("threshold")) query.threshold = threshold;
+  Reply(res, c->ReportSweep(req.matches[0], query));
 }
 
 // GET .../{id}: no query parameters; the answer is the resource.

@@ -6,7 +6,8 @@ gives every cell the same initial weights and data, a different seed different o
 computation of the same statistics from the raw per-job results (Student t from numerical
 integration of its density, not the coordinator's incomplete-beta code; the exact bootstrap
 distribution of the mean for three seeds); partial reports while a sweep runs; cancelling a sweep
-cancels its jobs; a sweep of 200 jobs on 2 slots loses none. Every process is stopped at the end.
+cancels its jobs; a sweep of 200 jobs on 2 slots loses none; a report against another sweep's
+cell. Every process is stopped at the end.
 """
 import argparse
 import itertools
@@ -212,6 +213,7 @@ def test_report_matches_raw_results(up, tmp):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     print(f"ok: {sweep['id']}: 2 cells x 3 seeds paired by seed; report = independent computation "
           f"(mean diff {d['mean']:.4f}, t [{d['t_low']:.4f}, {d['t_high']:.4f}], p {d['p_value']:.2g})")
+    return sweep, raw
 
 
 def sign_test_p(wins, losses):
@@ -446,6 +448,48 @@ def test_two_hundred_jobs(up, tmp):
     ids = {j["job_id"] for j in sweep["jobs"]}
     assert len(ids) == 200
     print(f"ok: {created['id']}: 200 jobs on 2 slots all ran and reported ({time.time() - started:.0f} s)")
+    return sweep
+
+
+def final_losses(up, sweep, cell):
+    """seed -> the job's last held-out eval loss, for one cell of a sweep."""
+    out = {}
+    for j in sweep["jobs"]:
+        if j["cell"] == cell:
+            evals = sorted(up.api.job(j["job_id"])["evals"], key=lambda e: int(e.get("step", 0)))
+            out[int(j["seed"])] = evals[-1]["eval_loss"]
+    return out
+
+
+def test_baseline_from_another_sweep(up, tmp, pairs, pairs_raw, many):
+    """A report against another sweep's cell (?baseline=SWEEP_ID/CELL, --baseline): the cell joins
+    the report with all its seeds, and each of this sweep's cells is paired with it over the
+    seeds both have (here 1-3 of the 100), as computed here from the jobs' own evaluations."""
+    name = "optimizer.lr=0.001"
+    baseline = f"{many['id']}/{name}"
+    other = final_losses(up, many, name)
+    r = up.api.ok("GET", f"/v1/sweeps/{pairs['id']}/report?baseline={baseline.replace('=', '%3D')}")
+    assert r["baseline"] == baseline and [c["cell"] for c in r["cells"]] == pairs["cells"] + [baseline], r
+    foreign = r["cells"][-1]
+    assert foreign["sweep_id"] == many["id"] and foreign["n"] == 100, foreign
+    close(foreign["mean"], mean([other[s] for s in sorted(other)]), 1e-12, "baseline cell mean")
+    for d in r["differences"]:
+        diffs = [pairs_raw[d["cell"]][s] - other[s] for s in (1, 2, 3)]
+        assert d["baseline"] == baseline and d["n"] == 3, d
+        close(d["mean"], mean(diffs), 1e-12, f"{d['cell']} - baseline mean")
+        lo, hi = t_interval(diffs)
+        close(d["t_low"], lo, 1e-6, f"{d['cell']} - baseline t low")
+        close(d["t_high"], hi, 1e-6, f"{d['cell']} - baseline t high")
+    cli = json.loads(up.loom("sweep", "report", pairs["id"], "--baseline", baseline, "--format", "json"))
+    assert cli == r, (cli, r)
+    png = os.path.join(tmp, "across.png")
+    up.loom("sweep", "report", pairs["id"], "--baseline", baseline, "--plot", png)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    for bad in ("optimizer.lr%3D0.5", "sweep-424242%2Fx", f"{many['id']}%2Fnope"):
+        status, body, text = up.api.request("GET", f"/v1/sweeps/{pairs['id']}/report?baseline={bad}")
+        assert status == 400 and body["error"]["message"].startswith("baseline: "), (bad, status, text)
+    print(f"ok: {pairs['id']} against {baseline}: paired over seeds 1-3 as computed from the jobs")
 
 
 def main():
@@ -456,11 +500,12 @@ def main():
     up = None
     try:
         up = Up(args, tmp)
-        test_report_matches_raw_results(up, tmp)
+        pairs, pairs_raw = test_report_matches_raw_results(up, tmp)
         test_select_test_early_stopping(up, tmp)
         test_report_at_an_eval_length(up, tmp)
         test_partial_report_and_cancel(up, tmp)
-        test_two_hundred_jobs(up, tmp)
+        many = test_two_hundred_jobs(up, tmp)
+        test_baseline_from_another_sweep(up, tmp, pairs, pairs_raw, many)
     except BaseException:
         p = os.path.join(tmp, "up.log")
         if os.path.exists(p):
