@@ -169,12 +169,17 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
     for (const std::string& job_id : job_ids) {
       v1::Job job;
       LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/jobs/" + job_id, nullptr, &job));
+      // One point per step: a resumed attempt's evaluation replaces an earlier attempt's.
+      std::map<int64_t, const v1::EvalResult*> curve;
       for (const auto& e : job.evals()) {
         if (!(e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation")) continue;
-        const double v = report.metric() == "accuracy"      ? e.accuracy()
-                         : report.metric() == "exact_match" ? e.exact_match()
-                                                            : e.eval_loss();
-        by_step[e.step()].push_back(v);
+        const v1::EvalResult*& at = curve[e.step()];
+        if (at == nullptr || e.attempt() >= at->attempt()) at = &e;
+      }
+      for (const auto& [step, e] : curve) {
+        by_step[step].push_back(report.metric() == "accuracy"      ? e->accuracy()
+                                : report.metric() == "exact_match" ? e->exact_match()
+                                                                   : e->eval_loss());
       }
     }
     const fs::path data = dir / absl::StrCat("cell-", cell_index, ".dat");

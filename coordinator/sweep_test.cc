@@ -274,6 +274,42 @@ TEST(SweepTest, SelectMeanAveragesTheHeldOutCurveAfterStepZero) {
   EXPECT_NE(ExpandSweep(spec).status().message().find("mean"), std::string::npos);
 }
 
+// A resumed attempt evaluates again at the steps after its checkpoint: the job's curve is the
+// latest attempt's evaluation at each step, for every selection (the report read attempt 1's
+// evaluation at step 500 as well, counting the step twice in select mean).
+TEST(SweepTest, ResumedAttemptsEvaluationsReplaceTheEarlierOnesAtTheSameStep) {
+  v1::Job job;
+  job.set_state("succeeded");
+  auto add = [&](int attempt, int64_t step, double accuracy) {
+    v1::EvalResult* e = job.add_evals();
+    e->set_attempt(attempt);
+    e->set_step(step);
+    e->set_accuracy(accuracy);
+    e->set_eval_loss(1 - accuracy);
+  };
+  add(1, 0, 0.05);
+  add(1, 250, 0.40);
+  add(1, 500, 0.85);  // attempt 1 died after step 500; attempt 2 resumed from step 400
+  add(2, 500, 0.70);
+  add(2, 750, 0.90);
+  v1::SweepSpec spec = BaseSweep();
+  spec.set_metric("accuracy");
+  const std::map<std::string, double> expected = {
+      {"mean", (0.40 + 0.70 + 0.90) / 3}, {"final", 0.90}, {"best", 0.90}};
+  for (const auto& [select, value] : expected) {
+    spec.set_select(select);
+    const v1::SweepReport r = ReportOfOneJob(spec, job);
+    ASSERT_EQ(r.cells(0).n(), 1) << select;
+    EXPECT_DOUBLE_EQ(r.cells(0).mean(), value) << select;
+  }
+  // Attempt 1 reached 0.8 at step 500, but the run that finished did so only at 750.
+  spec.set_select("reach");
+  spec.set_threshold(0.8);
+  const v1::SweepReport r = ReportOfOneJob(spec, job);
+  ASSERT_EQ(r.cells(0).n(), 1);
+  EXPECT_EQ(r.cells(0).values(0).step(), 750);
+}
+
 TEST(StatsTest, SignTestIsTheExactBinomial) {
   EXPECT_DOUBLE_EQ(SignTestPValue(0, 0), 1.0);
   EXPECT_DOUBLE_EQ(SignTestPValue(5, 0), 2.0 / 32);  // the smallest p five seeds can give

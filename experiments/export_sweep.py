@@ -24,6 +24,18 @@ def get(base, token, path):
         return json.load(resp)
 
 
+def curve(evals):
+    """One evaluation per (kind, length, step): a resumed attempt evaluates again at the steps
+    after its checkpoint, and the latest attempt's evaluation replaces the earlier ones (the
+    coordinator's report reads a job the same way)."""
+    latest = {}
+    for e in evals:
+        key = (e.get("kind", ""), int(e.get("length", 0)), int(e.get("step", 0)))
+        if key not in latest or int(e.get("attempt", 0)) >= int(latest[key].get("attempt", 0)):
+            latest[key] = e
+    return [e for e in evals if latest[(e.get("kind", ""), int(e.get("length", 0)), int(e.get("step", 0)))] is e]
+
+
 def held_out_evals(evals):
     """The held-out evaluations at the training length (validation ones under data.splits)."""
     return [e for e in evals if e.get("kind", "") in ("", "heldout", "validation")]
@@ -62,7 +74,7 @@ def main():
     rows, curves = [], []
     for sj in sweep["jobs"]:
         job = get(a.coordinator, token, f"/v1/jobs/{sj['job_id']}")
-        evals = sorted(job.get("evals", []), key=lambda e: int(e.get("step", 0)))
+        evals = sorted(curve(job.get("evals", [])), key=lambda e: int(e.get("step", 0)))
         e = selected(evals, select, a.length) or {}
         start, end = int(job.get("start_time_ms", 0)), int(job.get("end_time_ms", 0))
         rows.append({
