@@ -252,6 +252,9 @@ absl::Status Report(client::RestClient& client, const std::string& id, const Cli
   } else {
     return absl::InvalidArgumentError("--format: table | json | yaml | csv");
   }
+  if (format == "table" || format == "csv") {
+    for (const std::string& w : r.warnings()) std::cerr << "warning: " << w << "\n";
+  }
   if (args.Has("plot")) {
     v1::Sweep sweep;
     LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + id, nullptr, &sweep));

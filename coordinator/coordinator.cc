@@ -714,6 +714,48 @@ absl::StatusOr<std::string> Coordinator::AddReportBaselineLocked(
   return other_id;
 }
 
+namespace {
+
+// The first stored pair of jobs with one seed, of `cell` and of `baseline` (nulls if none).
+std::pair<const v1::Job*, const v1::Job*> PairedJobs(const v1::Sweep& sweep,
+                                                     const std::map<std::string, v1::Job>& jobs,
+                                                     const std::string& cell,
+                                                     const std::string& baseline) {
+  std::map<uint64_t, const v1::Job*> base;
+  for (const v1::SweepJob& sj : sweep.jobs()) {
+    auto it = jobs.find(sj.job_id());
+    if (sj.cell() == baseline && it != jobs.end()) base[sj.seed()] = &it->second;
+  }
+  for (const v1::SweepJob& sj : sweep.jobs()) {
+    auto it = jobs.find(sj.job_id());
+    auto b = base.find(sj.seed());
+    if (sj.cell() == cell && it != jobs.end() && b != base.end()) return {&it->second, b->second};
+  }
+  return {nullptr, nullptr};
+}
+
+// A baseline from another sweep: marks its cell, and warns of each cell whose jobs' specs differ
+// from the baseline's at one seed in more than the model (the pairing then compares more).
+void AddBaselineWarnings(const v1::Sweep& sweep, const std::map<std::string, v1::Job>& jobs,
+                         const std::string& baseline_sweep, v1::SweepReport& report) {
+  const std::string& baseline = sweep.spec().baseline();
+  for (v1::CellStats& cell : *report.mutable_cells()) {
+    if (cell.cell() == baseline) {
+      cell.set_sweep_id(baseline_sweep);
+      continue;
+    }
+    const auto [job, base] = PairedJobs(sweep, jobs, cell.cell(), baseline);
+    if (job == nullptr) continue;
+    const std::vector<std::string> differ = SpecDifferencesBesidesModel(*job, *base);
+    if (differ.empty()) continue;
+    report.add_warnings(
+        absl::StrCat("cell '", cell.cell(), "' and the baseline '", baseline,
+                     "' differ in more than the model: ", absl::StrJoin(differ, ", ")));
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
                                                          const ReportQuery& query) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
@@ -746,10 +788,7 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
   LOOM_RETURN_IF_ERROR(
       CheckMetricAndSelect(spec.metric(), spec.select(), spec.length(), spec.threshold()));
   v1::SweepReport report = BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
-  for (v1::CellStats& cell : *report.mutable_cells()) {
-    if (!baseline_sweep.empty() && cell.cell() == spec.baseline())
-      cell.set_sweep_id(baseline_sweep);
-  }
+  if (!baseline_sweep.empty()) AddBaselineWarnings(sweep, jobs, baseline_sweep, report);
   return report;
 }
 

@@ -867,6 +867,12 @@ TEST_F(CoordinatorTest, ReportsPairAgainstAnotherSweepsCell) {
   EXPECT_TRUE(r->cells(0).sweep_id().empty());
   ASSERT_EQ(r->differences_size(), 2);
   EXPECT_EQ(r->differences(0).baseline(), b + "/x");
+  // Each of a's cells sets an lr; b's is the default: the pairing compares more than models.
+  ASSERT_EQ(r->warnings_size(), 2);
+  EXPECT_NE(r->warnings(1).find("cell 'optimizer.lr=0.01' and the baseline '" + b +
+                                "/x' differ in more than the model: optimizer"),
+            std::string::npos)
+      << r->warnings(1);
   // The sweep's own cell, plainly or as SWEEP_ID/CELL of itself.
   for (const std::string& own : {std::string("optimizer.lr=0.01"), a + "/optimizer.lr=0.01"}) {
     query.baseline = own;

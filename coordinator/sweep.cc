@@ -1,6 +1,7 @@
 #include "coordinator/sweep.h"
 
 #include <google/protobuf/util/json_util.h>
+#include <google/protobuf/util/message_differencer.h>
 
 #include <algorithm>
 #include <cmath>
@@ -368,6 +369,31 @@ absl::StatusOr<v1::JobSpec> ApplyCell(const v1::JobSpec& base, const SweepCell& 
   LOOM_RETURN_IF_ERROR(ParseJsonMessage(json.dump(), where, &spec));
   spec.set_seed(seed);
   return spec;
+}
+
+std::vector<std::string> SpecDifferencesBesidesModel(const v1::Job& a, const v1::Job& b) {
+  static const std::set<std::string> kIgnored = {"name",
+                                                 "model",
+                                                 "seed",
+                                                 "checkpoint",
+                                                 "metrics",
+                                                 "threads",
+                                                 "dist_timeout_seconds",
+                                                 "dist_backend",
+                                                 "dist_bucket_bytes"};
+  std::vector<std::string> out;
+  v1::JobSpec x = a.spec(), y = b.spec();  // fields are moved out of these copies one by one
+  const google::protobuf::Descriptor* d = v1::JobSpec::descriptor();
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    if (kIgnored.count(f->name())) continue;
+    v1::JobSpec fx, fy;
+    x.GetReflection()->SwapFields(&x, &fx, {f});
+    y.GetReflection()->SwapFields(&y, &fy, {f});
+    if (!google::protobuf::util::MessageDifferencer::Equals(fx, fy)) out.push_back(f->name());
+  }
+  if (a.world_size() != b.world_size()) out.push_back("world_size");
+  return out;
 }
 
 v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,

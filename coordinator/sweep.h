@@ -39,6 +39,12 @@ absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec);
 absl::StatusOr<v1::JobSpec> ApplyCell(const v1::JobSpec& base, const SweepCell& cell,
                                       uint64_t seed);
 
+// The top-level fields in which two jobs' specs differ (jobs of one seed: seed-derived fields
+// such as data.seed are compared too), besides the model, the seed and what
+// does not change the run (paths, threads, distributed transport), and "world_size" when the
+// jobs' world sizes differ: what else a comparison of the two by seed compares.
+std::vector<std::string> SpecDifferencesBesidesModel(const v1::Job& a, const v1::Job& b);
+
 // The report of a sweep from its jobs (jobs missing from the map count as pending).
 v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
                                  const std::map<std::string, v1::Job>& jobs);

@@ -310,6 +310,29 @@ TEST(SweepTest, ResumedAttemptsEvaluationsReplaceTheEarlierOnesAtTheSameStep) {
   EXPECT_EQ(r.cells(0).values(0).step(), 750);
 }
 
+// What else than the model two jobs compared by seed differ in: paths, seeds and threads are
+// not differences of the run.
+TEST(SweepTest, SpecDifferencesBesidesTheModelNameTheFields) {
+  v1::Job a;
+  a.set_world_size(1);
+  a.mutable_spec()->set_steps(100);
+  a.mutable_spec()->mutable_data()->set_task("khop");
+  a.mutable_spec()->mutable_model()->set_n_heads(2);
+  a.mutable_spec()->mutable_checkpoint()->set_dir("/storage/jobs/job-000001/checkpoints");
+  v1::Job b = a;
+  b.mutable_spec()->mutable_model()->set_n_heads(4);
+  b.mutable_spec()->mutable_checkpoint()->set_dir("/storage/jobs/job-000002/checkpoints");
+  b.mutable_spec()->set_seed(7);
+  b.mutable_spec()->set_threads(2);
+  EXPECT_TRUE(SpecDifferencesBesidesModel(a, b).empty());
+  (*b.mutable_spec()->mutable_data()->mutable_task_options()->mutable_fields())["nodes"]
+      .set_number_value(8);
+  b.mutable_spec()->set_steps(200);
+  b.set_world_size(2);
+  EXPECT_EQ(SpecDifferencesBesidesModel(a, b),
+            (std::vector<std::string>{"data", "steps", "world_size"}));
+}
+
 TEST(StatsTest, SignTestIsTheExactBinomial) {
   EXPECT_DOUBLE_EQ(SignTestPValue(0, 0), 1.0);
   EXPECT_DOUBLE_EQ(SignTestPValue(5, 0), 2.0 / 32);  // the smallest p five seeds can give

@@ -472,6 +472,11 @@ def test_baseline_from_another_sweep(up, tmp, pairs, pairs_raw, many):
     assert r["baseline"] == baseline and [c["cell"] for c in r["cells"]] == pairs["cells"] + [baseline], r
     foreign = r["cells"][-1]
     assert foreign["sweep_id"] == many["id"] and foreign["n"] == 100, foreign
+    # The two sweeps' jobs differ in steps and evaluation, and so in the resolved optimizer (its
+    # schedule is fitted to the steps; one cell's lr differs too): the report says so.
+    expected = [f"cell '{c}' and the baseline '{baseline}' differ in more than the model: "
+                "optimizer, steps, eval" for c in pairs["cells"]]
+    assert r.get("warnings") == expected, (r.get("warnings"), expected)
     close(foreign["mean"], mean([other[s] for s in sorted(other)]), 1e-12, "baseline cell mean")
     for d in r["differences"]:
         diffs = [pairs_raw[d["cell"]][s] - other[s] for s in (1, 2, 3)]
