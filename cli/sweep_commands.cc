@@ -21,6 +21,7 @@
 #include "absl/strings/str_replace.h"
 #include "base/status_macros.h"
 #include "cli/input_files.h"
+#include "loom/job_curve.h"
 #include "loom/spec.h"
 #include "loom/v1/control.pb.h"
 
@@ -169,17 +170,11 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
     for (const std::string& job_id : job_ids) {
       v1::Job job;
       LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/jobs/" + job_id, nullptr, &job));
-      // One point per step: a resumed attempt's evaluation replaces an earlier attempt's.
-      std::map<int64_t, const v1::EvalResult*> curve;
-      for (const auto& e : job.evals()) {
-        if (!(e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation")) continue;
-        const v1::EvalResult*& at = curve[e.step()];
-        if (at == nullptr || e.attempt() >= at->attempt()) at = &e;
-      }
-      for (const auto& [step, e] : curve) {
-        by_step[step].push_back(report.metric() == "accuracy"      ? e->accuracy()
-                                : report.metric() == "exact_match" ? e->exact_match()
-                                                                   : e->eval_loss());
+      for (const v1::EvalResult* e : JobCurve(job)) {  // a resumed attempt's replace earlier ones
+        if (!(e->kind().empty() || e->kind() == "heldout" || e->kind() == "validation")) continue;
+        by_step[e->step()].push_back(report.metric() == "accuracy"      ? e->accuracy()
+                                     : report.metric() == "exact_match" ? e->exact_match()
+                                                                        : e->eval_loss());
       }
     }
     const fs::path data = dir / absl::StrCat("cell-", cell_index, ".dat");

@@ -9,7 +9,6 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
-#include <tuple>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -19,6 +18,7 @@
 #include "base/status_macros.h"
 #include "coordinator/states.h"
 #include "coordinator/stats.h"
+#include "loom/job_curve.h"
 #include "loom/proto_json.h"
 #include "loom/spec.h"
 
@@ -98,22 +98,6 @@ bool HeldOut(const v1::EvalResult& e) {
   return e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation";
 }
 
-// A job's evaluations as one curve: a resumed attempt evaluates again at the steps after its
-// checkpoint that an earlier attempt had evaluated, and only the latest attempt's evaluation of a
-// (kind, length, step) counts — it is on the lineage that produced the job's result.
-std::vector<const v1::EvalResult*> Curve(const v1::Job& job) {
-  std::map<std::tuple<std::string, int64_t, int64_t>, const v1::EvalResult*> latest;
-  for (const auto& e : job.evals()) {
-    const v1::EvalResult*& at = latest[{e.kind(), e.length(), e.step()}];
-    if (at == nullptr || e.attempt() >= at->attempt()) at = &e;
-  }
-  std::vector<const v1::EvalResult*> out;
-  for (const auto& e : job.evals()) {
-    if (latest[{e.kind(), e.length(), e.step()}] == &e) out.push_back(&e);
-  }
-  return out;
-}
-
 // The evaluation a job's value comes from: its last held-out one (validation evaluations of
 // data.splits jobs count as held-out), the one with the lowest eval loss (best by validation),
 // or for `test` its last test evaluation (the test split at the best validation epoch). With a
@@ -121,7 +105,7 @@ std::vector<const v1::EvalResult*> Curve(const v1::Job& job) {
 // none.
 const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select, int64_t length) {
   const v1::EvalResult* chosen = nullptr;
-  for (const v1::EvalResult* ep : Curve(job)) {
+  for (const v1::EvalResult* ep : JobCurve(job)) {
     const v1::EvalResult& e = *ep;
     const bool wanted = length > 0         ? e.kind() == "length" && e.length() == length
                         : select == "test" ? e.kind() == "test"
@@ -139,7 +123,7 @@ const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select, 
 // it); null when none is.
 const v1::EvalResult* ReachingEval(const v1::Job& job, const v1::SweepReport& report) {
   const v1::EvalResult* first = nullptr;
-  for (const v1::EvalResult* ep : Curve(job)) {
+  for (const v1::EvalResult* ep : JobCurve(job)) {
     const v1::EvalResult& e = *ep;
     if (!HeldOut(e)) continue;
     const double m = MetricOf(e, report.metric());
@@ -156,7 +140,7 @@ const v1::EvalResult* ReachingEval(const v1::Job& job, const v1::SweepReport& re
 std::optional<double> MeanOverEvals(const v1::Job& job, const std::string& metric, int64_t* last) {
   double sum = 0;
   int count = 0;
-  for (const v1::EvalResult* ep : Curve(job)) {
+  for (const v1::EvalResult* ep : JobCurve(job)) {
     const v1::EvalResult& e = *ep;
     if (!HeldOut(e) || e.step() <= 0) continue;
     sum += MetricOf(e, metric);
