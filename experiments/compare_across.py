@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Paired comparison of two cells that live in different sweeps (a sweep report compares cells of
-one sweep only): cell B of one sweep's raw CSV against baseline cell A of another's, paired by
-seed (the same seed gives the same data order in every sweep, docs/sweeps.md). Prints the
-statistics a sweep report gives, computed the same way:
+"""Paired comparison of two cells that live in different sweeps, from their exported CSVs (the
+coordinator does the same with `loom sweep report ID --baseline SWEEP_ID/CELL`; this script works
+offline and checks it independently): cell B of one sweep's raw CSV against baseline cell A of
+another's, paired by seed (the same seed gives the same data order in every sweep,
+docs/sweeps.md). Prints the statistics a sweep report gives, computed the same way:
 
   - a per-seed value column (e.g. mean_accuracy, select mean's value, or accuracy, the final one):
     n, the mean difference B - A with its 95% paired-t interval and two-sided p, and a 95%
