@@ -672,15 +672,12 @@ absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const 
 absl::StatusOr<std::string> Coordinator::AddReportBaselineLocked(
     const std::string& baseline, v1::Sweep& sweep, std::map<std::string, v1::Job>& jobs) const {
   auto cells_text = [](const v1::Sweep& s) { return absl::StrJoin(s.cells(), "; "); };
-  auto has_cell = [](const v1::Sweep& s, const std::string& cell) {
-    return std::find(s.cells().begin(), s.cells().end(), cell) != s.cells().end();
-  };
   if (baseline.size() > 256) return FieldError("baseline", "longer than 256 characters");
   const size_t slash = baseline.find('/');
   const std::string other_id = slash == std::string::npos ? sweep.id() : baseline.substr(0, slash);
   const std::string cell = slash == std::string::npos ? baseline : baseline.substr(slash + 1);
   if (other_id == sweep.id()) {
-    if (!has_cell(sweep, cell)) {
+    if (!Contains(sweep.cells(), cell)) {
       return FieldError("baseline", absl::StrCat("no cell named '", cell.substr(0, 200),
                                                  "' (cells: ", cells_text(sweep), ")"));
     }
@@ -693,12 +690,12 @@ absl::StatusOr<std::string> Coordinator::AddReportBaselineLocked(
                                                "' (expected a cell, or SWEEP_ID/CELL)"));
   }
   const v1::Sweep& other = it->second;
-  if (!has_cell(other, cell)) {
+  if (!Contains(other.cells(), cell)) {
     return FieldError("baseline",
                       absl::StrCat(other_id, " has no cell named '", cell.substr(0, 200),
                                    "' (cells: ", cells_text(other), ")"));
   }
-  if (has_cell(sweep, baseline)) {
+  if (Contains(sweep.cells(), baseline)) {
     return FieldError("baseline", absl::StrCat("'", baseline, "' is also a cell of ", sweep.id()));
   }
   sweep.add_cells(baseline);
