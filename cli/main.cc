@@ -924,6 +924,9 @@ void AddSweepCommands(CommandLine& line, Commands& c) {
        {"baseline", "CELL",
         "the cell the others are paired against (default: the sweep's); SWEEP_ID/CELL: another "
         "sweep's cell, paired by seed"},
+       {"merge", "SWEEPS",
+        "more seeds: the cells of these sweeps (comma-separated ids) join this sweep's cells of "
+        "the same name"},
        {"length", "N", "the end-of-run evaluation at this eval.lengths length (0: training)"}});
   C::Switch(report, "-f,--follow", "");  // accepted for symmetry with submit; no effect
 }

@@ -48,12 +48,18 @@ std::string Counts(const v1::Sweep& s) {
   return absl::StrJoin(parts, ", ");
 }
 
+// "sweep-000005 + sweep-000007": a merged report's title (no quotes: gnuplot's title too).
+std::string ReportedSweeps(const v1::SweepReport& r) {
+  if (r.merged_sweeps().empty()) return r.sweep_id();
+  return absl::StrCat(r.sweep_id(), " + ", absl::StrJoin(r.merged_sweeps(), " + "));
+}
+
 // select reach: steps to the threshold per cell (censored seeds apart), then which cell got
 // there first per seed with the sign test beside the paired t over seeds where both did.
 void PrintReachTable(const v1::SweepReport& r) {
   std::cout << absl::StrFormat(
       "sweep %s: steps until %s %s %g (first held-out evaluation there), 95%% intervals%s\n",
-      r.sweep_id(), r.metric(), r.metric() == "eval_loss" ? "<=" : ">=", r.threshold(),
+      ReportedSweeps(r), r.metric(), r.metric() == "eval_loss" ? "<=" : ">=", r.threshold(),
       r.complete() ? "" : "  [partial: jobs still running]");
   std::cout << absl::StrFormat("%-40s %3s %8s %10s %10s %23s %7s\n", "cell", "n", "censored",
                                "mean", "sd", "95% CI (t)", "pending");
@@ -85,8 +91,8 @@ void PrintReachTable(const v1::SweepReport& r) {
 void PrintReportTable(const v1::SweepReport& r) {
   if (r.select() == "reach") return PrintReachTable(r);
   const std::string at = r.length() > 0 ? absl::StrCat(", at length ", r.length()) : "";
-  std::cout << absl::StrFormat("sweep %s: %s (%s%s), 95%% intervals%s\n", r.sweep_id(), r.metric(),
-                               r.select(), at,
+  std::cout << absl::StrFormat("sweep %s: %s (%s%s), 95%% intervals%s\n", ReportedSweeps(r),
+                               r.metric(), r.select(), at,
                                r.complete() ? "" : "  [partial: jobs still running]");
   std::cout << absl::StrFormat("%-40s %3s %10s %10s %23s %7s\n", "cell", "n", "mean", "sd",
                                "95% CI (t)", "pending");
@@ -133,14 +139,21 @@ void PrintReportCsv(const v1::SweepReport& r) {
   }
 }
 
-// Each reported cell's job ids: the sweep's own cells, and a baseline from another sweep.
+// Each reported cell's job ids: the sweep's own cells with the merged sweeps' jobs of the same
+// cell, and a baseline from another sweep.
 absl::StatusOr<std::vector<std::pair<std::string, std::vector<std::string>>>> CellJobs(
     client::RestClient& client, const v1::Sweep& sweep, const v1::SweepReport& report) {
+  std::vector<v1::Sweep> merged = {sweep};
+  for (const std::string& id : report.merged_sweeps()) {
+    LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + id, nullptr, &merged.emplace_back()));
+  }
   std::vector<std::pair<std::string, std::vector<std::string>>> out;
   for (const std::string& cell : sweep.cells()) {
     out.push_back({cell, {}});
-    for (const auto& sj : sweep.jobs()) {
-      if (sj.cell() == cell) out.back().second.push_back(sj.job_id());
+    for (const v1::Sweep& s : merged) {
+      for (const auto& sj : s.jobs()) {
+        if (sj.cell() == cell) out.back().second.push_back(sj.job_id());
+      }
     }
   }
   for (const v1::CellStats& c : report.cells()) {
@@ -195,11 +208,12 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
     ++cell_index;
   }
   if (points == 0) return absl::NotFoundError("no evaluations reported yet");
-  const std::string script = absl::StrCat(
-      "set terminal pngcairo size 1000,650 font 'sans,10' noenhanced\nset output '", out, "'\n",
-      "set title 'sweep ", sweep.id(), ": ", report.metric(), " (mean over seeds, band ±1 sd)'\n",
-      "set grid\nset key outside right\nset xlabel 'step'\nset ylabel '", report.metric(),
-      "'\nplot ", plots, "\n");
+  const std::string script =
+      absl::StrCat("set terminal pngcairo size 1000,650 font 'sans,10' noenhanced\nset output '",
+                   out, "'\n", "set title 'sweep ", ReportedSweeps(report), ": ", report.metric(),
+                   " (mean over seeds, band ±1 sd)'\n",
+                   "set grid\nset key outside right\nset xlabel 'step'\nset ylabel '",
+                   report.metric(), "'\nplot ", plots, "\n");
   FILE* gp = ::popen("gnuplot", "w");
   if (gp == nullptr) return absl::UnavailableError("cannot run gnuplot (apt install gnuplot-nox)");
   std::fwrite(script.data(), 1, script.size(), gp);
@@ -228,7 +242,7 @@ absl::Status Report(client::RestClient& client, const std::string& id, const Cli
                     Output output) {
   v1::SweepReport r;
   std::string query;
-  for (const char* name : {"metric", "select", "length", "threshold", "baseline"}) {
+  for (const char* name : {"metric", "select", "length", "threshold", "baseline", "merge"}) {
     if (args.Has(name)) {
       absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=", QueryValue(args.Get(name)));
     }

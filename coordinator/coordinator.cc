@@ -711,6 +711,68 @@ absl::StatusOr<std::string> Coordinator::AddReportBaselineLocked(
   return other_id;
 }
 
+absl::StatusOr<std::vector<std::string>> Coordinator::AddReportMergeLocked(
+    const std::vector<std::string>& merge, v1::Sweep& sweep,
+    std::map<std::string, v1::Job>& jobs) const {
+  constexpr size_t kMaxMerged = 16;
+  if (merge.size() > kMaxMerged) {
+    return FieldError("merge", absl::StrCat("at most ", kMaxMerged, " sweeps"));
+  }
+  std::map<std::string, std::set<uint64_t>> seeds;  // cell -> the seeds it has so far
+  std::map<std::string, v1::Job> first;             // cell -> its first stored job
+  for (const v1::SweepJob& sj : sweep.jobs()) {
+    seeds[sj.cell()].insert(sj.seed());
+    auto it = jobs.find(sj.job_id());
+    if (it != jobs.end()) first.emplace(sj.cell(), it->second);
+  }
+  std::vector<std::string> warnings;
+  std::set<std::string> listed;
+  for (const std::string& id : merge) {
+    if (id == sweep.id()) return FieldError("merge", absl::StrCat(id, " is the reported sweep"));
+    if (!listed.insert(id).second) return FieldError("merge", absl::StrCat(id, " is listed twice"));
+    auto it = IsValidId(id) ? sweeps_.find(id) : sweeps_.end();
+    if (it == sweeps_.end()) {
+      return FieldError("merge", absl::StrCat("no sweep '", id.substr(0, 100), "'"));
+    }
+    const v1::Sweep& other = it->second;
+    std::vector<std::string> unmatched;
+    for (const std::string& cell : other.cells()) {
+      if (!Contains(sweep.cells(), cell)) unmatched.push_back(absl::StrCat("'", cell, "'"));
+    }
+    if (unmatched.size() == static_cast<size_t>(other.cells_size())) {
+      return FieldError("merge",
+                        absl::StrCat(id, " has no cell named like one of ", sweep.id(),
+                                     "'s (its cells: ", absl::StrJoin(other.cells(), "; "), ")"));
+    }
+    std::set<std::string> compared;
+    for (const v1::SweepJob& sj : other.jobs()) {
+      if (!Contains(sweep.cells(), sj.cell())) continue;
+      if (!seeds[sj.cell()].insert(sj.seed()).second) {
+        return FieldError("merge",
+                          absl::StrCat(id, "'s cell '", sj.cell(), "' has seed ", sj.seed(),
+                                       ", which the cell has already: a seed "
+                                       "counts once"));
+      }
+      *sweep.add_jobs() = sj;
+      auto job = jobs_.find(sj.job_id());
+      if (job == jobs_.end()) continue;
+      jobs[sj.job_id()] = job->second;
+      auto own = first.find(sj.cell());
+      if (own == first.end() || !compared.insert(sj.cell()).second) continue;
+      const std::vector<std::string> differ = SpecDifferencesBesidesSeed(job->second, own->second);
+      if (differ.empty()) continue;
+      warnings.push_back(absl::StrCat("cell '", sj.cell(), "' of ", id, " differs from ",
+                                      sweep.id(),
+                                      "'s besides the seed: ", absl::StrJoin(differ, ", ")));
+    }
+    if (!unmatched.empty()) {
+      warnings.push_back(absl::StrCat(id, "'s cells ", absl::StrJoin(unmatched, ", "),
+                                      " have no namesake in ", sweep.id(), ": not merged"));
+    }
+  }
+  return warnings;
+}
+
 namespace {
 
 // The first stored pair of jobs with one seed, of `cell` and of `baseline` (nulls if none).
@@ -763,6 +825,7 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
   v1::Sweep sweep;
   std::map<std::string, v1::Job> jobs;
   std::string baseline_sweep;  // set when the baseline is another sweep's cell
+  std::vector<std::string> merge_warnings;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = sweeps_.find(id);
@@ -771,6 +834,9 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
     for (const v1::SweepJob& sj : sweep.jobs()) {
       auto job = jobs_.find(sj.job_id());
       if (job != jobs_.end()) jobs[sj.job_id()] = job->second;
+    }
+    if (!query.merge.empty()) {
+      LOOM_ASSIGN_OR_RETURN(merge_warnings, AddReportMergeLocked(query.merge, sweep, jobs));
     }
     if (!query.baseline.empty()) {
       LOOM_ASSIGN_OR_RETURN(baseline_sweep, AddReportBaselineLocked(query.baseline, sweep, jobs));
@@ -786,6 +852,8 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
       CheckMetricAndSelect(spec.metric(), spec.select(), spec.length(), spec.threshold()));
   v1::SweepReport report = BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
   if (!baseline_sweep.empty()) AddBaselineWarnings(sweep, jobs, baseline_sweep, report);
+  for (const std::string& id : query.merge) report.add_merged_sweeps(id);
+  for (const std::string& w : merge_warnings) report.add_warnings(w);
   return report;
 }
 

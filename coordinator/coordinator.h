@@ -98,6 +98,7 @@ class Coordinator {
   // to the report and paired with this sweep's cells by seed.
   struct ReportQuery {
     std::string metric, select, baseline;
+    std::vector<std::string> merge;  // sweeps whose cells join this one's namesakes as more seeds
     std::optional<int64_t> length;
     std::optional<double> threshold;
   };
@@ -175,6 +176,11 @@ class Coordinator {
   // cell and its jobs (renamed SWEEP_ID/CELL) into `sweep` and `jobs`; returns that sweep's id.
   absl::StatusOr<std::string> AddReportBaselineLocked(const std::string& baseline, v1::Sweep& sweep,
                                                       std::map<std::string, v1::Job>& jobs) const;
+  // The jobs of each merged sweep's cells into `sweep`'s namesake cells and `jobs`; returns the
+  // warnings (cells that differ besides the seed, cells with no namesake). A seed counts once.
+  absl::StatusOr<std::vector<std::string>> AddReportMergeLocked(
+      const std::vector<std::string>& merge, v1::Sweep& sweep,
+      std::map<std::string, v1::Job>& jobs) const;
   void Save(Txn& txn, const v1::Job& job);
   void Save(Txn& txn, const std::string& worker_id);
   void SaveCheckpoint(Txn& txn, const std::string& id);

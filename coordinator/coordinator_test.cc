@@ -896,6 +896,88 @@ TEST_F(CoordinatorTest, ReportsPairAgainstAnotherSweepsCell) {
   }
 }
 
+// ?merge=: another sweep's cells join this sweep's cells of the same name as more seeds (a
+// replication on new seeds); a seed counts once, and what differs besides the seed is a warning.
+TEST_F(CoordinatorTest, ReportsMergeAnotherSweepsSeedsIntoTheSameCells) {
+  auto sweep_of = [&](const std::vector<uint64_t>& seeds,
+                      std::vector<std::pair<std::string, double>> cells) {
+    v1::SweepSpec spec;
+    *spec.mutable_base() = MicroJob();
+    if (cells.empty()) {
+      auto* lr = &(*spec.mutable_grid())["optimizer.lr"];
+      lr->add_values()->set_number_value(0.001);
+      lr->add_values()->set_number_value(0.01);
+    }
+    for (const auto& [name, lr] : cells) {
+      v1::SweepCellSpec* cell = spec.add_cells();
+      cell->set_name(name);
+      (*cell->mutable_set()->mutable_fields())["optimizer.lr"].set_number_value(lr);
+    }
+    for (uint64_t seed : seeds) spec.add_seeds(seed);
+    auto created = c_->CreateSweep(spec, "alice");
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created.ok() ? created->id() : std::string();
+  };
+  const std::string a = sweep_of({7, 8, 9}, {}), more = sweep_of({10, 11}, {});
+  Coordinator::ReportQuery query;
+  query.merge = {more};
+  auto r = c_->ReportSweep(a, query);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->merged_sweeps_size(), 1);
+  EXPECT_EQ(r->merged_sweeps(0), more);
+  ASSERT_EQ(r->cells_size(), 2);
+  EXPECT_EQ(r->cells(0).pending(), 5);  // seeds 7-9 here and 10-11 there, none run yet
+  EXPECT_EQ(r->cells(1).pending(), 5);
+  EXPECT_EQ(r->warnings_size(), 0) << r->warnings(0);
+  ASSERT_TRUE(c_->CancelSweep(more, "bob").ok());
+  r = c_->ReportSweep(a, query);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->cells(0).pending(), 3);
+  EXPECT_EQ(r->cells(0).failed(), 2);
+
+  // A namesake cell with another lr, and a cell with no namesake: both said, the first merged.
+  const std::string odd = sweep_of({12}, {{"optimizer.lr=0.001", 0.003}, {"x", 0.001}});
+  query.merge = {more, odd};
+  query.baseline = "optimizer.lr=0.01";
+  r = c_->ReportSweep(a, query);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->baseline(), "optimizer.lr=0.01");
+  EXPECT_EQ(r->cells(0).pending() + r->cells(0).failed(), 6);
+  EXPECT_EQ(r->cells(1).pending() + r->cells(1).failed(), 5);
+  EXPECT_EQ(
+      std::vector<std::string>(r->warnings().begin(), r->warnings().end()),
+      (std::vector<std::string>{"cell 'optimizer.lr=0.001' of " + odd + " differs from " + a +
+                                    "'s besides the seed: optimizer",
+                                odd + "'s cells 'x' have no namesake in " + a + ": not merged"}));
+  // With a baseline from another sweep as well.
+  query.merge = {more};
+  query.baseline = odd + "/x";
+  r = c_->ReportSweep(a, query);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->cells_size(), 3);
+  EXPECT_EQ(r->cells(0).pending() + r->cells(0).failed(), 5);
+
+  const std::string overlap = sweep_of({9, 13}, {}), apart = sweep_of({14}, {{"y", 0.001}});
+  query.baseline.clear();
+  for (const auto& [merge, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{a}, a + " is the reported sweep"},
+           {{more, more}, more + " is listed twice"},
+           {{"sweep-424242"}, "no sweep 'sweep-424242'"},
+           {{""}, "no sweep ''"},
+           {{more, overlap},
+            overlap + "'s cell 'optimizer.lr=0.001' has seed 9, which the cell "
+                      "has already"},
+           {{apart}, apart + " has no cell named like one of " + a + "'s (its cells: y)"},
+           {std::vector<std::string>(17, more), "at most 16 sweeps"}}) {
+    query.merge = merge;
+    auto refused = c_->ReportSweep(a, query);
+    ASSERT_FALSE(refused.ok()) << says;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << says;
+    EXPECT_NE(refused.status().message().find("merge: " + says), std::string::npos)
+        << refused.status();
+  }
+}
+
 TEST_F(CoordinatorTest, ListsPaginateAndFilter) {
   for (int i = 0; i < 7; ++i) Submit(MicroJob());
   ASSERT_TRUE(c_->Cancel("job-000002", "x").ok());

@@ -514,7 +514,7 @@ void CreateSweep(Coordinator* c, const std::string& user, Req req, HttpResponse&
 void ReportSweep(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
   int64_t length = 0;
   double threshold = 0;
-  if (!CheckParams(req, res, {"metric", "select", "length", "threshold", "baseline"}) ||
+  if (!CheckParams(req, res, {"metric", "select", "length", "threshold", "baseline", "merge"}) ||
       !IntParam(req, res, "length", 0, 0, int64_t{1} << 40, &length)) {
     return;
   }
@@ -527,6 +527,11 @@ void ReportSweep(Coordinator* c, const std::string&, Req req, HttpResponse& res)
   query.metric = req.Param("metric");
   query.select = req.Param("select");
   query.baseline = req.Param("baseline");
+  if (req.Param("merge").size() > 1024) {
+    SetJsonError(res, 400, "merge: longer than 1024 characters");
+    return;
+  }
+  if (req.HasParam("merge")) query.merge = absl::StrSplit(req.Param("merge"), ',');
   if (req.HasParam("length")) query.length = length;
   if (req.HasParam("threshold")) query.threshold = threshold;
   Reply(res, c->ReportSweep(req.matches[0], query));

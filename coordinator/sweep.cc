@@ -355,22 +355,16 @@ absl::StatusOr<v1::JobSpec> ApplyCell(const v1::JobSpec& base, const SweepCell& 
   return spec;
 }
 
-std::vector<std::string> SpecDifferencesBesidesModel(const v1::Job& a, const v1::Job& b) {
-  static const std::set<std::string> kIgnored = {"name",
-                                                 "model",
-                                                 "seed",
-                                                 "checkpoint",
-                                                 "metrics",
-                                                 "threads",
-                                                 "dist_timeout_seconds",
-                                                 "dist_backend",
-                                                 "dist_bucket_bytes"};
+namespace {
+
+// The top-level fields of JobSpec in which x and y differ, besides `ignored`; "world_size" too.
+std::vector<std::string> DifferingFields(const v1::Job& a, const v1::Job& b, v1::JobSpec x,
+                                         v1::JobSpec y, const std::set<std::string>& ignored) {
   std::vector<std::string> out;
-  v1::JobSpec x = a.spec(), y = b.spec();  // fields are moved out of these copies one by one
   const google::protobuf::Descriptor* d = v1::JobSpec::descriptor();
-  for (int i = 0; i < d->field_count(); ++i) {
+  for (int i = 0; i < d->field_count(); ++i) {  // fields are moved out of the copies one by one
     const google::protobuf::FieldDescriptor* f = d->field(i);
-    if (kIgnored.count(f->name())) continue;
+    if (ignored.count(f->name())) continue;
     v1::JobSpec fx, fy;
     x.GetReflection()->SwapFields(&x, &fx, {f});
     y.GetReflection()->SwapFields(&y, &fy, {f});
@@ -378,6 +372,36 @@ std::vector<std::string> SpecDifferencesBesidesModel(const v1::Job& a, const v1:
   }
   if (a.world_size() != b.world_size()) out.push_back("world_size");
   return out;
+}
+
+// What does not change a run: its name, paths, threads and distributed transport.
+const std::set<std::string>& NotOfTheRun() {
+  static const std::set<std::string> kFields = {"name",         "seed",
+                                                "checkpoint",   "metrics",
+                                                "threads",      "dist_timeout_seconds",
+                                                "dist_backend", "dist_bucket_bytes"};
+  return kFields;
+}
+
+// The spec with the fields its seed filled in (data.seed, model.init_seed) cleared; one set
+// apart from the seed is kept, so that it still shows as a difference.
+v1::JobSpec WithoutSeedFields(v1::JobSpec spec) {
+  if (spec.data().seed() == spec.seed()) spec.mutable_data()->clear_seed();
+  if (spec.model().init_seed() == spec.seed()) spec.mutable_model()->clear_init_seed();
+  return spec;
+}
+
+}  // namespace
+
+std::vector<std::string> SpecDifferencesBesidesModel(const v1::Job& a, const v1::Job& b) {
+  std::set<std::string> ignored = NotOfTheRun();
+  ignored.insert("model");
+  return DifferingFields(a, b, a.spec(), b.spec(), ignored);
+}
+
+std::vector<std::string> SpecDifferencesBesidesSeed(const v1::Job& a, const v1::Job& b) {
+  return DifferingFields(a, b, WithoutSeedFields(a.spec()), WithoutSeedFields(b.spec()),
+                         NotOfTheRun());
 }
 
 v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,

@@ -45,6 +45,11 @@ absl::StatusOr<v1::JobSpec> ApplyCell(const v1::JobSpec& base, const SweepCell& 
 // jobs' world sizes differ: what else a comparison of the two by seed compares.
 std::vector<std::string> SpecDifferencesBesidesModel(const v1::Job& a, const v1::Job& b);
 
+// The same for two jobs of different seeds that should be one cell's (a pooled sweep's cell
+// against this sweep's): the model is compared, and so are data.seed and model.init_seed where
+// a spec sets them to something else than its seed.
+std::vector<std::string> SpecDifferencesBesidesSeed(const v1::Job& a, const v1::Job& b);
+
 // The report of a sweep from its jobs (jobs missing from the map count as pending).
 v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
                                  const std::map<std::string, v1::Job>& jobs);

@@ -333,6 +333,30 @@ TEST(SweepTest, SpecDifferencesBesidesTheModelNameTheFields) {
             (std::vector<std::string>{"data", "steps", "world_size"}));
 }
 
+// Jobs of one cell at two seeds (a pooled sweep's): the seed and what it filled in are not
+// differences; the model is, and so is a data seed set apart from the job's.
+TEST(SweepTest, SpecDifferencesBesidesTheSeedCompareTheModel) {
+  v1::Job a;
+  a.set_world_size(1);
+  a.mutable_spec()->set_seed(2);
+  a.mutable_spec()->mutable_data()->set_seed(2);
+  a.mutable_spec()->mutable_model()->set_init_seed(2);
+  a.mutable_spec()->mutable_model()->set_n_heads(2);
+  v1::Job b = a;
+  b.mutable_spec()->set_seed(9);
+  b.mutable_spec()->mutable_data()->set_seed(9);
+  b.mutable_spec()->mutable_model()->set_init_seed(9);
+  b.mutable_spec()->mutable_checkpoint()->set_dir("/storage/jobs/job-000009/checkpoints");
+  EXPECT_TRUE(SpecDifferencesBesidesSeed(a, b).empty());
+  EXPECT_EQ(SpecDifferencesBesidesModel(a, b), (std::vector<std::string>{"data"}));
+  b.mutable_spec()->mutable_model()->set_n_heads(4);
+  EXPECT_EQ(SpecDifferencesBesidesSeed(a, b), (std::vector<std::string>{"model"}));
+  b.mutable_spec()->mutable_model()->set_n_heads(2);
+  b.mutable_spec()->mutable_data()->set_seed(5);  // not the job's seed: a fixed data stream
+  b.mutable_spec()->set_steps(10);
+  EXPECT_EQ(SpecDifferencesBesidesSeed(a, b), (std::vector<std::string>{"data", "steps"}));
+}
+
 TEST(StatsTest, SignTestIsTheExactBinomial) {
   EXPECT_DOUBLE_EQ(SignTestPValue(0, 0), 1.0);
   EXPECT_DOUBLE_EQ(SignTestPValue(5, 0), 2.0 / 32);  // the smallest p five seeds can give

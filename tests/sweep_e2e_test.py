@@ -7,7 +7,7 @@ computation of the same statistics from the raw per-job results (Student t from 
 integration of its density, not the coordinator's incomplete-beta code; the exact bootstrap
 distribution of the mean for three seeds); partial reports while a sweep runs; cancelling a sweep
 cancels its jobs; a sweep of 200 jobs on 2 slots loses none; a report against another sweep's
-cell. Every process is stopped at the end.
+cell; a report that merges another sweep's seeds in. Every process is stopped at the end.
 """
 import argparse
 import itertools
@@ -497,6 +497,45 @@ def test_baseline_from_another_sweep(up, tmp, pairs, pairs_raw, many):
     print(f"ok: {pairs['id']} against {baseline}: paired over seeds 1-3 as computed from the jobs")
 
 
+def test_merge_more_seeds(up, tmp, pairs, pairs_raw, many):
+    """A replication on new seeds reported with the first run (?merge=SWEEP_ID, --merge): the second
+    sweep's jobs join the same-named cells, so each cell and the paired difference are over the
+    five seeds of both, as computed here from the jobs' own evaluations."""
+    path = write(tmp, "more.yaml", SWEEP.format(steps=30, seeds="[4, 5]", request_id="pairs-2"))
+    more = up.wait_sweep(json.loads(up.loom("sweep", "submit", path, "--json"))["id"])
+    assert more["job_states"] == {"succeeded": 4}, more
+    raw = {c: {**pairs_raw[c], **final_losses(up, more, c)} for c in pairs["cells"]}
+    r = up.api.ok("GET", f"/v1/sweeps/{pairs['id']}/report?merge={more['id']}")
+    assert r["merged_sweeps"] == [more["id"]] and not r.get("warnings"), r
+    for c in r["cells"]:
+        x = [raw[c["cell"]][s] for s in (1, 2, 3, 4, 5)]
+        assert c["n"] == 5 and sorted(int(v["seed"]) for v in c["values"]) == [1, 2, 3, 4, 5], c
+        close(c["mean"], mean(x), 1e-12, f"merged {c['cell']} mean")
+        close(c["sd"], sd(x), 1e-9, f"pooled {c['cell']} sd")
+    [d] = r["differences"]
+    diffs = [raw[d["cell"]][s] - raw[d["baseline"]][s] for s in (1, 2, 3, 4, 5)]
+    assert d["n"] == 5, d
+    close(d["mean"], mean(diffs), 1e-12, "pooled paired mean")
+    lo, hi = t_interval(diffs)
+    close(d["t_low"], lo, 1e-6, "pooled paired t low")
+    close(d["t_high"], hi, 1e-6, "pooled paired t high")
+    cli = json.loads(up.loom("sweep", "report", pairs["id"], "--merge", more["id"], "--format", "json"))
+    assert cli == r, (cli, r)
+    table = up.loom("sweep", "report", pairs["id"], "--merge", more["id"])
+    assert f"sweep {pairs['id']} + {more['id']}:" in table, table
+    png = os.path.join(tmp, "merged.png")
+    up.loom("sweep", "report", pairs["id"], "--merge", more["id"], "--plot", png)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # The 100-seed sweep repeats seeds 1-3; the reported sweep cannot merge itself.
+    for bad, says in ((many["id"], "has seed 1, which the cell has already"),
+                      (pairs["id"], "is the reported sweep")):
+        status, body, text = up.api.request("GET", f"/v1/sweeps/{pairs['id']}/report?merge={bad}")
+        assert status == 400 and body["error"]["message"].startswith("merge: ") and \
+            says in body["error"]["message"], (bad, status, text)
+    print(f"ok: {pairs['id']} merged with {more['id']}: 5 seeds per cell as computed from the jobs")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loom", required=True)
@@ -511,6 +550,7 @@ def main():
         test_partial_report_and_cancel(up, tmp)
         many = test_two_hundred_jobs(up, tmp)
         test_baseline_from_another_sweep(up, tmp, pairs, pairs_raw, many)
+        test_merge_more_seeds(up, tmp, pairs, pairs_raw, many)
     except BaseException:
         p = os.path.join(tmp, "up.log")
         if os.path.exists(p):
