@@ -711,6 +711,57 @@ absl::StatusOr<std::string> Coordinator::AddReportBaselineLocked(
   return other_id;
 }
 
+namespace {
+
+// What a merged report knows of each of its cells: the seeds it has so far and its first job.
+struct MergedCells {
+  std::map<std::string, std::set<uint64_t>> seeds;
+  std::map<std::string, v1::Job> first;
+};
+
+// `other`'s jobs of the cells `sweep` has too, into `sweep` and `jobs` (from `all`); a warning per
+// cell whose jobs differ besides the seed, and one naming the cells `sweep` does not have.
+absl::Status MergeSweep(const v1::Sweep& other, const std::map<std::string, v1::Job>& all,
+                        MergedCells& cells, v1::Sweep& sweep, std::map<std::string, v1::Job>& jobs,
+                        std::vector<std::string>& warnings) {
+  std::vector<std::string> unmatched;
+  for (const std::string& cell : other.cells()) {
+    if (!Contains(sweep.cells(), cell)) unmatched.push_back(absl::StrCat("'", cell, "'"));
+  }
+  if (unmatched.size() == static_cast<size_t>(other.cells_size())) {
+    return FieldError("merge",
+                      absl::StrCat(other.id(), " has no cell named like one of ", sweep.id(),
+                                   "'s (its cells: ", absl::StrJoin(other.cells(), "; "), ")"));
+  }
+  std::set<std::string> compared;
+  for (const v1::SweepJob& sj : other.jobs()) {
+    if (!Contains(sweep.cells(), sj.cell())) continue;
+    if (!cells.seeds[sj.cell()].insert(sj.seed()).second) {
+      return FieldError("merge",
+                        absl::StrCat(other.id(), "'s cell '", sj.cell(), "' has seed ", sj.seed(),
+                                     ", which the cell has already: a seed counts once"));
+    }
+    *sweep.add_jobs() = sj;
+    auto job = all.find(sj.job_id());
+    if (job == all.end()) continue;
+    jobs[sj.job_id()] = job->second;
+    auto own = cells.first.find(sj.cell());
+    if (own == cells.first.end() || !compared.insert(sj.cell()).second) continue;
+    const std::vector<std::string> differ = SpecDifferencesBesidesSeed(job->second, own->second);
+    if (differ.empty()) continue;
+    warnings.push_back(absl::StrCat("cell '", sj.cell(), "' of ", other.id(), " differs from ",
+                                    sweep.id(),
+                                    "'s besides the seed: ", absl::StrJoin(differ, ", ")));
+  }
+  if (!unmatched.empty()) {
+    warnings.push_back(absl::StrCat(other.id(), "'s cells ", absl::StrJoin(unmatched, ", "),
+                                    " have no namesake in ", sweep.id(), ": not merged"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<std::string>> Coordinator::AddReportMergeLocked(
     const std::vector<std::string>& merge, v1::Sweep& sweep,
     std::map<std::string, v1::Job>& jobs) const {
@@ -718,12 +769,11 @@ absl::StatusOr<std::vector<std::string>> Coordinator::AddReportMergeLocked(
   if (merge.size() > kMaxMerged) {
     return FieldError("merge", absl::StrCat("at most ", kMaxMerged, " sweeps"));
   }
-  std::map<std::string, std::set<uint64_t>> seeds;  // cell -> the seeds it has so far
-  std::map<std::string, v1::Job> first;             // cell -> its first stored job
+  MergedCells cells;
   for (const v1::SweepJob& sj : sweep.jobs()) {
-    seeds[sj.cell()].insert(sj.seed());
+    cells.seeds[sj.cell()].insert(sj.seed());
     auto it = jobs.find(sj.job_id());
-    if (it != jobs.end()) first.emplace(sj.cell(), it->second);
+    if (it != jobs.end()) cells.first.emplace(sj.cell(), it->second);
   }
   std::vector<std::string> warnings;
   std::set<std::string> listed;
@@ -734,41 +784,7 @@ absl::StatusOr<std::vector<std::string>> Coordinator::AddReportMergeLocked(
     if (it == sweeps_.end()) {
       return FieldError("merge", absl::StrCat("no sweep '", id.substr(0, 100), "'"));
     }
-    const v1::Sweep& other = it->second;
-    std::vector<std::string> unmatched;
-    for (const std::string& cell : other.cells()) {
-      if (!Contains(sweep.cells(), cell)) unmatched.push_back(absl::StrCat("'", cell, "'"));
-    }
-    if (unmatched.size() == static_cast<size_t>(other.cells_size())) {
-      return FieldError("merge",
-                        absl::StrCat(id, " has no cell named like one of ", sweep.id(),
-                                     "'s (its cells: ", absl::StrJoin(other.cells(), "; "), ")"));
-    }
-    std::set<std::string> compared;
-    for (const v1::SweepJob& sj : other.jobs()) {
-      if (!Contains(sweep.cells(), sj.cell())) continue;
-      if (!seeds[sj.cell()].insert(sj.seed()).second) {
-        return FieldError("merge",
-                          absl::StrCat(id, "'s cell '", sj.cell(), "' has seed ", sj.seed(),
-                                       ", which the cell has already: a seed "
-                                       "counts once"));
-      }
-      *sweep.add_jobs() = sj;
-      auto job = jobs_.find(sj.job_id());
-      if (job == jobs_.end()) continue;
-      jobs[sj.job_id()] = job->second;
-      auto own = first.find(sj.cell());
-      if (own == first.end() || !compared.insert(sj.cell()).second) continue;
-      const std::vector<std::string> differ = SpecDifferencesBesidesSeed(job->second, own->second);
-      if (differ.empty()) continue;
-      warnings.push_back(absl::StrCat("cell '", sj.cell(), "' of ", id, " differs from ",
-                                      sweep.id(),
-                                      "'s besides the seed: ", absl::StrJoin(differ, ", ")));
-    }
-    if (!unmatched.empty()) {
-      warnings.push_back(absl::StrCat(id, "'s cells ", absl::StrJoin(unmatched, ", "),
-                                      " have no namesake in ", sweep.id(), ": not merged"));
-    }
+    LOOM_RETURN_IF_ERROR(MergeSweep(it->second, jobs_, cells, sweep, jobs, warnings));
   }
   return warnings;
 }
