@@ -119,6 +119,14 @@ class CoordinatorTest : public ::testing::Test {
     fs::create_directories(CheckpointPath(job, step));
     std::ofstream(fs::path(CheckpointPath(job, step)) / "manifest.json") << "{}";
   }
+  // The report of `sweep` with `query` is a 400 whose message holds `says`.
+  void ExpectReportRefused(const std::string& sweep, const Coordinator::ReportQuery& query,
+                           const std::string& says) {
+    auto refused = c_->ReportSweep(sweep, query);
+    ASSERT_FALSE(refused.ok()) << says;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << says;
+    EXPECT_NE(refused.status().message().find(says), std::string::npos) << refused.status();
+  }
   std::vector<std::string> States(const v1::Job& job) {
     std::vector<std::string> s;
     for (const auto& e : job.events()) {
@@ -888,11 +896,7 @@ TEST_F(CoordinatorTest, ReportsPairAgainstAnotherSweepsCell) {
            {b + "/y", b + " has no cell named 'y' (cells: x)"},
            {std::string(300, 'x'), "longer than 256"}}) {
     query.baseline = bad;
-    auto refused = c_->ReportSweep(a, query);
-    ASSERT_FALSE(refused.ok()) << bad;
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_NE(refused.status().message().find("baseline: " + says), std::string::npos)
-        << refused.status();
+    ExpectReportRefused(a, query, "baseline: " + says);
   }
 }
 
@@ -970,11 +974,7 @@ TEST_F(CoordinatorTest, ReportsMergeAnotherSweepsSeedsIntoTheSameCells) {
            {{apart}, apart + " has no cell named like one of " + a + "'s (its cells: y)"},
            {std::vector<std::string>(17, more), "at most 16 sweeps"}}) {
     query.merge = merge;
-    auto refused = c_->ReportSweep(a, query);
-    ASSERT_FALSE(refused.ok()) << says;
-    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << says;
-    EXPECT_NE(refused.status().message().find("merge: " + says), std::string::npos)
-        << refused.status();
+    ExpectReportRefused(a, query, "merge: " + says);
   }
 }
 
