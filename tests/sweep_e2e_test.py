@@ -529,7 +529,9 @@ def test_merge_more_seeds(up, tmp, pairs, pairs_raw, many):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     # The 100-seed sweep repeats seeds 1-3; the reported sweep cannot merge itself.
     for bad, says in ((many["id"], "has seed 1, which the cell has already"),
-                      (pairs["id"], "is the reported sweep")):
+                      (pairs["id"], "is the reported sweep"),
+                      (f"{more['id']},{more['id']}", "is listed twice"),
+                      ("x" * 1100, "longer than 1024 characters")):
         status, body, text = up.api.request("GET", f"/v1/sweeps/{pairs['id']}/report?merge={bad}")
         assert status == 400 and body["error"]["message"].startswith("merge: ") and \
             says in body["error"]["message"], (bad, status, text)
