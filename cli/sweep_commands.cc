@@ -184,7 +184,7 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
       v1::Job job;
       LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/jobs/" + job_id, nullptr, &job));
       for (const v1::EvalResult* e : JobCurve(job)) {  // a resumed attempt's replace earlier ones
-        if (!(e->kind().empty() || e->kind() == "heldout" || e->kind() == "validation")) continue;
+        if (!IsHeldOut(*e)) continue;
         by_step[e->step()].push_back(report.metric() == "accuracy"      ? e->accuracy()
                                      : report.metric() == "exact_match" ? e->exact_match()
                                                                         : e->eval_loss());

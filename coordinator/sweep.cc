@@ -94,10 +94,6 @@ double MetricOf(const v1::EvalResult& e, const std::string& metric) {
   return e.eval_loss();
 }
 
-bool HeldOut(const v1::EvalResult& e) {
-  return e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation";
-}
-
 // The evaluation a job's value comes from: its last held-out one (validation evaluations of
 // data.splits jobs count as held-out), the one with the lowest eval loss (best by validation),
 // or for `test` its last test evaluation (the test split at the best validation epoch). With a
@@ -109,7 +105,7 @@ const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select, 
     const v1::EvalResult& e = *ep;
     const bool wanted = length > 0         ? e.kind() == "length" && e.length() == length
                         : select == "test" ? e.kind() == "test"
-                                           : HeldOut(e);
+                                           : IsHeldOut(e);
     if (!wanted) continue;
     if (chosen == nullptr ||
         (select == "best" ? e.eval_loss() < chosen->eval_loss() : e.step() >= chosen->step())) {
@@ -125,7 +121,7 @@ const v1::EvalResult* ReachingEval(const v1::Job& job, const v1::SweepReport& re
   const v1::EvalResult* first = nullptr;
   for (const v1::EvalResult* ep : JobCurve(job)) {
     const v1::EvalResult& e = *ep;
-    if (!HeldOut(e)) continue;
+    if (!IsHeldOut(e)) continue;
     const double m = MetricOf(e, report.metric());
     const bool reached =
         report.metric() == "eval_loss" ? m <= report.threshold() : m >= report.threshold();
@@ -142,7 +138,7 @@ std::optional<double> MeanOverEvals(const v1::Job& job, const std::string& metri
   int count = 0;
   for (const v1::EvalResult* ep : JobCurve(job)) {
     const v1::EvalResult& e = *ep;
-    if (!HeldOut(e) || e.step() <= 0) continue;
+    if (!IsHeldOut(e) || e.step() <= 0) continue;
     sum += MetricOf(e, metric);
     ++count;
     *last = std::max(*last, e.step());

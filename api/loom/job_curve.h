@@ -16,6 +16,12 @@
 
 namespace loom {
 
+// A held-out evaluation: fresh samples (heldout, or no kind from older trainers) or the
+// validation split, as opposed to the test split and end-of-run length evaluations.
+inline bool IsHeldOut(const v1::EvalResult& e) {
+  return e.kind().empty() || e.kind() == "heldout" || e.kind() == "validation";
+}
+
 // The job's evaluations, the latest attempt's at each (kind, length, step), in the job's order.
 inline std::vector<const v1::EvalResult*> JobCurve(const v1::Job& job) {
   std::map<std::tuple<std::string, int64_t, int64_t>, const v1::EvalResult*> latest;
