@@ -21,11 +21,14 @@ url=${LOOM_COORDINATOR:-http://127.0.0.1:8470}
 token_file=${TOKEN_FILE:-${LOOM_DATA_DIR:?set TOKEN_FILE or LOOM_DATA_DIR}/tokens/user-token}
 mkdir -p "$dir" docs/results
 
+sweep_report() {  # the sweep's report with the caller's flags and the script's extra ones
+  "$loom" --coordinator "$url" --token-file "$token_file" sweep report "$sweep" "$@" "${extra[@]}"
+}
+
 report() {  # report SUFFIX FLAGS…: one JSON report and its tables
   local out="$dir/$name.report-$1.json"
   shift
-  "$loom" --coordinator "$url" --token-file "$token_file" sweep report "$sweep" "$@" \
-    --format json "${extra[@]}" > "$out"
+  sweep_report "$@" --format json > "$out"
   echo "### $(basename "$out")"
   python3 experiments/report_table.py "$out" --scale 100
   echo
@@ -42,6 +45,5 @@ report exact_match --metric exact_match --select final
 report mean --metric accuracy --select mean
 report reach80 --metric accuracy --select reach --threshold 0.8
 report reach95 --metric accuracy --select reach --threshold 0.95
-"$loom" --coordinator "$url" --token-file "$token_file" sweep report "$sweep" --metric accuracy \
-  --select final "${extra[@]}" --plot "docs/results/$name-accuracy.png" > /dev/null
+sweep_report --metric accuracy --select final --plot "docs/results/$name-accuracy.png" > /dev/null
 echo "plot: docs/results/$name-accuracy.png"
