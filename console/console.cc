@@ -35,10 +35,10 @@ constexpr char kContentSecurityPolicy[] =
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'";
 
-void Serve(absl::string_view name, coordinator::HttpResponse& res) {
+void Serve(absl::string_view name, net::HttpResponse& res) {
   const std::string* body = ConsoleFile(name);
   if (body == nullptr) {
-    coordinator::SetJsonError(res, 404, absl::StrCat("no console file '", name.substr(0, 80), "'"));
+    net::SetJsonError(res, 404, absl::StrCat("no console file '", name.substr(0, 80), "'"));
     return;
   }
   res.content_type = ContentType(name);
@@ -57,13 +57,13 @@ const std::string* ConsoleFile(absl::string_view name) {
   return it == Files().end() ? nullptr : &it->second;
 }
 
-void InstallConsoleRoutes(coordinator::HttpServer& server) {
+void InstallConsoleRoutes(net::HttpServer& server) {
   server.Route("GET", "/", "none",
-               [](const coordinator::HttpRequest&, coordinator::HttpResponse& res) {
+               [](const net::HttpRequest&, net::HttpResponse& res) {
                  Serve("index.html", res);
                });
   server.Route("GET", "/console/{file}", "none",
-               [](const coordinator::HttpRequest& req, coordinator::HttpResponse& res) {
+               [](const net::HttpRequest& req, net::HttpResponse& res) {
                  Serve(req.matches[0], res);
                });
 }

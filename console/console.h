@@ -7,7 +7,7 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
-#include "coordinator/http_server.h"
+#include "net/http_server.h"
 
 namespace loom::console {
 
@@ -16,7 +16,7 @@ const std::string* ConsoleFile(absl::string_view name);
 
 // GET / (the page) and GET /console/{file} (its script, style and libraries). No token: the
 // files hold no data; every datum the page shows comes from the API with the user's token.
-void InstallConsoleRoutes(coordinator::HttpServer& server);
+void InstallConsoleRoutes(net::HttpServer& server);
 
 }  // namespace loom::console
 

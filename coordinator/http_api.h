@@ -1,4 +1,4 @@
-// The coordinator's REST API on two listeners (coordinator/http_server.h): the user API (bearer
+// The coordinator's REST API on two listeners (net/http_server.h): the user API (bearer
 // user tokens) and the agent API (enrolment token for registration, per-worker credentials for
 // heartbeats), each with its own threads so users cannot starve the agents' heartbeats. Also
 // the request checks every route shares: Host/Origin, JSON content type, nesting and string
@@ -18,9 +18,21 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "coordinator/coordinator.h"
-#include "coordinator/http_server.h"
+#include "net/http_server.h"
 
 namespace loom::coordinator {
+
+// The HTTP layer (net/) the API is served on.
+using net::HttpHandler;
+using net::HttpRequest;
+using net::HttpResponse;
+using net::HttpServer;
+using net::DefaultAllowedHosts;
+using net::ForeignHostOrOrigin;
+using net::HttpServerOptions;
+using net::LoadTlsContext;
+using net::SetJsonError;
+using net::StreamSink;
 
 // Limits on what a JSON body may hold (checked before and after parsing).
 inline constexpr int kMaxJsonDepth = 32;         // nesting of the whole body

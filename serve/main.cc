@@ -15,7 +15,7 @@
 #include "base/cli_args.h"
 #include "base/cpu_process.h"
 #include "base/status_macros.h"
-#include "coordinator/http_server.h"
+#include "net/http_server.h"
 #include "loom/exit_codes.h"
 #include "serve/server.h"
 #include "worker/trainer/checkpoint_model.h"
@@ -113,35 +113,35 @@ absl::Status Run(int argc, char** argv) {
             << (model.objective ? "chat template" : "no chat template") << ") as '"
             << options.model_name << "'" << std::endl;
 
-  coordinator::HttpServerOptions http_options;
+  net::HttpServerOptions http_options;
   if (args.Has("tls-cert") || args.Has("tls-key")) {
     LOOM_ASSIGN_OR_RETURN(http_options.tls,
-                          coordinator::LoadTlsContext(args.Get("tls-cert"), args.Get("tls-key")));
+                          net::LoadTlsContext(args.Get("tls-cert"), args.Get("tls-key")));
   }
   // A thread per waiting request: every row and every queued sequence can have its client.
   http_options.threads = options.engine.max_batch + std::min(options.engine.max_queue, 256) + 4;
   http_options.max_body_bytes = 8 << 20;
   http_options.write_timeout_ms = 30000;
   Server server(std::move(model), options);
-  coordinator::HttpServer http(http_options);
+  net::HttpServer http(http_options);
   server.AddRoutes(http);
   // A web page in the user's browser can reach a loopback server: refuse foreign Host and
   // Origin headers (DNS rebinding, cross-site requests), as the coordinator does.
   std::set<std::string> allowed_hosts =
-      coordinator::DefaultAllowedHosts(args.Get("bind", "127.0.0.1"));
+      net::DefaultAllowedHosts(args.Get("bind", "127.0.0.1"));
   if (args.Has("allowed-hosts")) {
     allowed_hosts.clear();
     for (absl::string_view h : absl::StrSplit(args.Get("allowed-hosts"), ',', absl::SkipEmpty()))
       allowed_hosts.insert(absl::AsciiStrToLower(h));
   }
   http.SetFilter(
-      [allowed_hosts](const coordinator::HttpRequest& req, coordinator::HttpResponse& res) {
-        const std::string refusal = coordinator::ForeignHostOrOrigin(req, allowed_hosts);
+      [allowed_hosts](const net::HttpRequest& req, net::HttpResponse& res) {
+        const std::string refusal = net::ForeignHostOrOrigin(req, allowed_hosts);
         if (refusal.empty()) return false;
         WriteError(res, {403, refusal, "invalid_request_error", "", ""});
         return true;
       });
-  http.SetLogger([&](const coordinator::HttpRequest& req, const coordinator::HttpResponse& res,
+  http.SetLogger([&](const net::HttpRequest& req, const net::HttpResponse& res,
                      double seconds) {
     server.LogRequest(req, res, seconds, http.RouteTemplate(req.method, req.path));
   });

@@ -308,7 +308,7 @@ TEST_F(EngineTest, OpenApiDocumentsExactlyTheServedRoutes) {
   m.model = model_;
   m.tokenizer = data::MakeByteTokenizer();
   Server server(std::move(m), ServeOptions{});
-  coordinator::HttpServer http{coordinator::HttpServerOptions{}};
+  net::HttpServer http{net::HttpServerOptions{}};
   server.AddRoutes(http);
   std::map<std::string, bool> served, documented;  // "GET /v1/models" -> needs the token
   for (const auto& r : http.Routes()) served[r.method + " " + r.path] = r.auth != "none";

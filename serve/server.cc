@@ -11,7 +11,7 @@ namespace loom::serve {
 namespace {
 
 using json = nlohmann::json;
-using coordinator::StreamSink;
+using net::StreamSink;
 
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
@@ -35,7 +35,7 @@ int64_t GeneratedTokens(const std::vector<std::shared_ptr<Sequence>>& sequences)
 
 }  // namespace
 
-void WriteError(coordinator::HttpResponse& res, const ApiError& e) {
+void WriteError(net::HttpResponse& res, const ApiError& e) {
   res.status = e.status;
   res.content_type = "application/json";
   res.body = Dump(ErrorJson(e));
@@ -60,7 +60,7 @@ std::string Server::NewId(const char* prefix) {
   return absl::StrCat(prefix, created_unix_, "-", next_id_++);
 }
 
-void Server::AddRoutes(coordinator::HttpServer& http) {
+void Server::AddRoutes(net::HttpServer& http) {
   auto bind = [this](void (Server::*handler)(const Request&, Response&)) {
     return [this, handler](const Request& req, Response& res) { (this->*handler)(req, res); };
   };

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "coordinator/http_server.h"
+#include "net/http_server.h"
 #include "metrics/prometheus.h"
 #include "serve/engine.h"
 #include "serve/openai_api.h"
@@ -29,15 +29,15 @@ class Server {
   Server(trainer::CheckpointModel model, ServeOptions options);
 
   // Registers every route on `http` (documented in api/serve-openapi.yaml).
-  void AddRoutes(coordinator::HttpServer& http);
+  void AddRoutes(net::HttpServer& http);
   // Counts answered requests (HttpServer::SetLogger).
-  void LogRequest(const coordinator::HttpRequest& req, const coordinator::HttpResponse& res,
+  void LogRequest(const net::HttpRequest& req, const net::HttpResponse& res,
                   double seconds, const std::string& route);
   metrics::Registry& registry() { return registry_; }
 
  private:
-  using Request = coordinator::HttpRequest;
-  using Response = coordinator::HttpResponse;
+  using Request = net::HttpRequest;
+  using Response = net::HttpResponse;
   using SequenceList = std::vector<std::shared_ptr<Sequence>>;
 
   void Completions(const Request& req, Response& res);
@@ -58,7 +58,7 @@ class Server {
   // Streams text deltas as server-sent events; `chunk` makes the event of (choice, delta,
   // finish reason or null).
   void StreamChoices(
-      coordinator::StreamSink& sink, const SequenceList& sequences,
+      net::StreamSink& sink, const SequenceList& sequences,
       const std::function<nlohmann::json(int, const std::string&, const nlohmann::json&)>& chunk,
       const nlohmann::json& usage_event);
   std::string Decode(const std::vector<uint32_t>& ids) const;
@@ -72,7 +72,7 @@ class Server {
   int64_t created_unix_ = 0;
 };
 
-void WriteError(coordinator::HttpResponse& res, const ApiError& e);
+void WriteError(net::HttpResponse& res, const ApiError& e);
 
 }  // namespace loom::serve
 

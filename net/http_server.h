@@ -15,8 +15,8 @@
 //   listeners (users, agents) cannot starve each other.
 // After an error the connection is closed with a bounded lingering drain, so the client reads
 // the error before the reset.
-#ifndef LOOM_COORDINATOR_HTTP_SERVER_H_
-#define LOOM_COORDINATOR_HTTP_SERVER_H_
+#ifndef LOOM_NET_HTTP_SERVER_H_
+#define LOOM_NET_HTTP_SERVER_H_
 
 #include <atomic>
 #include <condition_variable>
@@ -37,7 +37,7 @@
 
 struct ssl_ctx_st;  // OpenSSL's SSL_CTX
 
-namespace loom::coordinator {
+namespace loom::net {
 
 struct HttpRequest {
   std::string method;
@@ -191,6 +191,6 @@ class HttpServer {
   std::deque<int> queue_;
 };
 
-}  // namespace loom::coordinator
+}  // namespace loom::net
 
-#endif  // LOOM_COORDINATOR_HTTP_SERVER_H_
+#endif  // LOOM_NET_HTTP_SERVER_H_

@@ -1,7 +1,7 @@
 // The coordinator's HTTP server on real loopback sockets: limits hold whatever the framing
 // (Content-Length, chunked, none, compressed), slow clients are cut off, keep-alive and
 // streamed responses work, and two servers do not share threads.
-#include "coordinator/http_server.h"
+#include "net/http_server.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace loom::coordinator {
+namespace loom::net {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -201,4 +201,4 @@ TEST(HttpServerIsolationTest, BusyServerDoesNotStarveAnother) {
 }
 
 }  // namespace
-}  // namespace loom::coordinator
+}  // namespace loom::net

@@ -1,4 +1,4 @@
-#include "coordinator/http_server.h"
+#include "net/http_server.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -24,7 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
-namespace loom::coordinator {
+namespace loom::net {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -871,4 +871,4 @@ std::string ForeignHostOrOrigin(const HttpRequest& req,
                       "' is not allowed: cross-site requests are refused");
 }
 
-}  // namespace loom::coordinator
+}  // namespace loom::net
