@@ -73,6 +73,8 @@ void DeclareMetrics(metrics::Registry& r) {
     r.Increment("loom_coordinator_jobs_ended_total", 0, {{"state", std::string(JobStateName(s))}});
   }
   r.DeclareCounter("loom_coordinator_workers_lost_total", "Workers marked lost");
+  r.DeclareCounter("loom_coordinator_outages_forgiven_total",
+                   "Pauses of the coordinator itself not counted against its workers' silence");
   r.DeclareCounter("loom_coordinator_http_requests_total", "HTTP requests by route and status");
   r.DeclareCounter("loom_coordinator_store_errors_total", "Failed RocksDB writes");
   // Label-less counters start at 0, so rate() and increase() see them from the first scrape.
@@ -1160,7 +1162,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
   r.set_worker_id(id);
   r.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
   r.set_credential(credential);
-  r.set_lease_ms(options_.lost_after_ms / 2);
+  r.set_lease_ms(options_.lease_ms);
   r.set_max_body_bytes(options_.max_body_bytes);
   return r;
 }
@@ -1233,9 +1235,10 @@ void Coordinator::MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string
   registry_.Increment("loom_coordinator_workers_lost_total");
   reported_running_[worker.id()].clear();
   RevokeCredential(txn, worker.id());
-  // Its ranks stopped themselves when their lease ran out (lost-after / 2 after the last
-  // heartbeat); the termination grace covers a rank that was slow to die.
-  const int64_t fence = NowMs() + options_.term_grace_ms;
+  // Its ranks stop themselves when their lease runs out, at the latest lease_ms after the last
+  // heartbeat that reached here; the termination grace covers a rank that was slow to die.
+  const int64_t lapsed = worker.last_heartbeat_ms() + options_.lease_ms;
+  const int64_t fence = std::max(NowMs(), lapsed) + options_.term_grace_ms;
   FailAttemptsOn(txn, worker.id(), absl::StrCat("worker ", worker.id(), " ", reason), fence);
 }
 
@@ -1841,11 +1844,29 @@ void Coordinator::MarkSilentWorkersLost(Txn& txn) {
   }
 }
 
+// A coordinator that could not run (SIGSTOP, a VM pause, a swap storm) heard nobody meanwhile:
+// that silence is its own, so alive workers get it back before loss detection. Measured on the
+// steady clock, which keeps counting through a pause (and is not the injected wall clock).
+void Coordinator::ForgiveOwnOutage() {
+  const auto now = std::chrono::steady_clock::now();
+  const auto last = last_tick_;
+  last_tick_ = now;
+  if (last == std::chrono::steady_clock::time_point{}) return;
+  const int64_t gap = std::chrono::duration_cast<std::chrono::milliseconds>(now - last).count();
+  if (gap <= std::max(2000, 2 * options_.heartbeat_interval_ms)) return;
+  const int64_t wall = NowMs();
+  for (auto& [id, w] : workers_) {
+    if (IsAlive(w)) w.set_last_heartbeat_ms(std::min(wall, w.last_heartbeat_ms() + gap));
+  }
+  registry_.Increment("loom_coordinator_outages_forgiven_total");
+}
+
 void Coordinator::Tick() {
   std::vector<std::string> deletes;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Txn txn;
+    ForgiveOwnOutage();
     MarkSilentWorkersLost(txn);
     ScheduleLocked(txn);
     (void)Commit(txn);  // on failure memory is restored; the next tick tries again

@@ -6,6 +6,7 @@
 #define LOOM_COORDINATOR_COORDINATOR_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <map>
@@ -36,8 +37,12 @@ struct CoordinatorOptions {
   std::string storage_root;  // checkpoints and datasets; client paths must stay inside it
   int heartbeat_interval_ms = 1000;
   int lost_after_ms = 10000;  // a worker silent this long is lost and its jobs rescheduled
-  // Fencing: a lost worker's jobs are placed again only this long after it was declared lost.
-  // Its ranks stopped themselves earlier, when their lease (lost_after_ms / 2) ran out.
+  // How long an agent's ranks keep running without reaching the coordinator: the coordinator
+  // outage that costs no work, and the least time before a lost worker's jobs run elsewhere
+  // (docs/control-plane.md, "Leases: a trade-off").
+  int lease_ms = 90000;
+  // Fencing: a lost worker's jobs are placed again only once its ranks' lease has certainly
+  // run out (last heartbeat + lease_ms), and this much later still (a rank slow to die).
   int term_grace_ms = 5000;
   int max_infra_restarts = 20;  // attempts a job may lose to lost or restarted workers
   // A job whose spec leaves checkpoint.interval_seconds 0 checkpoints this often: a lost worker
@@ -196,6 +201,7 @@ class Coordinator {
   void FailAttemptsOn(Txn& txn, const std::string& worker_id, const std::string& reason,
                       int64_t not_before_ms = 0);
   void MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string& reason);
+  void ForgiveOwnOutage();
   void MarkSilentWorkersLost(Txn& txn);
   absl::StatusOr<std::string> RegisteringIdLocked(Txn& txn, const v1::RegisterWorkerRequest& r);
   std::string IssueCredential(Txn& txn, const std::string& worker_id);
@@ -262,6 +268,9 @@ class Coordinator {
   std::condition_variable wake_;
   bool stop_ = false;
   std::thread loop_;
+  // When the background loop last ran (steady clock): a longer gap is the coordinator's own
+  // outage, not its workers' silence (ForgiveOwnOutage).
+  std::chrono::steady_clock::time_point last_tick_{};
 };
 
 }  // namespace loom::coordinator

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include "coordinator/clock.h"
 #include "coordinator/http_api.h"
@@ -355,8 +356,61 @@ TEST_F(CoordinatorTest, AttemptLifecycleRestartsFromTheNewestCheckpoint) {
   (void)w2;
 }
 
+// The lease longer than loss detection: the worker is lost after lost_after, but its job is
+// placed again only once the ranks' lease has certainly run out (last heartbeat + lease) and the
+// termination grace after it.
+TEST_F(CoordinatorTest, ALostWorkersJobWaitsForItsLeaseToLapse) {
+  options_.lost_after_ms = 300;
+  options_.lease_ms = 2000;
+  options_.term_grace_ms = 400;
+  Reopen();
+  const std::string w1 = RegisterWorker("a", 1);
+  const std::string id = Submit(MicroJob(1));
+  c_->Tick();
+  ASSERT_EQ(Job(id).placement(0).worker_id(), w1);
+  Beat(w1, id, 1, {{0, -1}}, {10}, 30000);
+  const int64_t last_heard = clock_->NowMs();
+  const std::string w2 = RegisterWorker("b", 1);
+  while (Job(id).state() != "queued") {
+    ASSERT_LT(clock_->NowMs() - last_heard, 3000);
+    clock_->Advance(50);
+    Beat(w2, "", 0, {});
+    c_->Tick();
+  }
+  EXPECT_LT(clock_->NowMs() - last_heard, 1000)
+      << "lost detection follows lost_after, not the lease";
+  EXPECT_EQ(Job(id).not_before_ms(), last_heard + 2000 + 400);
+  while (Job(id).state() == "queued") {
+    ASSERT_LT(clock_->NowMs() - last_heard, 6000);
+    clock_->Advance(50);
+    Beat(w2, "", 0, {});
+    c_->Tick();
+  }
+  EXPECT_GE(clock_->NowMs(), last_heard + 2000 + 400) << "placed while the old lease may hold";
+  EXPECT_EQ(Job(id).placement(0).worker_id(), w2);
+}
+
+// The other side: the coordinator's own pause (its loop could not run, the steady clock moved)
+// is not its workers' silence. The same wall-clock silence without a pause marks them lost.
+TEST_F(CoordinatorTest, TheCoordinatorsOwnPauseIsForgiven) {
+  options_.heartbeat_interval_ms = 100;
+  options_.lost_after_ms = 1000;
+  Reopen();
+  const std::string w = RegisterWorker("a", 1);
+  c_->Tick();                                                    // the loop's first run
+  std::this_thread::sleep_for(std::chrono::milliseconds(2300));  // paused: no tick ran
+  clock_->Advance(2300);
+  c_->Tick();
+  EXPECT_EQ(c_->ListWorkers()->workers(0).state(), "alive") << "lost for the coordinator's pause";
+  clock_->Advance(1100);  // then silent while the coordinator runs: lost
+  c_->Tick();
+  EXPECT_EQ(c_->ListWorkers()->workers(0).state(), "lost");
+  (void)w;
+}
+
 TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
   options_.lost_after_ms = 300;
+  options_.lease_ms = 150;
   options_.term_grace_ms = 400;
   Reopen();
   const std::string w1 = RegisterWorker("a", 1);
@@ -719,6 +773,7 @@ TEST_F(CoordinatorTest, DamagedCheckpointsAreMarkedAndSkipped) {
 
 TEST_F(CoordinatorTest, WorkerCredentialsAreBoundAndRevoked) {
   options_.lost_after_ms = 200;
+  options_.lease_ms = 100;
   Reopen();
   v1::RegisterWorkerRequest r;
   r.set_name("a");

@@ -32,8 +32,11 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --allowed-hosts H,...   Host names the API answers to (default: the loopback names when
                           --bind is loopback, else any); Origin headers must name one of them
   --heartbeat-ms N        agents' heartbeat interval (default 1000)
-  --lost-after-ms N       a silent worker is lost after this (default 10000); its ranks stop
-                          themselves after half of it (their lease)
+  --lost-after-ms N       a silent worker is lost after this (default 10000): nothing new is
+                          placed on it
+  --lease-ms N            its ranks keep running this long without reaching the coordinator
+                          (default 90000): a coordinator outage shorter than this costs no work;
+                          a lost worker's jobs run elsewhere only once it has passed
   --term-grace-ms N       after a worker is lost, wait this long more before its jobs run
                           elsewhere (default 5000)
   --max-infra-restarts N  attempts a job may lose to lost or restarted workers (default 20)
@@ -42,6 +45,9 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --aging-seconds S       a queued job gains one priority point per S seconds (default 60)
   --reserve-after-s S     a blocked job reserves slots after waiting S seconds (default 300)
   --max-body-bytes N      request size limit (default 1048576)
+  --max-connections N     open HTTP connections of all clients (default 512)
+  --max-connections-per-address N   HTTP connections one client address is served at once
+                          (default 16; more wait, or displace its slow or idle ones)
   --max-log-followers-per-user N   concurrent log streams per user (default 4)
   --prometheus-sd-file F  write a Prometheus file_sd target list for this coordinator's /metrics
   --tls-cert F --tls-key F  serve both listeners over TLS (PEM certificate chain and key); clients
@@ -94,12 +100,15 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
                          "allowed-hosts",
                          "heartbeat-ms",
                          "lost-after-ms",
+                         "lease-ms",
                          "term-grace-ms",
                          "max-infra-restarts",
                          "checkpoint-interval-seconds",
                          "aging-seconds",
                          "reserve-after-s",
                          "max-body-bytes",
+                         "max-connections",
+                         "max-connections-per-address",
                          "max-log-followers-per-user",
                          "prometheus-sd-file",
                          "tls-cert",
@@ -121,6 +130,7 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
       args.Get("storage-root", (std::filesystem::path(options.data_dir) / "storage").string());
   LOOM_ASSIGN_OR_RETURN(int64_t hb, args.GetInt("heartbeat-ms", 1000, 50, 600000));
   LOOM_ASSIGN_OR_RETURN(int64_t lost, args.GetInt("lost-after-ms", 10000, 200, 86400000));
+  LOOM_ASSIGN_OR_RETURN(int64_t lease, args.GetInt("lease-ms", 90000, 200, 86400000));
   LOOM_ASSIGN_OR_RETURN(int64_t grace, args.GetInt("term-grace-ms", 5000, 0, 3600000));
   LOOM_ASSIGN_OR_RETURN(int64_t infra, args.GetInt("max-infra-restarts", 20, 0, 100000));
   LOOM_ASSIGN_OR_RETURN(options.checkpoint_interval_seconds,
@@ -132,11 +142,15 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   LOOM_ASSIGN_OR_RETURN(settings.agent_port, args.GetInt("agent-port", 8471, 0, 65535));
   LOOM_ASSIGN_OR_RETURN(options.max_body_bytes,
                         args.GetInt("max-body-bytes", 1 << 20, 1024, 1 << 30));
-  // The lease (lost-after / 2) must outlast a few heartbeat intervals, or a slow reply stops
-  // healthy ranks.
+  // Loss detection and the lease must outlast a few heartbeat intervals, or a slow reply marks a
+  // healthy worker lost or stops its ranks.
   if (lost < 4 * hb) {
     return absl::InvalidArgumentError("--lost-after-ms must be at least 4 x --heartbeat-ms");
   }
+  if (lease < 4 * hb) {
+    return absl::InvalidArgumentError("--lease-ms must be at least 4 x --heartbeat-ms");
+  }
+  options.lease_ms = static_cast<int>(lease);
   options.heartbeat_interval_ms = static_cast<int>(hb);
   options.lost_after_ms = static_cast<int>(lost);
   options.term_grace_ms = static_cast<int>(grace);
@@ -156,6 +170,11 @@ absl::StatusOr<HttpServerOptions> ReadServerOptions(const CliArgs& args, int64_t
   }
   options.threads = 32;
   options.max_body_bytes = static_cast<size_t>(max_body);
+  LOOM_ASSIGN_OR_RETURN(int64_t total, args.GetInt("max-connections", 512, 16, 1 << 20));
+  LOOM_ASSIGN_OR_RETURN(int64_t per_address,
+                        args.GetInt("max-connections-per-address", 16, 1, 1 << 20));
+  options.max_connections = static_cast<int>(total);
+  options.max_connections_per_address = static_cast<int>(per_address);
   return options;
 }
 

@@ -3,7 +3,7 @@
 // Loom needs on top: dropping every series of a finished job, labels stamped on every series at
 // render time (the worker id, known only after registration) and `loom_build_info`.
 // Exposition is prometheus-cpp's text serializer (format 0.0.4), validated by `promtool check
-// metrics` in tests and served by HttpExporter (the trainer, the agent) or the coordinator's API.
+// metrics` in tests and served by net::MetricsEndpoint (the trainer, the agent) or the coordinator's API.
 //
 // Thread-safe: metrics are updated from training or request threads while the exporter renders.
 #ifndef LOOM_METRICS_PROMETHEUS_H_

@@ -1,16 +1,11 @@
 #include "metrics/prometheus.h"
 
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <fstream>
-
-#include "metrics/http_exporter.h"
 
 namespace loom::metrics {
 namespace {
@@ -110,50 +105,6 @@ TEST(Prometheus, PromtoolAcceptsTheOutput) {
   const int rc = pclose(p);
   unlink(path.c_str());
   EXPECT_EQ(rc, 0) << output;
-}
-
-std::string Fetch(int port, const std::string& request) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "connect failed";
-  }
-  send(fd, request.data(), request.size(), MSG_NOSIGNAL);
-  std::string out;
-  char buf[4096];
-  ssize_t n;
-  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
-  close(fd);
-  return out;
-}
-
-TEST(HttpExporter, ServesMetricsOverRealHttp) {
-  Registry r;
-  Fill(r);
-  auto e = HttpExporter::Start(&r, "127.0.0.1", 0);
-  ASSERT_TRUE(e.ok()) << e.status();
-  const int port = (*e)->port();
-  ASSERT_GT(port, 0);
-  std::string ok = Fetch(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
-  EXPECT_EQ(ok.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << ok;
-  EXPECT_NE(ok.find("text/plain; version=0.0.4"), std::string::npos);
-  EXPECT_NE(ok.find("loom_train_loss{job_id=\"demo\",rank=\"0\"} 2.5"), std::string::npos);
-  r.Set("loom_train_loss", 1.25, {{"job_id", "demo"}, {"rank", "0"}});  // live updates show
-  EXPECT_NE(Fetch(port, "GET /metrics HTTP/1.0\r\n\r\n").find("} 1.25"), std::string::npos);
-  EXPECT_EQ(Fetch(port, "GET /nope HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 404", 0), 0u);
-  EXPECT_EQ(Fetch(port, "POST /metrics HTTP/1.1\r\n\r\n").rfind("HTTP/1.1 405", 0), 0u);
-  EXPECT_EQ(Fetch(port, "garbage\r\n\r\n").rfind("HTTP/1.1 400", 0), 0u);
-  EXPECT_EQ(Fetch(port, "GET /metrics HTTP/1.1\r\nX: " + std::string(10000, 'a'))
-                .rfind("HTTP/1.1 431", 0),
-            0u);
-  EXPECT_EQ(Fetch(port, "GET /healthz HTTP/1.1\r\n\r\n").find("ok\n") != std::string::npos, true);
-  // A bad bind address is an error naming the field.
-  auto bad = HttpExporter::Start(&r, "localhost", 0);
-  EXPECT_NE(bad.status().message().find("metrics.bind"), std::string::npos);
 }
 
 }  // namespace

@@ -1,874 +1,727 @@
+// The event-driven HTTP/1.1 server on Boost.Beast (http_server.h says what it promises). One
+// io_context runs every socket, parser and timer; complete requests go to a bounded handler pool.
+// A connection is a small state machine: handshake -> head -> (checks) -> body -> handler ->
+// response -> head again, each step an asynchronous Beast call with its own timer.
 #include "net/http_server.h"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
+#include <atomic>
+#include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/beast/ssl.hpp>
 #include <chrono>
-#include <cstring>
+#include <deque>
+#include <future>
+#include <list>
+#include <mutex>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
+#include "net/request_target.h"
 
 namespace loom::net {
+
+namespace asio = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using Ms = std::chrono::milliseconds;
+
 namespace {
 
-using Clock = std::chrono::steady_clock;
+// Where a connection is; what may be evicted for a waiting connection of the same address.
+// kFresh: a new connection's first byte; kIdle: kept alive between requests.
+enum class Phase { kWaiting, kHandshake, kFresh, kIdle, kHead, kBody, kBusy, kClosed };
 
-int MsLeft(Clock::time_point deadline) {
-  const auto left =
-      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return static_cast<int>(std::max<int64_t>(0, left));
+bool Evictable(Phase p) {
+  return p == Phase::kHandshake || p == Phase::kFresh || p == Phase::kIdle || p == Phase::kHead ||
+         p == Phase::kBody;
 }
 
-const char* Reason(int status) {
-  switch (status) {
-    case 100:
-      return "Continue";
-    case 200:
-      return "OK";
-    case 201:
-      return "Created";
-    case 400:
-      return "Bad Request";
-    case 401:
-      return "Unauthorized";
-    case 403:
-      return "Forbidden";
-    case 404:
-      return "Not Found";
-    case 408:
-      return "Request Timeout";
-    case 409:
-      return "Conflict";
-    case 411:
-      return "Length Required";
-    case 413:
-      return "Content Too Large";
-    case 415:
-      return "Unsupported Media Type";
-    case 429:
-      return "Too Many Requests";
-    case 431:
-      return "Request Header Fields Too Large";
-    case 500:
-      return "Internal Server Error";
-    case 501:
-      return "Not Implemented";
-    case 503:
-      return "Service Unavailable";
-    default:
-      return "Status";
-  }
-}
-
-std::string JsonEscape(absl::string_view s) {
-  std::string out;
-  out.reserve(s.size() + 8);
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out;
-}
-
-int HexValue(char c) {
-  if (c >= '0' && c <= '9') return c - '0';
-  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-  return -1;
-}
-
-// Percent-decoding; '+' is a space only in query strings.
-std::string Decode(absl::string_view s, bool plus_is_space) {
-  std::string out;
-  out.reserve(s.size());
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == '%' && i + 2 < s.size() && HexValue(s[i + 1]) >= 0 && HexValue(s[i + 2]) >= 0) {
-      out += static_cast<char>(HexValue(s[i + 1]) * 16 + HexValue(s[i + 2]));
-      i += 2;
-    } else if (plus_is_space && s[i] == '+') {
-      out += ' ';
-    } else {
-      out += s[i];
-    }
-  }
-  return out;
-}
-
-// A request the connection cannot serve: the status and the message of the JSON error.
+// A request refused before its handler: the status and message of the JSON error.
 struct Refusal {
   int status = 0;
   std::string message;
-  bool silent = false;  // close without answering (the client sent nothing at all)
 };
 
-}  // namespace
-
-std::string HttpRequest::Header(absl::string_view lower_name) const {
-  for (const auto& [k, v] : headers) {
-    if (k == lower_name) return v;
+// What a parse error means to the client.
+Refusal RefusalFor(const beast::error_code& ec, const HttpServerOptions& o, bool in_body) {
+  if (ec == http::error::header_limit) {
+    return {431, absl::StrCat("request header too large (limit ", o.max_head_bytes, " bytes)")};
   }
-  return "";
+  if (ec == http::error::body_limit) {
+    return {413, absl::StrCat("request body too large (limit ", o.max_body_bytes, " bytes)")};
+  }
+  if (ec == beast::error::timeout) {
+    return in_body
+               ? Refusal{408, "request body timeout"}
+               : Refusal{408, absl::StrCat("request header timeout: the head must arrive within ",
+                                           o.head_timeout_ms, " ms")};
+  }
+  if (ec == http::error::bad_transfer_encoding) {
+    return {400,
+            "malformed request: both Content-Length and Transfer-Encoding given, or chunked "
+            "not the last transfer coding"};
+  }
+  if (in_body) return {400, absl::StrCat("malformed request body: ", ec.message())};
+  const bool line = ec == http::error::bad_method || ec == http::error::bad_target ||
+                    ec == http::error::bad_version;
+  return {400, absl::StrCat(line ? "malformed request line (" : "malformed header line (",
+                            ec.message(), ")")};
 }
 
-std::string HttpRequest::Param(const std::string& key) const {
-  auto it = params.find(key);
-  return it == params.end() ? "" : it->second;
+// The head checks Beast leaves to the application. `has_body`: the client sends a body.
+std::optional<Refusal> CheckHead(const http::request_parser<http::string_body>& parser,
+                                 const HttpRequest& request) {
+  const auto& h = parser.get();
+  if (h.version() != 10 && h.version() != 11) return Refusal{505, "only HTTP/1.0 and 1.1"};
+  int encodings = 0;
+  for (const auto& f : h) {
+    if (f.name() == http::field::transfer_encoding) ++encodings;
+  }
+  if (encodings > 0) {
+    const std::string te = absl::AsciiStrToLower(std::string(h[http::field::transfer_encoding]));
+    if (encodings != 1 || te != "chunked") {
+      return Refusal{501, "Transfer-Encoding: only chunked is supported"};
+    }
+  }
+  const std::string ce = absl::AsciiStrToLower(request.Header("content-encoding"));
+  if (!ce.empty() && ce != "identity") {
+    return Refusal{415, absl::StrCat("Content-Encoding '", ce.substr(0, 40),
+                                     "' is not supported: send the body uncompressed")};
+  }
+  const bool framed = encodings > 0 || h.count(http::field::content_length) > 0;
+  if (!framed &&
+      (request.method == "POST" || request.method == "PUT" || request.method == "PATCH")) {
+    return Refusal{411, "Content-Length required (or Transfer-Encoding: chunked)"};
+  }
+  return std::nullopt;
 }
 
-namespace {
-
-absl::string_view CanonicalStatus(int http) {
-  switch (http) {
-    case 400:
-    case 411:
-    case 413:
-    case 415:
-    case 431:
-      return "INVALID_ARGUMENT";
-    case 401:
-      return "UNAUTHENTICATED";
-    case 403:
-      return "PERMISSION_DENIED";
-    case 404:
-      return "NOT_FOUND";
-    case 405:
-    case 501:
-      return "UNIMPLEMENTED";
-    case 408:
-      return "DEADLINE_EXCEEDED";
-    case 409:
-      return "ABORTED";
-    case 429:
-      return "RESOURCE_EXHAUSTED";
-    case 503:
-      return "UNAVAILABLE";
-    default:
-      return http >= 200 && http < 300 ? "OK" : "INTERNAL";
-  }
-}
-
-// "spec.model.n_heads: must divide d_model" -> the field path before ": ", if it looks like one.
-std::string FieldOf(absl::string_view message) {
-  const size_t colon = message.find(": ");
-  if (colon == absl::string_view::npos || colon == 0 || colon > 200) return "";
-  const absl::string_view field = message.substr(0, colon);
-  for (char c : field) {
-    const bool ok = absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' ||
-                    c == '[' || c == ']' || c == '-';
-    if (!ok) return "";
-  }
-  return std::string(field);
-}
-
-}  // namespace
-
-std::string ErrorBody(int status, absl::string_view message, absl::string_view rpc_status) {
-  std::vector<std::string> details;
-  if (std::string field = FieldOf(message); !field.empty()) {
-    details.push_back(absl::StrCat(
-        R"({"@type":"type.googleapis.com/google.rpc.BadRequest","fieldViolations":[{"field":")",
-        JsonEscape(field), R"(","description":")", JsonEscape(message.substr(field.size() + 2)),
-        R"("}]})"));
-  }
-  if (status == 429 || status == 503) {
-    details.push_back(
-        absl::StrCat(R"({"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":")",
-                     kRetryAfterSeconds, R"(s"})"));
-  }
-  return absl::StrCat(R"({"error":{"code":)", status, R"(,"status":")",
-                      rpc_status.empty() ? CanonicalStatus(status) : rpc_status, R"(","message":")",
-                      JsonEscape(message), R"(","details":[)", absl::StrJoin(details, ","),
-                      "]}}\n");
-}
-
-void SetJsonError(HttpResponse& res, int status, absl::string_view message,
-                  absl::string_view rpc_status) {
-  res.status = status;
-  res.content_type = "application/json";
-  res.body = ErrorBody(status, message, rpc_status);
-  res.stream = nullptr;
-  if (status == 429 || status == 503)
-    res.SetHeader("Retry-After", std::to_string(kRetryAfterSeconds));
-}
-
-absl::StatusOr<std::shared_ptr<ssl_ctx_st>> LoadTlsContext(const std::string& cert_file,
-                                                           const std::string& key_file) {
-  auto openssl_error = [] {
-    char buf[256] = "unknown error";
-    if (unsigned long e = ERR_get_error(); e != 0) ERR_error_string_n(e, buf, sizeof(buf));
-    return std::string(buf);
-  };
-  std::shared_ptr<SSL_CTX> ctx(SSL_CTX_new(TLS_server_method()), SSL_CTX_free);
-  if (!ctx) return absl::InternalError("TLS: cannot create a context: " + openssl_error());
-  SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION);
-  SSL_CTX_set_mode(ctx.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
-  if (SSL_CTX_use_certificate_chain_file(ctx.get(), cert_file.c_str()) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls-cert: cannot load '", cert_file, "': ", openssl_error()));
-  }
-  if (SSL_CTX_use_PrivateKey_file(ctx.get(), key_file.c_str(), SSL_FILETYPE_PEM) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls-key: cannot load '", key_file, "': ", openssl_error()));
-  }
-  if (SSL_CTX_check_private_key(ctx.get()) != 1) {
-    return absl::InvalidArgumentError("--tls-key: does not match the certificate of --tls-cert");
-  }
-  return std::shared_ptr<ssl_ctx_st>(ctx);
-}
-
-// One client connection: buffered reads with deadlines, request parsing, response writing; in
-// TLS mode the same over an SSL session on the non-blocking socket.
-class HttpServer::Connection : public StreamSink {
- public:
-  Connection(int fd, const HttpServerOptions& options) : fd_(fd), options_(options) {
-    if (options_.tls) {
-      ::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) | O_NONBLOCK);
-      ssl_ = SSL_new(options_.tls.get());
-      if (ssl_ != nullptr) SSL_set_fd(ssl_, fd_);
-    }
-  }
-  ~Connection() override {
-    if (ssl_ != nullptr) SSL_free(ssl_);
-    ::close(fd_);
-  }
-
-  // The TLS handshake, within head_timeout_ms (a client that never finishes it holds a thread
-  // no longer than one that never sends a request head). Always true without TLS.
-  bool Handshake() {
-    if (!options_.tls) return true;
-    if (ssl_ == nullptr) return false;
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.head_timeout_ms);
-    for (;;) {
-      ERR_clear_error();
-      const int r = SSL_accept(ssl_);
-      if (r == 1) return true;
-      const int e = SSL_get_error(ssl_, r);
-      if (e != SSL_ERROR_WANT_READ && e != SSL_ERROR_WANT_WRITE) return false;
-      if (!Wait(e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT, deadline)) return false;
-    }
-  }
-
-  // Reads the next request. Returns false with `refusal` set when it cannot be served (or with a
-  // silent refusal when the client went away or stayed idle).
-  bool ReadRequest(HttpRequest& request, bool first, Refusal& refusal) {
-    if (!ReadHead(first, refusal)) return false;
-    if (!ParseHead(request, refusal)) return false;
-    return ReadBody(request, refusal);
-  }
-
-  bool WriteAll(absl::string_view data) {
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.write_timeout_ms);
-    while (!data.empty()) {
-      const ssize_t n = Send(data.data(), data.size());
-      if (n > 0) {
-        data.remove_prefix(static_cast<size_t>(n));
-      } else if (n == kWantRead || n == kWantWrite) {
-        if (!Wait(n == kWantRead ? POLLIN : POLLOUT, deadline)) return false;
-      } else {
-        return false;
-      }
-    }
-    return true;
-  }
-
-  bool WriteResponse(const HttpResponse& res, bool keep_alive) {
-    std::string head = absl::StrCat("HTTP/1.1 ", res.status, " ", Reason(res.status), "\r\n");
-    absl::StrAppend(&head, "Content-Type: ", res.content_type, "\r\n");
-    for (const auto& [k, v] : res.headers) absl::StrAppend(&head, k, ": ", v, "\r\n");
-    if (res.stream) {
-      absl::StrAppend(&head, "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n");
-      return WriteAll(head);
-    }
-    absl::StrAppend(&head, "Content-Length: ", res.body.size(),
-                    "\r\nConnection: ", keep_alive ? "keep-alive" : "close", "\r\n\r\n");
-    return WriteAll(head) && WriteAll(res.body);
-  }
-
-  // StreamSink: one chunk per write.
-  bool Write(absl::string_view data) override {
-    if (data.empty()) return true;
-    char size[24];
-    std::snprintf(size, sizeof(size), "%zx\r\n", data.size());
-    return WriteAll(size) && WriteAll(data) && WriteAll("\r\n");
-  }
-  bool ClientConnected() override {
-    pollfd p{fd_, POLLIN | POLLRDHUP, 0};
-    if (::poll(&p, 1, 0) <= 0) return true;
-    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) return false;
-    char c;
-    return ::recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT) != 0;
-  }
-  bool FinishStream() { return WriteAll("0\r\n\r\n"); }
-
-  // After an error the client may still be sending: stop writing, drain for a bounded time so
-  // the error reaches it before the reset that closing a socket with unread data causes.
-  void LingerClose() {
-    if (ssl_ != nullptr) SSL_shutdown(ssl_);  // close_notify; the peer's answer is not awaited
-    ::shutdown(fd_, SHUT_WR);
-    const auto deadline = Clock::now() + std::chrono::milliseconds(1000);
-    char buf[16 << 10];
-    size_t drained = 0;
-    while (drained < (64u << 20)) {
-      pollfd p{fd_, POLLIN, 0};
-      const int left = MsLeft(deadline);
-      if (left == 0 || ::poll(&p, 1, left) <= 0) break;
-      const ssize_t n = ::recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
-      if (n <= 0 && !(n < 0 && (errno == EINTR || errno == EAGAIN))) break;
-      if (n > 0) drained += static_cast<size_t>(n);
-    }
-  }
-
- private:
-  // Results of Recv/Send besides a byte count (> 0), EOF (0) and a failure (-1): wait until the
-  // socket is readable or writable and try again (a TLS record may need either).
-  static constexpr ssize_t kWantRead = -2, kWantWrite = -3;
-
-  ssize_t Recv(char* buf, size_t n) {
-    if (ssl_ == nullptr) {
-      const ssize_t r = ::recv(fd_, buf, n, MSG_DONTWAIT);
-      if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return kWantRead;
-      return r;
-    }
-    ERR_clear_error();
-    const int r = SSL_read(ssl_, buf, static_cast<int>(std::min<size_t>(n, 1 << 30)));
-    return r > 0 ? r : SslResult(r);
-  }
-  ssize_t Send(const char* buf, size_t n) {
-    if (ssl_ == nullptr) {
-      const ssize_t r = ::send(fd_, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) return kWantWrite;
-      return r;
-    }
-    ERR_clear_error();
-    const int r = SSL_write(ssl_, buf, static_cast<int>(std::min<size_t>(n, 1 << 30)));
-    return r > 0 ? r : SslResult(r);
-  }
-  ssize_t SslResult(int r) {
-    switch (SSL_get_error(ssl_, r)) {
-      case SSL_ERROR_WANT_READ:
-        return kWantRead;
-      case SSL_ERROR_WANT_WRITE:
-        return kWantWrite;
-      case SSL_ERROR_ZERO_RETURN:
-        return 0;
-      default:
-        return -1;
-    }
-  }
-  // Waits for `events` on the socket until the deadline; false when it passed.
-  bool Wait(short events, Clock::time_point deadline) {
-    for (;;) {
-      pollfd p{fd_, events, 0};
-      const int left = MsLeft(deadline);
-      if (left == 0) return false;
-      const int r = ::poll(&p, 1, left);
-      if (r < 0 && errno == EINTR) continue;
-      return r > 0;
-    }
-  }
-
-  // Appends what the connection has (at most `max` bytes) to in_; false on EOF, error or
-  // deadline. TLS may hold decrypted bytes the socket no longer signals: read those first.
-  bool Fill(Clock::time_point deadline, size_t max) {
-    for (;;) {
-      const bool pending = ssl_ != nullptr && SSL_pending(ssl_) > 0;
-      if (!pending && !Wait(POLLIN, deadline)) return false;
-      char buf[16 << 10];
-      const ssize_t n = Recv(buf, std::min(sizeof(buf), max));
-      if (n == kWantRead) continue;
-      if (n == kWantWrite) {
-        if (!Wait(POLLOUT, deadline)) return false;
-        continue;
-      }
-      if (n <= 0) {
-        eof_ = true;
-        return false;
-      }
-      in_.append(buf, static_cast<size_t>(n));
-      return true;
-    }
-  }
-
-  bool ReadHead(bool first, Refusal& refusal) {
-    // Wait for the first byte (a kept-alive connection may simply stay idle), then give the
-    // whole head head_timeout_ms.
-    if (in_.empty()) {
-      const int wait = first ? options_.head_timeout_ms : options_.idle_timeout_ms;
-      if (!Fill(Clock::now() + std::chrono::milliseconds(wait), options_.max_head_bytes + 4)) {
-        refusal.silent = true;
-        return false;
-      }
-    }
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.head_timeout_ms);
-    for (;;) {
-      head_end_ = in_.find("\r\n\r\n");
-      if (head_end_ != std::string::npos && head_end_ + 4 <= options_.max_head_bytes) return true;
-      if (in_.size() > options_.max_head_bytes) {
-        refusal = {431, absl::StrCat("request header too large (limit ", options_.max_head_bytes,
-                                     " bytes)")};
-        return false;
-      }
-      if (!Fill(deadline, options_.max_head_bytes + 4 - in_.size())) {
-        if (eof_) {
-          refusal.silent = true;
-        } else {
-          refusal = {408, absl::StrCat("request header timeout: the head must arrive within ",
-                                       options_.head_timeout_ms, " ms")};
-        }
-        return false;
-      }
-    }
-  }
-
-  bool ParseHead(HttpRequest& request, Refusal& refusal) {
-    const std::string head = in_.substr(0, head_end_);
-    in_.erase(0, head_end_ + 4);
-    std::vector<absl::string_view> lines = absl::StrSplit(head, "\r\n");
-    std::vector<absl::string_view> parts = absl::StrSplit(lines[0], ' ');
-    if (parts.size() != 3 || parts[0].empty() || parts[1].empty() || parts[1][0] != '/' ||
-        !absl::StartsWith(parts[2], "HTTP/1.")) {
-      refusal = {400, "malformed request line"};
-      return false;
-    }
-    request.method = std::string(parts[0]);
-    http10_ = parts[2] == "HTTP/1.0";
-    const absl::string_view target = parts[1];
-    const size_t q = target.find('?');
-    request.path = Decode(target.substr(0, q), false);
-    if (q != absl::string_view::npos) {
-      for (absl::string_view kv : absl::StrSplit(target.substr(q + 1), '&', absl::SkipEmpty())) {
-        const size_t eq = kv.find('=');
-        request.params.emplace(
-            Decode(kv.substr(0, eq), true),
-            eq == absl::string_view::npos ? "" : Decode(kv.substr(eq + 1), true));
-      }
-    }
-    for (size_t i = 1; i < lines.size(); ++i) {
-      const size_t colon = lines[i].find(':');
-      if (colon == absl::string_view::npos || colon == 0 || lines[i][0] == ' ' ||
-          lines[i][0] == '\t') {
-        refusal = {400, "malformed header line"};
-        return false;
-      }
-      std::string name = absl::AsciiStrToLower(lines[i].substr(0, colon));
-      if (name.find_first_of(" \t") != std::string::npos) {
-        refusal = {400, "malformed header name"};
-        return false;
-      }
-      request.headers.emplace_back(
-          std::move(name), std::string(absl::StripAsciiWhitespace(lines[i].substr(colon + 1))));
-    }
-    return true;
-  }
-
-  bool ReadBody(HttpRequest& request, Refusal& refusal) {
-    std::vector<std::string> lengths, encodings;
-    for (const auto& [k, v] : request.headers) {
-      if (k == "content-length") lengths.push_back(v);
-      if (k == "transfer-encoding") encodings.push_back(absl::AsciiStrToLower(v));
-    }
-    const std::string content_encoding = absl::AsciiStrToLower(request.Header("content-encoding"));
-    const bool compressed = !content_encoding.empty() && content_encoding != "identity";
-    const size_t max = options_.max_body_bytes;
-    const std::string too_large = absl::StrCat("request body too large (limit ", max, " bytes)");
-    if (!encodings.empty()) {
-      if (!lengths.empty()) {
-        refusal = {400, "both Content-Length and Transfer-Encoding given"};
-        return false;
-      }
-      if (encodings.size() != 1 || encodings[0] != "chunked") {
-        refusal = {501, "Transfer-Encoding: only chunked is supported"};
-        return false;
-      }
-      if (compressed) return RefuseEncoding(content_encoding, refusal);
-      Continue(request);
-      return ReadChunked(request, too_large, refusal);
-    }
-    if (lengths.empty()) {
-      if (request.method == "POST" || request.method == "PUT" || request.method == "PATCH") {
-        refusal = {411, "Content-Length required (or Transfer-Encoding: chunked)"};
-        return false;
-      }
-      return true;
-    }
-    uint64_t length = 0;
-    for (const std::string& l : lengths) {
-      uint64_t v = 0;
-      if (l.empty() || l.size() > 19 || !absl::SimpleAtoi(l, &v) || (l != lengths[0]) ||
-          l.find_first_not_of("0123456789") != std::string::npos) {
-        refusal = {400, "malformed Content-Length"};
-        return false;
-      }
-      length = v;
-    }
-    if (length > max) {
-      refusal = {413, too_large};
-      return false;
-    }
-    if (compressed) return RefuseEncoding(content_encoding, refusal);
-    Continue(request);
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.body_timeout_ms);
-    while (in_.size() < length) {
-      if (!Fill(deadline, length - in_.size())) {
-        refusal = {408, "request body timeout"};
-        return false;
-      }
-    }
-    request.body = in_.substr(0, length);
-    in_.erase(0, length);
-    return true;
-  }
-
-  bool RefuseEncoding(const std::string& encoding, Refusal& refusal) {
-    refusal = {415, absl::StrCat("Content-Encoding '", encoding.substr(0, 40),
-                                 "' is not supported: send the body uncompressed")};
-    return false;
-  }
-
-  // "Expect: 100-continue": the client waits for this before it sends the body.
-  void Continue(const HttpRequest& request) {
-    if (absl::AsciiStrToLower(request.Header("expect")) == "100-continue") {
-      WriteAll("HTTP/1.1 100 Continue\r\n\r\n");
-    }
-  }
-
-  // A line of at most `max_line` bytes from the buffered stream (CRLF stripped).
-  bool ReadLine(std::string& line, size_t max_line, Clock::time_point deadline) {
-    for (;;) {
-      const size_t nl = in_.find("\r\n");
-      if (nl != std::string::npos && nl <= max_line) {
-        line = in_.substr(0, nl);
-        in_.erase(0, nl + 2);
-        return true;
-      }
-      if (in_.size() > max_line + 2) return false;
-      if (!Fill(deadline, max_line + 2 - in_.size())) return false;
-    }
-  }
-
-  bool ReadChunked(HttpRequest& request, const std::string& too_large, Refusal& refusal) {
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.body_timeout_ms);
-    const Refusal malformed = {400, "malformed chunked body"};
-    for (;;) {
-      std::string line;
-      if (!ReadLine(line, 1024, deadline)) {
-        refusal = Clock::now() >= deadline ? Refusal{408, "request body timeout"} : malformed;
-        return false;
-      }
-      const absl::string_view hex = absl::string_view(line).substr(0, line.find(';'));
-      uint64_t size = 0;
-      if (hex.empty() || hex.size() > 15) {
-        refusal = malformed;
-        return false;
-      }
-      for (char c : absl::StripAsciiWhitespace(hex)) {
-        if (HexValue(c) < 0) {
-          refusal = malformed;
-          return false;
-        }
-        size = size * 16 + static_cast<uint64_t>(HexValue(c));
-      }
-      if (size == 0) break;
-      if (request.body.size() + size > options_.max_body_bytes) {
-        refusal = {413, too_large};
-        return false;
-      }
-      while (in_.size() < size + 2) {
-        if (!Fill(deadline, size + 2 - in_.size())) {
-          refusal = {408, "request body timeout"};
-          return false;
-        }
-      }
-      if (in_.compare(size, 2, "\r\n") != 0) {
-        refusal = malformed;
-        return false;
-      }
-      request.body.append(in_, 0, size);
-      in_.erase(0, size + 2);
-    }
-    // Trailers, up to the empty line, bounded like the head.
-    size_t trailer_bytes = 0;
-    for (;;) {
-      std::string line;
-      if (!ReadLine(line, options_.max_head_bytes, deadline)) {
-        refusal = malformed;
-        return false;
-      }
-      if (line.empty()) return true;
-      trailer_bytes += line.size();
-      if (trailer_bytes > options_.max_head_bytes) {
-        refusal = {431, "chunked trailers too large"};
-        return false;
-      }
-    }
-  }
-
- public:
-  bool http10() const { return http10_; }
-
- private:
-  int fd_;
-  const HttpServerOptions& options_;
-  std::string in_;
-  size_t head_end_ = 0;
-  bool eof_ = false;
-  bool http10_ = false;
-  SSL* ssl_ = nullptr;  // TLS session (options_.tls), else plain TCP
-};
-
-HttpServer::~HttpServer() { Stop(); }
-
-void HttpServer::Route(const std::string& method, const std::string& path, const std::string& auth,
-                       HttpHandler handler) {
-  const std::string pattern = std::regex_replace(path, std::regex(R"(\{[a-z_]+\})"), "([^/]+)");
-  routes_.push_back({method, std::regex(pattern), std::move(handler), path, auth});
-}
-
-void HttpServer::RoutePattern(const std::string& method, const std::string& pattern,
-                              HttpHandler handler) {
-  routes_.push_back({method, std::regex(pattern), std::move(handler), "", ""});
-}
-
-std::vector<HttpServer::RouteInfo> HttpServer::Routes() const {
-  std::vector<RouteInfo> out;
-  for (const RouteEntry& r : routes_) {
-    if (!r.path.empty()) out.push_back({r.method, r.path, r.auth});
-  }
+http::response<http::string_body> ToBeast(const HttpResponse& res, bool keep_alive) {
+  http::response<http::string_body> out{static_cast<http::status>(res.status), 11};
+  out.set(http::field::content_type, res.content_type);
+  for (const auto& [k, v] : res.headers) out.insert(k, v);
+  out.body() = res.body;
+  out.keep_alive(keep_alive);
+  out.prepare_payload();
   return out;
 }
 
-std::string HttpServer::RouteTemplate(const std::string& method, const std::string& path) const {
-  for (const RouteEntry& r : routes_) {
-    if (!r.path.empty() && r.method == method && std::regex_match(path, r.pattern)) return r.path;
-  }
-  return "other";
-}
+}  // namespace
 
-absl::StatusOr<int> HttpServer::Listen(const std::string& address, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port);
-  if (int rc = ::getaddrinfo(address.c_str(), service.c_str(), &hints, &found); rc != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot resolve '", address, "': ", ::gai_strerror(rc)));
+// A connection as the registry sees it, whatever its stream type.
+class Connection : public StreamSink, public std::enable_shared_from_this<Connection> {
+ public:
+  explicit Connection(std::string address) : address_(std::move(address)) {}
+  virtual void Begin() = 0;  // leaves kWaiting: handshake or first head
+  virtual void Abort() = 0;  // closes the socket from any thread
+  const std::string& address() const { return address_; }
+  bool counted = false;  // holds a place in the registry (under its mutex)
+  Phase phase() const { return phase_.load(); }
+  Clock::time_point phase_since() const {
+    std::lock_guard<std::mutex> lock(phase_mutex_);
+    return phase_since_;
   }
-  int fd = -1;
-  std::string error = "no address";
-  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
-    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 512) != 0) {
-      error = std::strerror(errno);
-      ::close(fd);
-      fd = -1;
+
+ protected:
+  void SetPhase(Phase p) {
+    std::lock_guard<std::mutex> lock(phase_mutex_);
+    phase_ = p;
+    phase_since_ = Clock::now();
+  }
+
+ private:
+  const std::string address_;
+  std::atomic<Phase> phase_{Phase::kWaiting};
+  mutable std::mutex phase_mutex_;
+  Clock::time_point phase_since_ = Clock::now();
+};
+
+// The server's shared state: the event loop, the pool, the connection registry and its caps.
+class HttpServer::Impl {
+ public:
+  Impl(HttpServer* server, const HttpServerOptions& o)
+      : server_(server),
+        options_(o),
+        acceptor_(asio::make_strand(io_)),
+        sweeper_(asio::make_strand(io_)) {
+    if (o.tls) {
+      SSL_CTX_up_ref(o.tls.get());  // asio's context frees its handle; the caller keeps theirs
+      tls_.emplace(o.tls.get());
     }
   }
-  ::freeaddrinfo(found);
-  if (fd < 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", address, ":", port, ": ", error));
-  }
-  sockaddr_storage bound{};
-  socklen_t len = sizeof(bound);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  listen_fd_ = fd;
-  if (bound.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
-  return ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-}
 
-void HttpServer::Start() {
-  for (int i = 0; i < options_.threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
-  acceptor_ = std::thread([this] { AcceptLoop(); });
-}
-
-void HttpServer::Stop() {
-  if (stop_.exchange(true)) return;
-  ready_.notify_all();
-  if (acceptor_.joinable()) acceptor_.join();
-  for (auto& t : workers_) {
-    if (t.joinable()) t.join();
-  }
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (int fd : queue_) ::close(fd);
-  queue_.clear();
-  if (listen_fd_ >= 0) ::close(listen_fd_);
-  listen_fd_ = -1;
-}
-
-void HttpServer::AcceptLoop() {
-  while (!stop_) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    if (::poll(&p, 1, 200) <= 0) continue;
-    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (static_cast<int>(queue_.size()) >= options_.max_queued_connections) {
-      lock.unlock();
-      static const std::string busy = [] {
-        const std::string body = ErrorBody(503, "server busy: try again later");
-        return absl::StrCat(
-            "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            "Retry-After: ",
-            kRetryAfterSeconds, "\r\nContent-Length: ", body.size(),
-            "\r\nConnection: close\r\n\r\n", body);
-      }();
-      // A TLS client cannot read a plain answer before its handshake: it just sees the close.
-      if (!options_.tls) (void)!::send(fd, busy.data(), busy.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-      ::close(fd);
-      continue;
-    }
-    queue_.push_back(fd);
-    lock.unlock();
-    ready_.notify_one();
-  }
-}
-
-void HttpServer::WorkerLoop() {
-  for (;;) {
-    int fd = -1;
+  ~Impl() {
+    // Waiting connections release their places while the registry is still whole.
+    std::vector<std::shared_ptr<Connection>> waiting;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      ready_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-      if (stop_) return;
-      fd = queue_.front();
-      queue_.pop_front();
-    }
-    Connection conn(fd, options_);
-    if (!conn.Handshake()) continue;  // not TLS, or too slow: closed without an answer
-    for (int n = 0; n < options_.max_requests_per_connection && !stop_; ++n) {
-      HttpRequest request;
-      HttpResponse response;
-      Refusal refusal;
-      const auto start = Clock::now();
-      if (!conn.ReadRequest(request, n == 0, refusal)) {
-        if (!refusal.silent) {
-          SetJsonError(response, refusal.status, refusal.message);
-          conn.WriteResponse(response, false);
-          if (logger_) logger_(request, response, 0);
-          conn.LingerClose();
-        }
-        break;
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& [address, a] : addresses_) {
+        waiting.insert(waiting.end(), a.waiting.begin(), a.waiting.end());
+        a.waiting.clear();
       }
-      request.client_connected = [&conn] { return conn.ClientConnected(); };
-      Dispatch(request, response);
-      const std::string connection = absl::AsciiStrToLower(request.Header("connection"));
-      const bool keep_alive = !response.stream && connection != "close" &&
-                              !(conn.http10() && connection != "keep-alive") &&
-                              n + 1 < options_.max_requests_per_connection;
-      bool ok = conn.WriteResponse(response, keep_alive);
-      if (ok && response.stream) {
-        response.stream(conn);
-        ok = conn.FinishStream();
-      }
-      if (logger_) {
-        logger_(request, response, std::chrono::duration<double>(Clock::now() - start).count());
-      }
-      if (!ok || !keep_alive) break;
     }
   }
-}
 
-void HttpServer::Dispatch(HttpRequest& request, HttpResponse& response) {
-  try {
-    if (filter_ && filter_(request, response)) return;
-    for (const RouteEntry& r : routes_) {
-      std::smatch m;
-      if (r.method != request.method || !std::regex_match(request.path, m, r.pattern)) continue;
-      for (size_t i = 1; i < m.size(); ++i) request.matches.push_back(m[i].str());
-      r.handler(request, response);
-      return;
-    }
-    SetJsonError(
-        response, 404,
-        absl::StrCat("no route ", request.method.substr(0, 16), " ", request.path.substr(0, 200)));
-  } catch (const std::exception& e) {
-    SetJsonError(response, 500, absl::StrCat("internal error: ", e.what()));
+  absl::StatusOr<int> Listen(const std::string& address, int port);
+  void Start();
+  void Stop();
+
+  // Registry: a connection closing frees its address's slot for a waiting one.
+  void Release(Connection* c);
+  // Runs a handler job on the pool; false when the queue is full.
+  bool Submit(std::function<void()> job);
+  // The HttpServer's router and logger, for the connections.
+  bool AnswerHead(const HttpRequest& req, HttpResponse& res) {
+    return server_->AnswerHead(req, res);
   }
-}
+  void Dispatch(HttpRequest& req, HttpResponse& res) { server_->Dispatch(req, res); }
+  void Log(const HttpRequest& req, const HttpResponse& res, double seconds) {
+    if (server_->logger_) server_->logger_(req, res, seconds);
+  }
+
+  HttpServer* server_;
+  const HttpServerOptions& options_;
+  std::atomic<bool> stopping_{false};
+
+ private:
+  struct Address {
+    std::list<std::weak_ptr<Connection>> active;
+    std::deque<std::shared_ptr<Connection>> waiting;
+  };
+  void Accept();
+  void Admit(tcp::socket socket);
+  void Sweep();
+  // Under mutex_: displaces one stale connection of `a` for its first waiter; true if it did.
+  bool EvictFor(Address& a);
+
+  // Declared before the event loop: connections that die with it still release their places.
+  std::mutex mutex_;
+  std::map<std::string, Address> addresses_;
+  int open_ = 0;  // connections admitted or waiting
+  std::vector<std::weak_ptr<Connection>> all_;
+  std::atomic<int> queued_{0};
+  std::optional<asio::ssl::context> tls_;
+  asio::io_context io_;
+  tcp::acceptor acceptor_;
+  asio::steady_timer sweeper_;
+  std::unique_ptr<asio::thread_pool> pool_;
+  std::vector<std::thread> io_threads_;
+};
 
 namespace {
 
-// "host:port", "[v6]:port" or "host" -> the host, lower case.
-std::string HostPart(absl::string_view authority) {
-  if (absl::StartsWith(authority, "[")) {
-    const size_t end = authority.find(']');
-    return absl::AsciiStrToLower(
-        authority.substr(0, end == absl::string_view::npos ? end : end + 1));
+template <class Stream>
+class ConnectionOn final : public Connection {
+ public:
+  ConnectionOn(HttpServer::Impl* server, std::string address, Stream stream)
+      : Connection(std::move(address)),
+        server_(server),
+        o_(server->options_),
+        stream_(std::move(stream)),
+        timer_(Lowest().get_executor()) {}
+
+  ~ConnectionOn() override { server_->Release(this); }
+
+  void Begin() override {
+    asio::post(Lowest().get_executor(), [self = Self()] { self->Handshake(); });
   }
-  return absl::AsciiStrToLower(authority.substr(0, authority.find(':')));
-}
+
+  void Abort() override {
+    asio::post(Lowest().get_executor(), [self = Self()] { self->Close(); });
+  }
+
+  // StreamSink, called from a pool thread while the handler streams: one chunk per write.
+  bool Write(absl::string_view data) override {
+    if (data.empty()) return true;
+    auto chunk = std::make_shared<std::string>(data);
+    return WaitForWrite([self = Self(), chunk](std::function<void(beast::error_code)> done) {
+      asio::async_write(self->stream_, http::make_chunk(asio::buffer(*chunk)),
+                        [chunk, done](beast::error_code ec, size_t) { done(ec); });
+    });
+  }
+  bool ClientConnected() override {
+    if (server_->stopping_ || closed_) return false;
+    const int fd = Lowest().socket().native_handle();
+    pollfd p{fd, POLLIN | POLLRDHUP, 0};
+    if (::poll(&p, 1, 0) <= 0) return true;
+    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) return false;
+    char c;
+    return ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) != 0;
+  }
+
+ private:
+  std::shared_ptr<ConnectionOn> Self() {
+    return std::static_pointer_cast<ConnectionOn>(shared_from_this());
+  }
+  beast::tcp_stream& Lowest() { return beast::get_lowest_layer(stream_); }
+
+  void Handshake() {
+    SetPhase(Phase::kHandshake);
+    if constexpr (std::is_same_v<Stream, beast::tcp_stream>) {
+      ReadHead();
+    } else {
+      Lowest().expires_after(Ms(o_.head_timeout_ms));
+      stream_.async_handshake(asio::ssl::stream_base::server,
+                              [self = Self()](beast::error_code ec) {
+                                if (ec) return self->Close();  // not TLS, or too slow
+                                self->ReadHead();
+                              });
+    }
+  }
+
+  // The next request: its first byte within idle_timeout_ms (head_timeout_ms for the first
+  // request), then the whole head within head_timeout_ms.
+  void ReadHead() {
+    if (server_->stopping_ || served_ >= o_.max_requests_per_connection) return Close();
+    parser_.emplace();
+    parser_->header_limit(static_cast<uint32_t>(o_.max_head_bytes));
+    parser_->body_limit(o_.max_body_bytes);
+    request_ = HttpRequest{};
+    if (buffer_.size() == 0) {
+      SetPhase(served_ == 0 ? Phase::kFresh : Phase::kIdle);
+      Lowest().expires_after(Ms(served_ == 0 ? o_.head_timeout_ms : o_.idle_timeout_ms));
+      stream_.async_read_some(buffer_.prepare(o_.max_head_bytes + 1),
+                              [self = Self()](beast::error_code ec, size_t n) {
+                                if (ec) return self->Close();  // gone or idle: no answer
+                                self->buffer_.commit(n);
+                                self->ReadHeadRest();
+                              });
+      return;
+    }
+    ReadHeadRest();
+  }
+
+  void ReadHeadRest() {
+    SetPhase(Phase::kHead);
+    started_ = Clock::now();
+    Arm(o_.head_timeout_ms);
+    http::async_read_header(stream_, buffer_, *parser_,
+                            [self = Self()](beast::error_code ec, size_t) { self->OnHead(ec); });
+  }
+
+  void OnHead(beast::error_code ec) {
+    if (Disarm(ec)) return Refuse(RefusalFor(beast::error::timeout, o_, false));
+    if (ec == http::error::end_of_stream || ec == asio::error::eof ||
+        ec == asio::error::connection_reset || ec == asio::error::operation_aborted) {
+      return Close();
+    }
+    if (ec) return Refuse(RefusalFor(ec, o_, false));
+    const auto& h = parser_->get();
+    request_.method = std::string(h.method_string());
+    for (const auto& f : h) {
+      request_.headers.emplace_back(absl::AsciiStrToLower(std::string(f.name_string())),
+                                    std::string(f.value()));
+    }
+    if (absl::Status s =
+            ParseRequestTarget(absl::string_view(h.target().data(), h.target().size()), &request_);
+        !s.ok()) {
+      return Refuse(
+          {s.code() == absl::StatusCode::kNotFound ? 404 : 400, std::string(s.message())});
+    }
+    if (auto refusal = CheckHead(*parser_, request_)) return Refuse(*refusal);
+    keep_alive_ = h.keep_alive();
+    HttpResponse early;
+    if (server_->AnswerHead(request_, early)) {
+      // No body is read after a refusal: the connection cannot be reused unless it has none.
+      if (!parser_->is_done()) keep_alive_ = false;
+      return Respond(std::move(early));
+    }
+    ReadBody();
+  }
+
+  void ReadBody() {
+    SetPhase(Phase::kBody);
+    if (parser_->is_done()) {
+      request_.body = std::move(parser_->get().body());
+      return Handle();
+    }
+    if (absl::AsciiStrToLower(request_.Header("expect")) == "100-continue") {
+      auto cont = std::make_shared<http::response<http::empty_body>>(http::status::continue_, 11);
+      Lowest().expires_after(Ms(o_.write_timeout_ms));
+      return http::async_write(stream_, *cont, [self = Self(), cont](beast::error_code ec, size_t) {
+        if (ec) return self->Close();
+        self->ReadBodyRest();
+      });
+    }
+    ReadBodyRest();
+  }
+
+  void ReadBodyRest() {
+    Arm(o_.body_timeout_ms);
+    http::async_read(stream_, buffer_, *parser_, [self = Self()](beast::error_code ec, size_t) {
+      if (self->Disarm(ec)) return self->Refuse(RefusalFor(beast::error::timeout, self->o_, true));
+      if (ec == http::error::end_of_stream || ec == asio::error::eof ||
+          ec == asio::error::operation_aborted) {
+        return self->Close();
+      }
+      if (ec) return self->Refuse(RefusalFor(ec, self->o_, true));
+      self->request_.body = std::move(self->parser_->get().body());
+      self->Handle();
+    });
+  }
+
+  // The handler on the pool; its answer is written back on the event loop.
+  void Handle() {
+    SetPhase(Phase::kBusy);
+    Lowest().expires_never();
+    auto self = Self();
+    request_.client_connected = [weak = std::weak_ptr<ConnectionOn>(self)] {
+      auto c = weak.lock();
+      return c != nullptr && c->ClientConnected();
+    };
+    const bool queued = server_->Submit([self] {
+      HttpResponse response;
+      self->server_->Dispatch(self->request_, response);
+      if (response.stream) return self->StreamResponse(std::move(response));
+      asio::post(self->Lowest().get_executor(), [self, response = std::move(response)]() mutable {
+        self->Respond(std::move(response));
+      });
+    });
+    if (!queued) {
+      HttpResponse busy;
+      SetJsonError(busy, 503, "server busy: try again later");
+      keep_alive_ = false;
+      Respond(std::move(busy));
+    }
+  }
+
+  // A plain response, then the next request or the close.
+  void Respond(HttpResponse response) {
+    SetPhase(Phase::kBusy);
+    ++served_;
+    const bool keep_alive =
+        keep_alive_ && !server_->stopping_ && served_ < o_.max_requests_per_connection;
+    auto msg = std::make_shared<http::response<http::string_body>>(ToBeast(response, keep_alive));
+    auto logged = std::make_shared<HttpResponse>(std::move(response));
+    Lowest().expires_after(Ms(o_.write_timeout_ms));
+    http::async_write(stream_, *msg,
+                      [self = Self(), msg, logged, keep_alive](beast::error_code ec, size_t) {
+                        self->Log(*logged);
+                        if (ec) return self->Close();
+                        if (logged->status >= 400 && !keep_alive) return self->LingerClose();
+                        if (!keep_alive) return self->Close();
+                        self->ReadHead();
+                      });
+  }
+
+  // A streamed response (chunked), run on the pool thread that ran the handler.
+  void StreamResponse(HttpResponse response) {
+    auto head = std::make_shared<http::response<http::empty_body>>(
+        static_cast<http::status>(response.status), 11);
+    head->set(http::field::content_type, response.content_type);
+    for (const auto& [k, v] : response.headers) head->insert(k, v);
+    head->chunked(true);
+    head->keep_alive(false);
+    auto serializer = std::make_shared<http::response_serializer<http::empty_body>>(*head);
+    bool ok = WaitForWrite([self = Self(), head, serializer](auto done) {
+      http::async_write_header(
+          self->stream_, *serializer,
+          [head, serializer, done](beast::error_code ec, size_t) { done(ec); });
+    });
+    if (ok) response.stream(*this);
+    if (ok) {
+      WaitForWrite([self = Self()](auto done) {
+        asio::async_write(self->stream_, http::make_chunk_last(),
+                          [done](beast::error_code ec, size_t) { done(ec); });
+      });
+    }
+    Log(response);
+    Abort();
+  }
+
+  // Starts a write on the event loop and waits for it (at most write_timeout_ms, the timer of
+  // the stream); false when it failed, timed out or the server is stopping.
+  template <class StartWrite>
+  bool WaitForWrite(StartWrite start) {
+    if (server_->stopping_ || closed_) return false;
+    auto done = std::make_shared<std::promise<bool>>();
+    std::future<bool> result = done->get_future();
+    asio::post(Lowest().get_executor(), [self = Self(), start, done] {
+      if (self->closed_) return done->set_value(false);
+      self->Lowest().expires_after(Ms(self->o_.write_timeout_ms));
+      start([self, done](beast::error_code ec) {
+        if (ec) self->Close();
+        done->set_value(!ec);
+      });
+    });
+    return result.get();
+  }
+
+  // The head and body timers: on expiry the pending read is cancelled, so the connection is
+  // still open to answer 408 (the stream's own timeout would close it).
+  void Arm(int ms) {
+    Lowest().expires_never();
+    timed_out_ = false;
+    const uint64_t armed = ++armed_;
+    timer_.expires_after(Ms(ms));
+    timer_.async_wait([self = Self(), armed](beast::error_code ec) {
+      if (ec || armed != self->armed_) return;  // disarmed (or a late expiry of an older read)
+      self->timed_out_ = true;
+      beast::error_code ignored;
+      self->Lowest().socket().cancel(ignored);
+    });
+  }
+  // True when the read ended because its timer expired.
+  bool Disarm(const beast::error_code& ec) {
+    ++armed_;
+    timer_.cancel();
+    return timed_out_ && ec == asio::error::operation_aborted;
+  }
+
+  void Refuse(const Refusal& refusal) {
+    HttpResponse response;
+    SetJsonError(response, refusal.status, refusal.message);
+    keep_alive_ = false;
+    Respond(std::move(response));
+  }
+
+  void Log(const HttpResponse& response) {
+    const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();
+    server_->Log(request_, response, seconds);
+  }
+
+  // After an error the client may still be sending: stop writing, drain a bounded time so the
+  // error reaches it before the reset that closing a socket with unread data causes.
+  void LingerClose() {
+    beast::error_code ignored;
+    Lowest().socket().shutdown(tcp::socket::shutdown_send, ignored);
+    linger_until_ = Clock::now() + Ms(1000);
+    Drain();
+  }
+  void Drain() {
+    if (Clock::now() >= linger_until_ || drained_ > (64u << 20)) return Close();
+    Lowest().expires_at(linger_until_);
+    Lowest().async_read_some(asio::buffer(drain_buffer_),
+                             [self = Self()](beast::error_code ec, size_t n) {
+                               if (ec) return self->Close();
+                               self->drained_ += n;
+                               self->Drain();
+                             });
+  }
+
+  void Close() {
+    if (closed_.exchange(true)) return;
+    SetPhase(Phase::kClosed);
+    beast::error_code ignored;
+    Lowest().socket().shutdown(tcp::socket::shutdown_both, ignored);
+    Lowest().close();
+  }
+
+  HttpServer::Impl* server_;
+  const HttpServerOptions& o_;
+  Stream stream_;
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  HttpRequest request_;
+  bool keep_alive_ = false;
+  int served_ = 0;
+  Clock::time_point started_ = Clock::now();
+  Clock::time_point linger_until_;
+  size_t drained_ = 0;
+  std::array<char, 16 << 10> drain_buffer_;
+  asio::steady_timer timer_;
+  bool timed_out_ = false;
+  uint64_t armed_ = 0;  // which read the timer belongs to
+  std::atomic<bool> closed_{false};
+};
 
 }  // namespace
 
-std::set<std::string> DefaultAllowedHosts(const std::string& bind) {
-  if (absl::StartsWith(bind, "127.") || bind == "::1" || bind == "localhost")
-    return {"localhost", "127.0.0.1", "[::1]", "::1"};
-  return {};
+absl::StatusOr<int> HttpServer::Impl::Listen(const std::string& address, int port) {
+  beast::error_code ec;
+  tcp::resolver resolver(io_);
+  auto found = resolver.resolve(address, std::to_string(port), tcp::resolver::passive, ec);
+  if (ec)
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot resolve '", address, "': ", ec.message()));
+  std::string error = "no address";
+  for (const auto& entry : found) {
+    acceptor_.open(entry.endpoint().protocol(), ec);
+    if (!ec) acceptor_.set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(entry.endpoint(), ec);
+    if (!ec) acceptor_.listen(512, ec);
+    if (!ec) return acceptor_.local_endpoint().port();
+    error = ec.message();
+    beast::error_code ignored;
+    acceptor_.close(ignored);
+  }
+  return absl::UnavailableError(absl::StrCat("cannot listen on ", address, ":", port, ": ", error));
 }
 
-std::string ForeignHostOrOrigin(const HttpRequest& req,
-                                const std::set<std::string>& allowed_hosts) {
-  const std::string host_header = req.Header("host");
-  if (!allowed_hosts.empty() && !allowed_hosts.count(HostPart(host_header))) {
-    return absl::StrCat("Host header '", host_header.substr(0, 100),
-                        "' is not a name this server answers to (--allowed-hosts)");
+void HttpServer::Impl::Start() {
+  pool_ = std::make_unique<asio::thread_pool>(std::max(1, options_.threads));
+  Accept();
+  Sweep();
+  for (int i = 0; i < std::max(1, options_.io_threads); ++i) {
+    io_threads_.emplace_back([this] { io_.run(); });
   }
-  const std::string origin = req.Header("origin");
-  if (origin.empty()) return "";
-  absl::string_view rest(origin);
-  const bool web = absl::ConsumePrefix(&rest, "http://") || absl::ConsumePrefix(&rest, "https://");
-  const bool ok = web && (allowed_hosts.empty()
-                              ? absl::AsciiStrToLower(rest) == absl::AsciiStrToLower(host_header)
-                              : allowed_hosts.count(HostPart(rest)) > 0);
-  if (ok) return "";
-  return absl::StrCat("Origin '", origin.substr(0, 100),
-                      "' is not allowed: cross-site requests are refused");
 }
+
+void HttpServer::Impl::Accept() {
+  acceptor_.async_accept(asio::make_strand(io_), [this](beast::error_code ec, tcp::socket s) {
+    if (stopping_ || !acceptor_.is_open()) return;
+    if (!ec) Admit(std::move(s));
+    Accept();
+  });
+}
+
+void HttpServer::Impl::Admit(tcp::socket socket) {
+  beast::error_code ec;
+  const auto peer = socket.remote_endpoint(ec);
+  if (ec) return;
+  socket.set_option(tcp::no_delay(true), ec);
+  const std::string address = peer.address().to_string();
+  std::shared_ptr<Connection> c;
+  if (tls_) {
+    c = std::make_shared<ConnectionOn<beast::ssl_stream<beast::tcp_stream>>>(
+        this, address,
+        beast::ssl_stream<beast::tcp_stream>(beast::tcp_stream(std::move(socket)), *tls_));
+  } else {
+    c = std::make_shared<ConnectionOn<beast::tcp_stream>>(this, address,
+                                                          beast::tcp_stream(std::move(socket)));
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (open_ >= options_.max_connections) {
+    lock.unlock();
+    c->Abort();  // its destructor must not release a slot it never had: see Release
+    return;
+  }
+  ++open_;
+  c->counted = true;
+  all_.push_back(c);
+  Address& a = addresses_[address];
+  if (static_cast<int>(a.active.size()) < options_.max_connections_per_address) {
+    a.active.push_back(c);
+    lock.unlock();
+    return c->Begin();
+  }
+  a.waiting.push_back(c);
+  EvictFor(a);
+}
+
+bool HttpServer::Impl::EvictFor(Address& a) {
+  if (a.waiting.empty()) return false;
+  const auto stale = Clock::now() - Ms(options_.evict_after_ms);
+  for (auto it = a.active.begin(); it != a.active.end(); ++it) {
+    auto c = it->lock();
+    if (!c) continue;
+    const Phase p = c->phase();
+    if (!Evictable(p) || (p != Phase::kIdle && c->phase_since() > stale)) continue;
+    c->Abort();
+    a.active.erase(it);
+    // The newest waiter: a client that just arrived gets its turn before a pile of older ones
+    // (the oldest are, under attack, the attacker's); they leave after head_timeout_ms.
+    auto next = a.waiting.back();
+    a.waiting.pop_back();
+    a.active.push_back(next);
+    next->Begin();
+    return true;
+  }
+  return false;
+}
+
+void HttpServer::Impl::Release(Connection* c) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = addresses_.find(c->address());
+  if (!c->counted || it == addresses_.end()) return;  // refused at the global cap
+  --open_;
+  Address& a = it->second;
+  a.active.remove_if([c](const std::weak_ptr<Connection>& w) {
+    auto s = w.lock();
+    return s == nullptr || s.get() == c;
+  });
+  while (!a.waiting.empty() &&
+         static_cast<int>(a.active.size()) < options_.max_connections_per_address) {
+    auto next = a.waiting.back();
+    a.waiting.pop_back();
+    a.active.push_back(next);
+    next->Begin();
+  }
+  if (a.active.empty() && a.waiting.empty()) addresses_.erase(it);
+}
+
+// Every 250 ms: displace stale connections for waiting ones, drop waiters that waited a whole
+// head timeout, forget closed connections.
+void HttpServer::Impl::Sweep() {
+  if (stopping_) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [address, a] : addresses_) {
+      while (EvictFor(a)) {
+      }
+      const auto expired = Clock::now() - Ms(options_.head_timeout_ms);
+      while (!a.waiting.empty() && a.waiting.front()->phase_since() < expired) {
+        a.waiting.front()->Abort();
+        a.waiting.pop_front();
+      }
+    }
+    all_.erase(std::remove_if(all_.begin(), all_.end(),
+                              [](const std::weak_ptr<Connection>& w) { return w.expired(); }),
+               all_.end());
+  }
+  sweeper_.expires_after(Ms(250));
+  sweeper_.async_wait([this](beast::error_code ec) {
+    if (!ec) Sweep();
+  });
+}
+
+bool HttpServer::Impl::Submit(std::function<void()> job) {
+  if (queued_.fetch_add(1) >= options_.threads + options_.max_queued_requests) {
+    --queued_;
+    return false;
+  }
+  asio::post(*pool_, [this, job = std::move(job)] {
+    job();
+    --queued_;
+  });
+  return true;
+}
+
+void HttpServer::Impl::Stop() {
+  if (stopping_.exchange(true)) return;
+  asio::post(acceptor_.get_executor(), [this] {
+    beast::error_code ignored;
+    acceptor_.close(ignored);
+  });
+  asio::post(sweeper_.get_executor(), [this] { sweeper_.cancel(); });
+  std::vector<std::shared_ptr<Connection>> open;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& w : all_) {
+      if (auto c = w.lock()) open.push_back(c);
+    }
+  }
+  for (auto& c : open) c->Abort();
+  open.clear();
+  // Streams and handlers end once their writes fail; the loop runs until they have.
+  if (pool_) pool_->join();
+  io_.stop();
+  for (auto& t : io_threads_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+HttpServer::HttpServer(HttpServerOptions options)
+    : options_(std::move(options)), impl_(std::make_unique<Impl>(this, options_)) {}
+
+HttpServer::~HttpServer() { Stop(); }
+
+absl::StatusOr<int> HttpServer::Listen(const std::string& address, int port) {
+  return impl_->Listen(address, port);
+}
+
+void HttpServer::Start() { impl_->Start(); }
+
+void HttpServer::Stop() { impl_->Stop(); }
 
 }  // namespace loom::net

@@ -1,34 +1,42 @@
-// A strict HTTP/1.1 server for the coordinator's REST API. It exists because the API must hold
-// its limits against hostile clients before anything is buffered, which cpp-httplib 0.11 (the
-// Debian library) does not: it reads chunked and length-less request bodies to the end before
-// any size check, and buffers a request line or header line of any length.
+// The HTTP/1.1 server of every Loom program: the coordinator's user API and console, loom-serve,
+// and each component's /metrics. Built on Boost.Beast over Asio (docs/control-plane.md, "The
+// HTTP layer", says why Beast and not RESTinio): the parsing, the framing and TLS are the
+// libraries'; this file holds the policy a shared service needs against hostile clients.
 //
 // What it promises (docs/control-plane.md, "Input limits"):
-// * the request head (line + headers) is at most max_head_bytes and must arrive within
-//   head_timeout_ms of its first byte (slowloris); the body within body_timeout_ms;
-// * a body is at most max_body_bytes whatever its framing: Content-Length over the limit is
-//   answered 413 before reading it, a chunked body as soon as it passes the limit; a POST with
-//   neither Content-Length nor chunked framing is 411; any Content-Encoding is 415 (nothing is
-//   decompressed, so nothing can expand);
-// * responses are written with a per-write deadline (slow readers cannot hold a thread forever);
-// * each listener has its own thread pool and a bounded accept queue (503 beyond it), so two
-//   listeners (users, agents) cannot starve each other.
+// * no thread per connection: sockets are driven by an event loop; only handlers (and the
+//   streamed responses they start) run on a bounded pool, so slow clients hold no thread;
+// * Beast's parser enforces the head limit (max_head_bytes, 431) and the body limit
+//   (max_body_bytes, 413) as bytes arrive, chunked bodies included; Content-Length over the limit
+//   is refused before a body byte is read;
+// * the route, the Host/Origin filter and authentication are decided once the head is complete,
+//   before any body is read (a refusal is answered and the connection closed);
+// * strict framing: bare CR, LF or NUL in the head, non-token header names, versions other than
+//   HTTP/1.0 and 1.1, chunk sizes that are not hex, Transfer-Encoding other than exactly
+//   "chunked" and absolute-form targets are refused (400/501), an encoded '/' (%2F) in a path
+//   names no route (404), and the connection is closed after each;
+//   any Content-Encoding is 415 (nothing is decompressed, so nothing can expand);
+// * timers per connection: the TLS handshake and the head within head_timeout_ms, the body
+//   within body_timeout_ms, a kept-alive connection idle at most idle_timeout_ms, each write
+//   within write_timeout_ms;
+// * connection caps: at most max_connections_per_address connections of one client address are
+//   served at once; a further one waits unread until one of them closes or, when one of them has
+//   spent evict_after_ms still sending its request (or sits idle between requests), takes its
+//   place (that one is closed). One address cannot hold more than its share of buffers, and a
+//   slow client cannot starve a well-behaved one behind the same NAT address. Beyond
+//   max_connections in all, a new connection is closed at once;
+// * Stop() ends everything: open streams (log follows, SSE) see their client as gone.
 // After an error the connection is closed with a bounded lingering drain, so the client reads
 // the error before the reset.
 #ifndef LOOM_NET_HTTP_SERVER_H_
 #define LOOM_NET_HTTP_SERVER_H_
 
-#include <atomic>
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <regex>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -114,11 +122,15 @@ std::set<std::string> DefaultAllowedHosts(const std::string& bind);
 struct HttpServerOptions {
   // When set, every connection is TLS (LoadTlsContext); a plain-HTTP client gets nothing.
   std::shared_ptr<ssl_ctx_st> tls;
-  int threads = 16;
-  int max_queued_connections = 256;  // accepted, waiting for a thread; beyond: 503 and close
+  int threads = 16;                      // the handler pool (handlers and streamed responses)
+  int io_threads = 1;                    // the event loop (all socket I/O, parsing, timers)
+  int max_queued_requests = 256;         // complete requests waiting for a handler; beyond: 503
+  int max_connections = 512;             // open connections of all clients; beyond: closed at once
+  int max_connections_per_address = 16;  // served at once per client address (see above)
+  int evict_after_ms = 1000;             // a slower request of the same address may be displaced
   size_t max_head_bytes = 16 << 10;
   size_t max_body_bytes = 1 << 20;
-  int head_timeout_ms = 10000;   // the whole request head, from its first byte
+  int head_timeout_ms = 10000;   // the TLS handshake, then the request head
   int body_timeout_ms = 30000;   // the whole body
   int idle_timeout_ms = 5000;    // keep-alive: wait for the next request
   int write_timeout_ms = 10000;  // each write of a response
@@ -127,7 +139,7 @@ struct HttpServerOptions {
 
 class HttpServer {
  public:
-  explicit HttpServer(HttpServerOptions options) : options_(std::move(options)) {}
+  explicit HttpServer(HttpServerOptions options);
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
@@ -149,9 +161,16 @@ class HttpServer {
   std::vector<RouteInfo> Routes() const;
   // The documented path template a request matches, or "other" (a bounded metrics label).
   std::string RouteTemplate(const std::string& method, const std::string& path) const;
-  // Runs before routing on every request; returns true when it answered (e.g. a 403).
+  // Runs on every request once its head is complete, before its body is read; returns true
+  // when it answered (e.g. a 403). It sees the head only (request.body is empty).
   void SetFilter(std::function<bool(const HttpRequest&, HttpResponse&)> filter) {
     filter_ = std::move(filter);
+  }
+  // Runs once the head is complete, before the body is read, for a route whose auth is not
+  // "none": returns true when it answered (401/403). The handler may check again.
+  void SetAuthenticator(
+      std::function<bool(const std::string& auth, const HttpRequest&, HttpResponse&)> check) {
+    authenticator_ = std::move(check);
   }
   // After every answered request: the request, the response and the handling time in seconds.
   void SetLogger(std::function<void(const HttpRequest&, const HttpResponse&, double)> logger) {
@@ -160,10 +179,12 @@ class HttpServer {
 
   // Binds and listens (port 0: any free port); returns the bound port.
   absl::StatusOr<int> Listen(const std::string& address, int port);
-  // Starts the accept loop and the worker threads.
+  // Starts the event loop and the handler pool.
   void Start();
-  // Stops accepting, finishes nothing more, joins every thread. Idempotent.
+  // Stops accepting, closes every connection (open streams end), joins every thread. Idempotent.
   void Stop();
+
+  class Impl;
 
  private:
   struct RouteEntry {
@@ -172,23 +193,20 @@ class HttpServer {
     HttpHandler handler;
     std::string path, auth;  // empty for RoutePattern
   };
-  class Connection;
+  friend class Impl;
 
-  void AcceptLoop();
-  void WorkerLoop();
-  void Dispatch(HttpRequest& request, HttpResponse& response);
+  // The route for a request (method and path), or null.
+  const RouteEntry* Find(const HttpRequest& request) const;
+  // Runs the head checks (filter, route, authentication); true when they answered.
+  bool AnswerHead(const HttpRequest& request, HttpResponse& response) const;
+  void Dispatch(HttpRequest& request, HttpResponse& response) const;
 
   HttpServerOptions options_;
   std::vector<RouteEntry> routes_;
   std::function<bool(const HttpRequest&, HttpResponse&)> filter_;
+  std::function<bool(const std::string&, const HttpRequest&, HttpResponse&)> authenticator_;
   std::function<void(const HttpRequest&, const HttpResponse&, double)> logger_;
-  int listen_fd_ = -1;
-  std::atomic<bool> stop_{false};
-  std::thread acceptor_;
-  std::vector<std::thread> workers_;
-  std::mutex mutex_;
-  std::condition_variable ready_;
-  std::deque<int> queue_;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace loom::net

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -22,8 +23,14 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int Connect(int port) {
+// A connection to 127.0.0.1:port from `source` (any 127.x address is this host's loopback, so
+// tests can play clients at different addresses).
+int Connect(int port, const char* source = "127.0.0.1") {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  ::inet_pton(AF_INET, source, &from.sin_addr);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)), 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_port = htons(static_cast<uint16_t>(port));
@@ -134,6 +141,8 @@ TEST_F(HttpServerTest, RefusesWhatItWillNotBuffer) {
       {"GET /items/a HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(4096, 'a') + "\r\n\r\n", "431",
        "header too large"},
       {"GARBAGE\r\n\r\n", "400", "malformed request line"},
+      {"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", "501",
+       "only chunked"},
   };
   for (const Case& c : cases) {
     const std::string out = Exchange(c.request);
@@ -170,6 +179,175 @@ TEST_F(HttpServerTest, StreamsChunkedResponses) {
   EXPECT_NE(out.find("6\r\npart0\n\r\n6\r\npart1\n\r\n6\r\npart2\n\r\n0\r\n\r\n"),
             std::string::npos)
       << out;
+}
+
+// Heads a proxy in front could read differently: each refused and the connection closed, nothing
+// after it served; a request on a new connection works.
+TEST_F(HttpServerTest, RefusesMalformedAndAmbiguousHeads) {
+  struct Case {
+    std::string what, request, status;
+  };
+  const std::string ok = "GET /items/ok HTTP/1.1\r\nHost: x\r\n\r\n";
+  const std::string chunked = "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n";
+  const std::vector<Case> cases = {
+      {"bare LF inside a header value", "GET /items/a HTTP/1.1\r\nHost: x\nX-Evil: 1\r\n\r\n",
+       "400"},
+      {"bare LF line ends", "GET /items/a HTTP/1.1\nHost: x\n\n", "400"},
+      {"bare CR in a header", "GET /items/a HTTP/1.1\r\nHost: x\ry\r\n\r\n", "400"},
+      {"NUL in a header", std::string("GET /items/a HTTP/1.1\r\nHost: x\0y\r\n\r\n", 36), "400"},
+      {"a header name that is not a token", "GET /items/a HTTP/1.1\r\nHo(st: x\r\n\r\n", "400"},
+      {"space before the colon", "GET /items/a HTTP/1.1\r\nHost : x\r\n\r\n", "400"},
+      {"HTTP/1.2", "GET /items/a HTTP/1.2\r\nHost: x\r\n\r\n", "400"},
+      {"HTTP/2.0 in an HTTP/1 head", "GET /items/a HTTP/2.0\r\nHost: x\r\n\r\n", "400"},
+      {"HTTP/0.9", "GET /items/a HTTP/0.9\r\nHost: x\r\n\r\n", "400"},
+      {"an absolute-form target", "GET http://evil/items/a HTTP/1.1\r\nHost: x\r\n\r\n", "400"},
+      {"an encoded slash in a segment", "GET /items/a%2Fb HTTP/1.1\r\nHost: x\r\n\r\n", "404"},
+      {"an encoded NUL in the path", "GET /items/a%00 HTTP/1.1\r\nHost: x\r\n\r\n", "400"},
+      {"a chunk size of whitespace, then a second request",
+       chunked + "\r\n \r\n\r\n" + "GET /items/smuggled HTTP/1.1\r\nHost: x\r\n\r\n", "400"},
+      {"a chunk size with trailing whitespace", chunked + "\r\n3 \r\nabc\r\n0\r\n\r\n" + ok, "400"},
+      {"a chunk size that is not hex", chunked + "\r\nzz\r\nabc\r\n0\r\n\r\n" + ok, "400"},
+      {"chunked, then identity",
+       chunked + "Transfer-Encoding: identity\r\n\r\n3\r\nabc\r\n0\r\n\r\n", "400"},
+      {"chunked not last",
+       "POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, identity"
+       "\r\n\r\n3\r\nabc\r\n0\r\n\r\n" +
+           ok,
+       "501"},
+      {"two different Content-Lengths",
+       "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd" + ok,
+       "400"},
+      {"Content-Length and chunked",
+       "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n" +
+           chunked.substr(chunked.find("Tr")) + "\r\n3\r\nabc\r\n0\r\n\r\n" + ok,
+       "400"},
+      {"a negative Content-Length", "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+       "400"},
+  };
+  for (const Case& c : cases) {
+    const auto start = Clock::now();
+    const std::string out = Exchange(c.request + ok, 3000);
+    EXPECT_EQ(out.rfind("HTTP/1.1 " + c.status, 0), 0u) << c.what << "\n" << out;
+    // One answer, then the close: nothing after the refused head was read as a request.
+    EXPECT_EQ(out.find("HTTP/1.1", 1), std::string::npos) << c.what << "\n" << out;
+    EXPECT_NE(out.find("Connection: close"), std::string::npos) << c.what << "\n" << out;
+    EXPECT_EQ(out.find("smuggled"), std::string::npos) << c.what;
+    EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(2500)) << c.what;
+  }
+  EXPECT_NE(
+      Exchange("GET /items/fine HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").find("fine:"),
+      std::string::npos);
+}
+
+TEST_F(HttpServerTest, WrongMethodIsNoRoute) {
+  const std::string out = Exchange("DELETE /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(out.rfind("HTTP/1.1 404", 0), 0u) << out;
+  EXPECT_NE(out.find("no route DELETE /echo"), std::string::npos) << out;
+}
+
+// Credentials are checked on the head: a client without one is answered 401 and cut off before
+// it sends its (announced) body.
+TEST(HttpServerAuthTest, RefusesBeforeTheBody) {
+  HttpServerOptions o;
+  o.body_timeout_ms = 5000;
+  HttpServer server(o);
+  std::atomic<int> handled{0};
+  server.Route("POST", "/secret", "user", [&](const HttpRequest&, HttpResponse& res) {
+    ++handled;
+    res.body = "in";
+  });
+  server.SetAuthenticator([](const std::string& auth, const HttpRequest& req, HttpResponse& res) {
+    if (auth == "user" && req.Header("authorization") == "Bearer good") return false;
+    SetJsonError(res, 401, "invalid token");
+    return true;
+  });
+  auto port = server.Listen("127.0.0.1", 0);
+  ASSERT_TRUE(port.ok());
+  server.Start();
+  const auto start = Clock::now();
+  const int fd = Connect(*port);
+  const std::string head =
+      "POST /secret HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer bad\r\nContent-Length: "
+      "1000\r\n\r\n";
+  ::send(fd, head.data(), head.size(), MSG_NOSIGNAL);
+  const std::string out = ReadAll(fd, 3000);  // the body never comes
+  ::close(fd);
+  EXPECT_EQ(out.rfind("HTTP/1.1 401", 0), 0u) << out;
+  EXPECT_NE(out.find("Connection: close"), std::string::npos) << out;
+  EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(1500));
+  EXPECT_EQ(handled.load(), 0);
+  const int good = Connect(*port);
+  const std::string req =
+      "POST /secret HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer good\r\nContent-Length: 2\r\n"
+      "Connection: close\r\n\r\nhi";
+  ::send(good, req.data(), req.size(), MSG_NOSIGNAL);
+  EXPECT_NE(ReadAll(good).find("\r\n\r\nin"), std::string::npos);
+  ::close(good);
+  EXPECT_EQ(handled.load(), 1);
+  server.Stop();
+}
+
+// One address with many slow connections holds at most its share; a client at another address
+// is answered at once, and a well-behaved client at the same address within about evict_after.
+TEST(HttpServerCapsTest, OneAddressCannotStarveOthers) {
+  HttpServerOptions o;
+  o.threads = 2;
+  o.max_connections_per_address = 4;
+  o.evict_after_ms = 300;
+  o.head_timeout_ms = 20000;
+  HttpServer server(o);
+  server.Route("GET", "/hi", "none",
+               [](const HttpRequest&, HttpResponse& res) { res.body = "hi"; });
+  auto port = server.Listen("127.0.0.1", 0);
+  ASSERT_TRUE(port.ok());
+  server.Start();
+  std::vector<int> slow;
+  for (int i = 0; i < 64; ++i) {
+    slow.push_back(Connect(*port, "127.0.0.2"));
+    ::send(slow.back(), "GET /hi HTTP/1.1\r\nHo", 20, MSG_NOSIGNAL);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  const std::string req = "GET /hi HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  for (const char* source : {"127.0.0.1", "127.0.0.2"}) {
+    const auto start = Clock::now();
+    const int fd = Connect(*port, source);
+    ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+    const std::string out = ReadAll(fd, 3000);
+    ::close(fd);
+    const auto took = Clock::now() - start;
+    EXPECT_NE(out.find("\r\n\r\nhi"), std::string::npos) << source << ": " << out;
+    EXPECT_LT(took, std::chrono::milliseconds(std::string(source) == "127.0.0.1" ? 300 : 1200))
+        << source;
+  }
+  for (int fd : slow) ::close(fd);
+  server.Stop();
+}
+
+// Stop() ends what is still streaming: the stream sees its client as gone.
+TEST(HttpServerStopTest, StopEndsOpenStreams) {
+  HttpServer server{HttpServerOptions{}};
+  std::atomic<bool> streaming{false};
+  server.Route("GET", "/follow", "none", [&](const HttpRequest&, HttpResponse& res) {
+    res.stream = [&](StreamSink& sink) {
+      streaming = true;
+      while (sink.ClientConnected() && sink.Write("tick\n")) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    };
+  });
+  auto port = server.Listen("127.0.0.1", 0);
+  ASSERT_TRUE(port.ok());
+  server.Start();
+  const int fd = Connect(*port);
+  const std::string req = "GET /follow HTTP/1.1\r\nHost: x\r\n\r\n";
+  ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  for (int i = 0; i < 100 && !streaming; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(streaming);
+  const auto start = Clock::now();
+  server.Stop();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(2));
+  ::close(fd);
 }
 
 TEST(HttpServerIsolationTest, BusyServerDoesNotStarveAnother) {

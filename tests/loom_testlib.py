@@ -303,6 +303,11 @@ class Service:
         self.users = dict(users)  # name -> token
         self.enrolment_token = enrolment_token
         self.flags = list(coordinator_flags)
+        # The suites were written for a lease of half the loss timeout (the default until the
+        # lease became its own flag, 90 s): they keep it unless they set --lease-ms.
+        if "--lost-after-ms" in self.flags and "--lease-ms" not in self.flags:
+            lost = int(self.flags[self.flags.index("--lost-after-ms") + 1])
+            self.flags += ["--lease-ms", str(lost // 2)]
         self.users_file = os.path.join(tmp, "users")
         self.enrolment_file = os.path.join(tmp, "enrolment-token")
         with open(self.users_file, "w") as f:

@@ -765,7 +765,7 @@ void Agent::LoadIdentity() {
 absl::Status Agent::StartExporter() {
   if (options_.metrics_port == 0) return absl::OkStatus();
   LOOM_ASSIGN_OR_RETURN(exporter_,
-                        metrics::HttpExporter::Start(&registry_, options_.metrics_bind,
+                        net::MetricsEndpoint::Start(&registry_, options_.metrics_bind,
                                                      std::max(0, options_.metrics_port)));
   Log(absl::StrCat("metrics on http://", options_.metrics_bind, ":", exporter_->port(),
                    "/metrics"));

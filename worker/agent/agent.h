@@ -19,8 +19,8 @@
 #include "client/rest_client.h"
 #include "loom/v1/control.pb.h"
 #include "loom/v1/events.pb.h"
-#include "metrics/http_exporter.h"
 #include "metrics/prometheus.h"
+#include "net/metrics_endpoint.h"
 #include "worker/agent/gpus.h"
 
 namespace loom::agent {
@@ -140,7 +140,7 @@ class Agent {
   GpuPool gpu_pool_;
   std::unique_ptr<NvmlSampler> nvml_;  // null without a driver
   metrics::Registry registry_{"worker"};
-  std::unique_ptr<metrics::HttpExporter> exporter_;
+  std::unique_ptr<net::MetricsEndpoint> exporter_;
   std::unique_ptr<client::RestClient> enrol_client_;  // enrolment token: POST register
   std::unique_ptr<client::RestClient> client_;        // this worker's credential: heartbeats
   std::string worker_id_;

@@ -43,7 +43,7 @@ StepReporter::StepReporter(const v1::JobSpec& spec, int rank, Options options)
 absl::Status StepReporter::StartExporter() {
   if (metrics_.port() == 0) return absl::OkStatus();
   auto exporter =
-      metrics::HttpExporter::Start(&registry_, metrics_.bind(), std::max(0, metrics_.port()));
+      net::MetricsEndpoint::Start(&registry_, metrics_.bind(), std::max(0, metrics_.port()));
   if (!exporter.ok()) return exporter.status();
   exporter_ = *std::move(exporter);
   Log(absl::StrCat("metrics: http://", metrics_.bind(), ":", exporter_->port(), "/metrics"));

@@ -15,8 +15,8 @@
 #include "absl/status/status.h"
 #include "loom/v1/events.pb.h"
 #include "loom/v1/job.pb.h"
-#include "metrics/http_exporter.h"
 #include "metrics/prometheus.h"
+#include "net/metrics_endpoint.h"
 #include "worker/trainer/evaluator.h"
 
 namespace loom::trainer {
@@ -72,7 +72,7 @@ class StepReporter {
   Options options_;
   metrics::Registry registry_{"trainer"};
   metrics::Labels labels_;
-  std::unique_ptr<metrics::HttpExporter> exporter_;
+  std::unique_ptr<net::MetricsEndpoint> exporter_;
   std::ofstream events_;
   int64_t first_step_ = 0, total_steps_ = 0;
   std::chrono::steady_clock::time_point run_start_;
