@@ -122,6 +122,8 @@ absl::Status Run(int argc, char** argv) {
   http_options.threads = options.engine.max_batch + std::min(options.engine.max_queue, 256) + 4;
   http_options.max_body_bytes = 8 << 20;
   http_options.write_timeout_ms = 30000;
+  // An evaluation harness sends its whole batch from one address: let it use every row.
+  http_options.max_connections_per_address = http_options.threads;
   Server server(std::move(model), options);
   net::HttpServer http(http_options);
   server.AddRoutes(http);
