@@ -577,10 +577,9 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   InstallSweepRoutes(server, c, options);
   // Agent routes live on the agent listener only.
   server.RoutePattern("POST", R"(/v1/agent/.*)", [](const HttpRequest& req, HttpResponse& res) {
-    SetJsonError(
-        res, 404,
-        absl::StrCat("no route POST ", req.path.substr(0, 100),
-                     " on the user listener: agents use the agent port (--agent-port, gRPC)"));
+    SetJsonError(res, 404,
+                 absl::StrCat("no route POST ", req.path.substr(0, 100),
+                              " on the user listener: agents use the agent port (--agent-port)"));
   });
 }
 

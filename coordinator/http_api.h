@@ -22,12 +22,12 @@
 namespace loom::coordinator {
 
 // The HTTP layer (net/) the API is served on.
-using net::DefaultAllowedHosts;
-using net::ForeignHostOrOrigin;
 using net::HttpHandler;
 using net::HttpRequest;
 using net::HttpResponse;
 using net::HttpServer;
+using net::DefaultAllowedHosts;
+using net::ForeignHostOrOrigin;
 using net::HttpServerOptions;
 using net::LoadTlsContext;
 using net::SetJsonError;
