@@ -44,7 +44,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
 }
 
 // The channel's arguments. Reconnect quickly: after a partition or a coordinator restart the
-// agent must be back within its lease, and gRPC's default backoff grows to two minutes.
+// agent must be back before the coordinator declares it lost (--lost-after-ms, 10 s by default),
+// and gRPC's default backoff grows to two minutes.
 grpc::ChannelArguments ChannelArgs() {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
