@@ -98,12 +98,6 @@ bool ParseBody(const HttpRequest& req, HttpResponse& res, Message* out) {
   return true;
 }
 
-bool ConstantTimeEquals(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i % (b.empty() ? 1 : b.size())];
-  return diff == 0 && !b.empty();
-}
-
 std::string BearerToken(const HttpRequest& req) {
   const std::string header = req.Header("authorization");
   absl::string_view token(header);
@@ -119,19 +113,11 @@ bool MissingToken(const HttpRequest& req, HttpResponse& res, std::string* token)
   return true;
 }
 
-std::string UserOf(const ApiOptions& options, const std::string& token) {
-  std::string user;
-  for (const auto& [tok, name] : options.user_tokens) {
-    if (ConstantTimeEquals(token, tok)) user = name;
-  }
-  return user;
-}
-
 // A user route: the caller's user name, or "" after answering 401/403.
 std::string AuthenticateUser(const HttpRequest& req, HttpResponse& res, const ApiOptions& options) {
   std::string token;
   if (MissingToken(req, res, &token)) return "";
-  std::string user = UserOf(options, token);
+  std::string user = UserForToken(options, token);
   if (!user.empty()) return user;
   if (ConstantTimeEquals(token, options.enrolment_token)) {
     SetJsonError(res, 403, "this route needs a user token (that is the worker enrolment token)");
@@ -140,42 +126,6 @@ std::string AuthenticateUser(const HttpRequest& req, HttpResponse& res, const Ap
   res.SetHeader("WWW-Authenticate", "Bearer error=\"invalid_token\"");
   SetJsonError(res, 401, "invalid token");
   return "";
-}
-
-// POST /v1/agent/register: the enrolment token only.
-bool AuthenticateEnrolment(const HttpRequest& req, HttpResponse& res, const ApiOptions& options) {
-  std::string token;
-  if (MissingToken(req, res, &token)) return false;
-  if (ConstantTimeEquals(token, options.enrolment_token)) return true;
-  if (!UserOf(options, token).empty()) {
-    SetJsonError(res, 403, "this route needs the worker enrolment token, not a user token");
-  } else {
-    SetJsonError(res, 401, "invalid token");
-  }
-  return false;
-}
-
-// POST /v1/agent/heartbeat: a worker's own credential; returns the worker id it is bound to.
-std::string AuthenticateWorker(const HttpRequest& req, HttpResponse& res, const ApiOptions& options,
-                               Coordinator& c) {
-  std::string token;
-  if (MissingToken(req, res, &token)) return "";
-  if (ConstantTimeEquals(token, options.enrolment_token)) {
-    SetJsonError(res, 403,
-                 "heartbeats need the worker's own credential (from POST /v1/agent/register), "
-                 "not the enrolment token");
-    return "";
-  }
-  if (!UserOf(options, token).empty()) {
-    SetJsonError(res, 403, "this route needs a worker credential, not a user token");
-    return "";
-  }
-  auto worker = c.WorkerForCredential(token);
-  if (!worker.ok()) {
-    SendStatus(res, worker.status());
-    return "";
-  }
-  return *worker;
 }
 
 // Query parameters: only the named ones, each at most once.
@@ -432,6 +382,20 @@ absl::Status CheckJsonDepth(absl::string_view json, int max_depth) {
 
 absl::Status CheckMessageLimits(const Message& message) { return CheckLimitsAt(message, "", 0); }
 
+bool ConstantTimeEquals(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i % (b.empty() ? 1 : b.size())];
+  return diff == 0 && !b.empty();
+}
+
+std::string UserForToken(const ApiOptions& options, const std::string& token) {
+  std::string user;
+  for (const auto& [tok, name] : options.user_tokens) {
+    if (ConstantTimeEquals(token, tok)) user = name;
+  }
+  return user;
+}
+
 absl::StatusOr<std::map<std::string, std::string>> ReadUserTokens(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("--user-tokens: cannot open '", path, "'"));
@@ -627,27 +591,6 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
                  absl::StrCat("no route POST ", req.path.substr(0, 100),
                               " on the user listener: agents use the agent port (--agent-port)"));
   });
-}
-
-void InstallAgentRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
-  Coordinator* c = &coordinator;
-  InstallCommon(server, coordinator, options);
-  server.Route("POST", "/v1/agent/register", "enrolment",
-               [c, options](const HttpRequest& req, HttpResponse& res) {
-                 if (!AuthenticateEnrolment(req, res, options) || !CheckParams(req, res, {}))
-                   return;
-                 v1::RegisterWorkerRequest request;
-                 if (!ParseBody(req, res, &request)) return;
-                 Reply(res, c->Register(request));
-               });
-  server.Route("POST", "/v1/agent/heartbeat", "worker",
-               [c, options](const HttpRequest& req, HttpResponse& res) {
-                 const std::string worker = AuthenticateWorker(req, res, options, *c);
-                 if (worker.empty() || !CheckParams(req, res, {})) return;
-                 v1::HeartbeatRequest request;
-                 if (!ParseBody(req, res, &request)) return;
-                 Reply(res, c->Heartbeat(request, worker));
-               });
 }
 
 }  // namespace loom::coordinator

@@ -1,10 +1,9 @@
-// The coordinator's REST API on two listeners (net/http_server.h): the user API (bearer
-// user tokens) and the agent API (enrolment token for registration, per-worker credentials for
-// heartbeats), each with its own threads so users cannot starve the agents' heartbeats. Also
-// the request checks every route shares: Host/Origin, JSON content type, nesting and string
-// limits, the JSON mapping of the control.proto messages. api/openapi.yaml documents exactly
-// the routes the Install*Routes functions register (HttpServer::Routes(); coordinator_test
-// compares the two).
+// The coordinator's REST API for users (net/http_server.h), bearer user tokens; the agents have
+// their own port and protocol (gRPC, coordinator/agent_service.h), so users cannot starve the
+// agents' heartbeats. Also the request checks every route shares: Host/Origin, JSON content
+// type, nesting and string limits, the JSON mapping of the control.proto messages, and the
+// token checks the agent port shares. api/openapi.yaml documents exactly the routes
+// InstallUserRoutes registers (HttpServer::Routes(); coordinator_test compares the two).
 #ifndef LOOM_COORDINATOR_HTTP_API_H_
 #define LOOM_COORDINATOR_HTTP_API_H_
 
@@ -49,7 +48,7 @@ absl::Status CheckMessageLimits(const google::protobuf::Message& message);
 
 struct ApiOptions {
   std::map<std::string, std::string> user_tokens;  // token -> user name
-  std::string enrolment_token;                     // POST /v1/agent/register only
+  std::string enrolment_token;                     // the agent port's Register only
   // Host names (no port) the API answers to; empty = any. Origin headers must name one of them
   // (or, when empty, the request's own Host).
   std::set<std::string> allowed_hosts;
@@ -61,8 +60,12 @@ struct ApiOptions {
 absl::StatusOr<std::map<std::string, std::string>> ReadUserTokens(const std::string& path);
 absl::StatusOr<std::string> ReadWorkerToken(const std::string& path);
 
+// Tokens: equal in time independent of where they differ; false when `b` is empty.
+bool ConstantTimeEquals(const std::string& a, const std::string& b);
+// The user a token belongs to, or "".
+std::string UserForToken(const ApiOptions& options, const std::string& token);
+
 void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options);
-void InstallAgentRoutes(HttpServer& server, Coordinator& coordinator, const ApiOptions& options);
 
 }  // namespace loom::coordinator
 

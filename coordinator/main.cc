@@ -12,6 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "base/cli_args.h"
 #include "base/status_macros.h"
+#include "coordinator/agent_service.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/http_api.h"
 
@@ -24,7 +25,8 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --bind ADDR             listen address of both listeners (default 127.0.0.1)
   --port N                user REST API port (default 8470; 0 = any free port)
   --port-file F           write the bound user port here once listening
-  --agent-port N          agent API port: registration and heartbeats (default 8471; 0 = any)
+  --agent-port N          agent port (gRPC, loom.v1.Agent): registration and heartbeats
+                          (default 8471; 0 = any)
   --agent-port-file F     write the bound agent port here once listening
   --user-tokens F         lines "<user> <token>": bearer tokens for the REST API (required)
   --worker-token-file F   the enrolment token agents register with (required); each worker then
@@ -50,8 +52,10 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
                           (default 16; more wait, or displace its slow or idle ones)
   --max-log-followers-per-user N   concurrent log streams per user (default 4)
   --prometheus-sd-file F  write a Prometheus file_sd target list for this coordinator's /metrics
-  --tls-cert F --tls-key F  serve both listeners over TLS (PEM certificate chain and key); clients
+  --tls-cert F --tls-key F  serve both ports over TLS (PEM certificate chain and key); clients
                           then use https:// (and --ca-file for a private CA)
+  --client-ca F           agent port: require client certificates signed by this CA (mutual
+                          TLS; agents use --client-cert/--client-key)
 )";
 
 void WritePortFile(const std::string& path, int port) {
@@ -112,7 +116,8 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
                          "max-log-followers-per-user",
                          "prometheus-sd-file",
                          "tls-cert",
-                         "tls-key"},
+                         "tls-key",
+                         "client-ca"},
                         {"help"});
 }
 
@@ -178,6 +183,18 @@ absl::StatusOr<HttpServerOptions> ReadServerOptions(const CliArgs& args, int64_t
   return options;
 }
 
+// The agent port: --bind, --agent-port, the TLS files, messages up to --max-body-bytes.
+AgentServerOptions AgentOptions(const CliArgs& args, const Settings& settings) {
+  AgentServerOptions options;
+  options.bind = args.Get("bind", "127.0.0.1");
+  options.port = static_cast<int>(settings.agent_port);
+  options.tls_cert = args.Get("tls-cert");
+  options.tls_key = args.Get("tls-key");
+  options.client_ca = args.Get("client-ca");
+  options.max_message_bytes = settings.coordinator.max_body_bytes;
+  return options;
+}
+
 // A Prometheus file_sd target list naming this coordinator's /metrics.
 void WritePrometheusSdFile(const std::string& path, const std::string& bind, int port) {
   char host[256] = "127.0.0.1";
@@ -219,30 +236,28 @@ absl::Status Run(int argc, char** argv) {
                         ReadServerOptions(args, options.max_body_bytes));
   const std::string scheme = user_options.tls ? "https" : "http";
   api.max_followers = user_options.threads / 2;
-  HttpServerOptions agent_options = user_options;
-  agent_options.threads = 16;
-  HttpServer user_server(user_options), agent_server(agent_options);
+  HttpServer user_server(user_options);
   InstallUserRoutes(user_server, *coordinator, api);
-  InstallAgentRoutes(agent_server, *coordinator, api);
   LOOM_ASSIGN_OR_RETURN(int bound, user_server.Listen(bind, static_cast<int>(settings.port)));
-  LOOM_ASSIGN_OR_RETURN(int agent_bound,
-                        agent_server.Listen(bind, static_cast<int>(settings.agent_port)));
+  LOOM_ASSIGN_OR_RETURN(std::unique_ptr<AgentServer> agent_server,
+                        AgentServer::Start(*coordinator, api, AgentOptions(args, settings)));
   if (args.Has("port-file")) WritePortFile(args.Get("port-file"), bound);
-  if (args.Has("agent-port-file")) WritePortFile(args.Get("agent-port-file"), agent_bound);
+  if (args.Has("agent-port-file")) WritePortFile(args.Get("agent-port-file"), agent_server->port());
   if (args.Has("prometheus-sd-file")) {
     WritePrometheusSdFile(args.Get("prometheus-sd-file"), bind, bound);
   }
   coordinator->Start();
   user_server.Start();
-  agent_server.Start();
   std::cout << "loom-coordinator: listening on " << scheme << "://" << bind << ":" << bound
-            << " (users) and " << scheme << "://" << bind << ":" << agent_bound
-            << " (agents); state in " << options.data_dir << std::endl;
+            << " (users) and " << scheme << "://" << bind << ":" << agent_server->port()
+            << " (agents, gRPC" << (args.Has("client-ca") ? ", client certificates" : "")
+            << "); state in " << options.data_dir << std::endl;
 
-  // The servers stop on a signal; the state is already on disk.
+  // The servers stop on a signal; the state is already on disk. Agent calls in flight get a
+  // second to finish (each is short; an agent retries a lost one).
   WaitForStopSignal();
   user_server.Stop();
-  agent_server.Stop();
+  agent_server->Shutdown(std::chrono::seconds(1));
   coordinator->Stop();
   std::cout << "loom-coordinator: stopped" << std::endl;
   return absl::OkStatus();

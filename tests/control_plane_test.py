@@ -23,7 +23,7 @@ import time
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import (Service, control_plane_arg_parser, loom_trainers, redocly_lint,  # noqa: E402
+from loom_testlib import (Service, agent_refusal, control_plane_arg_parser, loom_trainers, redocly_lint,  # noqa: E402
                           stop_all)
 
 PROCS = []
@@ -402,10 +402,6 @@ def test_hostile_requests(c):
          {"body": {"worker_id": "w-1"}, "token": USER_TOKEN}, 404, "no route"),
         ("registration on the user listener", "POST", "/v1/agent/register",
          {"body": {"address": "127.0.0.1", "slots": 1}, "token": WORKER_TOKEN}, 404, "no route"),
-        ("user token on the agent listener", "POST", "/v1/agent/heartbeat",
-         {"body": {"worker_id": "w-1"}, "token": USER_TOKEN, "port": "agent"}, (401, 403), ""),
-        ("user token on a registration", "POST", "/v1/agent/register",
-         {"body": {"address": "127.0.0.1", "slots": 1}, "token": USER_TOKEN, "port": "agent"}, (401, 403), ""),
         # httplib decodes %2F before routing: the path no longer matches a route.
         ("traversal job id", "GET", "/v1/jobs/..%2F..%2Fetc%2Fpasswd", {}, 404, "no route"),
         ("dot-dot job id", "GET", "/v1/jobs/..", {}, 400, "malformed"),
@@ -423,27 +419,35 @@ def test_hostile_requests(c):
         ("bad log offset", "GET", "/v1/jobs/job-000001/logs?offset=-5", {}, 400, "offset"),
         ("bad follow", "GET", "/v1/jobs/job-000001/logs?follow=maybe", {}, 400, "follow"),
         ("traversal checkpoint filter", "GET", "/v1/checkpoints?job=../x", {}, 400, "job"),
-        # The enrolment token only registers; heartbeats need the worker's own credential.
-        ("heartbeat from an unknown worker", "POST", "/v1/agent/heartbeat",
-         {"body": {"worker_id": "w-deadbeef"}, "token": WORKER_TOKEN, "port": "agent"}, 403, "credential"),
-        ("heartbeat of a live worker with the enrolment token", "POST", "/v1/agent/heartbeat",
-         {"body": {"worker_id": next(iter(c.worker_ids().values()))["id"]}, "token": WORKER_TOKEN,
-          "port": "agent"}, 403, "credential"),
-        ("register with no slots", "POST", "/v1/agent/register",
-         {"body": {"address": "127.0.0.1", "slots": 0}, "token": WORKER_TOKEN, "port": "agent"}, 400, "slots"),
-        ("register with a traversal id", "POST", "/v1/agent/register",
-         {"body": {"worker_id": "../../x", "address": "h", "slots": 1}, "token": WORKER_TOKEN, "port": "agent"},
-         400, "worker_id"),
     ]
     for name, method, path, kw, want, needle in cases:
         raw = kw.get("raw")
-        target = c.agent_api if kw.get("port") == "agent" else api
+        target = api
         status, parsed, text = target.request(method, path, body=kw.get("body"), raw=raw,
                                               token=kw.get("token", USER_TOKEN), headers=kw.get("headers"))
         want = want if isinstance(want, tuple) else (want,)
         assert status in want, f"{name}: HTTP {status}, wanted {want}: {text[:300]}"
         assert parsed is not None and "error" in parsed, f"{name}: not a JSON error: {text[:300]}"
         assert needle.lower() in parsed["error"]["message"].lower(), f"{name}: '{needle}' not in '{parsed['error']}'"
+    # The agent port (gRPC): the enrolment token only registers, heartbeats need the worker's own
+    # credential, user tokens are refused there, and registrations are validated.
+    live_worker = next(iter(c.worker_ids().values()))["id"]
+    agent_cases = [
+        ("user token on a heartbeat", "heartbeat", {"worker_id": "w-1"}, USER_TOKEN,
+         ("UNAUTHENTICATED", "PERMISSION_DENIED"), "user token"),
+        ("user token on a registration", "register", {"address": "127.0.0.1", "slots": 1}, USER_TOKEN,
+         ("UNAUTHENTICATED", "PERMISSION_DENIED"), "user token"),
+        ("heartbeat from an unknown worker", "heartbeat", {"worker_id": "w-deadbeef"}, WORKER_TOKEN,
+         "PERMISSION_DENIED", "credential"),
+        ("heartbeat of a live worker with the enrolment token", "heartbeat", {"worker_id": live_worker},
+         WORKER_TOKEN, "PERMISSION_DENIED", "credential"),
+        ("register with no slots", "register", {"address": "127.0.0.1", "slots": 0}, WORKER_TOKEN,
+         "INVALID_ARGUMENT", "slots"),
+        ("register with a traversal id", "register", {"worker_id": "../../x", "address": "h", "slots": 1},
+         WORKER_TOKEN, "INVALID_ARGUMENT", "worker_id"),
+    ]
+    for name, call, body, token, want, needle in agent_cases:
+        agent_refusal(name, getattr(c.agent, call)(body, token), want, needle)
     assert c.coordinator.poll() is None, "the coordinator died"
     c.wait_workers(2)  # the hostile agent requests changed nothing for the real agents
     status, _, text = api.request("GET", "/healthz", token=None)
@@ -455,7 +459,8 @@ def test_hostile_requests(c):
     status, _, metrics = api.request("GET", "/metrics", token=None)
     assert status == 200 and 'loom_coordinator_http_requests_total{code="400",route="/v1/jobs"}' in metrics \
         or 'loom_coordinator_http_requests_total{route="/v1/jobs",code="400"}' in metrics, metrics[:2000]
-    print(f"ok: {len(cases)} malformed or hostile requests answered with clean 4xx; server up")
+    print(f"ok: {len(cases)} malformed or hostile requests answered with clean 4xx, {len(agent_cases)} agent "
+          "calls refused with their gRPC code and reason; server up")
 
 
 def test_openapi(c, args):
@@ -466,26 +471,22 @@ def test_openapi(c, args):
         doc = yaml.safe_load(f)
     api = c.api
     job_id = api.ok("GET", "/v1/jobs?page_size=1")["jobs"][0]["id"]
-    # Agent routes are served on the agent listener: register a probe worker with the enrolment
-    # token; its heartbeat probe uses the credential that registration returned.
-    status, reg, text = c.agent_api.request("POST", "/v1/agent/register", body={
-        "address": "127.0.0.1", "slots": 1, "name": "probe", "labels": {"pool": "probe"}}, token=WORKER_TOKEN)
-    assert status == 200 and reg.get("worker_id") and reg.get("credential"), (status, text)
-    worker_id, credential = reg["worker_id"], reg["credential"]
+    # The agent port is gRPC (not in the document): a probe worker registers with the enrolment
+    # token and heartbeats with the credential registration returned.
+    code, reg, message = c.agent.register(
+        {"address": "127.0.0.1", "slots": 1, "name": "probe", "labels": {"pool": "probe"}}, WORKER_TOKEN)
+    assert code == "OK" and reg.get("worker_id") and reg.get("credential"), (code, message)
+    code, _, message = c.agent.heartbeat({"worker_id": reg["worker_id"]}, reg["credential"])
+    assert code == "OK", (code, message)
+    assert not any(p.startswith("/v1/agent/") for p in doc["paths"]), "agent routes are gRPC, not REST"
     probes = 0
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             if method == "parameters":
                 continue
             url = path.replace("{id}", job_id)
-            target = c.agent_api if "/agent/" in path else api
-            token = (credential if path.endswith("heartbeat") else WORKER_TOKEN) if "/agent/" in path else USER_TOKEN
-            body = None
-            if method == "post":
-                body = {"worker_id": worker_id} if path.endswith("heartbeat") else (
-                    {"address": "127.0.0.1", "slots": 1, "name": "probe-2", "labels": {"pool": "probe"}}
-                    if path.endswith("register") else micro(1, world=1) if path == "/v1/jobs" else None)
-            status, parsed, text = target.request(method.upper(), url, body=body, token=token)
+            body = micro(1, world=1) if method == "post" and path == "/v1/jobs" else None
+            status, parsed, text = api.request(method.upper(), url, body=body, token=USER_TOKEN)
             assert not (status == 404 and parsed and parsed.get("error", {}).get("message", "").startswith("no route")), \
                 f"documented {method.upper()} {path} is not served: {text}"
             documented = {str(k) for k in op["responses"]}

@@ -129,9 +129,9 @@ def main():
         assert [g["index"] for g in records["node-a"]["gpus"]] == [0, 1, 2, 3], records["node-a"]
         assert [g["index"] for g in records["node-b"]["gpus"]] == [0, 1], records["node-b"]
         assert not records["node-cpu"].get("gpus"), records["node-cpu"]
-        status, _, text = c.agent_api.request("POST", "/v1/agent/register", token=WORKER_TOKEN, body={
-            "address": "127.0.0.9", "slots": 3, "name": "liar", "gpus": [{"index": 0}, {"index": 1}]})
-        assert status == 400 and "slots" in text and "GPUs" in text, (status, text)
+        code, _, message = c.agent.register({
+            "address": "127.0.0.9", "slots": 3, "name": "liar", "gpus": [{"index": 0}, {"index": 1}]}, WORKER_TOKEN)
+        assert code == "INVALID_ARGUMENT" and "slots" in message and "GPUs" in message, (code, message)
         print("ok: the workers API lists each node's GPUs; more slots than GPUs is refused")
 
         job_id = c.api.ok("POST", "/v1/jobs", {"spec": spec(), "world_size": 6, "pool": {"pool": "gpu"}})["id"]

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Hostile clients against a real coordinator (user listener for alice and bob, agent listener),
+"""Hostile clients against a real coordinator (user listener for alice and bob, agent port),
 one real worker agent running real loom-train ranks, and fake workers this test registers and
-drives over HTTP itself.
+drives over the agent protocol (gRPC) itself.
 
 Every hostile request must get a 4xx with a JSON {"error": {"code", "status", "message",
-"details"}} naming the problem, and change
+"details"}} naming the problem (on the agent port: a gRPC error code with a message), and change
 nothing: the job list and the checkpoint catalogue are the same before and after, and the real
 worker stays alive. Cases: JSON nested at every depth 1..200 in every free-form (Struct) field
 and elsewhere; strings over 4096 bytes; 1 GiB bodies (chunked, Content-Length, compressed) and
@@ -29,7 +29,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import Api, Service, control_plane_arg_parser, free_port, stop_all, wait_for  # noqa: E402
+from loom_testlib import (Api, Service, agent_refusal, control_plane_arg_parser, free_port, stop_all,  # noqa: E402
+                          wait_for)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -69,6 +70,8 @@ def nest_list(arrays):
 def error_of(what, result, want, needles):
     """Asserts a clean refusal: status in want, a JSON error object (google.rpc.Status shape)
     whose message holds one of needles."""
+    if isinstance(result[0], str):  # an agent call: (gRPC code name, response, message)
+        return agent_refusal(what, result, want, needles)
     status, parsed, text = result
     want = (want,) if isinstance(want, int) else tuple(want)
     needles = (needles,) if isinstance(needles, str) else tuple(needles)
@@ -100,7 +103,7 @@ class Hostile:
 
     @property
     def agent(self):
-        return self.s.agent_api
+        return self.s.agent
 
     # --- "nothing changed" -------------------------------------------------------------------------
 
@@ -644,17 +647,27 @@ class Hostile:
     # --- agent protocol --------------------------------------------------------------------------
 
     def register(self, name, labels, slots=1):
-        status, parsed, text = self.agent.request(
-            "POST", "/v1/agent/register", {"name": name, "address": "127.0.0.1", "slots": slots, "labels": labels},
-            token=ENROLMENT_TOKEN)
-        assert status == 200 and parsed.get("worker_id") and parsed.get("credential"), f"register: {status} {text}"
+        code, parsed, message = self.agent.register(
+            {"name": name, "address": "127.0.0.1", "slots": slots, "labels": labels}, ENROLMENT_TOKEN)
+        assert code == "OK" and parsed.get("worker_id") and parsed.get("credential"), f"register: {code} {message}"
         assert parsed["credential"] != ENROLMENT_TOKEN
         return parsed["worker_id"], parsed["credential"]
 
-    def heartbeat(self, worker_id, token, attempts=(), port=None):
-        api = Api(port or self.s.agent_port)
-        return api.request("POST", "/v1/agent/heartbeat", {"worker_id": worker_id, "attempts": list(attempts)},
-                           token=token)
+    def heartbeat(self, worker_id, token, attempts=()):
+        """A Heartbeat call on the agent port: (gRPC code name, response, message)."""
+        return self.agent.heartbeat({"worker_id": worker_id, "attempts": list(attempts)}, token)
+
+    def http_on_agent_port(self):
+        """A user route over HTTP/1.1 on the agent port: no HTTP answer (it speaks gRPC only)."""
+        with socket.create_connection(("127.0.0.1", self.s.agent_port), timeout=10) as sock:
+            sock.sendall(f"GET /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {ALICE}\r\n\r\n"
+                         .encode())
+            sock.settimeout(10)
+            try:
+                data = sock.recv(4096)
+            except (ConnectionResetError, socket.timeout):
+                data = b""
+        assert not data.startswith(b"HTTP/"), f"the agent port answered HTTP: {data[:200]}"
 
     def test_forged_heartbeats(self, job_id):
         api = self.api
@@ -685,44 +698,49 @@ class Hostile:
                            "progress": {"step": 999999, "total_steps": 999999}}
         hb = self.heartbeat
         cases = [
-            ("another worker's id", lambda: hb(f2.id, f1.credential), 403, "credential"),
-            ("the enrolment token on a heartbeat", lambda: hb(f1.id, ENROLMENT_TOKEN), 403, "credential"),
-            ("an unknown worker with the enrolment token", lambda: hb("w-deadbeef", ENROLMENT_TOKEN), 403,
+            ("another worker's id", lambda: hb(f2.id, f1.credential), "PERMISSION_DENIED", "credential"),
+            ("the enrolment token on a heartbeat", lambda: hb(f1.id, ENROLMENT_TOKEN), "PERMISSION_DENIED",
              "credential"),
-            ("an unknown worker with a credential", lambda: hb("w-deadbeef", f1.credential), 403, "credential"),
-            ("the real worker's id with a fake's credential", lambda: hb(real_id, f1.credential), 403,
+            ("an unknown worker with the enrolment token", lambda: hb("w-deadbeef", ENROLMENT_TOKEN),
+             "PERMISSION_DENIED", "credential"),
+            ("an unknown worker with a credential", lambda: hb("w-deadbeef", f1.credential), "PERMISSION_DENIED",
              "credential"),
-            ("a user token on the agent listener", lambda: hb(f1.id, ALICE), (401, 403), ""),
-            ("no token on the agent listener", lambda: hb(f1.id, None), 401, ""),
-            ("a heartbeat on the user listener", lambda: hb(f1.id, f1.credential, port=self.s.port), 404,
-             "no route"),
+            ("the real worker's id with a fake's credential", lambda: hb(real_id, f1.credential),
+             "PERMISSION_DENIED", "credential"),
+            ("a user token on the agent port", lambda: hb(f1.id, ALICE), ("UNAUTHENTICATED", "PERMISSION_DENIED"),
+             "user token"),
+            ("no token on the agent port", lambda: hb(f1.id, None), "UNAUTHENTICATED", "missing bearer token"),
+            ("a heartbeat on the user listener", lambda: Api(self.s.port).request(
+                "POST", "/v1/agent/heartbeat", {"worker_id": f1.id}, token=f1.credential), 404, "no route"),
             ("a registration on the user listener", lambda: Api(self.s.port).request(
                 "POST", "/v1/agent/register", {"name": "x", "address": "127.0.0.1", "slots": 1},
                 token=ENROLMENT_TOKEN), 404, "no route"),
-            ("a user route on the agent listener",
-             lambda: Api(self.s.agent_port).request("GET", "/v1/jobs", token=ALICE),
-             (401, 403, 404), ""),
-            ("a credential on a registration", lambda: self.agent.request(
-                "POST", "/v1/agent/register", {"name": "x", "address": "127.0.0.1", "slots": 1},
-                token=f1.credential), (401, 403), ""),
+            ("a credential on a registration", lambda: self.agent.register(
+                {"name": "x", "address": "127.0.0.1", "slots": 1}, f1.credential),
+             ("UNAUTHENTICATED", "PERMISSION_DENIED"), "invalid token"),
             ("finished report on an attempt placed elsewhere", lambda: hb(f1.id, f1.credential, [finished_report]),
-             403, "not placed on worker"),
+             "PERMISSION_DENIED", "not placed on worker"),
             ("a progress report on an attempt placed elsewhere", lambda: hb(f1.id, f1.credential, [
                 {"job_id": job_id, "attempt": attempt, "ranks": [{"rank": 0, "running": True}],
-                 "progress": {"step": 999999}}]), 403, "not placed on worker"),
+                 "progress": {"step": 999999}}]), "PERMISSION_DENIED", "not placed on worker"),
             ("a report on an attempt of it that does not exist", lambda: hb(f1.id, f1.credential, [
-                {**finished_report, "attempt": attempt + 1}]), (400, 403), ("not placed on worker", "attempt")),
+                {**finished_report, "attempt": attempt + 1}]), ("INVALID_ARGUMENT", "PERMISSION_DENIED"),
+             ("not placed on worker", "attempt")),
         ]
         for what, result, want, needles in cases:
             refused(what, result, want, needles)
+        before = snap()
+        self.http_on_agent_port()  # a user route on the agent port
+        assert snap() == before
         assert int(api.job(job_id)["progress"].get("step", 0)) < 999999
         # A lost worker's credential is revoked.
         f3_id, f3_cred = self.register("fake-3", {"pool": "fake3"})
         wait_for("fake-3 to be lost", lambda: any(w["id"] == f3_id and w["state"] == "lost" for w in api.workers()),
                  timeout=LOST_AFTER_MS / 1000 + 10)
-        refused("a lost worker's credential", lambda: self.heartbeat(f3_id, f3_cred), 401, "")
+        refused("a lost worker's credential", lambda: self.heartbeat(f3_id, f3_cred), "UNAUTHENTICATED",
+                "revoked")
         assert all(f.ok() for f in (f1, f2)), "a fake worker's own heartbeats failed"
-        print(f"ok: {len(cases) + 1} forged heartbeats (foreign ids, the enrolment token, user tokens, wrong listener, "
+        print(f"ok: {len(cases) + 2} forged heartbeats (foreign ids, the enrolment token, user tokens, wrong listener, "
               f"reports on {job_id} placed elsewhere, a lost worker's credential) refused; {job_id} still running")
 
     def test_forged_checkpoints(self):
@@ -753,27 +771,27 @@ class Hostile:
         for what, path in paths:
             before = self.snapshot()
             result = self.heartbeat(f1.id, f1.credential, [report(checkpoints=[{"step": 5, "path": path}])])
-            self.refused(f"checkpoint report: {what}", result, 400, "checkpoint", before)
+            self.refused(f"checkpoint report: {what}", result, "INVALID_ARGUMENT", "checkpoint", before)
             j = api.job(fj)
             assert int(j["progress"].get("step", 0)) != 777 and not j.get("checkpoints"), \
                 f"a rejected heartbeat changed {fj}: {j['progress']} {j.get('checkpoints')}"
         assert not api.catalogue(fj), api.catalogue(fj)
         # finished with no rank reported is not a success.
         f1.hold(fj)  # the fake stops reporting this attempt itself
-        status, parsed, text = self.heartbeat(f1.id, f1.credential, [report(ranks=[], finished=True, progress={})])
-        assert status in (200, 400, 403), (status, text)
+        code, parsed, message = self.heartbeat(f1.id, f1.credential, [report(ranks=[], finished=True, progress={})])
+        assert code in ("OK", "INVALID_ARGUMENT", "PERMISSION_DENIED"), (code, message)
         time.sleep(1.5)
         j = api.job(fj)
         assert j["state"] != "succeeded", f"{fj} succeeded on a finished report without ranks: {j['events'][-3:]}"
-        status, parsed, text = self.heartbeat(f1.id, f1.credential, [report(
-            ranks=[{"rank": 0, "running": True}], finished=True, progress={})])
+        self.heartbeat(f1.id, f1.credential, [report(ranks=[{"rank": 0, "running": True}], finished=True,
+                                                     progress={})])
         time.sleep(1.0)
         j = api.job(fj)
         assert j["state"] != "succeeded", f"{fj} succeeded while its rank was reported running: {j['events'][-3:]}"
         if j["state"] not in ("failed", "cancelled"):
             status, _, text = api.request("POST", f"/v1/jobs/{fj}/cancel")
             assert status in (200, 409), (status, text)
-        print(f"ok: {len(paths)} forged checkpoint paths refused with 400 (catalogue and job unchanged); "
+        print(f"ok: {len(paths)} forged checkpoint paths refused with INVALID_ARGUMENT (catalogue and job unchanged); "
               f"'finished' without successful ranks did not make {fj} succeed ({j['state']})")
 
     # --- loom up -------------------------------------------------------------------------------------
@@ -878,9 +896,9 @@ class FakeWorker:
     def run(self):
         while not self.stop.is_set():
             try:
-                status, parsed, text = self.h.heartbeat(self.id, self.credential, self.reports())
-                if status != 200:
-                    self.failures.append((status, text[:200]))
+                code, parsed, message = self.h.heartbeat(self.id, self.credential, self.reports())
+                if code != "OK":
+                    self.failures.append((code, message[:200]))
                 else:
                     with self.lock:
                         for a in parsed.get("assignments", []):

@@ -3,7 +3,8 @@
 the agent, the CLI and client, storage, metrics, data or interop is compiled with LibTorch's
 include paths, definitions or precompiled header (build/compile_commands.json), and the
 control-plane binaries link no LibTorch library (ldd). A target that picked up LibTorch through
-a link dependency fails here, naming the file or binary.
+a link dependency fails here, naming the file or binary. The other way round, gRPC is the agent
+protocol's alone (loom_agent_grpc): the trainer, which has LibTorch, links no gRPC library.
 
 Includes name their folder: every quoted #include of Loom's own sources is a path from the
 repository root ("storage/checkpoint.h"), an API header ("loom/spec.h", api/loom/, with the
@@ -45,6 +46,7 @@ def check_includes(source_dir):
     print(f"ok: the quoted includes of {len(files)} source files name their folder")
 TORCH_MARKERS = ["torch/csrc/api/include", "-DUSE_C10D", "loom_torch_pch", "/ATen", "-DTORCH_"]
 BINARIES = ["loom-coordinator", "loom-worker", "loom", "loom-data"]
+NO_GRPC_BINARIES = ["loom-train"]  # LibTorch programs: gRPC stays on the control plane
 
 
 def main():
@@ -74,6 +76,14 @@ def main():
         linked = [l.split()[0] for l in libs.splitlines() if "libtorch" in l or "libc10" in l]
         assert not linked, f"{name} links {linked}"
     print(f"ok: {', '.join(BINARIES)} link no LibTorch library")
+    for name in NO_GRPC_BINARIES:
+        binary = os.path.join(a.build_dir, "bin", name)
+        if not os.path.exists(binary):
+            continue  # a control-plane-only build
+        libs = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+        linked = [l.split()[0] for l in libs.splitlines() if "libgrpc" in l or "libgpr" in l]
+        assert not linked, f"{name} links {linked}"
+        print(f"ok: {name} links no gRPC library")
 
 
 if __name__ == "__main__":

@@ -286,11 +286,78 @@ def final_tensors(api, job_id, step):
     return safetensors_raw(shard_path(entry[-1]["path"], 0))
 
 
+class AgentClient:
+    """The agent protocol (gRPC, api/loom/v1/agent.proto) on the coordinator's agent port, as the
+    tests speak it: register() and heartbeat() take and return dicts in the proto JSON mapping
+    (snake_case, defaults printed) and give (code, parsed, message): code is the gRPC status name
+    ("OK", "PERMISSION_DENIED", ...), parsed the response (None on an error), message the error's
+    text. The stubs are generated at build time (api/CMakeLists.txt); --agent-stubs names them."""
+
+    _modules = None
+
+    @classmethod
+    def load_stubs(cls, stubs_dir):
+        if cls._modules is None:
+            assert stubs_dir and os.path.isdir(stubs_dir), f"--agent-stubs: no directory {stubs_dir!r}"
+            sys.path.insert(0, stubs_dir)
+            import grpc  # python3-grpcio (scripts/install-deps)
+            from google.protobuf import json_format
+            from loom.v1 import agent_pb2_grpc, control_pb2
+            cls._modules = (grpc, json_format, agent_pb2_grpc, control_pb2)
+        return cls._modules
+
+    def __init__(self, stubs_dir, port, ca_file=None, client_cert=None, client_key=None, host="127.0.0.1",
+                 timeout=10):
+        grpc, _, agent_pb2_grpc, _ = self.load_stubs(stubs_dir)
+        self.port, self.timeout = port, timeout
+        target = f"{host}:{port}"
+        if ca_file:
+            read = lambda f: open(f, "rb").read() if f else None  # noqa: E731
+            creds = grpc.ssl_channel_credentials(read(ca_file), read(client_key), read(client_cert))
+            self.channel = grpc.secure_channel(target, creds)
+        else:
+            self.channel = grpc.insecure_channel(target)
+        self.stub = agent_pb2_grpc.AgentStub(self.channel)
+
+    def close(self):
+        self.channel.close()
+
+    def _call(self, method, request_type, body, token):
+        grpc, json_format, _, control_pb2 = self._modules
+        request = json_format.ParseDict(body or {}, getattr(control_pb2, request_type)())
+        metadata = [("authorization", "Bearer " + token)] if token else []
+        try:
+            response = getattr(self.stub, method)(request, metadata=metadata, timeout=self.timeout)
+        except grpc.RpcError as e:
+            return e.code().name, None, e.details() or ""
+        return "OK", json_format.MessageToDict(response, preserving_proto_field_name=True,
+                                               including_default_value_fields=True), ""
+
+    def register(self, body, token):
+        return self._call("Register", "RegisterWorkerRequest", body, token)
+
+    def heartbeat(self, body, token):
+        return self._call("Heartbeat", "HeartbeatRequest", body, token)
+
+
+def agent_refusal(what, result, want, needles=("",)):
+    """Asserts that an agent call was refused with a gRPC code in want (a name or names) and a
+    message holding one of needles; returns the message."""
+    code, parsed, message = result
+    want = (want,) if isinstance(want, str) else tuple(want)
+    needles = (needles,) if isinstance(needles, str) else tuple(needles)
+    assert code in want, f"{what}: gRPC {code}, wanted {want}: {message[:400]}"
+    assert parsed is None and message, f"{what}: no error message"
+    assert any(n.lower() in message.lower() for n in needles), f"{what}: none of {needles} in '{message[:400]}'"
+    return message
+
+
 def control_plane_arg_parser():
     """The binaries every control-plane suite is run with (tests/CMakeLists.txt passes them)."""
     ap = argparse.ArgumentParser()
     for flag in ("--coordinator", "--worker", "--loom", "--loom-train", "--source-dir"):
         ap.add_argument(flag, required=True)
+    ap.add_argument("--agent-stubs", help="Python stubs of the agent protocol (build/api/python)")
     return ap
 
 
@@ -326,11 +393,11 @@ class Service:
         self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.env.pop("LOOM_TOKEN", None)
         self.api = Api(0, next(iter(self.users.values())))
-        self.agent_api = Api(0, None)
+        self._agent = None
 
     def start_coordinator(self, port=0, agent_port=0, tries=1):
         """Starts loom-coordinator; with fixed ports, retries while the bind fails. Returns the
-        (port, agent_port) it listens on; self.api and self.agent_api follow them."""
+        (port, agent_port) it listens on; self.api and self.agent follow them."""
         port_file = os.path.join(self.tmp, "port")
         agent_port_file = os.path.join(self.tmp, "agent-port")
         for attempt in range(tries):
@@ -354,7 +421,7 @@ class Service:
             if p.poll() is None and read_port_file(port_file) and read_port_file(agent_port_file):
                 self.coordinator = p
                 self.port, self.agent_port = read_port_file(port_file), read_port_file(agent_port_file)
-                self.api.port, self.agent_api.port = self.port, self.agent_port
+                self.api.port = self.port
                 return self.port, self.agent_port
             if p.poll() is None:
                 p.kill()
@@ -362,6 +429,13 @@ class Service:
                 raise AssertionError("loom-coordinator did not write its port files within 30 s")
             time.sleep(0.25)  # exited: the fixed port may still be taken; try again
         raise AssertionError(f"loom-coordinator exited at start-up {tries} time(s) (ports {port}, {agent_port})")
+
+    @property
+    def agent(self):
+        """An AgentClient on the agent port (plaintext), following restarts of the coordinator."""
+        if self._agent is None or self._agent.port != self.agent_port:
+            self._agent = AgentClient(self.args.agent_stubs, self.agent_port)
+        return self._agent
 
     def start_worker(self, name, labels="pool=cpu", slots=2, coordinator_url=None, term_grace_ms=3000,
                      extra=("--gpus", "none")):

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Slow clients against both listeners of a real coordinator while a real job runs.
+"""Slow clients against both ports of a real coordinator while a real job runs.
 
 For 60 s, 256 connections from one address (127.0.0.2: any 127.x address is this host's
-loopback) attack each listener: a third send their request head one byte every 2 s, a third send
-a head (with a valid token) and then the body one byte every 2 s, a third pipeline requests and
-never read the answers; each closed connection is replaced at once. Meanwhile the worker agent
+loopback) attack each port. On the user port (HTTP/1.1) a third send their request head one byte
+every 2 s, a third send a head (with a valid token) and then the body one byte every 2 s, a third
+pipeline requests and never read the answers. On the agent port (gRPC, HTTP/2) a third trickle
+the connection preface, a third send it and then trickle a HEADERS frame, a third send it and
+never read what the server sends. Each closed connection is replaced at once. Meanwhile the worker agent
 (at 127.0.0.1) heartbeats, and every second a fresh user request from 127.0.0.1 must be
 answered within 1 s. Afterwards: no worker was ever marked lost, the job kept its single attempt
 and succeeded, and the coordinator's RSS stayed within 64 MiB of its start. Last, SIGTERM stops
@@ -42,8 +44,8 @@ def vm_rss_kib(pid):
 class Attacker:
     """CONNECTIONS slow clients from ATTACKER against one port, kept open for `seconds`."""
 
-    def __init__(self, port, path, seconds):
-        self.port, self.path, self.seconds = port, path, seconds
+    def __init__(self, port, path, seconds, h2=False):
+        self.port, self.path, self.seconds, self.h2 = port, path, seconds, h2
         self.conns = []
         self.opened = self.closed_by_server = self.refused = 0
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -69,6 +71,12 @@ class Attacker:
             return None
         self.opened += 1
         kind = i % 3
+        if self.h2:
+            preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + SETTINGS
+            headers = bytes([0, 0x40, 0, 1, 4, 0, 0, 0, 1]) + b"x" * 16384  # a 16 KiB HEADERS frame
+            payload = [preface, preface + headers, preface][kind]
+            return {"sock": s, "kind": kind, "payload": payload, "sent": 0, "i": i,
+                    "burst": [0, len(preface), len(preface)][kind]}
         if kind == 0:  # slow head
             payload = self.head(2)[:-2]
         elif kind == 1:  # head at once, then a slow body
@@ -76,7 +84,8 @@ class Attacker:
         else:  # pipelined requests, answers never read
             payload = (f"GET /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
                        f"Authorization: Bearer {ALICE}\r\n\r\n").encode() * 64
-        return {"sock": s, "kind": kind, "payload": payload, "sent": 0, "i": i}
+        return {"sock": s, "kind": kind, "payload": payload, "sent": 0, "i": i,
+                "burst": [0, len(self.head(100000)), len(payload)][kind]}
 
     def run(self):
         end = time.monotonic() + self.seconds
@@ -84,9 +93,10 @@ class Attacker:
         next_i = CONNECTIONS
         while time.monotonic() < end:
             for c in list(self.conns):
-                step = len(c["payload"]) if c["kind"] == 2 else 1
-                if c["kind"] == 1 and c["sent"] == 0:
-                    step = len(c["payload"])
+                # The burst at once, then one byte per round (nothing more from slow readers).
+                if c["kind"] == 2 and c["sent"] >= c["burst"]:
+                    continue
+                step = c["burst"] - c["sent"] if c["sent"] < c["burst"] else 1
                 chunk = c["payload"][c["sent"]:c["sent"] + step] or b"x"
                 try:
                     c["sent"] += c["sock"].send(chunk)
@@ -95,10 +105,16 @@ class Attacker:
                 except OSError:
                     self.replace(c, next_i)
                     next_i += 1
-            # Closed by the server: readable with EOF (slow readers are never read otherwise).
-            readable = [c["sock"] for c in self.conns if c["kind"] != 2]
-            r, _, _ = select.select(readable, [], [], 0)
-            for c in [c for c in self.conns if c["sock"] in r]:
+            # Closed by the server: readable with EOF, or, for slow readers (never read), a hang-up.
+            poll = select.poll()
+            for c in self.conns:
+                poll.register(c["sock"], select.POLLRDHUP if c["kind"] == 2 else select.POLLIN)
+            ready = {fd for fd, _ in poll.poll(0)}
+            for c in [c for c in self.conns if c["sock"].fileno() in ready]:
+                if c["kind"] == 2:
+                    self.replace(c, next_i)
+                    next_i += 1
+                    continue
                 try:
                     data = c["sock"].recv(65536)
                 except (BlockingIOError, InterruptedError):
@@ -150,7 +166,7 @@ def main():
         api.wait(job, lambda j: j["state"] == "running" and int(j["progress"].get("step", 0)) > 5,
                  "the job to run", timeout=120)
         rss_start = vm_rss_kib(s.coordinator.pid)
-        attackers = [Attacker(s.port, "/v1/jobs", ATTACK_S), Attacker(s.agent_port, "/v1/agent/heartbeat", ATTACK_S)]
+        attackers = [Attacker(s.port, "/v1/jobs", ATTACK_S), Attacker(s.agent_port, "agent", ATTACK_S, h2=True)]
         for a in attackers:
             a.thread.start()
         slowest, lost_seen, rss_peak = 0.0, [], rss_start

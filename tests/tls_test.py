@@ -2,12 +2,16 @@
 """TLS end to end, with a certificate made by the openssl CLI at test time.
 
 A private CA signs the coordinator's certificate (SAN IP 127.0.0.1). The coordinator serves both
-listeners over TLS; a worker agent registers and heartbeats over https with --ca-file; the CLI
+ports over TLS (the user API's HTTP and the agents' gRPC); a worker agent registers and
+heartbeats over https with --ca-file; the CLI
 submits a job over https and follows it to success (so registration, heartbeats, placement and
 the job's reports all crossed TLS). Python's ssl module, trusting only that CA, reads the API;
 a plain-HTTP request to the TLS port gets no HTTP answer; the CLI without the CA refuses the
 server (exit 6, "not trusted"); a key that does not match the certificate stops the coordinator
-with an error naming --tls-key. Every process is stopped on exit.
+with an error naming --tls-key. Mutual TLS on the agent port (--client-ca): an agent with a
+client certificate of that CA registers and heartbeats; a client certificate of another CA, or
+none, is refused at the handshake (UNAVAILABLE, nothing reaches the service); a plaintext client
+gets no service either. Every process is stopped on exit.
 """
 import json
 import os
@@ -19,7 +23,7 @@ import tempfile
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import control_plane_arg_parser, kill_all, read_port_file, wait_for  # noqa: E402
+from loom_testlib import AgentClient, control_plane_arg_parser, kill_all, read_port_file, wait_for  # noqa: E402
 
 PROCS = []
 TOKEN = "tls-user-token-0123456789abcdef"
@@ -42,12 +46,58 @@ def make_certificates(tmp):
             "-out", "server.pem", "-days", "2", "-extfile", "san.ext", cwd=tmp)
     openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out", "other.pem",
             "-days", "2", "-subj", "/CN=another CA", cwd=tmp)
+    # Client certificates for mutual TLS: node.pem from the test CA, rogue.pem from the other one.
+    for name, ca in (("node", "ca"), ("rogue", "other")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN={name}", cwd=tmp)
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", cwd=tmp)
 
 
 def start(argv, log, env=None):
     p = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     PROCS.append(p)
     return p
+
+
+def check_mutual_tls(args, path):
+    """A second coordinator that requires client certificates of the test CA on its agent port."""
+    common = [args.coordinator, "--data-dir", path("state-mtls"), "--user-tokens", path("users"),
+              "--worker-token-file", path("enrolment"), "--port", "0", "--agent-port", "0",
+              "--port-file", path("port-mtls"), "--agent-port-file", path("agent-port-mtls"),
+              "--heartbeat-ms", "200", "--tls-cert", path("server.pem"), "--tls-key", path("server.key")]
+    no_tls = subprocess.run(common[:-4] + ["--client-ca", path("ca.pem")], capture_output=True, text=True,
+                            timeout=60)
+    assert no_tls.returncode != 0 and "--client-ca" in no_tls.stderr, (no_tls.returncode, no_tls.stderr)
+    start(common + ["--client-ca", path("ca.pem")], path("coordinator-mtls.log"))
+    port = wait_for("the user port", lambda: read_port_file(path("port-mtls")), 30)
+    agent_port = wait_for("the agent port", lambda: read_port_file(path("agent-port-mtls")), 30)
+    enrol = {"address": "127.0.0.1", "slots": 1, "name": "probe"}
+    for what, cert in (("a client certificate of another CA", "rogue"), ("no client certificate", None)):
+        client = AgentClient(args.agent_stubs, agent_port, ca_file=path("ca.pem"),
+                             client_cert=cert and path(f"{cert}.pem"), client_key=cert and path(f"{cert}.key"))
+        code, _, message = client.register(enrol, ENROL)
+        client.close()
+        assert code == "UNAVAILABLE", f"{what}: {code} {message}"
+    plain = AgentClient(args.agent_stubs, agent_port)
+    code, _, message = plain.register(enrol, ENROL)
+    plain.close()
+    assert code == "UNAVAILABLE", f"plaintext on the mutual-TLS port: {code} {message}"
+    # The agent with its node certificate.
+    start([args.worker, "--coordinator", f"https://127.0.0.1:{agent_port}", "--ca-file", path("ca.pem"),
+           "--client-cert", path("node.pem"), "--client-key", path("node.key"),
+           "--token-file", path("enrolment"), "--work-dir", path("worker-mtls"), "--slots", "1",
+           "--loom-train", args.loom_train], path("worker-mtls.log"))
+    env = {**os.environ, "LOOM_COORDINATOR": f"https://127.0.0.1:{port}", "LOOM_TOKEN": TOKEN,
+           "LOOM_CA_FILE": path("ca.pem")}
+    workers = lambda: json.loads(subprocess.run(  # noqa: E731
+        [args.loom, "workers", "-o", "json"], env=env, capture_output=True, text=True, timeout=60).stdout or "{}")
+    listed = wait_for("the worker over mutual TLS", lambda: [w for w in workers().get("workers", [])
+                                                              if w["state"] == "alive"], 30)
+    assert len(listed) == 1 and listed[0]["name"] != "probe", listed
+    print("ok: mutual TLS on the agent port: the agent with a certificate of the client CA registered and "
+          "heartbeats; another CA's certificate, none, and plaintext refused at the handshake; "
+          "--client-ca without TLS refused at start")
 
 
 def main():
@@ -115,12 +165,13 @@ def main():
         run = subprocess.run([args.loom, "submit", path("job.json"), "--follow"], env=env,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and "succeeded" in run.stdout, (run.returncode, run.stdout[-2000:], run.stderr)
-        print("ok: TLS on both listeners (cert from a test CA made by openssl): a job submitted, run and "
+        print("ok: TLS on both ports (cert from a test CA made by openssl): a job submitted, run and "
               "followed over https; Python ssl trusts only that CA; plain HTTP and an untrusted client "
               "refused; a mismatched key refused at start")
+        check_mutual_tls(args, path)
     finally:
         kill_all(PROCS)
-        for name in ("coordinator.log", "worker.log"):
+        for name in ("coordinator.log", "worker.log", "coordinator-mtls.log", "worker-mtls.log"):
             p = os.path.join(tmp, name)
             if os.path.exists(p):
                 with open(p) as f:

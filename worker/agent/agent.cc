@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "client/rest_client.h"
 #include "loom/exit_codes.h"
 #include "loom/lease_clock.h"
 #include "loom/trainer_events.h"
@@ -33,6 +34,8 @@ namespace {
 // Step points per attempt per heartbeat (~50 bytes each), and the most kept unacknowledged
 // while the coordinator is unreachable (the oldest go first).
 constexpr size_t kStepsPerHeartbeat = 2000;
+// Deadline of each Register and Heartbeat call: a lost reply costs one beat, not a lease.
+constexpr int kCallTimeoutMs = 5000;
 constexpr size_t kMaxPendingSteps = 200000;
 
 int64_t NowMs() {
@@ -185,7 +188,7 @@ absl::Status Agent::Register() {
   req.mutable_labels()->insert(options_.labels.begin(), options_.labels.end());
   v1::RegisterWorkerResponse resp;
   const int64_t sent = LeaseClockMs();
-  LOOM_RETURN_IF_ERROR(enrol_client_->Call("POST", "/v1/agent/register", &req, &resp));
+  LOOM_RETURN_IF_ERROR(coordinator_->Register(options_.token, req, &resp, kCallTimeoutMs));
   if (resp.credential().empty()) {
     return absl::InternalError("the coordinator returned no worker credential");
   }
@@ -197,14 +200,12 @@ absl::Status Agent::Register() {
                       0644);
   WriteFileAtomically((fs::path(options_.work_dir) / "worker-credential").string(),
                       credential_ + "\n", 0600);
-  LOOM_ASSIGN_OR_RETURN(client_, client::RestClient::Create(options_.coordinator_url, credential_,
-                                                            5000, options_.ca_file));
   heartbeat_ms_ = std::max(50, resp.heartbeat_interval_ms());
   lease_ms_ = std::max(4 * heartbeat_ms_, resp.lease_ms());
   if (resp.max_body_bytes() > 0) max_body_bytes_ = resp.max_body_bytes();
   RenewLease(sent + lease_ms_);
   Log(absl::StrCat("registered as ", worker_id_, " with ", options_.slots, " slots at ",
-                   client_->url(), " (lease ", lease_ms_, " ms)"));
+                   coordinator_->url(), " (lease ", lease_ms_, " ms)"));
   return absl::OkStatus();
 }
 
@@ -685,7 +686,7 @@ absl::Status Agent::Heartbeat(bool* registered) {
   v1::HeartbeatResponse resp;
   const int64_t sent = LeaseClockMs();
   const auto start = std::chrono::steady_clock::now();
-  absl::Status s = client_->Call("POST", "/v1/agent/heartbeat", &req, &resp);
+  absl::Status s = coordinator_->Heartbeat(credential_, req, &resp, kCallTimeoutMs);
   if (!s.ok()) {
     registry_.Increment("loom_worker_heartbeat_failures_total");
     if (s.code() == absl::StatusCode::kNotFound || s.code() == absl::StatusCode::kUnauthenticated) {
@@ -790,9 +791,9 @@ absl::Status Agent::Run() {
     return absl::UnavailableError(
         absl::StrCat("--work-dir '", options_.work_dir, "': ", ec.message()));
   LoadIdentity();
-  LOOM_ASSIGN_OR_RETURN(
-      enrol_client_,
-      client::RestClient::Create(options_.coordinator_url, options_.token, 5000, options_.ca_file));
+  LOOM_ASSIGN_OR_RETURN(coordinator_,
+                        CoordinatorClient::Create({options_.coordinator_url, options_.ca_file,
+                                                   options_.client_cert, options_.client_key}));
   LOOM_RETURN_IF_ERROR(StartExporter());
   LoopState loop;
   while (!stop_) {
@@ -832,7 +833,11 @@ absl::Status Agent::Beat(LoopState& loop) {
   ExportGpuSeries();
   if (!loop.registered) return absl::OkStatus();
   absl::Status s = Heartbeat(&loop.registered);
-  if (!s.ok() && loop.reachable) Log(absl::StrCat("heartbeat failed (will retry): ", s.message()));
+  if (!s.ok() && (loop.reachable || s.code() != loop.last_failure)) {
+    Log(absl::StrCat("heartbeat failed (will retry): ", absl::StatusCodeToString(s.code()), ": ",
+                     s.message()));
+  }
+  loop.last_failure = s.code();
   if (s.ok() && !loop.reachable) Log("coordinator reachable again");
   loop.reachable = s.ok();
   if (!loop.registered) loop.next_heartbeat = 0;  // register again right away

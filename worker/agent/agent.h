@@ -16,19 +16,20 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/rest_client.h"
 #include "loom/v1/control.pb.h"
 #include "loom/v1/events.pb.h"
 #include "metrics/prometheus.h"
 #include "net/metrics_endpoint.h"
+#include "worker/agent/coordinator_client.h"
 #include "worker/agent/gpus.h"
 
 namespace loom::agent {
 
 struct AgentOptions {
-  std::string coordinator_url;  // the coordinator's agent listener
-  std::string ca_file;          // PEM CA for an https:// coordinator ("" = the system's)
-  std::string token;            // enrolment token: registration only
+  std::string coordinator_url;          // the coordinator's agent port (gRPC): http:// or https://
+  std::string ca_file;                  // PEM CA for an https:// coordinator ("" = the system's)
+  std::string client_cert, client_key;  // PEM: this node's certificate for mutual TLS
+  std::string token;                    // enrolment token: registration only
   std::string name;
   std::string address = "127.0.0.1";
   int slots = 1;
@@ -93,6 +94,7 @@ class Agent {
   struct LoopState {
     bool registered = false, reachable = true;
     int64_t next_heartbeat = 0, follow_up_at = 0;
+    absl::StatusCode last_failure = absl::StatusCode::kOk;  // logged again when it changes
   };
   void LoadIdentity();
   absl::Status StartExporter();
@@ -141,8 +143,7 @@ class Agent {
   std::unique_ptr<NvmlSampler> nvml_;  // null without a driver
   metrics::Registry registry_{"worker"};
   std::unique_ptr<net::MetricsEndpoint> exporter_;
-  std::unique_ptr<client::RestClient> enrol_client_;  // enrolment token: POST register
-  std::unique_ptr<client::RestClient> client_;        // this worker's credential: heartbeats
+  std::unique_ptr<CoordinatorClient> coordinator_;  // Register and Heartbeat (agent.proto)
   std::string worker_id_;
   std::string credential_;
   int heartbeat_ms_ = 1000;

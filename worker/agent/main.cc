@@ -19,10 +19,13 @@ namespace loom::agent {
 namespace {
 
 constexpr char kUsage[] = R"(usage: loom-worker [flags]
-  --coordinator URL     http://host:port or https://host:port (default $LOOM_COORDINATOR, then
-                        http://127.0.0.1:8470)
+  --coordinator URL     the coordinator's agent port (gRPC): http://host:port (plaintext) or
+                        https://host:port (TLS) (default $LOOM_COORDINATOR, then
+                        http://127.0.0.1:8471)
   --ca-file F           PEM CA for an https:// coordinator (default $LOOM_CA_FILE, then the
                         system's CAs)
+  --client-cert F --client-key F  PEM certificate and key this node shows an https://
+                        coordinator that requires client certificates (--client-ca)
   --token-file F        the worker token (default $LOOM_WORKER_TOKEN; none for a --local coordinator)
   --work-dir DIR        per-attempt directories and rank logs (required)
   --slots N             trainer ranks this node runs at once (default: one per GPU, else 1)
@@ -61,9 +64,11 @@ void OnSignal(int) {
 // Where the coordinator is and the worker token to show it.
 absl::Status ReadConnection(const CliArgs& args, AgentOptions* o) {
   const char* env_url = std::getenv("LOOM_COORDINATOR");
-  o->coordinator_url = args.Get("coordinator", env_url ? env_url : "http://127.0.0.1:8470");
+  o->coordinator_url = args.Get("coordinator", env_url ? env_url : "http://127.0.0.1:8471");
   const char* env_ca = std::getenv("LOOM_CA_FILE");
   o->ca_file = args.Get("ca-file", env_ca ? env_ca : "");
+  o->client_cert = args.Get("client-cert");
+  o->client_key = args.Get("client-key");
   if (args.Has("token-file")) {
     std::ifstream in(args.Get("token-file"));
     if (!in)
@@ -145,13 +150,13 @@ absl::StatusOr<AgentOptions> OptionsFromArgs(const CliArgs& args) {
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(
-      CliArgs args,
-      CliArgs::Parse(argc, argv, 1,
-                     {"coordinator", "ca-file", "token-file", "work-dir", "slots", "gpus", "labels",
-                      "name", "address", "loom-train", "plugin-dir", "term-grace-ms",
-                      "metrics-port", "metrics-bind", "prometheus-sd-file"},
-                     {"help"}));
+  LOOM_ASSIGN_OR_RETURN(CliArgs args,
+                        CliArgs::Parse(argc, argv, 1,
+                                       {"coordinator", "ca-file", "client-cert", "client-key",
+                                        "token-file", "work-dir", "slots", "gpus", "labels", "name",
+                                        "address", "loom-train", "plugin-dir", "term-grace-ms",
+                                        "metrics-port", "metrics-bind", "prometheus-sd-file"},
+                                       {"help"}));
   if (args.Has("help")) {
     std::cout << kUsage;
     return absl::OkStatus();

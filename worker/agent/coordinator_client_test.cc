@@ -1,0 +1,86 @@
+// The agent's side of the agent protocol against the real coordinator's agent port: URLs it
+// accepts and refuses, and the coordinator's codes and messages arriving intact (the agent's
+// behaviour depends on them: register again on UNAUTHENTICATED, and so on).
+#include "worker/agent/coordinator_client.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "coordinator/agent_service.h"
+
+namespace fs = std::filesystem;
+namespace loom::agent {
+namespace {
+
+ConnectionOptions At(const std::string& url) {
+  ConnectionOptions o;
+  o.url = url;
+  return o;
+}
+
+TEST(CoordinatorClientTest, AcceptsHttpAndHttpsUrlsOnly) {
+  for (const std::string url :
+       {"http://127.0.0.1:8471", "http://coord:8471/", "https://[::1]:8471", "https://coord"}) {
+    EXPECT_TRUE(CoordinatorClient::Create(At(url)).ok()) << url;
+  }
+  for (const std::string url :
+       {"127.0.0.1:8471", "grpc://coord:8471", "http://", "http://c:1/v1"}) {
+    auto c = CoordinatorClient::Create(At(url));
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << url;
+  }
+  ConnectionOptions cert_on_http{"http://127.0.0.1:8471", "", "node.pem", "node.key"};
+  EXPECT_EQ(CoordinatorClient::Create(cert_on_http).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ConnectionOptions half{"https://127.0.0.1:8471", "", "node.pem", ""};
+  EXPECT_EQ(CoordinatorClient::Create(half).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CoordinatorClientTest, CarriesTheCoordinatorsCodesAndMessages) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("loom-coordinator-client-test-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  coordinator::CoordinatorOptions options;
+  options.data_dir = (dir / "data").string();
+  options.storage_root = (dir / "storage").string();
+  auto c = coordinator::Coordinator::Open(options);
+  ASSERT_TRUE(c.ok()) << c.status();
+  coordinator::ApiOptions tokens;
+  tokens.enrolment_token = "enrolment-token-0123456789";
+  coordinator::AgentServerOptions server_options;
+  server_options.port = 0;
+  auto server = coordinator::AgentServer::Start(**c, tokens, server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client =
+      CoordinatorClient::Create(At("http://127.0.0.1:" + std::to_string((*server)->port())));
+  ASSERT_TRUE(client.ok()) << client.status();
+
+  v1::RegisterWorkerRequest req;
+  req.set_address("127.0.0.1");
+  req.set_slots(1);
+  v1::RegisterWorkerResponse resp;
+  absl::Status s = (*client)->Register("wrong-token-0123456789", req, &resp, 5000);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnauthenticated) << s;
+  EXPECT_EQ(s.message(), "invalid token");
+  ASSERT_TRUE((*client)->Register(tokens.enrolment_token, req, &resp, 5000).ok());
+  v1::HeartbeatRequest beat;
+  beat.set_worker_id(resp.worker_id());
+  v1::HeartbeatResponse answer;
+  EXPECT_TRUE((*client)->Heartbeat(resp.credential(), beat, &answer, 5000).ok());
+  s = (*client)->Heartbeat(tokens.enrolment_token, beat, &answer, 5000);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  // Nobody listening: UNAVAILABLE or DEADLINE_EXCEEDED within the deadline, never a hang.
+  const int port = (*server)->port();
+  server->reset();
+  const auto start = std::chrono::steady_clock::now();
+  s = (*client)->Heartbeat(resp.credential(), beat, &answer, 1000);
+  EXPECT_TRUE(s.code() == absl::StatusCode::kUnavailable ||
+              s.code() == absl::StatusCode::kDeadlineExceeded)
+      << s << " (port " << port << ")";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  c->reset();
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace loom::agent
