@@ -328,10 +328,8 @@ void InstallCommon(HttpServer& server, Coordinator& coordinator, const ApiOption
   // Credentials are checked as soon as the head is complete: a client without one never gets
   // to send a body. The handlers check again (and learn who the caller is).
   server.SetAuthenticator(
-      [c, options](const std::string& auth, const HttpRequest& req, HttpResponse& res) {
+      [options](const std::string& auth, const HttpRequest& req, HttpResponse& res) {
         if (auth == "user") return AuthenticateUser(req, res, options).empty();
-        if (auth == "enrolment") return !AuthenticateEnrolment(req, res, options);
-        if (auth == "worker") return AuthenticateWorker(req, res, options, *c).empty();
         SetJsonError(res, 500, "route with an unknown security scheme");
         return true;
       });
