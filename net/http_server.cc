@@ -616,7 +616,9 @@ bool HttpServer::Impl::EvictFor(Address& a) {
     auto c = it->lock();
     if (!c) continue;
     const Phase p = c->phase();
-    if (!Evictable(p) || (p != Phase::kIdle && c->phase_since() > stale)) continue;
+    // Idle ones too only once stale: a busy keep-alive client is idle for microseconds between
+    // its requests, and must not lose its connection to its own next one.
+    if (!Evictable(p) || c->phase_since() > stale) continue;
     c->Abort();
     a.active.erase(it);
     // The newest waiter: a client that just arrived gets its turn before a pile of older ones

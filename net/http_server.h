@@ -21,8 +21,8 @@
 //   within write_timeout_ms;
 // * connection caps: at most max_connections_per_address connections of one client address are
 //   served at once; a further one waits unread until one of them closes or, when one of them has
-//   spent evict_after_ms still sending its request (or sits idle between requests), takes its
-//   place (that one is closed). One address cannot hold more than its share of buffers, and a
+//   spent evict_after_ms still sending its request or idle between requests, takes its place
+//   (that one is closed). One address cannot hold more than its share of buffers, and a
 //   slow client cannot starve a well-behaved one behind the same NAT address. Beyond
 //   max_connections in all, a new connection is closed at once;
 // * Stop() ends everything: open streams (log follows, SSE) see their client as gone.
