@@ -67,9 +67,18 @@ absl::Status FromGrpc(const grpc::Status& s) {
 
 }  // namespace
 
+// The stub and its channel. A channel that has failed kUnavailableCallsBeforeNewChannel calls in
+// a row with UNAVAILABLE is replaced by a fresh one: whatever state the old one's reconnection is
+// in (backoff, a resolver waiting out its interval), the new one connects at its first call, so
+// an agent is never kept from a coordinator that is back by more than a few beats.
 class CoordinatorClient::Stub {
  public:
-  explicit Stub(std::shared_ptr<grpc::Channel> channel) : stub_(v1::Agent::NewStub(channel)) {}
+  static constexpr int kUnavailableCallsBeforeNewChannel = 3;
+
+  Stub(std::string target, std::shared_ptr<grpc::ChannelCredentials> creds)
+      : target_(std::move(target)), creds_(std::move(creds)) {
+    Connect();
+  }
 
   template <typename Req, typename Resp, typename Method>
   absl::Status Call(Method method, const std::string& token, const Req& req, Resp* resp,
@@ -77,10 +86,22 @@ class CoordinatorClient::Stub {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
     context.AddMetadata("authorization", "Bearer " + token);
-    return FromGrpc((stub_.get()->*method)(&context, req, resp));
+    absl::Status s = FromGrpc((stub_.get()->*method)(&context, req, resp));
+    unavailable_ = s.code() == absl::StatusCode::kUnavailable ? unavailable_ + 1 : 0;
+    if (unavailable_ >= kUnavailableCallsBeforeNewChannel) Connect();
+    return s;
   }
 
+ private:
+  void Connect() {
+    stub_ = v1::Agent::NewStub(grpc::CreateCustomChannel(target_, creds_, ChannelArgs()));
+    unavailable_ = 0;
+  }
+
+  const std::string target_;
+  const std::shared_ptr<grpc::ChannelCredentials> creds_;
   std::unique_ptr<v1::Agent::Stub> stub_;
+  int unavailable_ = 0;  // calls in a row that ended UNAVAILABLE on this channel
 };
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
@@ -117,7 +138,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
   }
   std::unique_ptr<CoordinatorClient> client(new CoordinatorClient());
   client->url_ = options.url;
-  client->stub_ = std::make_unique<Stub>(grpc::CreateCustomChannel(target, creds, ChannelArgs()));
+  client->stub_ = std::make_unique<Stub>(target, creds);
   return client;
 }
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <thread>
 
 #include "coordinator/agent_service.h"
 
@@ -69,8 +70,22 @@ TEST(CoordinatorClientTest, CarriesTheCoordinatorsCodesAndMessages) {
   EXPECT_TRUE((*client)->Heartbeat(resp.credential(), beat, &answer, 5000).ok());
   s = (*client)->Heartbeat(tokens.enrolment_token, beat, &answer, 5000);
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
-  // Nobody listening: UNAVAILABLE or DEADLINE_EXCEEDED within the deadline, never a hang.
+  // The coordinator goes away and comes back on the same port: the agent is served again within
+  // a few beats of its return (fresh channels after repeated UNAVAILABLE, short backoff).
   const int port = (*server)->port();
+  server->reset();
+  for (int i = 0; i < 5; ++i) (void)(*client)->Heartbeat(resp.credential(), beat, &answer, 500);
+  server_options.port = port;
+  server = coordinator::AgentServer::Start(**c, tokens, server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const auto back = std::chrono::steady_clock::now();
+  while (!(*client)->Heartbeat(resp.credential(), beat, &answer, 1000).ok() &&
+         std::chrono::steady_clock::now() - back < std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - back, std::chrono::seconds(3))
+      << "the agent took this long to reach a coordinator that was back";
+  // Nobody listening: UNAVAILABLE or DEADLINE_EXCEEDED within the deadline, never a hang.
   server->reset();
   const auto start = std::chrono::steady_clock::now();
   s = (*client)->Heartbeat(resp.credential(), beat, &answer, 1000);
