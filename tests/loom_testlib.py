@@ -326,10 +326,16 @@ class AgentClient:
         grpc, json_format, _, control_pb2 = self._modules
         request = json_format.ParseDict(body or {}, getattr(control_pb2, request_type)())
         metadata = [("authorization", "Bearer " + token)] if token else []
-        try:
-            response = getattr(self.stub, method)(request, metadata=metadata, timeout=self.timeout)
-        except grpc.RpcError as e:
-            return e.code().name, None, e.details() or ""
+        for attempt in range(3):
+            try:
+                response = getattr(self.stub, method)(request, metadata=metadata, timeout=self.timeout)
+                break
+            except grpc.RpcError as e:
+                # A connection to a coordinator that was killed fails its next call with
+                # UNAVAILABLE before the channel notices; like the agents, try again.
+                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == 2:
+                    return e.code().name, None, e.details() or ""
+                time.sleep(0.5)
         return "OK", json_format.MessageToDict(response, preserving_proto_field_name=True,
                                                including_default_value_fields=True), ""
 
@@ -420,6 +426,7 @@ class Service:
                 time.sleep(0.02)
             if p.poll() is None and read_port_file(port_file) and read_port_file(agent_port_file):
                 self.coordinator = p
+                self._agent = None  # a new process: a new channel
                 self.port, self.agent_port = read_port_file(port_file), read_port_file(agent_port_file)
                 self.api.port = self.port
                 return self.port, self.agent_port
