@@ -5,12 +5,10 @@
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "base/read_file.h"
 #include "loom/v1/agent.grpc.pb.h"
 
 namespace loom::coordinator {
@@ -43,16 +41,6 @@ void CountCall(Coordinator& coordinator, const std::string& path, absl::StatusCo
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
-
-absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  if (!in || text.str().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
-  }
-  return text.str();
 }
 
 std::string SliceString(const grpc_slice& s) {
@@ -275,13 +263,13 @@ absl::StatusOr<grpc_server_credentials*> MakeCoreCredentials(const AgentServerOp
     }
     return grpc_insecure_server_credentials_create();
   }
-  absl::StatusOr<std::string> cert = ReadPem(o.tls_cert, "--tls-cert");
+  absl::StatusOr<std::string> cert = ReadNonEmptyFile(o.tls_cert, "--tls-cert");
   if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPem(o.tls_key, "--tls-key");
+  absl::StatusOr<std::string> key = ReadNonEmptyFile(o.tls_key, "--tls-key");
   if (!key.ok()) return key.status();
   std::string client_ca;
   if (!o.client_ca.empty()) {
-    absl::StatusOr<std::string> ca = ReadPem(o.client_ca, "--client-ca");
+    absl::StatusOr<std::string> ca = ReadNonEmptyFile(o.client_ca, "--client-ca");
     if (!ca.ok()) return ca.status();
     client_ca = *ca;
   }

@@ -3,39 +3,28 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "base/read_file.h"
 #include "loom/v1/agent.grpc.pb.h"
 
 namespace loom::agent {
 namespace {
 
-absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  if (!in || text.str().empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
-  }
-  return text.str();
-}
-
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
     const ConnectionOptions& o) {
   grpc::SslCredentialsOptions ssl;
   if (!o.ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPem(o.ca_file, "--ca-file");
+    absl::StatusOr<std::string> ca = ReadNonEmptyFile(o.ca_file, "--ca-file");
     if (!ca.ok()) return ca.status();
     ssl.pem_root_certs = *ca;
   }
   if (!o.client_cert.empty()) {
-    absl::StatusOr<std::string> cert = ReadPem(o.client_cert, "--client-cert");
+    absl::StatusOr<std::string> cert = ReadNonEmptyFile(o.client_cert, "--client-cert");
     if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPem(o.client_key, "--client-key");
+    absl::StatusOr<std::string> key = ReadNonEmptyFile(o.client_key, "--client-key");
     if (!key.ok()) return key.status();
     ssl.pem_cert_chain = *cert;
     ssl.pem_private_key = *key;
