@@ -201,8 +201,10 @@ class HttpServer::Impl {
   void Accept();
   void Admit(tcp::socket socket);
   void Sweep();
-  // Under mutex_: displaces one stale connection of `a` for its first waiter; true if it did.
-  bool EvictFor(Address& a);
+  // Under mutex_: displaces one stale connection of `a` for its newest waiter; true if it did.
+  // The connections it looked at go to `keep`, which the caller destroys after unlocking (the
+  // last reference may be there, and a connection's destructor takes mutex_).
+  bool EvictFor(Address& a, std::vector<std::shared_ptr<Connection>>& keep);
 
   // Declared before the event loop: connections that die with it still release their places.
   std::mutex mutex_;
@@ -590,6 +592,7 @@ void HttpServer::Impl::Admit(tcp::socket socket) {
     c = std::make_shared<ConnectionOn<beast::tcp_stream>>(this, address,
                                                           beast::tcp_stream(std::move(socket)));
   }
+  std::vector<std::shared_ptr<Connection>> keep;  // destroyed after the lock below
   std::unique_lock<std::mutex> lock(mutex_);
   if (open_ >= options_.max_connections) {
     lock.unlock();
@@ -606,15 +609,16 @@ void HttpServer::Impl::Admit(tcp::socket socket) {
     return c->Begin();
   }
   a.waiting.push_back(c);
-  EvictFor(a);
+  EvictFor(a, keep);
 }
 
-bool HttpServer::Impl::EvictFor(Address& a) {
+bool HttpServer::Impl::EvictFor(Address& a, std::vector<std::shared_ptr<Connection>>& keep) {
   if (a.waiting.empty()) return false;
   const auto stale = Clock::now() - Ms(options_.evict_after_ms);
   for (auto it = a.active.begin(); it != a.active.end(); ++it) {
     auto c = it->lock();
     if (!c) continue;
+    keep.push_back(c);
     const Phase p = c->phase();
     // Idle ones too only once stale: a busy keep-alive client is idle for microseconds between
     // its requests, and must not lose its connection to its own next one.
@@ -634,14 +638,14 @@ bool HttpServer::Impl::EvictFor(Address& a) {
 
 void HttpServer::Impl::Release(Connection* c) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = addresses_.find(c->address());
-  if (!c->counted || it == addresses_.end()) return;  // refused at the global cap
+  if (!c->counted) return;  // refused at the global cap
   --open_;
+  auto it = addresses_.find(c->address());
+  if (it == addresses_.end()) return;
   Address& a = it->second;
-  a.active.remove_if([c](const std::weak_ptr<Connection>& w) {
-    auto s = w.lock();
-    return s == nullptr || s.get() == c;
-  });
+  // `c` is being destroyed, so its entry has expired (nothing is locked here: a lock could
+  // hold the last reference of another connection, whose destructor takes mutex_ again).
+  a.active.remove_if([](const std::weak_ptr<Connection>& w) { return w.expired(); });
   while (!a.waiting.empty() &&
          static_cast<int>(a.active.size()) < options_.max_connections_per_address) {
     auto next = a.waiting.back();
@@ -657,9 +661,10 @@ void HttpServer::Impl::Release(Connection* c) {
 void HttpServer::Impl::Sweep() {
   if (stopping_) return;
   {
+    std::vector<std::shared_ptr<Connection>> keep;  // destroyed after the lock below
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& [address, a] : addresses_) {
-      while (EvictFor(a)) {
+      while (EvictFor(a, keep)) {
       }
       const auto expired = Clock::now() - Ms(options_.head_timeout_ms);
       while (!a.waiting.empty() && a.waiting.front()->phase_since() < expired) {
