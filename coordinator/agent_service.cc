@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "base/read_file.h"
 #include "loom/v1/agent.grpc.pb.h"
 
@@ -343,5 +344,7 @@ void AgentServer::Shutdown(std::chrono::milliseconds grace) {
 }
 
 int64_t AgentServer::handled_calls() const { return service_ ? service_->handled() : 0; }
+
+void QuietMutexDebugging() { absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore); }
 
 }  // namespace loom::coordinator

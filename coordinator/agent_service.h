@@ -76,6 +76,11 @@ class AgentServer {
   bool tls_ = false;
 };
 
+// Debian's abseil is built without NDEBUG, so every absl::Mutex that gRPC takes also runs
+// deadlock detection (a process-wide graph behind a global lock): about 5 % of the CPU of a
+// heartbeat in loom-bench-agents. Processes that serve the agent port turn it off at start.
+void QuietMutexDebugging();
+
 }  // namespace loom::coordinator
 
 #endif  // LOOM_COORDINATOR_AGENT_SERVICE_H_

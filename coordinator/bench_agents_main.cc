@@ -3,8 +3,11 @@
 // register, then heartbeat as fast as the client threads let them (or at a target rate) for a
 // fixed time. Prints heartbeats/s and the latency percentiles, against the target
 // (>= 5 000 heartbeats/s, p99 < 50 ms). Client and server share this machine's cores.
+// --running: every agent hosts a running one-rank job and each heartbeat reports it as a real
+// agent does (rank status, progress, one step point), so each one writes job state to RocksDB.
 //
 //   loom-bench-agents [--agents 512] [--threads 32] [--seconds 10] [--rate 0 (as fast as possible)]
+//                     [--running]
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -14,6 +17,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,6 +38,8 @@ constexpr char kEnrolment[] = "bench-enrolment-token-0123456789";
 
 struct Agent {
   std::string id, credential;
+  std::string job;  // --running: the job placed on it (attempt 1)
+  int64_t step = 0;
 };
 
 grpc::Status Call(v1::Agent::Stub& stub, const std::string& token, const v1::HeartbeatRequest& req,
@@ -44,21 +50,69 @@ grpc::Status Call(v1::Agent::Stub& stub, const std::string& token, const v1::Hea
   return stub.Heartbeat(&context, req, resp);
 }
 
-absl::StatusOr<std::vector<Agent>> RegisterAgents(v1::Agent::Stub& stub, int n) {
+absl::StatusOr<std::vector<Agent>> RegisterAgents(v1::Agent::Stub& stub, int n, int slots) {
   std::vector<Agent> agents;
   for (int i = 0; i < n; ++i) {
     v1::RegisterWorkerRequest req;
     req.set_name(absl::StrCat("bench-", i));
     req.set_address(absl::StrCat("10.0.", i / 256, ".", i % 256));
-    req.set_slots(8);
+    req.set_slots(slots);
     v1::RegisterWorkerResponse resp;
     grpc::ClientContext context;
     context.AddMetadata("authorization", std::string("Bearer ") + kEnrolment);
     grpc::Status s = stub.Register(&context, req, &resp);
     if (!s.ok()) return absl::UnavailableError(absl::StrCat("register: ", s.error_message()));
-    agents.push_back({resp.worker_id(), resp.credential()});
+    Agent a;
+    a.id = resp.worker_id();
+    a.credential = resp.credential();
+    agents.push_back(std::move(a));
   }
   return agents;
+}
+
+// One one-rank job per agent, placed by the coordinator's own scheduler.
+absl::Status PlaceJobs(Coordinator& coordinator, std::vector<Agent>& agents) {
+  std::map<std::string, Agent*> by_id;
+  for (Agent& a : agents) by_id[a.id] = &a;
+  std::vector<std::string> ids;
+  for (size_t i = 0; i < agents.size(); ++i) {
+    v1::SubmitJobRequest r;
+    r.mutable_spec()->set_preset("micro");
+    r.mutable_spec()->set_steps(1000000);
+    r.set_world_size(1);
+    LOOM_ASSIGN_OR_RETURN(v1::SubmitJobResponse job, coordinator.Submit(r, "bench"));
+    ids.push_back(job.id());
+  }
+  coordinator.Tick();
+  for (const std::string& id : ids) {
+    LOOM_ASSIGN_OR_RETURN(v1::Job j, coordinator.GetJob(id));
+    if (j.placement_size() != 1) return absl::InternalError(absl::StrCat(id, " not placed"));
+    by_id.at(j.placement(0).worker_id())->job = id;
+  }
+  return absl::OkStatus();
+}
+
+// What a real agent reports for its running rank: status, progress and the new step point.
+void ReportRunning(Agent& a, v1::HeartbeatRequest& req) {
+  if (a.job.empty()) return;
+  v1::AttemptReport* r = req.add_attempts();
+  r->set_job_id(a.job);
+  r->set_attempt(1);
+  r->set_master_port(30000);
+  v1::RankStatus* rank = r->add_ranks();
+  rank->set_rank(0);
+  rank->set_running(true);
+  ++a.step;
+  r->mutable_progress()->set_step(a.step);
+  r->mutable_progress()->set_total_steps(1000000);
+  r->mutable_progress()->set_loss(3.0);
+  r->mutable_progress()->set_update_time_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                std::chrono::system_clock::now().time_since_epoch())
+                                                .count());
+  r->set_steps_offset(a.step - 1);
+  v1::StepPoint* p = r->add_steps();
+  p->set_step(a.step);
+  p->set_loss(3.0);
 }
 
 struct Result {
@@ -68,10 +122,10 @@ struct Result {
 
 // One client thread: heartbeats for agents[first], agents[first + stride], ... in turn, each on
 // its own channel (an agent keeps one connection), paced to `rate_per_thread` when > 0.
-Result Drive(const std::string& target, const std::vector<Agent>& agents, int first, int stride,
+Result Drive(const std::string& target, std::vector<Agent>& agents, int first, int stride,
              SteadyClock::time_point end, double rate_per_thread) {
   std::vector<std::unique_ptr<v1::Agent::Stub>> stubs;
-  std::vector<const Agent*> mine;
+  std::vector<Agent*> mine;
   for (size_t i = first; i < agents.size(); i += stride) {
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection per simulated agent
@@ -89,6 +143,7 @@ Result Drive(const std::string& target, const std::vector<Agent>& agents, int fi
     }
     v1::HeartbeatRequest req;
     req.set_worker_id(mine[k]->id);
+    ReportRunning(*mine[k], req);
     v1::HeartbeatResponse resp;
     const auto start = SteadyClock::now();
     grpc::Status s = Call(*stubs[k], mine[k]->credential, req, &resp);
@@ -110,12 +165,14 @@ double Percentile(std::vector<double>& v, double p) {
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args,
-                        CliArgs::Parse(argc, argv, 1, {"agents", "threads", "seconds", "rate"}));
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args,
+      CliArgs::Parse(argc, argv, 1, {"agents", "threads", "seconds", "rate"}, {"running"}));
   LOOM_ASSIGN_OR_RETURN(int64_t n_agents, args.GetInt("agents", 512, 1, 100000));
   LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 32, 1, 1024));
   LOOM_ASSIGN_OR_RETURN(int64_t seconds, args.GetInt("seconds", 10, 1, 3600));
   LOOM_ASSIGN_OR_RETURN(double rate, args.GetDouble("rate", 0, 0, 1e7));
+  const bool running = args.Has("running");
   const fs::path dir = fs::temp_directory_path() / absl::StrCat("loom-bench-agents-", ::getpid());
   fs::remove_all(dir);
   CoordinatorOptions options;
@@ -133,7 +190,8 @@ absl::Status Run(int argc, char** argv) {
   auto registrar =
       v1::Agent::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   LOOM_ASSIGN_OR_RETURN(std::vector<Agent> agents,
-                        RegisterAgents(*registrar, static_cast<int>(n_agents)));
+                        RegisterAgents(*registrar, static_cast<int>(n_agents), running ? 1 : 8));
+  if (running) LOOM_RETURN_IF_ERROR(PlaceJobs(*coordinator, agents));
 
   const auto end = SteadyClock::now() + std::chrono::seconds(seconds);
   std::vector<Result> results(static_cast<size_t>(threads));
@@ -153,9 +211,10 @@ absl::Status Run(int argc, char** argv) {
   const double per_second =
       static_cast<double>(all.latencies_ms.size()) / static_cast<double>(seconds);
   const double p50 = Percentile(all.latencies_ms, 0.50), p99 = Percentile(all.latencies_ms, 0.99);
-  std::printf("agents %lld, client threads %lld, %lld s, target rate %s\n",
-              static_cast<long long>(n_agents), static_cast<long long>(threads),
-              static_cast<long long>(seconds), rate > 0 ? absl::StrCat(rate, "/s").c_str() : "max");
+  std::printf("agents %lld%s, client threads %lld, %lld s, target rate %s\n",
+              static_cast<long long>(n_agents), running ? " (each reporting a running job)" : "",
+              static_cast<long long>(threads), static_cast<long long>(seconds),
+              rate > 0 ? absl::StrCat(rate, "/s").c_str() : "max");
   std::printf("heartbeats/s %.0f (failures %lld); latency p50 %.2f ms, p99 %.2f ms\n", per_second,
               static_cast<long long>(all.failures), p50, p99);
   std::printf("against the target (>= 5000/s, p99 < 50 ms): rate x%.2f, p99 x%.2f\n",
@@ -171,6 +230,7 @@ absl::Status Run(int argc, char** argv) {
 }  // namespace loom::coordinator
 
 int main(int argc, char** argv) {
+  loom::coordinator::QuietMutexDebugging();
   absl::Status s = loom::coordinator::Run(argc, argv);
   if (!s.ok()) {
     std::cerr << "loom-bench-agents: " << s.message() << std::endl;

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <random>
 #include <set>
 
@@ -75,6 +76,10 @@ void DeclareMetrics(metrics::Registry& r) {
   r.DeclareCounter("loom_coordinator_workers_lost_total", "Workers marked lost");
   r.DeclareCounter("loom_coordinator_outages_forgiven_total",
                    "Pauses of the coordinator itself not counted against its workers' silence");
+  r.DeclareGauge("loom_coordinator_loss_detection_held",
+                 "1 while every alive worker is silent at once (a partition of the coordinator): "
+                 "none is marked lost until the lease lapses");
+  r.Set("loom_coordinator_loss_detection_held", 0);
   r.DeclareCounter("loom_coordinator_http_requests_total", "HTTP requests by route and status");
   r.DeclareCounter("loom_coordinator_store_errors_total", "Failed RocksDB writes");
   // Label-less counters start at 0, so rate() and increase() see them from the first scrape.
@@ -227,6 +232,7 @@ absl::Status Coordinator::Load() {
   // Restarted: every known worker gets a fresh grace period to heartbeat again.
   const int64_t now = NowMs();
   for (auto& [id, w] : workers_) w.set_last_heartbeat_ms(now);
+  IndexPlacementsLocked();
   // Retention decided before a crash but not carried out yet.
   for (const auto& [id, c] : checkpoints_) {
     std::error_code ec;
@@ -1668,9 +1674,14 @@ void Coordinator::ReconcileReportLocked(Txn& txn, const std::string& worker,
 
 void Coordinator::AssignLocked(const std::string& worker, const v1::HeartbeatRequest& request,
                                v1::HeartbeatResponse& response) const {
+  auto placed = placed_on_.find(worker);
+  if (placed == placed_on_.end()) return;
   std::set<std::pair<std::string, int>> reported;
   for (const v1::AttemptReport& r : request.attempts()) reported.insert({r.job_id(), r.attempt()});
-  for (const auto& [id, job] : jobs_) {
+  for (const std::string& id : placed->second) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) continue;
+    const v1::Job& job = it->second;
     if (!IsActive(job) || Contains(job.finished_workers(), worker)) continue;
     const v1::Placement* p = PlacementOf(job, worker);
     if (p == nullptr) continue;
@@ -1758,8 +1769,10 @@ bool Coordinator::AwaitingReportsAfterRestart() const {
 
 std::vector<FreeWorker> Coordinator::FreeWorkersLocked() const {
   std::vector<FreeWorker> free;
+  const int64_t now = NowMs();
   for (const auto& [id, w] : workers_) {
-    if (!IsAlive(w)) continue;
+    // A silent worker is not placed on even while loss detection holds (AllWorkersSilent).
+    if (!IsAlive(w) || now - w.last_heartbeat_ms() > options_.lost_after_ms) continue;
     FreeWorker f;
     f.id = id;
     f.labels.insert(w.labels().begin(), w.labels().end());
@@ -1783,6 +1796,19 @@ const v1::CheckpointEntry* Coordinator::NewestIntactCheckpoint(const v1::Job& jo
 }
 
 // The job's next attempt on the gang's workers, resuming from its newest intact checkpoint.
+// Worker -> the active jobs placed on it, in id order: what a heartbeat's assignments are drawn
+// from, instead of every job ever submitted (a scan of all of them per heartbeat made 512
+// agents' heartbeats quadratic). Placements are made only by the scheduling pass and read at
+// load, so it is rebuilt after both; placements cleared in between leave entries that
+// AssignLocked skips.
+void Coordinator::IndexPlacementsLocked() {
+  placed_on_.clear();
+  for (const auto& [id, job] : jobs_) {
+    if (!IsActive(job)) continue;
+    for (const v1::Placement& p : job.placement()) placed_on_[p.worker_id()].push_back(id);
+  }
+}
+
 void Coordinator::StartAttemptLocked(Txn& txn, const GangPlacement& g, int64_t now) {
   v1::Job& job = jobs_[g.job_id];
   Save(txn, job);
@@ -1835,13 +1861,45 @@ void Coordinator::ScheduleLocked(Txn& txn) {
 
 void Coordinator::MarkSilentWorkersLost(Txn& txn) {
   const int64_t now = NowMs();
+  if (AllWorkersSilent(now)) return;
   for (auto& [id, w] : workers_) {
-    if (IsAlive(w) && now - w.last_heartbeat_ms() > options_.lost_after_ms) {
+    const int64_t silent_since = std::max(w.last_heartbeat_ms(), hold_ended_ms_);
+    if (IsAlive(w) && now - silent_since > options_.lost_after_ms) {
       MarkWorkerLost(
           txn, w,
           absl::StrCat("lost: no heartbeat for ", (now - w.last_heartbeat_ms()) / 1000, " s"));
     }
   }
+}
+
+// Every alive worker silent at once, and still within the lease of the newest heartbeat: more
+// likely this coordinator's link is cut than every node gone at once. Marking them lost would
+// fail every running attempt although their ranks train on; once the lease has lapsed they have
+// stopped either way, and loss detection resumes (the fence is the same: last heartbeat + lease).
+bool Coordinator::AllWorkersSilent(int64_t now) {
+  int alive = 0;
+  int64_t newest = 0;
+  for (const auto& [id, w] : workers_) {
+    if (!IsAlive(w)) continue;
+    ++alive;
+    newest = std::max(newest, w.last_heartbeat_ms());
+  }
+  const bool hold = options_.all_silent_min_workers > 0 &&
+                    alive >= options_.all_silent_min_workers &&
+                    now - newest > options_.lost_after_ms / 2 && now - newest <= options_.lease_ms;
+  if (hold && !holding_loss_detection_) {
+    std::cerr << "coordinator: all " << alive << " alive workers silent for "
+              << (now - newest) / 1000 << " s: holding loss detection (a partition of this "
+              << "coordinator?) until the lease lapses\n";
+  }
+  if (!hold && holding_loss_detection_ && now - newest <= options_.lease_ms) {
+    // Someone was heard: the link is back, and the others' beats follow within a probe or two.
+    // They get lost_after_ms from now (their fence still counts from their last heartbeat).
+    hold_ended_ms_ = now;
+  }
+  holding_loss_detection_ = hold;
+  registry_.Set("loom_coordinator_loss_detection_held", hold ? 1 : 0);
+  return hold;
 }
 
 // A coordinator that could not run (SIGSTOP, a VM pause, a swap storm) heard nobody meanwhile:
@@ -1870,6 +1928,7 @@ void Coordinator::Tick() {
     MarkSilentWorkersLost(txn);
     ScheduleLocked(txn);
     (void)Commit(txn);  // on failure memory is restored; the next tick tries again
+    IndexPlacementsLocked();
     deletes.swap(pending_deletes_);
   }
   DeleteDirectories(std::move(deletes));  // retention, without holding the lock

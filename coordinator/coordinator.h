@@ -44,6 +44,11 @@ struct CoordinatorOptions {
   // Fencing: a lost worker's jobs are placed again only once its ranks' lease has certainly
   // run out (last heartbeat + lease_ms), and this much later still (a rank slow to die).
   int term_grace_ms = 5000;
+  // When at least this many alive workers are all silent at once (none heard for half of
+  // lost_after_ms), the silence is taken for the coordinator's own partition: none is marked
+  // lost until the newest heartbeat is lease_ms old (their ranks run on meanwhile), as the
+  // Kubernetes node controller stops evicting in a full disruption. 0 = never hold.
+  int all_silent_min_workers = 2;
   int max_infra_restarts = 20;  // attempts a job may lose to lost or restarted workers
   // A job whose spec leaves checkpoint.interval_seconds 0 checkpoints this often: a lost worker
   // then costs at most this much of its work.
@@ -203,6 +208,8 @@ class Coordinator {
   void MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string& reason);
   void ForgiveOwnOutage();
   void MarkSilentWorkersLost(Txn& txn);
+  bool AllWorkersSilent(int64_t now);
+  void IndexPlacementsLocked();
   absl::StatusOr<std::string> RegisteringIdLocked(Txn& txn, const v1::RegisterWorkerRequest& r);
   std::string IssueCredential(Txn& txn, const std::string& worker_id);
   void RevokeCredential(Txn& txn, const std::string& worker_id);
@@ -271,6 +278,9 @@ class Coordinator {
   // When the background loop last ran (steady clock): a longer gap is the coordinator's own
   // outage, not its workers' silence (ForgiveOwnOutage).
   std::chrono::steady_clock::time_point last_tick_{};
+  bool holding_loss_detection_ = false;  // AllWorkersSilent held at the last tick
+  int64_t hold_ended_ms_ = 0;            // when a worker was last heard after such a hold
+  std::map<std::string, std::vector<std::string>> placed_on_;  // IndexPlacementsLocked
 };
 
 }  // namespace loom::coordinator

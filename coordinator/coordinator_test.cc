@@ -408,6 +408,80 @@ TEST_F(CoordinatorTest, TheCoordinatorsOwnPauseIsForgiven) {
   (void)w;
 }
 
+// Every alive worker silent at once looks like the coordinator's own partition: none is marked
+// lost (their ranks train on) and nothing new is placed on them, until one is heard again (the
+// others are then lost as usual) or the lease of the newest heartbeat lapses.
+TEST_F(CoordinatorTest, AWholeClusterFallingSilentIsHeldUntilTheLeaseLapses) {
+  options_.heartbeat_interval_ms = 100;
+  options_.lost_after_ms = 1000;
+  options_.lease_ms = 5000;
+  options_.term_grace_ms = 400;
+  Reopen();
+  auto state = [&](const std::string& id) {
+    const absl::StatusOr<v1::ListWorkersResponse> list = c_->ListWorkers();
+    if (!list.ok()) return list.status().ToString();
+    for (const v1::Worker& w : list->workers()) {
+      if (w.id() == id) return w.state();
+    }
+    return std::string("?");
+  };
+  const std::string a = RegisterWorker("a", 1);
+  const std::string b = RegisterWorker("b", 1);
+  const std::string id = Submit(MicroJob(1));
+  c_->Tick();
+  const std::string w1 = Job(id).placement(0).worker_id();  // runs the job
+  const std::string w2 = w1 == a ? b : a;
+  Beat(w1, id, 1, {{0, -1}}, {10}, 30000);
+  Beat(w2, "", 0, {});
+  const int64_t cut = clock_->NowMs();
+  for (int i = 0; i < 30; ++i) {  // 3 s of silence from both: held
+    clock_->Advance(100);
+    c_->Tick();
+  }
+  const std::string queued = Submit(MicroJob(1));
+  c_->Tick();
+  EXPECT_EQ(state(w1), "alive");
+  EXPECT_EQ(state(w2), "alive");
+  EXPECT_EQ(Job(id).state(), "running");
+  EXPECT_EQ(Job(queued).state(), "queued") << "placed on a worker nobody has heard for 3 s";
+  // w2 is heard again: the link is back. w1 gets lost_after from then to be heard too (its beat
+  // follows within a probe), and is lost after that; its fence still counts from its last beat.
+  Beat(w2, "", 0, {});
+  c_->Tick();
+  const int64_t heal = clock_->NowMs();
+  while (state(w1) == "alive") {
+    ASSERT_LE(clock_->NowMs() - heal, 1000) << "w1 still alive";
+    clock_->Advance(100);
+    Beat(w2, "", 0, {});
+    c_->Tick();
+  }
+  EXPECT_GT(clock_->NowMs() - heal, 1000) << "lost before lost_after from the heal";
+  EXPECT_EQ(state(w1), "lost");
+  EXPECT_EQ(state(w2), "alive");
+  EXPECT_EQ(Job(id).not_before_ms(), cut + 5000 + 400) << "the fence is unchanged by the hold";
+  // Two silent again (a third worker joins w2): held only until the newest heartbeat's lease.
+  const std::string w3 = RegisterWorker("c", 1);
+  const int64_t last = clock_->NowMs();
+  while (clock_->NowMs() - last <= 5000) {
+    EXPECT_EQ(state(w2), "alive") << (clock_->NowMs() - last) << " ms in";
+    clock_->Advance(100);
+    c_->Tick();
+  }
+  EXPECT_EQ(state(w2), "lost");
+  EXPECT_EQ(state(w3), "lost");
+  // Off: the same silence marks workers lost after lost_after.
+  options_.all_silent_min_workers = 0;
+  Reopen();
+  const std::string w4 = RegisterWorker("d", 1);
+  const std::string w5 = RegisterWorker("e", 1);
+  Beat(w4, "", 0, {});
+  Beat(w5, "", 0, {});
+  clock_->Advance(1100);
+  c_->Tick();
+  EXPECT_EQ(state(w4), "lost");
+  EXPECT_EQ(state(w5), "lost");
+}
+
 TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
   options_.lost_after_ms = 300;
   options_.lease_ms = 150;

@@ -39,6 +39,9 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --lease-ms N            its ranks keep running this long without reaching the coordinator
                           (default 90000): a coordinator outage shorter than this costs no work;
                           a lost worker's jobs run elsewhere only once it has passed
+  --all-silent-min-workers N   when at least N alive workers (default 2) are all silent at
+                          once, none is marked lost until the lease lapses: the silence is
+                          more likely this coordinator's partition (0 = never hold)
   --term-grace-ms N       after a worker is lost, wait this long more before its jobs run
                           elsewhere (default 5000)
   --max-infra-restarts N  attempts a job may lose to lost or restarted workers (default 20)
@@ -105,6 +108,7 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
                          "heartbeat-ms",
                          "lost-after-ms",
                          "lease-ms",
+                         "all-silent-min-workers",
                          "term-grace-ms",
                          "max-infra-restarts",
                          "checkpoint-interval-seconds",
@@ -136,6 +140,7 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   LOOM_ASSIGN_OR_RETURN(int64_t hb, args.GetInt("heartbeat-ms", 1000, 50, 600000));
   LOOM_ASSIGN_OR_RETURN(int64_t lost, args.GetInt("lost-after-ms", 10000, 200, 86400000));
   LOOM_ASSIGN_OR_RETURN(int64_t lease, args.GetInt("lease-ms", 90000, 200, 86400000));
+  LOOM_ASSIGN_OR_RETURN(int64_t all_silent, args.GetInt("all-silent-min-workers", 2, 0, 1000000));
   LOOM_ASSIGN_OR_RETURN(int64_t grace, args.GetInt("term-grace-ms", 5000, 0, 3600000));
   LOOM_ASSIGN_OR_RETURN(int64_t infra, args.GetInt("max-infra-restarts", 20, 0, 100000));
   LOOM_ASSIGN_OR_RETURN(options.checkpoint_interval_seconds,
@@ -159,6 +164,7 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   options.heartbeat_interval_ms = static_cast<int>(hb);
   options.lost_after_ms = static_cast<int>(lost);
   options.term_grace_ms = static_cast<int>(grace);
+  options.all_silent_min_workers = static_cast<int>(all_silent);
   options.max_infra_restarts = static_cast<int>(infra);
   options.scheduler.reserve_after_ms = reserve * 1000;
   return settings;
@@ -271,6 +277,7 @@ int main(int argc, char** argv) {
   const sigset_t set = loom::coordinator::StopSignals();
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  loom::coordinator::QuietMutexDebugging();
   absl::Status s = loom::coordinator::Run(argc, argv);
   if (!s.ok()) {
     std::cerr << "loom-coordinator: " << s.message() << "\n";

@@ -11,7 +11,6 @@
    at no sampled instant (every 50 ms) do two attempts of the job run.
 """
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -21,8 +20,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import (Service, control_plane_arg_parser, loom_trainers, proc_state, stop_all,  # noqa: E402
-                          wait_for)
+from loom_testlib import (Service, control_plane_arg_parser, loom_trainers, proc_state, rank_log_step,  # noqa: E402
+                          stop_all, wait_for)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -35,21 +34,6 @@ def job_body(steps, interval=50):
             "data": {"corpus_bytes": 65536}, "eval": {"batches": 1},
             "checkpoint": {"interval": interval, "keep_last": 2}, "metrics": {"log_every": 5}}
     return {"spec": spec, "world_size": 1, "pool": {"pool": "cpu"}}
-
-
-def rank_log_step(tmp, job_id):
-    """The newest step in the job's rank logs on disk (what the rank did, whatever the
-    coordinator knows)."""
-    newest = 0
-    for path in glob.glob(os.path.join(tmp, "*", "**", job_id, "**", "*.jsonl"), recursive=True):
-        with open(path, errors="replace") as f:
-            for line in f:
-                if '"event":"step"' in line:
-                    try:
-                        newest = max(newest, int(json.loads(line)["step"]))
-                    except (ValueError, KeyError):
-                        pass
-    return newest
 
 
 def case_coordinator_paused(args, tmp):

@@ -3,6 +3,7 @@ the published format (and verifying them: CRC-32C), parsing the trainer's JSON-l
 free ports, finding trainer processes, and starting the control plane (coordinator + agents)."""
 import http.client
 import argparse
+import glob
 import json
 import os
 import re
@@ -164,6 +165,21 @@ def loom_trainers(root=None):
     return out
 
 
+def rank_log_step(tmp, job_id):
+    """The newest step in the job's rank logs on disk (what the rank did, whatever the
+    coordinator knows)."""
+    newest = 0
+    for path in glob.glob(os.path.join(tmp, "*", "**", job_id, "**", "*.jsonl"), recursive=True):
+        with open(path, errors="replace") as f:
+            for line in f:
+                if '"event":"step"' in line:
+                    try:
+                        newest = max(newest, int(json.loads(line)["step"]))
+                    except (ValueError, KeyError):
+                        pass
+    return newest
+
+
 def kill_trainers_under(root):
     """SIGKILLs loom-train processes this suite's agents left under root (a safety net)."""
     for t in loom_trainers(root):
@@ -199,12 +215,13 @@ class Api:
     """A JSON client for one listener of the coordinator: request() returns (status, parsed JSON
     or None, text); token is the default bearer token (None: no Authorization header)."""
 
-    def __init__(self, port, token=None):
+    def __init__(self, port, token=None, host="127.0.0.1"):
         self.port = port
         self.token = token
+        self.host = host
 
     def request(self, method, path, body=None, token="default", raw=None, headers=None, timeout=30):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         h = dict(headers or {})
         token = self.token if token == "default" else token
         if token:
@@ -369,10 +386,14 @@ def control_plane_arg_parser():
 
 class Service:
     """A coordinator (user listener + agent listener, token files written here) and worker
-    agents, started as real processes. Every process goes into `procs` (the suite kills them)."""
+    agents, started as real processes. Every process goes into `procs` (the suite kills them).
+    host: the coordinator's address (--bind); prefix: name ("coordinator" or a worker's) -> the
+    command that launches it (["ip", "netns", "exec", ns] puts it in a network namespace)."""
 
-    def __init__(self, args, tmp, users, enrolment_token, coordinator_flags, procs):
+    def __init__(self, args, tmp, users, enrolment_token, coordinator_flags, procs, host="127.0.0.1",
+                 prefix=None):
         self.args, self.tmp, self.procs = args, tmp, procs
+        self.host, self.prefix = host, dict(prefix or {})
         self.users = dict(users)  # name -> token
         self.enrolment_token = enrolment_token
         self.flags = list(coordinator_flags)
@@ -398,7 +419,7 @@ class Service:
         self.workers = {}  # name -> Popen
         self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.env.pop("LOOM_TOKEN", None)
-        self.api = Api(0, next(iter(self.users.values())))
+        self.api = Api(0, next(iter(self.users.values())), host)
         self._agent = None
 
     def start_coordinator(self, port=0, agent_port=0, tries=1):
@@ -412,7 +433,8 @@ class Service:
                     os.remove(f)
             log = open(os.path.join(self.tmp, "coordinator.log"), "a")
             p = subprocess.Popen(
-                [self.args.coordinator, "--data-dir", self.data_dir, "--storage-root", self.storage,
+                [*self.prefix.get("coordinator", []), self.args.coordinator, "--bind", self.host,
+                 "--data-dir", self.data_dir, "--storage-root", self.storage,
                  "--port", str(port), "--port-file", port_file,
                  "--agent-port", str(agent_port), "--agent-port-file", agent_port_file,
                  "--user-tokens", self.users_file, "--worker-token-file", self.enrolment_file, *self.flags],
@@ -441,14 +463,15 @@ class Service:
     def agent(self):
         """An AgentClient on the agent port (plaintext), following restarts of the coordinator."""
         if self._agent is None or self._agent.port != self.agent_port:
-            self._agent = AgentClient(self.args.agent_stubs, self.agent_port)
+            self._agent = AgentClient(self.args.agent_stubs, self.agent_port, host=self.host)
         return self._agent
 
     def start_worker(self, name, labels="pool=cpu", slots=2, coordinator_url=None, term_grace_ms=3000,
                      extra=("--gpus", "none")):
         log = open(os.path.join(self.tmp, f"{name}.log"), "a")
         p = subprocess.Popen(
-            [self.args.worker, "--coordinator", coordinator_url or f"http://127.0.0.1:{self.agent_port}",
+            [*self.prefix.get(name, []), self.args.worker,
+             "--coordinator", coordinator_url or f"http://{self.host}:{self.agent_port}",
              "--token-file", self.enrolment_file, "--work-dir", os.path.join(self.tmp, name),
              "--slots", str(slots), "--name", name, "--labels", labels, "--term-grace-ms", str(term_grace_ms),
              "--loom-train", self.args.loom_train, *extra],

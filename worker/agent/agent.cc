@@ -201,6 +201,8 @@ absl::Status Agent::Register() {
   WriteFileAtomically((fs::path(options_.work_dir) / "worker-credential").string(),
                       credential_ + "\n", 0600);
   heartbeat_ms_ = std::max(50, resp.heartbeat_interval_ms());
+  // While unreachable, a call lasts about a beat, at least 1 s (a loaded machine's reply).
+  coordinator_->set_probe_timeout_ms(std::clamp(heartbeat_ms_, 1000, kCallTimeoutMs));
   lease_ms_ = std::max(4 * heartbeat_ms_, resp.lease_ms());
   if (resp.max_body_bytes() > 0) max_body_bytes_ = resp.max_body_bytes();
   RenewLease(sent + lease_ms_);
@@ -765,9 +767,8 @@ void Agent::LoadIdentity() {
 
 absl::Status Agent::StartExporter() {
   if (options_.metrics_port == 0) return absl::OkStatus();
-  LOOM_ASSIGN_OR_RETURN(exporter_,
-                        net::MetricsEndpoint::Start(&registry_, options_.metrics_bind,
-                                                     std::max(0, options_.metrics_port)));
+  LOOM_ASSIGN_OR_RETURN(exporter_, net::MetricsEndpoint::Start(&registry_, options_.metrics_bind,
+                                                               std::max(0, options_.metrics_port)));
   Log(absl::StrCat("metrics on http://", options_.metrics_bind, ":", exporter_->port(),
                    "/metrics"));
   if (options_.prometheus_sd_file.empty()) return absl::OkStatus();

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/match.h"
@@ -40,6 +41,9 @@ grpc::ChannelArguments ChannelArgs() {
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // A fresh channel must mean a fresh connection, not the shared (perhaps stuck) one of the
+  // process-wide subchannel pool.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   // A failed connection makes the channel resolve the name again before it retries, and by
   // default at most once in 30 s: after a coordinator restart the agent would wait that long.
   args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 500);
@@ -56,14 +60,17 @@ absl::Status FromGrpc(const grpc::Status& s) {
 
 }  // namespace
 
-// The stub and its channel. A channel that has failed kUnavailableCallsBeforeNewChannel calls in
-// a row with UNAVAILABLE is replaced by a fresh one: whatever state the old one's reconnection is
-// in (backoff, a resolver waiting out its interval), the new one connects at its first call, so
-// an agent is never kept from a coordinator that is back by more than a few beats.
+// The stub and its channel, and how it comes back after a partition or a coordinator restart:
+// - a call that did not reach the coordinator (UNAVAILABLE, or out of time) abandons its
+//   channel, and the next call connects afresh: a connection cut mid-stream may hold TCP
+//   retransmissions back for a minute and more after the link returns, and a channel that failed
+//   to connect waits out its backoff (fail-fast calls on it end at once, unsent);
+// - while the coordinator cannot be reached, calls are probes with a short deadline (about one
+//   heartbeat), so the agent is back within about a beat of the link's return. A call that timed
+//   out on a connected channel found a coordinator that is slow, not gone: it keeps the full
+//   deadline.
 class CoordinatorClient::Stub {
  public:
-  static constexpr int kUnavailableCallsBeforeNewChannel = 3;
-
   Stub(std::string target, std::shared_ptr<grpc::ChannelCredentials> creds)
       : target_(std::move(target)), creds_(std::move(creds)) {
     Connect();
@@ -73,24 +80,35 @@ class CoordinatorClient::Stub {
   absl::Status Call(Method method, const std::string& token, const Req& req, Resp* resp,
                     int timeout_ms) {
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+    const int deadline_ms = probing_ ? std::min(timeout_ms, probe_timeout_ms_) : timeout_ms;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
     context.AddMetadata("authorization", "Bearer " + token);
     absl::Status s = FromGrpc((stub_.get()->*method)(&context, req, resp));
-    unavailable_ = s.code() == absl::StatusCode::kUnavailable ? unavailable_ + 1 : 0;
-    if (unavailable_ >= kUnavailableCallsBeforeNewChannel) Connect();
+    if (s.code() == absl::StatusCode::kDeadlineExceeded ||
+        s.code() == absl::StatusCode::kUnavailable) {
+      probing_ = s.code() == absl::StatusCode::kUnavailable ||
+                 channel_->GetState(false) != GRPC_CHANNEL_READY;
+      Connect();
+    } else {
+      probing_ = false;  // answered, whatever the answer
+    }
     return s;
   }
 
+  void set_probe_timeout_ms(int ms) { probe_timeout_ms_ = ms; }
+
  private:
   void Connect() {
-    stub_ = v1::Agent::NewStub(grpc::CreateCustomChannel(target_, creds_, ChannelArgs()));
-    unavailable_ = 0;
+    channel_ = grpc::CreateCustomChannel(target_, creds_, ChannelArgs());
+    stub_ = v1::Agent::NewStub(channel_);
   }
 
   const std::string target_;
   const std::shared_ptr<grpc::ChannelCredentials> creds_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Agent::Stub> stub_;
-  int unavailable_ = 0;  // calls in a row that ended UNAVAILABLE on this channel
+  bool probing_ = false;  // the last call did not reach the coordinator
+  int probe_timeout_ms_ = 1000;
 };
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
@@ -132,6 +150,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
 }
 
 CoordinatorClient::~CoordinatorClient() = default;
+
+void CoordinatorClient::set_probe_timeout_ms(int ms) { stub_->set_probe_timeout_ms(ms); }
 
 absl::Status CoordinatorClient::Register(const std::string& enrolment_token,
                                          const v1::RegisterWorkerRequest& req,

@@ -31,7 +31,8 @@ class CoordinatorClient {
       const ConnectionOptions& options);
   ~CoordinatorClient();
 
-  // Each call ends within timeout_ms. Errors carry the coordinator's code and message
+  // Each call ends within timeout_ms, or within the probe timeout while the coordinator has not
+  // been reached (see Stub). Errors carry the coordinator's code and message
   // (UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND, RESOURCE_EXHAUSTED, ...), or UNAVAILABLE /
   // DEADLINE_EXCEEDED when it cannot be reached in time.
   absl::Status Register(const std::string& enrolment_token, const v1::RegisterWorkerRequest& req,
@@ -40,6 +41,8 @@ class CoordinatorClient {
                          v1::HeartbeatResponse* resp, int timeout_ms);
 
   const std::string& url() const { return url_; }
+  // The deadline of calls made while the coordinator is unreachable (default 1000 ms).
+  void set_probe_timeout_ms(int ms);
 
  private:
   class Stub;

@@ -4,6 +4,9 @@
 #include "worker/agent/coordinator_client.h"
 
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <thread>
@@ -95,6 +98,39 @@ TEST(CoordinatorClientTest, CarriesTheCoordinatorsCodesAndMessages) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
   c->reset();
   fs::remove_all(dir);
+}
+
+// A peer whose kernel completes the TCP handshake but that never speaks (a listening socket that is
+// never accepted from), as a coordinator behind a cut link or a dead process: no call waits out
+// a 5 s deadline; each ends after a short connection attempt or the probe timeout.
+TEST(CoordinatorClientTest, AnUnreachableCoordinatorCostsAShortAttemptNotTheDeadline) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), len), 0);
+  ASSERT_EQ(listen(fd, 64), 0);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  auto client =
+      CoordinatorClient::Create(At("http://127.0.0.1:" + std::to_string(ntohs(addr.sin_port))));
+  ASSERT_TRUE(client.ok()) << client.status();
+  (*client)->set_probe_timeout_ms(200);
+  v1::HeartbeatRequest beat;
+  v1::HeartbeatResponse answer;
+  auto timed = [&] {
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status s = (*client)->Heartbeat("credential", beat, &answer, 5000);
+    EXPECT_TRUE(s.code() == absl::StatusCode::kUnavailable ||
+                s.code() == absl::StatusCode::kDeadlineExceeded)
+        << s;
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                 start)
+        .count();
+  };
+  for (int i = 0; i < 6; ++i) EXPECT_LT(timed(), 1500) << "call " << i;
+  close(fd);
 }
 
 }  // namespace
