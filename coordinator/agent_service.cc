@@ -168,8 +168,9 @@ class AgentServer::Auth {
   const ApiOptions tokens_;
 };
 
-// The handlers. They run on gRPC's callback threads and finish at once: a Coordinator call is one
-// lock and at most one synced RocksDB batch.
+// The handlers. They run on gRPC's callback threads and never wait for the disk there: Register
+// is one lock and one synced batch; a heartbeat that changed state finishes from the
+// coordinator's log syncer once the change is on disk (group commit).
 class AgentServer::Service final : public v1::Agent::CallbackService {
  public:
   Service(Coordinator& coordinator, const Auth& auth) : coordinator_(coordinator), auth_(auth) {}
@@ -183,7 +184,18 @@ class AgentServer::Service final : public v1::Agent::CallbackService {
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context,
                                       const v1::HeartbeatRequest* request,
                                       v1::HeartbeatResponse* response) override {
-    return Finish(context, kHeartbeatPath, DoHeartbeat(*context, *request, response));
+    absl::StatusOr<std::string> worker = CheckHeartbeat(*context, *request);
+    if (!worker.ok()) return Finish(context, kHeartbeatPath, worker.status());
+    ++handled_;
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    // The response and the reactor stay valid until Finish: the call is not done before.
+    coordinator_.HeartbeatThen(*request, *worker,
+                               [this, reactor, response](absl::StatusOr<v1::HeartbeatResponse> r) {
+                                 if (r.ok()) *response = *std::move(r);
+                                 CountCall(coordinator_, kHeartbeatPath, r.status().code());
+                                 reactor->Finish(ToGrpc(r.status()));
+                               });
+    return reactor;
   }
 
   int64_t handled() const { return handled_.load(); }
@@ -228,21 +240,19 @@ class AgentServer::Service final : public v1::Agent::CallbackService {
     return absl::OkStatus();
   }
 
-  absl::Status DoHeartbeat(const grpc::CallbackServerContext& context,
-                           const v1::HeartbeatRequest& request, v1::HeartbeatResponse* response) {
+  // The caller's worker id, once the credential, the report's worker id and the message limits
+  // are checked: another worker's credential is refused before the coordinator sees the report.
+  absl::StatusOr<std::string> CheckHeartbeat(const grpc::CallbackServerContext& context,
+                                             const v1::HeartbeatRequest& request) {
     absl::StatusOr<std::string> worker = Caller(context, kHeartbeatPath);
     if (!worker.ok()) return worker.status();
-    // Another worker's credential: refused before the coordinator sees the report.
     if (request.worker_id() != *worker) {
       return absl::PermissionDeniedError(absl::StrCat("this credential belongs to worker ", *worker,
                                                       ", not '", request.worker_id().substr(0, 64),
                                                       "'"));
     }
     if (absl::Status s = CheckMessageLimits(request); !s.ok()) return s;
-    absl::StatusOr<v1::HeartbeatResponse> r = coordinator_.Heartbeat(request, *worker);
-    if (!r.ok()) return r.status();
-    *response = *std::move(r);
-    return absl::OkStatus();
+    return worker;
   }
 
   Coordinator& coordinator_;

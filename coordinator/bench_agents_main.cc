@@ -5,9 +5,11 @@
 // (>= 5 000 heartbeats/s, p99 < 50 ms). Client and server share this machine's cores.
 // --running: every agent hosts a running one-rank job and each heartbeat reports it as a real
 // agent does (rank status, progress, one step point), so each one writes job state to RocksDB.
+// --checkpoint-every K: every K-th heartbeat of an agent also reports a checkpoint, a state change
+// that must be fsynced before the answer (1: every heartbeat waits for the disk).
 //
 //   loom-bench-agents [--agents 512] [--threads 32] [--seconds 10] [--rate 0 (as fast as possible)]
-//                     [--running]
+//                     [--running [--checkpoint-every K]]
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -15,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -27,6 +30,7 @@
 #include "base/status_macros.h"
 #include "coordinator/agent_service.h"
 #include "loom/v1/agent.grpc.pb.h"
+#include "storage/checkpoint.h"
 
 namespace fs = std::filesystem;
 
@@ -39,6 +43,7 @@ constexpr char kEnrolment[] = "bench-enrolment-token-0123456789";
 struct Agent {
   std::string id, credential;
   std::string job;  // --running: the job placed on it (attempt 1)
+  std::string checkpoint_dir;
   int64_t step = 0;
 };
 
@@ -87,13 +92,15 @@ absl::Status PlaceJobs(Coordinator& coordinator, std::vector<Agent>& agents) {
   for (const std::string& id : ids) {
     LOOM_ASSIGN_OR_RETURN(v1::Job j, coordinator.GetJob(id));
     if (j.placement_size() != 1) return absl::InternalError(absl::StrCat(id, " not placed"));
-    by_id.at(j.placement(0).worker_id())->job = id;
+    Agent* a = by_id.at(j.placement(0).worker_id());
+    a->job = id;
+    a->checkpoint_dir = j.spec().checkpoint().dir();
   }
   return absl::OkStatus();
 }
 
 // What a real agent reports for its running rank: status, progress and the new step point.
-void ReportRunning(Agent& a, v1::HeartbeatRequest& req) {
+void ReportRunning(Agent& a, int checkpoint_every, v1::HeartbeatRequest& req) {
   if (a.job.empty()) return;
   v1::AttemptReport* r = req.add_attempts();
   r->set_job_id(a.job);
@@ -113,6 +120,11 @@ void ReportRunning(Agent& a, v1::HeartbeatRequest& req) {
   v1::StepPoint* p = r->add_steps();
   p->set_step(a.step);
   p->set_loss(3.0);
+  if (checkpoint_every > 0 && a.step % checkpoint_every == 0) {
+    v1::CheckpointReport* c = r->add_checkpoints();
+    c->set_step(a.step);
+    c->set_path((fs::path(a.checkpoint_dir) / storage::CheckpointDirName(a.step)).string());
+  }
 }
 
 struct Result {
@@ -123,7 +135,7 @@ struct Result {
 // One client thread: heartbeats for agents[first], agents[first + stride], ... in turn, each on
 // its own channel (an agent keeps one connection), paced to `rate_per_thread` when > 0.
 Result Drive(const std::string& target, std::vector<Agent>& agents, int first, int stride,
-             SteadyClock::time_point end, double rate_per_thread) {
+             SteadyClock::time_point end, double rate_per_thread, int checkpoint_every) {
   std::vector<std::unique_ptr<v1::Agent::Stub>> stubs;
   std::vector<Agent*> mine;
   for (size_t i = first; i < agents.size(); i += stride) {
@@ -143,7 +155,7 @@ Result Drive(const std::string& target, std::vector<Agent>& agents, int first, i
     }
     v1::HeartbeatRequest req;
     req.set_worker_id(mine[k]->id);
-    ReportRunning(*mine[k], req);
+    ReportRunning(*mine[k], checkpoint_every, req);
     v1::HeartbeatResponse resp;
     const auto start = SteadyClock::now();
     grpc::Status s = Call(*stubs[k], mine[k]->credential, req, &resp);
@@ -167,12 +179,14 @@ double Percentile(std::vector<double>& v, double p) {
 absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
       CliArgs args,
-      CliArgs::Parse(argc, argv, 1, {"agents", "threads", "seconds", "rate"}, {"running"}));
+      CliArgs::Parse(argc, argv, 1, {"agents", "threads", "seconds", "rate", "checkpoint-every"},
+                     {"running"}));
   LOOM_ASSIGN_OR_RETURN(int64_t n_agents, args.GetInt("agents", 512, 1, 100000));
   LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 32, 1, 1024));
   LOOM_ASSIGN_OR_RETURN(int64_t seconds, args.GetInt("seconds", 10, 1, 3600));
   LOOM_ASSIGN_OR_RETURN(double rate, args.GetDouble("rate", 0, 0, 1e7));
   const bool running = args.Has("running");
+  LOOM_ASSIGN_OR_RETURN(int64_t checkpoint_every, args.GetInt("checkpoint-every", 0, 0, 1000000));
   const fs::path dir = fs::temp_directory_path() / absl::StrCat("loom-bench-agents-", ::getpid());
   fs::remove_all(dir);
   CoordinatorOptions options;
@@ -198,8 +212,9 @@ absl::Status Run(int argc, char** argv) {
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
-      results[static_cast<size_t>(t)] = Drive(target, agents, t, static_cast<int>(threads), end,
-                                              rate / static_cast<double>(threads));
+      results[static_cast<size_t>(t)] =
+          Drive(target, agents, t, static_cast<int>(threads), end,
+                rate / static_cast<double>(threads), static_cast<int>(checkpoint_every));
     });
   }
   for (auto& t : pool) t.join();
@@ -211,12 +226,28 @@ absl::Status Run(int argc, char** argv) {
   const double per_second =
       static_cast<double>(all.latencies_ms.size()) / static_cast<double>(seconds);
   const double p50 = Percentile(all.latencies_ms, 0.50), p99 = Percentile(all.latencies_ms, 0.99);
+  if (checkpoint_every > 0) {
+    std::printf("a checkpoint (fsynced) every %lld heartbeats of an agent\n",
+                static_cast<long long>(checkpoint_every));
+  }
   std::printf("agents %lld%s, client threads %lld, %lld s, target rate %s\n",
               static_cast<long long>(n_agents), running ? " (each reporting a running job)" : "",
               static_cast<long long>(threads), static_cast<long long>(seconds),
               rate > 0 ? absl::StrCat(rate, "/s").c_str() : "max");
   std::printf("heartbeats/s %.0f (failures %lld); latency p50 %.2f ms, p99 %.2f ms\n", per_second,
               static_cast<long long>(all.failures), p50, p99);
+  const std::string metrics = coordinator->RenderMetrics();
+  const size_t at = metrics.find("\nloom_coordinator_log_syncs_total ");
+  if (at != std::string::npos) {
+    const double syncs = std::strtod(metrics.c_str() + at + 34, nullptr);
+    std::printf("log fsyncs waited for: %.0f", syncs);
+    if (checkpoint_every > 0 && syncs > 0) {
+      std::printf(", %.1f checkpoint heartbeats each", per_second * static_cast<double>(seconds) /
+                                                           static_cast<double>(checkpoint_every) /
+                                                           syncs);
+    }
+    std::printf("\n");
+  }
   std::printf("against the target (>= 5000/s, p99 < 50 ms): rate x%.2f, p99 x%.2f\n",
               per_second / 5000.0, p99 / 50.0);
   server->Shutdown(std::chrono::milliseconds(1000));

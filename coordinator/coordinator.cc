@@ -6,6 +6,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iostream>
 #include <random>
 #include <set>
@@ -82,10 +83,14 @@ void DeclareMetrics(metrics::Registry& r) {
   r.Set("loom_coordinator_loss_detection_held", 0);
   r.DeclareCounter("loom_coordinator_http_requests_total", "HTTP requests by route and status");
   r.DeclareCounter("loom_coordinator_store_errors_total", "Failed RocksDB writes");
+  r.DeclareCounter("loom_coordinator_log_syncs_total",
+                   "fsyncs of the RocksDB log that heartbeats' state changes waited for (each "
+                   "covers every heartbeat written before it: a group commit)");
   // Label-less counters start at 0, so rate() and increase() see them from the first scrape.
   for (const char* c :
        {"loom_coordinator_jobs_submitted_total", "loom_coordinator_job_restarts_total",
-        "loom_coordinator_workers_lost_total", "loom_coordinator_store_errors_total"}) {
+        "loom_coordinator_workers_lost_total", "loom_coordinator_store_errors_total",
+        "loom_coordinator_log_syncs_total"}) {
     r.Increment(c, 0);
   }
   r.DeclareGauge("loom_coordinator_queue_depth", "Jobs waiting in the queue");
@@ -135,6 +140,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
   LOOM_RETURN_IF_ERROR(c->Load());
   LOOM_RETURN_IF_ERROR(c->MigrateCheckpointIds());
   DeclareMetrics(c->registry_);
+  c->log_syncer_ = std::make_unique<LogSyncer>(*c->store_, c->registry_);
   return c;
 }
 
@@ -292,9 +298,9 @@ void Coordinator::SaveCredential(Txn& txn, const std::string& worker_id) {
       it == credentials_.end() ? std::nullopt : std::optional<std::string>(it->second);
 }
 
-absl::Status Coordinator::Commit(Txn& txn) {
+absl::Status Coordinator::Commit(Txn& txn, bool sync) {
   absl::Status s = txn.progress.empty() ? absl::OkStatus() : store_->Commit(txn.progress, false);
-  if (s.ok() && !txn.batch.empty()) s = store_->Commit(txn.batch, true);
+  if (s.ok() && !txn.batch.empty()) s = store_->Commit(txn.batch, sync);
   if (s.ok()) {
     pending_deletes_.insert(pending_deletes_.end(), txn.deletes.begin(), txn.deletes.end());
     for (JobState state : txn.ended) {
@@ -1694,13 +1700,44 @@ void Coordinator::AssignLocked(const std::string& worker, const v1::HeartbeatReq
 
 absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::HeartbeatRequest& request,
                                                              const std::string& worker) {
+  std::promise<absl::StatusOr<v1::HeartbeatResponse>> answered;
+  HeartbeatThen(request, worker, [&answered](absl::StatusOr<v1::HeartbeatResponse> r) {
+    answered.set_value(std::move(r));
+  });
+  return answered.get_future().get();
+}
+
+void Coordinator::HeartbeatThen(const v1::HeartbeatRequest& request, const std::string& worker,
+                                std::function<void(absl::StatusOr<v1::HeartbeatResponse>)> done) {
   if (request.worker_id() != worker) {
-    return absl::PermissionDeniedError(absl::StrCat("this credential belongs to worker ", worker,
-                                                    ", not '", request.worker_id().substr(0, 64),
-                                                    "'"));
+    return done(absl::PermissionDeniedError(absl::StrCat("this credential belongs to worker ",
+                                                         worker, ", not '",
+                                                         request.worker_id().substr(0, 64), "'")));
   }
-  if (request.attempts_size() > 4096) return FieldError("attempts", "too many");
-  std::lock_guard<std::mutex> lock(mutex_);
+  if (request.attempts_size() > 4096) return done(FieldError("attempts", "too many"));
+  uint64_t written = 0;
+  absl::StatusOr<v1::HeartbeatResponse> response;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    response = HeartbeatLocked(request, worker, &written);
+  }
+  if (!response.ok() || written == 0) return done(std::move(response));
+  // Group commit: the state this heartbeat changed is in RocksDB's log (and in effect) already;
+  // its answer waits until the log is on disk, and heartbeats that arrive meanwhile share that
+  // fsync. A failed fsync fails the call: the agent sends the report again.
+  log_syncer_->After(written, [this, response = *std::move(response),
+                               done = std::move(done)](absl::Status synced) mutable {
+    if (!synced.ok()) {
+      registry_.Increment("loom_coordinator_store_errors_total");
+      return done(
+          absl::UnavailableError(absl::StrCat("not on disk, send again: ", synced.message())));
+    }
+    done(std::move(response));
+  });
+}
+
+absl::StatusOr<v1::HeartbeatResponse> Coordinator::HeartbeatLocked(
+    const v1::HeartbeatRequest& request, const std::string& worker, uint64_t* written) {
   auto wit = workers_.find(worker);
   if (wit == workers_.end()) {
     return absl::NotFoundError(absl::StrCat("worker '", worker, "' is not registered"));
@@ -1725,7 +1762,9 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::Heartbeat(const v1::Heartbeat
   } else {
     txn.progress.PutWorker(w);
   }
-  LOOM_RETURN_IF_ERROR(Commit(txn));
+  const bool changes_state = !txn.batch.empty();
+  LOOM_RETURN_IF_ERROR(Commit(txn, /*sync=*/false));
+  if (changes_state) *written = store_->LastSequence();
   reported_running_[worker] = std::move(running);
   return response;
 }
@@ -1930,6 +1969,13 @@ void Coordinator::Tick() {
     (void)Commit(txn);  // on failure memory is restored; the next tick tries again
     IndexPlacementsLocked();
     deletes.swap(pending_deletes_);
+  }
+  // A heartbeat's retention decision may still wait for its group commit: no directory goes
+  // before the decision to delete it is on disk.
+  if (!deletes.empty() && !store_->SyncLogThrough(store_->LastSequence()).ok()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_deletes_.insert(pending_deletes_.end(), deletes.begin(), deletes.end());
+    return;
   }
   DeleteDirectories(std::move(deletes));  // retention, without holding the lock
 }

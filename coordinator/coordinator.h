@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "coordinator/clock.h"
+#include "coordinator/log_syncer.h"
 #include "coordinator/paging.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/state_store.h"
@@ -120,6 +121,11 @@ class Coordinator {
   // The worker a heartbeat credential is bound to; Unauthenticated when unknown or revoked.
   absl::StatusOr<std::string> WorkerForCredential(const std::string& credential);
   // `worker` is the id the request's credential is bound to.
+  // Heartbeat without waiting on the caller's thread: done runs at once when the heartbeat
+  // changed no state (or failed), else on the log syncer's thread once its change is on disk
+  // (group commit). Heartbeat() is the same, waited for.
+  void HeartbeatThen(const v1::HeartbeatRequest& request, const std::string& worker,
+                     std::function<void(absl::StatusOr<v1::HeartbeatResponse>)> done);
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request,
                                                   const std::string& worker);
 
@@ -195,8 +201,10 @@ class Coordinator {
   void Save(Txn& txn, const std::string& worker_id);
   void SaveCheckpoint(Txn& txn, const std::string& id);
   void SaveCredential(Txn& txn, const std::string& worker_id);
-  absl::Status Commit(Txn& txn);  // writes both batches; on failure restores memory
-  void Rollback(Txn& txn);        // restores what the change touched, writes nothing
+  // Writes both batches (the state batch fsynced unless !sync: the caller then waits for
+  // StateStore::SyncLogThrough after releasing the lock); on failure restores memory.
+  absl::Status Commit(Txn& txn, bool sync = true);
+  void Rollback(Txn& txn);  // restores what the change touched, writes nothing
   // An event of the job; `state` is the state entered, nullopt for an event that changes none.
   void AddEvent(Txn& txn, v1::Job& job, std::optional<JobState> state, const std::string& reason);
   void SetState(Txn& txn, v1::Job& job, JobState state, const std::string& reason);
@@ -209,6 +217,11 @@ class Coordinator {
   void ForgiveOwnOutage();
   void MarkSilentWorkersLost(Txn& txn);
   bool AllWorkersSilent(int64_t now);
+  // A heartbeat under the lock; *written: the log sequence its state changes need on disk
+  // before the answer goes out (0: none).
+  absl::StatusOr<v1::HeartbeatResponse> HeartbeatLocked(const v1::HeartbeatRequest& request,
+                                                        const std::string& worker,
+                                                        uint64_t* written);
   void IndexPlacementsLocked();
   absl::StatusOr<std::string> RegisteringIdLocked(Txn& txn, const v1::RegisterWorkerRequest& r);
   std::string IssueCredential(Txn& txn, const std::string& worker_id);
@@ -250,6 +263,7 @@ class Coordinator {
   CoordinatorOptions options_;
   std::unique_ptr<StateStore> store_;
   metrics::Registry registry_{"coordinator"};
+  std::unique_ptr<LogSyncer> log_syncer_;  // after store_ and registry_: gone before them
 
   std::mutex mutex_;
   std::map<std::string, v1::Job> jobs_;

@@ -10,8 +10,11 @@
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
 
+#include <atomic>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <set>
 #include <thread>
 
@@ -480,6 +483,63 @@ TEST_F(CoordinatorTest, AWholeClusterFallingSilentIsHeldUntilTheLeaseLapses) {
   c_->Tick();
   EXPECT_EQ(state(w4), "lost");
   EXPECT_EQ(state(w5), "lost");
+}
+
+// Group commit: heartbeats that change state (here each catalogues a checkpoint) from many
+// workers at once are all answered, share fsyncs of the log, and are all on disk after a reopen.
+TEST_F(CoordinatorTest, ConcurrentHeartbeatsShareTheirFsyncs) {
+  constexpr int kWorkers = 8, kBeats = 25;
+  std::vector<std::string> workers, jobs(kWorkers);
+  for (int i = 0; i < kWorkers; ++i) workers.push_back(RegisterWorker("w" + std::to_string(i), 1));
+  for (int i = 0; i < kWorkers; ++i) Submit(MicroJob(1));
+  c_->Tick();
+  for (const std::string& w : workers) {
+    for (int j = 1; j <= kWorkers; ++j) {
+      char id[16];
+      std::snprintf(id, sizeof(id), "job-%06d", j);
+      if (Job(id).placement(0).worker_id() == w) jobs[&w - &workers[0]] = id;
+    }
+  }
+  std::vector<std::string> dirs;
+  for (const std::string& j : jobs) dirs.push_back(Job(j).spec().checkpoint().dir());
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kWorkers; ++i) {
+    threads.emplace_back([&, i] {
+      for (int b = 1; b <= kBeats; ++b) {
+        v1::HeartbeatRequest req;
+        req.set_worker_id(workers[i]);
+        v1::AttemptReport* a = req.add_attempts();
+        a->set_job_id(jobs[i]);
+        a->set_attempt(1);
+        a->set_master_port(30000);
+        v1::RankStatus* r = a->add_ranks();
+        r->set_rank(0);
+        r->set_running(true);
+        a->mutable_progress()->set_step(10 * b);
+        v1::CheckpointReport* c = a->add_checkpoints();
+        c->set_step(10 * b);
+        c->set_path((fs::path(dirs[i]) / storage::CheckpointDirName(10 * b)).string());
+        if (!c_->Heartbeat(req, workers[i]).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures, 0);
+  const std::string metrics = c_->RenderMetrics();
+  const size_t at = metrics.find("\nloom_coordinator_log_syncs_total ");
+  ASSERT_NE(at, std::string::npos) << metrics;
+  const double syncs = std::stod(metrics.substr(at + 34));
+  EXPECT_GT(syncs, 0);
+  EXPECT_LT(syncs, kWorkers * kBeats) << "no heartbeat shared an fsync";
+  std::cout << kWorkers * kBeats << " state-changing heartbeats, " << syncs << " fsyncs\n";
+  Reopen();
+  for (const std::string& j : jobs) {
+    auto cat = c_->ListCheckpoints(j);
+    ASSERT_TRUE(cat.ok()) << cat.status();
+    ASSERT_GT(cat->checkpoints_size(), 0) << j;
+    EXPECT_EQ(cat->checkpoints(cat->checkpoints_size() - 1).step(), 10 * kBeats) << j;
+  }
 }
 
 TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {

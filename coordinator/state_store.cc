@@ -4,6 +4,8 @@
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
 
+#include <algorithm>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -150,6 +152,27 @@ absl::Status StateStore::Commit(Batch& batch, bool sync) {
   rocksdb::WriteOptions options;
   options.sync = sync;
   return FromRocks(db_->Write(options, batch.batch_.get()), "write");
+}
+
+uint64_t StateStore::LastSequence() const { return db_->GetLatestSequenceNumber(); }
+
+absl::Status StateStore::SyncLogThrough(uint64_t sequence, bool* led) {
+  if (led != nullptr) *led = false;
+  std::unique_lock<std::mutex> lock(sync_mu_);
+  while (synced_ < sequence && syncing_) sync_done_.wait(lock);
+  if (synced_ >= sequence) return absl::OkStatus();
+  // Leader: everything written so far goes to disk with this one fsync. Writers that come
+  // while it runs wait for the next one.
+  syncing_ = true;
+  const uint64_t through = db_->GetLatestSequenceNumber();
+  lock.unlock();
+  const rocksdb::Status s = db_->SyncWAL();
+  lock.lock();
+  syncing_ = false;
+  if (s.ok()) synced_ = std::max(synced_, through);
+  sync_done_.notify_all();
+  if (led != nullptr) *led = true;
+  return FromRocks(s, "sync");
 }
 
 }  // namespace loom::coordinator

@@ -8,8 +8,11 @@
 #ifndef LOOM_COORDINATOR_STATE_STORE_H_
 #define LOOM_COORDINATOR_STATE_STORE_H_
 
+#include <condition_variable>
+#include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -69,9 +72,20 @@ class StateStore {
   // sync: fsync the WAL before returning (state transitions); progress updates skip it.
   absl::Status Commit(Batch& batch, bool sync);
 
+  // Group commit: a writer that committed without sync under its own lock calls this after
+  // releasing it, with LastSequence() taken after its write. Returns once the log is on disk
+  // through that write: one caller fsyncs for everyone waiting (RocksDB's SyncWAL), the others
+  // find their writes covered. *led: whether this caller ran the fsync.
+  uint64_t LastSequence() const;
+  absl::Status SyncLogThrough(uint64_t sequence, bool* led = nullptr);
+
  private:
   StateStore() = default;
   std::unique_ptr<rocksdb::DB> db_;
+  std::mutex sync_mu_;
+  std::condition_variable sync_done_;
+  bool syncing_ = false;  // a caller is in SyncWAL
+  uint64_t synced_ = 0;   // the log is on disk through this sequence number
 };
 
 }  // namespace loom::coordinator
