@@ -1,9 +1,12 @@
 // The request, error and host helpers of net/http_server.h that are not the server itself:
 // query and path decoding, the JSON error shape, TLS contexts, the Host/Origin check.
+#include <curl/curl.h>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -17,67 +20,23 @@
 namespace loom::net {
 namespace {
 
-std::string JsonEscape(absl::string_view s) {
-  std::string out;
-  out.reserve(s.size() + 8);
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out;
-}
-
-int HexValue(char c) {
-  if (c >= '0' && c <= '9') return c - '0';
-  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-  return -1;
-}
-
-// Percent-decoding; '+' is a space only in query strings.
+// Percent-decoding by libcurl ('+' is a space only in query strings, made one before decoding so
+// that an encoded '+' stays one). Boost.URL (1.81) is newer than Debian 12's Boost 1.74.
 std::string Decode(absl::string_view s, bool plus_is_space) {
-  std::string out;
-  out.reserve(s.size());
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == '%' && i + 2 < s.size() && HexValue(s[i + 1]) >= 0 && HexValue(s[i + 2]) >= 0) {
-      out += static_cast<char>(HexValue(s[i + 1]) * 16 + HexValue(s[i + 2]));
-      i += 2;
-    } else if (plus_is_space && s[i] == '+') {
-      out += ' ';
-    } else {
-      out += s[i];
-    }
-  }
-  return out;
+  std::string in(s);
+  if (plus_is_space) std::replace(in.begin(), in.end(), '+', ' ');
+  int length = 0;
+  char* out = curl_easy_unescape(nullptr, in.data(), static_cast<int>(in.size()), &length);
+  if (out == nullptr) return in;  // out of memory: the caller sees the undecoded text
+  std::string decoded(out, static_cast<size_t>(length));
+  curl_free(out);
+  return decoded;
 }
 
 }  // namespace
 
-// Percent-decoding and query splitting by hand: Boost.URL (1.81) is newer than Debian 12's
-// Boost 1.74, and these few lines only decode what Beast's parser already framed and checked.
+// Beast's parser has framed and checked the target; it is split at '?', '&' and '=' and each part
+// percent-decoded by libcurl.
 absl::Status ParseRequestTarget(absl::string_view target, HttpRequest* request) {
   if (target.empty() || target[0] != '/') {
     return absl::InvalidArgumentError("request target: expected a path starting with '/'");
@@ -163,23 +122,29 @@ std::string FieldOf(absl::string_view message) {
 
 }  // namespace
 
+// By nlohmann::json: any bytes in the message (a client's field name, invalid UTF-8) come out as
+// valid JSON; ordered_json keeps the documented key order.
 std::string ErrorBody(int status, absl::string_view message, absl::string_view rpc_status) {
-  std::vector<std::string> details;
+  using Json = nlohmann::ordered_json;
+  Json details = Json::array();
   if (std::string field = FieldOf(message); !field.empty()) {
-    details.push_back(absl::StrCat(
-        R"({"@type":"type.googleapis.com/google.rpc.BadRequest","fieldViolations":[{"field":")",
-        JsonEscape(field), R"(","description":")", JsonEscape(message.substr(field.size() + 2)),
-        R"("}]})"));
+    details.push_back(
+        {{"@type", "type.googleapis.com/google.rpc.BadRequest"},
+         {"fieldViolations",
+          Json::array({{{"field", field},
+                        {"description", std::string(message.substr(field.size() + 2))}}})}});
   }
   if (status == 429 || status == 503) {
-    details.push_back(
-        absl::StrCat(R"({"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":")",
-                     kRetryAfterSeconds, R"(s"})"));
+    details.push_back({{"@type", "type.googleapis.com/google.rpc.RetryInfo"},
+                       {"retryDelay", absl::StrCat(kRetryAfterSeconds, "s")}});
   }
-  return absl::StrCat(R"({"error":{"code":)", status, R"(,"status":")",
-                      rpc_status.empty() ? CanonicalStatus(status) : rpc_status, R"(","message":")",
-                      JsonEscape(message), R"(","details":[)", absl::StrJoin(details, ","),
-                      "]}}\n");
+  const Json body = {
+      {"error",
+       {{"code", status},
+        {"status", std::string(rpc_status.empty() ? CanonicalStatus(status) : rpc_status)},
+        {"message", std::string(message)},
+        {"details", std::move(details)}}}};
+  return body.dump(-1, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
 void SetJsonError(HttpResponse& res, int status, absl::string_view message,

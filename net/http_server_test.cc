@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "net/request_target.h"
 
 namespace loom::net {
 namespace {
@@ -376,6 +377,46 @@ TEST(HttpServerIsolationTest, BusyServerDoesNotStarveAnother) {
   ::close(hog);
   users.Stop();
   agents.Stop();
+}
+
+// The target as the router sees it: path and query decoded (libcurl), '+' a space in the query
+// only, an encoded '+' kept, a bad escape left as it came, %2F and control characters refused.
+TEST(RequestTargetTest, DecodesPathAndQuery) {
+  HttpRequest r;
+  ASSERT_TRUE(ParseRequestTarget("/items/a%20b+c?q=x+y%2Bz&k%3D=%E2%9C%93&bad=%zz&flag", &r).ok());
+  EXPECT_EQ(r.path, "/items/a b+c");
+  EXPECT_EQ(r.Param("q"), "x y+z");
+  EXPECT_EQ(r.Param("k="), "\xE2\x9C\x93");
+  EXPECT_EQ(r.Param("bad"), "%zz");
+  EXPECT_TRUE(r.params.count("flag"));
+  HttpRequest refused;
+  EXPECT_EQ(ParseRequestTarget("/items/a%2fb", &refused).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ParseRequestTarget("/items/a%0Ab", &refused).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseRequestTarget("/items/a%00", &refused).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseRequestTarget("items", &refused).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Whatever a message holds (quotes, control bytes, invalid UTF-8 from a client's field name),
+// the error body is JSON in the documented shape.
+TEST(ErrorBodyTest, IsJsonWhateverTheMessage) {
+  const std::string body = ErrorBody(400, "spec.name: bad \"quote\" \x01 and \xff\xfe bytes", "");
+  EXPECT_EQ(body.back(), '\n');
+  EXPECT_EQ(
+      body.rfind(
+          R"({"error":{"code":400,"status":"INVALID_ARGUMENT","message":"spec.name: bad \"quote\" \u0001 and )",
+          0),
+      0u)
+      << body;
+  EXPECT_NE(
+      body.find(
+          R"("details":[{"@type":"type.googleapis.com/google.rpc.BadRequest","fieldViolations":[{"field":"spec.name","description":"bad \"quote\")"),
+      std::string::npos)
+      << body;
+  EXPECT_EQ(body.find('\xff'), std::string::npos) << "invalid UTF-8 passed through";
+  EXPECT_NE(ErrorBody(503, "busy", "")
+                .find(R"({"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":")"),
+            std::string::npos);
 }
 
 }  // namespace
