@@ -5,8 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <random>
 
 #include "nlohmann/json.hpp"
 
@@ -135,6 +139,90 @@ TEST_F(BpeTest, MalformedFilesAreRefusedNamingWhat) {
   EXPECT_FALSE(BpeTokenizer::Load(garbage).ok());
   EXPECT_EQ(BpeTokenizer::Load("/nonexistent/tokenizer.json").status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// Crafted ids: each refused with status 1's message naming the field and the value, before
+// anything is allocated for them (4294967295 used to wrap max_id + 1 to 0 and write through a
+// null pointer; 2^31 + 5 died on bad_alloc).
+TEST_F(BpeTest, CraftedIdsAreRefusedNamingTheField) {
+  struct Case {
+    std::function<void(Json&)> edit;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](Json& j) { j["added_tokens"][0]["id"] = 4294967295u; },
+       "added_tokens[0].id: 4294967295 is not a token id"},
+      {[](Json& j) { j["added_tokens"][0]["id"] = (uint64_t{1} << 31) + 5; },
+       "added_tokens[0].id: 2147483653 is not a token id"},
+      {[](Json& j) { j["added_tokens"][0]["id"] = -1; }, "added_tokens[0].id: -1 is not"},
+      {[](Json& j) { j["added_tokens"][0]["id"] = "7"; }, "added_tokens[0].id"},
+      {[](Json& j) { j["model"]["vocab"]["a"] = uint64_t{1} << 40; }, "model.vocab['a']: "},
+      {[](Json& j) { j["added_tokens"][0]["id"] = 9000000; },
+       "added_tokens[0].id: 9000000 leaves most ids below it unused"},
+  };
+  for (const auto& c : cases) {
+    Json j = TinyTokenizer();
+    c.edit(j);
+    auto t = BpeTokenizer::Load(Write(j));
+    ASSERT_FALSE(t.ok()) << c.message;
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+    EXPECT_NE(t.status().message().find(c.message), std::string::npos) << t.status();
+  }
+}
+
+// The merge order against a direct transcription of the rule (lowest-ranked adjacent pair,
+// leftmost first, until none merges) on strings over the merges' letters.
+std::vector<uint32_t> NaiveBpe(const Json& tokenizer, const std::string& word) {
+  const Json& vocab = tokenizer["model"]["vocab"];
+  if (vocab.contains(word)) return {vocab[word].get<uint32_t>()};  // ignore_merges
+  std::map<std::pair<std::string, std::string>, size_t> rank;
+  const Json& merges = tokenizer["model"]["merges"];
+  for (size_t r = 0; r < merges.size(); ++r) {
+    const std::string m = merges[r];
+    const size_t space = m.find(' ', 1);
+    rank[{m.substr(0, space), m.substr(space + 1)}] = r;
+  }
+  std::vector<std::string> parts;
+  for (char ch : word) parts.push_back(std::string(1, ch));
+  for (;;) {
+    size_t best = parts.size(), best_rank = merges.size();
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      auto it = rank.find({parts[i], parts[i + 1]});
+      if (it != rank.end() && it->second < best_rank) best = i, best_rank = it->second;
+    }
+    if (best == parts.size()) break;
+    parts[best] += parts[best + 1];
+    parts.erase(parts.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  }
+  std::vector<uint32_t> ids;
+  for (const std::string& p : parts) ids.push_back(vocab[p].get<uint32_t>());
+  return ids;
+}
+
+TEST_F(BpeTest, MergesMatchTheRuleAndStayFastOnOneHugePiece) {
+  const Json j = TinyTokenizer();
+  auto t = BpeTokenizer::Load(Write(j));
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::mt19937 rng(7);
+  for (int n = 0; n < 500; ++n) {
+    std::string word;
+    const size_t length = 1 + rng() % 40;
+    for (size_t i = 0; i < length; ++i) word += "abc"[rng() % 3];
+    EXPECT_EQ((*t)->Encode(word), NaiveBpe(j, word)) << word;
+  }
+  std::string long_word;
+  for (int i = 0; i < 5000; ++i) long_word += "abc"[rng() % 3];
+  EXPECT_EQ((*t)->Encode(long_word), NaiveBpe(j, long_word));
+  // 1 MiB of letters is one pre-tokenized piece: quadratic merging took minutes.
+  std::string huge;
+  while (huge.size() < (1 << 20)) huge += "abcab";
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<uint32_t> ids = (*t)->Encode(huge);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 1.0) << "1 MiB single piece";
+  EXPECT_EQ((*t)->Decode(ids), huge);
+  EXPECT_EQ(ids.size(), huge.size() / 5 * 3) << "each abcab is a|bc|ab";
 }
 
 }  // namespace
