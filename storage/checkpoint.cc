@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -24,6 +26,10 @@ using nlohmann::json;
 constexpr char kManifest[] = "manifest.json";
 constexpr char kStepPrefix[] = "step-";
 constexpr char kTempPrefix[] = ".tmp-step-";
+
+int ExchangePaths(const char* a, const char* b) {
+  return ::renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE);
+}
 
 void FsyncDir(const std::string& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -203,6 +209,8 @@ absl::Status CheckpointWriter::AdoptShard(int rank) {
   return absl::OkStatus();
 }
 
+CommitRenames SystemCommitRenames() { return {ExchangePaths, ::rename}; }
+
 absl::StatusOr<std::string> CheckpointWriter::Commit(Manifest manifest) {
   if (static_cast<int>(shards_.size()) != world_size_) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -225,22 +233,48 @@ absl::StatusOr<std::string> CheckpointWriter::Commit(Manifest manifest) {
   FsyncDir(temp_dir_);
   std::error_code ec;
   if (fs::exists(final_dir_, ec)) {
-    // A committed checkpoint of the same step (a rerun after a crash past this point): the new one
-    // replaces it only once it is complete, which is now.
-    const std::string old = final_dir_ + ".replaced";
-    fs::remove_all(old, ec);
-    fs::rename(final_dir_, old, ec);
-    if (ec)
-      return absl::InternalError(absl::StrCat(final_dir_, ": cannot move aside: ", ec.message()));
-    fs::rename(temp_dir_, final_dir_, ec);
-    fs::remove_all(old, ec);
-  } else {
-    fs::rename(temp_dir_, final_dir_, ec);
+    if (absl::Status s = Replace(); !s.ok()) return s;
+  } else if (renames_.rename(temp_dir_.c_str(), final_dir_.c_str()) != 0) {
+    return absl::InternalError(
+        absl::StrCat(final_dir_, ": commit rename failed: ", std::strerror(errno)));
   }
-  if (ec)
-    return absl::InternalError(absl::StrCat(final_dir_, ": commit rename failed: ", ec.message()));
   FsyncDir(root_);
   return final_dir_;
+}
+
+// A committed checkpoint of the same step (a rerun after a crash past this point): the new one
+// replaces it only once it is complete, which is now, and never leaves the step without one.
+absl::Status CheckpointWriter::Replace() {
+  std::error_code ec;
+  if (renames_.exchange(temp_dir_.c_str(), final_dir_.c_str()) == 0) {
+    FsyncDir(root_);
+    fs::remove_all(temp_dir_, ec);  // now the old copy; CleanIncomplete removes it if this fails
+    return absl::OkStatus();
+  }
+  if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
+    return absl::InternalError(
+        absl::StrCat(final_dir_, ": commit exchange failed: ", std::strerror(errno)));
+  }
+  // No RENAME_EXCHANGE on this filesystem: aside, in, then drop the old one.
+  const std::string old = final_dir_ + ".replaced";
+  fs::remove_all(old, ec);
+  if (ec) return absl::InternalError(absl::StrCat(old, ": cannot remove: ", ec.message()));
+  if (renames_.rename(final_dir_.c_str(), old.c_str()) != 0) {
+    return absl::InternalError(
+        absl::StrCat(final_dir_, ": cannot move aside: ", std::strerror(errno)));
+  }
+  if (renames_.rename(temp_dir_.c_str(), final_dir_.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    if (renames_.rename(old.c_str(), final_dir_.c_str()) != 0) {
+      return absl::InternalError(absl::StrCat(final_dir_, ": commit rename failed (", why,
+                                              "); the previous copy is at ", old,
+                                              " until the next start puts it back"));
+    }
+    return absl::InternalError(absl::StrCat(final_dir_, ": commit rename failed: ", why));
+  }
+  FsyncDir(root_);
+  fs::remove_all(old, ec);  // CleanIncomplete removes it if this fails
+  return absl::OkStatus();
 }
 
 void CheckpointWriter::Abort() {
@@ -309,20 +343,38 @@ absl::StatusOr<LoadedCheckpoint> LoadLatestCheckpoint(const std::string& root,
 }
 
 absl::StatusOr<int> CleanIncomplete(const std::string& root) {
-  int removed = 0;
   std::error_code ec;
   if (!fs::exists(root, ec)) return 0;
-  std::vector<fs::path> doomed;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (!entry.is_directory()) continue;
-    const bool temp =
-        name.rfind(kTempPrefix, 0) == 0 || (StepOf(name.substr(0, name.find(".replaced"))) &&
-                                            name.find(".replaced") != std::string::npos);
-    const bool uncommitted = StepOf(name) && !fs::exists(entry.path() / kManifest);
-    if (temp || uncommitted) doomed.push_back(entry.path());
+  auto directories = [&] {
+    std::vector<fs::path> out;
+    for (const auto& entry : fs::directory_iterator(root, ec)) {
+      if (entry.is_directory()) out.push_back(entry.path());
+    }
+    return out;
+  };
+  // First the copies a replacing commit moved aside: after a crash between its renames, the
+  // step's previous copy is the only complete one when the step itself is missing or was never
+  // completed, and goes back under the step's name.
+  for (const fs::path& p : directories()) {
+    const std::string name = p.filename().string();
+    const size_t replaced = name.find(".replaced");
+    if (replaced == std::string::npos || !StepOf(name.substr(0, replaced))) continue;
+    const fs::path step = p.parent_path() / name.substr(0, replaced);
+    if (fs::exists(step / kManifest) || !fs::exists(p / kManifest)) continue;
+    fs::remove_all(step, ec);
+    fs::rename(p, step, ec);
+    if (ec)
+      return absl::InternalError(absl::StrCat(p.string(), ": cannot put back: ", ec.message()));
+    FsyncDir(root);
   }
-  for (const auto& p : doomed) {
+  int removed = 0;
+  for (const fs::path& p : directories()) {
+    const std::string name = p.filename().string();
+    const size_t replaced = name.find(".replaced");
+    const bool temp = name.rfind(kTempPrefix, 0) == 0 ||
+                      (replaced != std::string::npos && StepOf(name.substr(0, replaced)));
+    const bool uncommitted = StepOf(name) && !fs::exists(p / kManifest);
+    if (!temp && !uncommitted) continue;
     fs::remove_all(p, ec);
     if (ec) return absl::InternalError(absl::StrCat(p.string(), ": cannot remove: ", ec.message()));
     ++removed;

@@ -18,6 +18,7 @@
 #define LOOM_STORAGE_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -55,6 +56,15 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
 // "step-00000100"
 std::string CheckpointDirName(int64_t step);
 
+// The two renames a commit makes, as syscalls (0 or -1 with errno). Tests replace them to fail
+// one and check what is left on disk (storage/checkpoint_test.cc).
+struct CommitRenames {
+  // renameat2(RENAME_EXCHANGE): swaps two existing paths atomically.
+  std::function<int(const char* a, const char* b)> exchange;
+  std::function<int(const char* from, const char* to)> rename;
+};
+CommitRenames SystemCommitRenames();
+
 class CheckpointWriter {
  public:
   // Creates the temporary directory for `step` under `root` (creating root if needed). Ranks
@@ -73,8 +83,13 @@ class CheckpointWriter {
   absl::Status AdoptShard(int rank);
 
   // Writes the manifest (shards filled in from WriteShard), fsyncs and renames into place.
-  // Every rank's shard must have been written. Returns the final directory.
+  // Every rank's shard must have been written. Returns the final directory. A step committed
+  // before is replaced atomically (RENAME_EXCHANGE; where the filesystem lacks it, moved aside
+  // first and moved back on failure): at every instant one complete copy of the step exists,
+  // under its name or, after a crash between two renames, as "<step>.replaced", which
+  // CleanIncomplete puts back.
   absl::StatusOr<std::string> Commit(Manifest manifest);
+  void set_renames_for_testing(CommitRenames renames) { renames_ = std::move(renames); }
 
   // Removes the temporary directory (on error paths).
   void Abort();
@@ -86,6 +101,9 @@ class CheckpointWriter {
   int64_t step_ = 0;
   int world_size_ = 1;
   std::map<int, ShardInfo> shards_;
+  CommitRenames renames_ = SystemCommitRenames();
+
+  absl::Status Replace();  // final_dir_ exists: put temp_dir_ in its place
 };
 
 struct CheckpointRef {

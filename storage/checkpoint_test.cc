@@ -1,10 +1,16 @@
 #include "storage/checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cmath>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 
 #include "storage/crc32c.h"
 
@@ -40,6 +46,24 @@ class CheckpointTest : public ::testing::Test {
     auto dir = w->Commit(m);
     EXPECT_TRUE(dir.ok()) << dir.status();
     return dir.ok() ? *dir : "";
+  }
+
+  // A writer for `step` with its one shard written ("w" = value), ready to commit.
+  CheckpointWriter Ready(int64_t step, float value) {
+    auto w = CheckpointWriter::Begin(root_, step, 1);
+    EXPECT_TRUE(w.ok()) << w.status();
+    std::vector<float> data(64, value);
+    EXPECT_TRUE(w->WriteShard(0, {{"w", DType::kF32, {64}, data.data(), data.size() * 4}}).ok());
+    return *std::move(w);
+  }
+
+  // The value of "w" in the committed checkpoint at dir, or NaN when it does not load.
+  static float ValueAt(const std::string& dir) {
+    auto loaded = LoadCheckpoint(dir);
+    if (!loaded.ok()) return std::nanf("");
+    float v;
+    std::memcpy(&v, loaded->shards[0].Data(*loaded->shards[0].Find("w")).data(), 4);
+    return v;
   }
 
   std::string root_;
@@ -174,6 +198,127 @@ TEST_F(CheckpointTest, RecommittingAStepReplacesItWhole) {
   std::memcpy(&v, loaded->shards[0].Data(*loaded->shards[0].Find("w")).data(), 4);
   EXPECT_EQ(v, 9.0f);
   EXPECT_EQ(ListCheckpoints(root_)->size(), 1u);
+}
+
+// A rename that fails as the n-th call (1-based) with `error`; the others are real.
+CommitRenames FailingRename(int n, int error, bool exchange_supported) {
+  auto calls = std::make_shared<int>(0);
+  CommitRenames r = SystemCommitRenames();
+  if (!exchange_supported) {
+    r.exchange = [](const char*, const char*) {
+      errno = EINVAL;  // as on a filesystem without RENAME_EXCHANGE
+      return -1;
+    };
+  }
+  r.rename = [calls, n, error](const char* from, const char* to) {
+    if (++*calls == n) {
+      errno = error;
+      return -1;
+    }
+    return ::rename(from, to);
+  };
+  return r;
+}
+
+// Every failure of a replacing commit's renames is an error, and the step's previous copy is
+// still there (or, when even the move back failed, put back at the next start). It used to
+// report success after deleting the previous copy when the second rename failed.
+TEST_F(CheckpointTest, AFailedRecommitKeepsThePreviousCopy) {
+  const std::string dir = Commit(3, 1, 1.0f);
+  struct Case {
+    const char* what;
+    CommitRenames renames;
+    bool put_back_at_start;
+  };
+  CommitRenames exchange_fails = SystemCommitRenames();
+  exchange_fails.exchange = [](const char*, const char*) {
+    errno = EIO;
+    return -1;
+  };
+  std::vector<Case> cases = {
+      {"the exchange fails", exchange_fails, false},
+      {"moving the old copy aside fails", FailingRename(1, EIO, false), false},
+      {"moving the new copy in fails", FailingRename(2, EIO, false), false},
+      {"moving in and moving back both fail", FailingRename(2, EIO, false), true},
+  };
+  cases[3].renames.rename = [calls = std::make_shared<int>(0)](const char* from, const char* to) {
+    if (++*calls >= 2) {
+      errno = EIO;
+      return -1;
+    }
+    return ::rename(from, to);
+  };
+  for (Case& c : cases) {
+    CheckpointWriter w = Ready(3, 9.0f);
+    w.set_renames_for_testing(c.renames);
+    auto committed = w.Commit(Manifest{});
+    EXPECT_FALSE(committed.ok()) << c.what;
+    if (c.put_back_at_start) {
+      EXPECT_NE(committed.status().message().find("until the next start puts it back"),
+                std::string::npos)
+          << committed.status();
+      EXPECT_FALSE(fs::exists(dir)) << c.what;
+      ASSERT_TRUE(CleanIncomplete(root_).ok());
+    }
+    EXPECT_EQ(ValueAt(dir), 1.0f) << c.what;
+    w.Abort();
+    ASSERT_TRUE(CleanIncomplete(root_).ok());
+    ASSERT_EQ(ListCheckpoints(root_)->size(), 1u) << c.what;
+  }
+}
+
+// SIGKILL right after each rename of the commit protocol (a child process commits; its rename
+// kills it once done): after CleanIncomplete the step has one complete copy, old or new.
+TEST_F(CheckpointTest, AKillAfterAnyRenameLeavesACompleteStep) {
+  struct Case {
+    const char* what;
+    bool recommit, exchange_supported;
+    int kill_after;  // 1-based rename call (the exchange counts as one)
+  };
+  const std::vector<Case> cases = {{"a first commit's rename", false, true, 1},
+                                   {"a recommit's exchange", true, true, 1},
+                                   {"moving the old copy aside", true, false, 1},
+                                   {"moving the new copy in", true, false, 2}};
+  for (const Case& c : cases) {
+    fs::remove_all(root_);
+    const std::string dir = (fs::path(root_) / "step-00000003").string();
+    if (c.recommit) Commit(3, 1, 1.0f);
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      CheckpointWriter w = Ready(3, 9.0f);
+      auto calls = std::make_shared<int>(0);
+      const int kill_after = c.kill_after;
+      auto then_die = [calls, kill_after](int rc) {
+        if (++*calls == kill_after) ::raise(SIGKILL);
+        return rc;
+      };
+      CommitRenames r;
+      r.exchange = [then_die, &c](const char* a, const char* b) {
+        if (!c.exchange_supported) {
+          errno = EINVAL;
+          return -1;
+        }
+        return then_die(SystemCommitRenames().exchange(a, b));
+      };
+      r.rename = [then_die](const char* from, const char* to) {
+        return then_die(::rename(from, to));
+      };
+      w.set_renames_for_testing(r);
+      (void)w.Commit(Manifest{});
+      ::_exit(0);  // not killed: the case did not happen
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << c.what;
+    ASSERT_TRUE(CleanIncomplete(root_).ok()) << c.what;
+    const float v = ValueAt(dir);
+    EXPECT_TRUE(v == 9.0f || (c.recommit && v == 1.0f)) << c.what << ": " << v;
+    EXPECT_EQ(ListCheckpoints(root_)->size(), 1u) << c.what;
+    for (const auto& e : fs::directory_iterator(root_)) {
+      EXPECT_EQ(e.path().filename().string(), "step-00000003") << c.what << ": left behind";
+    }
+  }
 }
 
 }  // namespace
