@@ -237,7 +237,19 @@ absl::Status Coordinator::Load() {
   for (const auto& [worker, token] : credentials_) credential_owner_[token] = worker;
   // Restarted: every known worker gets a fresh grace period to heartbeat again.
   const int64_t now = NowMs();
-  for (auto& [id, w] : workers_) w.set_last_heartbeat_ms(now);
+  const int64_t steady = SteadyMs();
+  for (auto& [id, w] : workers_) {
+    w.set_last_heartbeat_ms(now);
+    heard_steady_[id] = steady;
+  }
+  // A fence carried over a restart: what was left of it (never more than a lease and a grace,
+  // whatever the wall clock did while the coordinator was down).
+  const int64_t longest = int64_t{options_.lease_ms} + options_.term_grace_ms;
+  for (const auto& [id, job] : jobs_) {
+    if (job.not_before_ms() > now) {
+      fence_steady_[id] = steady + std::min(job.not_before_ms() - now, longest);
+    }
+  }
   IndexPlacementsLocked();
   // Retention decided before a crash but not carried out yet.
   for (const auto& [id, c] : checkpoints_) {
@@ -1165,6 +1177,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
   *w.mutable_gpus() = request.gpus();
   SetWorkerState(w, WorkerState::kAlive);
   w.set_last_heartbeat_ms(now);
+  heard_steady_[id] = SteadyMs();
   txn.batch.PutWorker(w);
   const std::string credential = IssueCredential(txn, id);
   LOOM_RETURN_IF_ERROR(Commit(txn));
@@ -1220,6 +1233,7 @@ void Coordinator::FailAttempt(Txn& txn, v1::Job& job, const std::string& reason,
   job.set_master_port(0);
   job.clear_finished_workers();
   job.set_not_before_ms(not_before_ms);
+  fence_steady_[job.id()] = not_before_ms > 0 ? SteadyMs() + (not_before_ms - NowMs()) : 0;
   // The job keeps its original queue time: aging and reservations count from the submission.
   SetState(
       txn, job, JobState::kQueued,
@@ -1249,9 +1263,12 @@ void Coordinator::MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string
   RevokeCredential(txn, worker.id());
   // Its ranks stop themselves when their lease runs out, at the latest lease_ms after the last
   // heartbeat that reached here; the termination grace covers a rank that was slow to die.
-  const int64_t lapsed = worker.last_heartbeat_ms() + options_.lease_ms;
-  const int64_t fence = std::max(NowMs(), lapsed) + options_.term_grace_ms;
-  FailAttemptsOn(txn, worker.id(), absl::StrCat("worker ", worker.id(), " ", reason), fence);
+  // On the steady clock; the jobs carry it as wall-clock time (not_before_ms) for people.
+  const int64_t steady = SteadyMs();
+  const int64_t lapsed = HeardAt(worker.id()) + options_.lease_ms;
+  const int64_t fence = std::max(steady, lapsed) + options_.term_grace_ms;
+  FailAttemptsOn(txn, worker.id(), absl::StrCat("worker ", worker.id(), " ", reason),
+                 NowMs() + (fence - steady));
 }
 
 int Coordinator::UsedSlots(const std::string& worker_id) const {
@@ -1749,6 +1766,7 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::HeartbeatLocked(
   v1::Worker& w = wit->second;
   Save(txn, worker);
   w.set_last_heartbeat_ms(NowMs());
+  heard_steady_[worker] = SteadyMs();
   heard_since_start_.insert(worker);
   v1::HeartbeatResponse response;
   RunningAttempts running;
@@ -1771,16 +1789,17 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::HeartbeatLocked(
 
 // The queued jobs the scheduler may place now; those held back (fenced after a lost worker, or
 // waiting for an old attempt's ranks to stop) go to `held` with the reason.
-std::vector<QueuedJob> Coordinator::QueueLocked(int64_t now,
-                                                std::map<std::string, std::string>& held) const {
+std::vector<QueuedJob> Coordinator::QueueLocked(std::map<std::string, std::string>& held) const {
   std::vector<QueuedJob> queue;
+  const int64_t steady = SteadyMs();
   for (const auto& [id, job] : jobs_) {
     if (JobStateOf(job) != JobState::kQueued) continue;
-    if (job.not_before_ms() > now) {
+    if (auto fence = fence_steady_.find(id);
+        fence != fence_steady_.end() && fence->second > steady) {
       held[id] = absl::StrFormat(
           "fenced: the previous attempt's worker was lost; placing again in %.1f s (lost-after "
           "+ termination grace)",
-          static_cast<double>(job.not_before_ms() - now) / 1000.0);
+          static_cast<double>(fence->second - steady) / 1000.0);
       continue;
     }
     if (OldAttemptRunning(job)) {
@@ -1808,10 +1827,10 @@ bool Coordinator::AwaitingReportsAfterRestart() const {
 
 std::vector<FreeWorker> Coordinator::FreeWorkersLocked() const {
   std::vector<FreeWorker> free;
-  const int64_t now = NowMs();
+  const int64_t steady = SteadyMs();
   for (const auto& [id, w] : workers_) {
     // A silent worker is not placed on even while loss detection holds (AllWorkersSilent).
-    if (!IsAlive(w) || now - w.last_heartbeat_ms() > options_.lost_after_ms) continue;
+    if (!IsAlive(w) || steady - HeardAt(id) > options_.lost_after_ms) continue;
     FreeWorker f;
     f.id = id;
     f.labels.insert(w.labels().begin(), w.labels().end());
@@ -1883,7 +1902,7 @@ void Coordinator::StartAttemptLocked(Txn& txn, const GangPlacement& g, int64_t n
 void Coordinator::ScheduleLocked(Txn& txn) {
   const int64_t now = NowMs();
   std::map<std::string, std::string> held;  // queued jobs that wait for their last attempt
-  std::vector<QueuedJob> queue = QueueLocked(now, held);
+  std::vector<QueuedJob> queue = QueueLocked(held);
   if (AwaitingReportsAfterRestart()) {
     for (const auto& q : queue) held[q.id] = "waiting for every worker to report after a restart";
     queue.clear();
@@ -1898,15 +1917,19 @@ void Coordinator::ScheduleLocked(Txn& txn) {
   for (const GangPlacement& g : result.placed) StartAttemptLocked(txn, g, now);
 }
 
+int64_t Coordinator::HeardAt(const std::string& worker) const {
+  auto it = heard_steady_.find(worker);
+  return it == heard_steady_.end() ? 0 : it->second;
+}
+
 void Coordinator::MarkSilentWorkersLost(Txn& txn) {
-  const int64_t now = NowMs();
-  if (AllWorkersSilent(now)) return;
+  const int64_t steady = SteadyMs();
+  if (AllWorkersSilent(steady)) return;
   for (auto& [id, w] : workers_) {
-    const int64_t silent_since = std::max(w.last_heartbeat_ms(), hold_ended_ms_);
-    if (IsAlive(w) && now - silent_since > options_.lost_after_ms) {
-      MarkWorkerLost(
-          txn, w,
-          absl::StrCat("lost: no heartbeat for ", (now - w.last_heartbeat_ms()) / 1000, " s"));
+    const int64_t silent_since = std::max(HeardAt(id), hold_ended_ms_);
+    if (IsAlive(w) && steady - silent_since > options_.lost_after_ms) {
+      MarkWorkerLost(txn, w,
+                     absl::StrCat("lost: no heartbeat for ", (steady - HeardAt(id)) / 1000, " s"));
     }
   }
 }
@@ -1915,13 +1938,14 @@ void Coordinator::MarkSilentWorkersLost(Txn& txn) {
 // likely this coordinator's link is cut than every node gone at once. Marking them lost would
 // fail every running attempt although their ranks train on; once the lease has lapsed they have
 // stopped either way, and loss detection resumes (the fence is the same: last heartbeat + lease).
+// `now` is the steady clock.
 bool Coordinator::AllWorkersSilent(int64_t now) {
   int alive = 0;
   int64_t newest = 0;
   for (const auto& [id, w] : workers_) {
     if (!IsAlive(w)) continue;
     ++alive;
-    newest = std::max(newest, w.last_heartbeat_ms());
+    newest = std::max(newest, HeardAt(id));
   }
   const bool hold = options_.all_silent_min_workers > 0 &&
                     alive >= options_.all_silent_min_workers &&
@@ -1951,9 +1975,11 @@ void Coordinator::ForgiveOwnOutage() {
   if (last == std::chrono::steady_clock::time_point{}) return;
   const int64_t gap = std::chrono::duration_cast<std::chrono::milliseconds>(now - last).count();
   if (gap <= std::max(2000, 2 * options_.heartbeat_interval_ms)) return;
-  const int64_t wall = NowMs();
+  const int64_t wall = NowMs(), steady = SteadyMs();
   for (auto& [id, w] : workers_) {
-    if (IsAlive(w)) w.set_last_heartbeat_ms(std::min(wall, w.last_heartbeat_ms() + gap));
+    if (!IsAlive(w)) continue;
+    w.set_last_heartbeat_ms(std::min(wall, w.last_heartbeat_ms() + gap));
+    heard_steady_[id] = std::min(steady, HeardAt(id) + gap);
   }
   registry_.Increment("loom_coordinator_outages_forgiven_total");
 }

@@ -172,6 +172,9 @@ class Coordinator {
 
   explicit Coordinator(const CoordinatorOptions& options) : options_(options) {}
   int64_t NowMs() const { return options_.clock->NowMs(); }
+  int64_t SteadyMs() const { return options_.clock->SteadyMs(); }
+  // When the worker was last heard, on the steady clock (0: never since this process started).
+  int64_t HeardAt(const std::string& worker) const;
   absl::Status Load();
   absl::Status MigrateCheckpointIds();
   absl::StatusOr<v1::JobSpec> ResolveSubmission(const v1::SubmitJobRequest& request);
@@ -229,7 +232,7 @@ class Coordinator {
   int UsedSlots(const std::string& worker_id) const;
   bool OldAttemptRunning(const v1::Job& job) const;
   void ScheduleLocked(Txn& txn);
-  std::vector<QueuedJob> QueueLocked(int64_t now, std::map<std::string, std::string>& held) const;
+  std::vector<QueuedJob> QueueLocked(std::map<std::string, std::string>& held) const;
   bool AwaitingReportsAfterRestart() const;
   std::vector<FreeWorker> FreeWorkersLocked() const;
   void StartAttemptLocked(Txn& txn, const GangPlacement& placement, int64_t now);
@@ -293,7 +296,11 @@ class Coordinator {
   // outage, not its workers' silence (ForgiveOwnOutage).
   std::chrono::steady_clock::time_point last_tick_{};
   bool holding_loss_detection_ = false;  // AllWorkersSilent held at the last tick
-  int64_t hold_ended_ms_ = 0;            // when a worker was last heard after such a hold
+  int64_t hold_ended_ms_ = 0;            // steady: when a worker was heard after such a hold
+  // Liveness and fencing on the steady clock (clock.h): an NTP step moves neither. The wall-clock
+  // twins (Worker.last_heartbeat_ms, Job.not_before_ms) are what is shown and stored.
+  std::map<std::string, int64_t> heard_steady_;  // worker id -> last heartbeat
+  std::map<std::string, int64_t> fence_steady_;  // job id -> not placed again before this
   std::map<std::string, std::vector<std::string>> placed_on_;  // IndexPlacementsLocked
 };
 

@@ -542,6 +542,57 @@ TEST_F(CoordinatorTest, ConcurrentHeartbeatsShareTheirFsyncs) {
   }
 }
 
+// An NTP step of the wall clock, an hour either way, moves neither loss detection nor fences:
+// both run on the steady clock. (On the wall clock, +1 h marked every worker lost and requeued
+// every job; -1 h delayed both by an hour.)
+TEST_F(CoordinatorTest, AWallClockStepMovesNeitherLivenessNorFences) {
+  options_.lost_after_ms = 1000;
+  options_.lease_ms = 2000;
+  options_.term_grace_ms = 400;
+  Reopen();
+  auto state = [&](const std::string& id) {
+    const absl::StatusOr<v1::ListWorkersResponse> list = c_->ListWorkers();
+    for (const v1::Worker& w : list->workers()) {
+      if (w.id() == id) return w.state();
+    }
+    return std::string("?");
+  };
+  const std::string a = RegisterWorker("a", 1);
+  const std::string b = RegisterWorker("b", 1);
+  const std::string id = Submit(MicroJob(1));
+  c_->Tick();
+  const std::string w1 = Job(id).placement(0).worker_id();
+  const std::string w2 = w1 == a ? b : a;
+  Beat(w1, id, 1, {{0, -1}}, {10}, 30000);
+  Beat(w2, "", 0, {});
+  clock_->StepWall(3600 * 1000);  // forward
+  c_->Tick();
+  EXPECT_EQ(state(w1), "alive");
+  EXPECT_EQ(state(w2), "alive");
+  EXPECT_EQ(Job(id).state(), "running");
+  clock_->StepWall(-2 * 3600 * 1000);  // and back, an hour behind
+  Beat(w2, "", 0, {});
+  c_->Tick();
+  EXPECT_EQ(state(w1), "alive");
+  // w1 falls silent: lost after lost_after of real time, placed again after lease + grace.
+  const int64_t silent = clock_->SteadyMs();
+  while (Job(id).state() != "queued") {
+    ASSERT_LT(clock_->SteadyMs() - silent, 1500) << "loss detection delayed by the step";
+    clock_->Advance(100);
+    Beat(w2, "", 0, {});
+    c_->Tick();
+  }
+  EXPECT_EQ(state(w1), "lost");
+  while (Job(id).state() == "queued") {
+    ASSERT_LT(clock_->SteadyMs() - silent, 3000) << "the fence moved with the step";
+    clock_->Advance(100);
+    Beat(w2, "", 0, {});
+    c_->Tick();
+  }
+  EXPECT_GE(clock_->SteadyMs() - silent, 2400) << "placed before lease + grace";
+  EXPECT_EQ(Job(id).placement(0).worker_id(), w2);
+}
+
 TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
   options_.lost_after_ms = 300;
   options_.lease_ms = 150;
