@@ -1,6 +1,8 @@
 #include "coordinator/coordinator.h"
 
 #include <google/protobuf/util/message_differencer.h>
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
 
 #include <algorithm>
 #include <chrono>
@@ -135,8 +137,16 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
     return absl::UnavailableError(
         absl::StrCat("cannot create '", options.data_dir, "': ", ec.message()));
   }
-  LOOM_ASSIGN_OR_RETURN(c->store_,
-                        StateStore::Open((fs::path(options.data_dir) / "state").string()));
+  // RocksDB's files take the umask's mode (0644 under 022); its directory is the owner's alone,
+  // whatever the umask, so no other local user reads the state (credential digests included).
+  const fs::path state = fs::path(options.data_dir) / "state";
+  fs::create_directories(state, ec);
+  if (!ec) fs::permissions(state, fs::perms::owner_all, fs::perm_options::replace, ec);
+  if (ec) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot create '", state.string(), "' (mode 0700): ", ec.message()));
+  }
+  LOOM_ASSIGN_OR_RETURN(c->store_, StateStore::Open(state.string()));
   LOOM_RETURN_IF_ERROR(c->Load());
   LOOM_RETURN_IF_ERROR(c->MigrateCheckpointIds());
   DeclareMetrics(c->registry_);
@@ -147,6 +157,22 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
 Coordinator::~Coordinator() { Stop(); }
 
 namespace {
+
+constexpr char kDigestPrefix[] = "sha256:";
+
+// What is stored of a worker credential: its SHA-256, so the state directory (and a copy of it)
+// holds no usable credential. Credentials are 256 random bits: no salt or slow hash needed.
+std::string CredentialDigest(const std::string& credential) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(credential.data()), credential.size(), digest);
+  std::string out = kDigestPrefix;
+  for (unsigned char b : digest) out += absl::StrFormat("%02x", b);
+  return out;
+}
+
+bool SameDigest(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
 
 // 32 random bytes from the kernel as 64 hex digits: a worker's heartbeat credential.
 std::string RandomToken() {
@@ -234,7 +260,15 @@ absl::Status Coordinator::Load() {
   credentials_ = std::move(state.credentials);
   sweeps_ = std::move(state.sweeps);
   next_sweep_ = state.next_sweep;
-  for (const auto& [worker, token] : credentials_) credential_owner_[token] = worker;
+  // Credentials stored in clear by an older coordinator: their digests replace them.
+  StateStore::Batch upgrade;
+  for (auto& [worker, stored] : credentials_) {
+    if (absl::StartsWith(stored, kDigestPrefix)) continue;
+    stored = CredentialDigest(stored);
+    upgrade.PutCredential(worker, stored);
+  }
+  if (!upgrade.empty()) LOOM_RETURN_IF_ERROR(store_->Commit(upgrade, true));
+  for (const auto& [worker, digest] : credentials_) credential_owner_[digest] = worker;
   // Restarted: every known worker gets a fresh grace period to heartbeat again.
   const int64_t now = NowMs();
   const int64_t steady = SteadyMs();
@@ -1052,8 +1086,11 @@ absl::StatusOr<v1::ListWorkersResponse> Coordinator::ListWorkers(int page_size,
 }
 
 absl::StatusOr<std::string> Coordinator::WorkerForCredential(const std::string& credential) {
+  // Looked up by digest: the map's comparisons can time only the digest, which tells nothing
+  // about the credential.
+  const std::string digest = CredentialDigest(credential);
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = credential_owner_.find(credential);
+  auto it = credential_owner_.find(digest);
   if (it == credential_owner_.end()) {
     return absl::UnauthenticatedError(
         "invalid or revoked worker credential: register again with the enrolment token");
@@ -1138,7 +1175,7 @@ absl::StatusOr<std::string> Coordinator::RegisteringIdLocked(
   // after a restart); a lost worker's credential is already revoked.
   auto cred = credentials_.find(id);
   if (IsAlive(existing->second) && cred != credentials_.end() &&
-      request.credential() != cred->second) {
+      !SameDigest(CredentialDigest(request.credential()), cred->second)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "worker id '", id, "' belongs to a live worker; re-registering it needs its credential"));
   }
@@ -1152,11 +1189,12 @@ absl::StatusOr<std::string> Coordinator::RegisteringIdLocked(
 std::string Coordinator::IssueCredential(Txn& txn, const std::string& worker_id) {
   RevokeCredential(txn, worker_id);
   const std::string credential = RandomToken();
+  const std::string digest = CredentialDigest(credential);
   SaveCredential(txn, worker_id);
-  credentials_[worker_id] = credential;
-  credential_owner_[credential] = worker_id;
-  txn.batch.PutCredential(worker_id, credential);
-  return credential;
+  credentials_[worker_id] = digest;
+  credential_owner_[digest] = worker_id;
+  txn.batch.PutCredential(worker_id, digest);
+  return credential;  // the only copy in clear: the agent's
 }
 
 absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <set>
 #include <thread>
 
@@ -781,6 +782,60 @@ TEST_F(CoordinatorTest, ListsPageWithOpaqueTokensBoundToTheirListAndFilter) {
             absl::StatusCode::kInvalidArgument);  // the old raw-id form
   EXPECT_EQ(c_->ListJobs("", 2, "%%%").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c_->ListSweeps(0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Only digests of worker credentials reach the disk, in a directory only the owner can enter
+// (whatever the umask); a credential an older coordinator stored in clear is converted at open
+// and keeps working.
+TEST_F(CoordinatorTest, CredentialsAreStoredAsDigestsInAPrivateDirectory) {
+  v1::RegisterWorkerRequest r;
+  r.set_name("a");
+  r.set_address("127.0.0.1");
+  r.set_slots(1);
+  auto registered = c_->Register(r);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  const std::string credential = registered->credential();
+  ASSERT_EQ(credential.size(), 64u);
+  EXPECT_EQ(*c_->WorkerForCredential(credential), registered->worker_id());
+  const fs::path state = fs::path(options_.data_dir) / "state";
+  EXPECT_EQ(fs::status(state).permissions(), fs::perms::owner_all);
+  c_.reset();  // closed: its WAL and table files hold everything it wrote
+  auto holds = [&](const std::string& needle) {
+    for (const auto& e : fs::directory_iterator(state)) {
+      std::ifstream in(e.path(), std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(in)),
+                              std::istreambuf_iterator<char>());
+      if (bytes.find(needle) != std::string::npos) return true;
+    }
+    return false;
+  };
+  EXPECT_FALSE(holds(credential)) << "a worker credential in clear under " << state;
+  EXPECT_TRUE(holds("sha256:"));
+  // As an older coordinator stored it: in clear.
+  const std::string legacy(64, 'c');
+  {
+    auto store = StateStore::Open(state.string());
+    ASSERT_TRUE(store.ok()) << store.status();
+    StateStore::Batch b;
+    b.PutCredential(registered->worker_id(), legacy);
+    ASSERT_TRUE((*store)->Commit(b, true).ok());
+  }
+  fs::permissions(state, fs::perms::all, fs::perm_options::replace);
+  Reopen();
+  EXPECT_EQ(fs::status(state).permissions(), fs::perms::owner_all);
+  auto owner = c_->WorkerForCredential(legacy);
+  ASSERT_TRUE(owner.ok()) << owner.status();
+  EXPECT_EQ(*owner, registered->worker_id());
+  EXPECT_FALSE(c_->WorkerForCredential(credential).ok()) << "the replaced credential";
+  c_.reset();
+  {
+    auto store = StateStore::Open(state.string());
+    ASSERT_TRUE(store.ok());
+    auto loaded = (*store)->Load();
+    ASSERT_TRUE(loaded.ok());
+    EXPECT_EQ(loaded->credentials.at(registered->worker_id()).rfind("sha256:", 0), 0u);
+  }
+  Reopen();
 }
 
 TEST_F(CoordinatorTest, CheckpointIdsArePathSafeAndOldStateIsMigrated) {

@@ -15,8 +15,8 @@
 #include "base/cli_args.h"
 #include "base/cpu_process.h"
 #include "base/status_macros.h"
-#include "net/http_server.h"
 #include "loom/exit_codes.h"
+#include "net/http_server.h"
 #include "serve/server.h"
 #include "worker/trainer/checkpoint_model.h"
 #include "worker/trainer/plugin_loader.h"
@@ -67,6 +67,7 @@ absl::StatusOr<ServeOptions> OptionsFromArgs(const CliArgs& args,
                                              const trainer::CheckpointModel& m) {
   ServeOptions o;
   o.model_name = args.Get("model-name", DefaultModelName(m));
+  o.model_root = DefaultModelName(m);  // the checkpoint's name: /v1/models shows no host path
   if (args.Has("token-file")) {
     LOOM_ASSIGN_OR_RETURN(o.token, ReadToken(args.Get("token-file")));
   }
@@ -99,6 +100,13 @@ absl::Status Run(int argc, char** argv) {
                                     "device", "threads", "tls-cert", "tls-key", "plugin-dir"},
                                    {}));
   LOOM_ASSIGN_OR_RETURN(std::string where, args.Require("checkpoint"));
+  // Without a token the server answers anyone who reaches it: only this host's users, then.
+  if (const std::string bind = args.Get("bind", "127.0.0.1");
+      !args.Has("token-file") && net::DefaultAllowedHosts(bind).empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--bind ", bind, " without --token-file: anyone who can reach ", bind,
+                     " could use this server; give --token-file, or bind a loopback address"));
+  }
   LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 0, 0, 1024));
   if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
   LOOM_ASSIGN_OR_RETURN(torch::Device device, PickDevice(args.Get("device", "auto")));
@@ -129,22 +137,19 @@ absl::Status Run(int argc, char** argv) {
   server.AddRoutes(http);
   // A web page in the user's browser can reach a loopback server: refuse foreign Host and
   // Origin headers (DNS rebinding, cross-site requests), as the coordinator does.
-  std::set<std::string> allowed_hosts =
-      net::DefaultAllowedHosts(args.Get("bind", "127.0.0.1"));
+  std::set<std::string> allowed_hosts = net::DefaultAllowedHosts(args.Get("bind", "127.0.0.1"));
   if (args.Has("allowed-hosts")) {
     allowed_hosts.clear();
     for (absl::string_view h : absl::StrSplit(args.Get("allowed-hosts"), ',', absl::SkipEmpty()))
       allowed_hosts.insert(absl::AsciiStrToLower(h));
   }
-  http.SetFilter(
-      [allowed_hosts](const net::HttpRequest& req, net::HttpResponse& res) {
-        const std::string refusal = net::ForeignHostOrOrigin(req, allowed_hosts);
-        if (refusal.empty()) return false;
-        WriteError(res, {403, refusal, "invalid_request_error", "", ""});
-        return true;
-      });
-  http.SetLogger([&](const net::HttpRequest& req, const net::HttpResponse& res,
-                     double seconds) {
+  http.SetFilter([allowed_hosts](const net::HttpRequest& req, net::HttpResponse& res) {
+    const std::string refusal = net::ForeignHostOrOrigin(req, allowed_hosts);
+    if (refusal.empty()) return false;
+    WriteError(res, {403, refusal, "invalid_request_error", "", ""});
+    return true;
+  });
+  http.SetLogger([&](const net::HttpRequest& req, const net::HttpResponse& res, double seconds) {
     server.LogRequest(req, res, seconds, http.RouteTemplate(req.method, req.path));
   });
   LOOM_ASSIGN_OR_RETURN(int64_t port, args.GetInt("port", 8000, 0, 65535));
@@ -157,7 +162,11 @@ absl::Status Run(int argc, char** argv) {
   }
   http.Start();
   std::cout << "loom-serve: listening on " << (http_options.tls ? "https" : "http") << "://" << bind
-            << ":" << bound << "/v1" << std::endl;
+            << ":" << bound << "/v1"
+            << (options.token.empty() ? " (no --token-file: open to every user of this host, so "
+                                        "loopback only)"
+                                      : "")
+            << std::endl;
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);

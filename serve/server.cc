@@ -348,7 +348,7 @@ void Server::Models(const Request& req, Response& res) {
                                           {"object", "model"},
                                           {"created", created_unix_},
                                           {"owned_by", "loom"},
-                                          {"root", model_.dir},
+                                          {"root", options_.model_root},
                                           {"max_model_len", options_.limits.context}}})}});
 }
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "net/http_server.h"
 #include "metrics/prometheus.h"
+#include "net/http_server.h"
 #include "serve/engine.h"
 #include "serve/openai_api.h"
 #include "worker/trainer/checkpoint_model.h"
@@ -19,6 +19,7 @@ namespace loom::serve {
 
 struct ServeOptions {
   std::string model_name = "loom";  // what /v1/models lists and requests must name (or omit)
+  std::string model_root = "loom";  // /v1/models' root: "<job>.<step>" of the checkpoint
   std::string token;                // bearer token clients must send; "" = no authentication
   ServeLimits limits;
   EngineOptions engine;
@@ -31,8 +32,8 @@ class Server {
   // Registers every route on `http` (documented in api/serve-openapi.yaml).
   void AddRoutes(net::HttpServer& http);
   // Counts answered requests (HttpServer::SetLogger).
-  void LogRequest(const net::HttpRequest& req, const net::HttpResponse& res,
-                  double seconds, const std::string& route);
+  void LogRequest(const net::HttpRequest& req, const net::HttpResponse& res, double seconds,
+                  const std::string& route);
   metrics::Registry& registry() { return registry_; }
 
  private:

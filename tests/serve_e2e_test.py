@@ -134,6 +134,20 @@ def check_openai_client(a, port, token, model_id, checkpoint):
           f"chat answered {chat['message']['content'][:40]!r}, 32 concurrent == alone")
 
 
+def check_no_host_paths_and_no_open_bind(loom, port, token, checkpoint):
+    """/v1/models names the checkpoint, not where it lies on the host; loom-serve refuses to
+    answer anyone on a non-loopback address without --token-file (before loading anything)."""
+    status, _, text, _ = request(port, "GET", "/v1/models", None, token)
+    assert status == 200, text
+    root = json.loads(text)["data"][0]["root"]
+    assert "/" not in root and checkpoint not in text, f"/v1/models shows a host path: {text}"
+    serve = os.path.join(os.path.dirname(loom), "loom-serve")
+    p = subprocess.run([serve, "--checkpoint", checkpoint, "--bind", "0.0.0.0", "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "without --token-file" in p.stderr, (p.returncode, p.stderr)
+    print(f"ok: /v1/models root {root!r}; --bind 0.0.0.0 without --token-file refused: {p.stderr.strip()[:90]}")
+
+
 def check_hostile_input(port, token):
     cases = [
         (None, "{not json", 400, "body"),
@@ -258,6 +272,7 @@ def main():
                                     "--token-file", token_file], tmp, "serve", procs)
         check_openai_client(a, port, token, model_id, checkpoint)
         check_hostile_input(port, token)
+        check_no_host_paths_and_no_open_bind(a.loom, port, token, checkpoint)
         check_metrics(port, shutil.which("promtool"))
         check_disconnect_and_queue(a.loom, checkpoint, tmp, token_file, token, procs)
         for p in procs[1:]:
