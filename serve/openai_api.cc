@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 
 namespace loom::serve {
 namespace {
@@ -157,6 +158,7 @@ absl::StatusOr<std::vector<std::vector<uint32_t>>> Prompts(const json& body,
   const json& p = body["prompt"];
   std::vector<std::vector<uint32_t>> prompts;
   if (p.is_string()) {
+    LOOM_RETURN_IF_ERROR(CheckTextFits(p.get_ref<const std::string&>().size(), limits, "prompt"));
     prompts.push_back(tokenizer.Encode(p.get<std::string>()));
   } else if (p.is_array() && !p.empty() && p[0].is_number()) {
     auto ids = TokenIds(p, limits);
@@ -165,6 +167,8 @@ absl::StatusOr<std::vector<std::vector<uint32_t>>> Prompts(const json& body,
   } else if (p.is_array() && !p.empty()) {
     for (const json& e : p) {
       if (e.is_string()) {
+        LOOM_RETURN_IF_ERROR(
+            CheckTextFits(e.get_ref<const std::string&>().size(), limits, "prompt"));
         prompts.push_back(tokenizer.Encode(e.get<std::string>()));
       } else if (e.is_array()) {
         auto ids = TokenIds(e, limits);
@@ -340,6 +344,14 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body,
   return r;
 }
 
+absl::Status CheckTextFits(size_t bytes, const ServeLimits& limits, const std::string& field) {
+  const int64_t most = limits.context * kMaxPromptBytesPerToken;
+  if (static_cast<int64_t>(bytes) <= most) return absl::OkStatus();
+  return Invalid(field,
+                 absl::StrCat(bytes, " bytes of text cannot fit the model's context of ",
+                              limits.context, " tokens (at most ", most, " bytes are encoded)"));
+}
+
 absl::StatusOr<ChatRequest> ParseChatRequest(const json& body, const ServeLimits& limits) {
   static const std::set<std::string> kKnown = {"model",
                                                "messages",
@@ -367,6 +379,9 @@ absl::StatusOr<ChatRequest> ParseChatRequest(const json& body, const ServeLimits
   r.common = *std::move(common);
   auto messages = Messages(body);
   if (!messages.ok()) return messages.status();
+  size_t bytes = 0;
+  for (const auto& turn : messages->turns) bytes += turn.text.size();
+  LOOM_RETURN_IF_ERROR(CheckTextFits(bytes, limits, "messages"));
   r.conversation = *std::move(messages);
   auto logprobs = Bool(body, "logprobs");
   auto top = Integer(body, "top_logprobs", 0, 0, limits.max_logprobs);

@@ -36,6 +36,12 @@ struct ServeLimits {
   int max_logprobs = 20;      // top alternatives per token
 };
 
+// Text of more bytes than this per token of context cannot fit it, whatever it encodes to, and is
+// refused before the tokenizer sees it: encoding is the costliest thing a request can make the
+// server do before its length in tokens is known (an 8 MiB prompt took seconds).
+constexpr int64_t kMaxPromptBytesPerToken = 32;
+absl::Status CheckTextFits(size_t bytes, const ServeLimits& limits, const std::string& field);
+
 // Sampling fields both endpoints share, checked against the limits.
 struct CommonRequest {
   std::string model;

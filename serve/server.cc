@@ -371,6 +371,10 @@ void Server::Tokenize(const Request& req, Response& res) {
   } else if (has_messages && !model_.objective) {
     error = absl::InvalidArgumentError("messages: this checkpoint has no chat template");
   }
+  if (error.ok() && has_prompt) {
+    error = CheckTextFits(body["prompt"].get_ref<const std::string&>().size(), options_.limits,
+                          "prompt");
+  }
   if (error.ok() && has_prompt)
     tokens = model_.tokenizer->Encode(body["prompt"].get<std::string>());
   if (error.ok() && has_messages) {

@@ -178,11 +178,22 @@ def check_hostile_input(port, token):
     got, parsed, _, _ = request(port, "POST", "/v1/chat/completions",
                                 {"messages": [{"role": "wizard", "content": "x"}]}, token)
     assert got == 400 and parsed["error"]["param"] == "messages", parsed
+    # 6 MiB of text: refused on its byte count, before the tokenizer runs (it used to take seconds).
+    huge = "ab" * (3 << 20)
+    for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]},
+                               "messages"),
+                              ("/tokenize", {"prompt": huge}, None)):
+        start = time.time()
+        got, parsed, text, _ = request(port, "POST", path, body, token)
+        assert got == 400 and "cannot fit the model's context" in text, (path, got, text[:300])
+        assert param is None or parsed["error"]["param"] == param, text[:300]
+        assert time.time() - start < 2, f"{path}: {time.time() - start:.1f} s for a refusal"
     got, parsed, _, _ = request(port, "POST", "/tokenize", {"prompt": "héllo"}, token)
     assert got == 200 and parsed["count"] == 6, parsed
     got, parsed, _, _ = request(port, "POST", "/detokenize", {"tokens": parsed["tokens"]}, token)
     assert got == 200 and parsed["prompt"] == "héllo", parsed
-    print(f"ok: {len(cases) + 3} hostile requests answered 4xx with the field named; tokenize round trip")
+    print(f"ok: {len(cases) + 6} hostile requests answered 4xx with the field named; tokenize round trip")
 
 
 def check_disconnect_and_queue(loom, checkpoint, tmp, token_file, token, procs):
