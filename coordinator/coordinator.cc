@@ -1356,8 +1356,31 @@ void Coordinator::AppendLog(Txn& txn, const v1::AttemptReport& report,
   const std::string path = JobLogPath(options_.data_dir, report.job_id());
   RecordNewPart(txn, key, report.log_offset(), static_cast<int64_t>(report.log().size()),
                 [&](int64_t first) {
-                  return AppendToFile(path, absl::string_view(report.log()).substr(first));
+                  return AppendCapped(txn, report.job_id(), path,
+                                      absl::string_view(report.log()).substr(first));
                 });
+}
+
+// A bound per job, as for the step series: the first max_job_log_bytes are kept; the chunk that
+// crosses the bound is cut there and followed by a line that says so (and a job event); later
+// ones are acknowledged and dropped. A broken or hostile agent cannot fill the disk.
+bool Coordinator::AppendCapped(Txn& txn, const std::string& job_id, const std::string& path,
+                               absl::string_view part) {
+  const uintmax_t cap = static_cast<uintmax_t>(options_.max_job_log_bytes);
+  std::error_code ec;
+  const uintmax_t have = fs::exists(path, ec) ? fs::file_size(path, ec) : 0;
+  if (ec || have >= cap) return !ec;
+  if (have + part.size() <= cap) return AppendToFile(path, part);
+  const std::string note = absl::StrCat("this job's log reached ", cap,
+                                        " bytes (--max-job-log-bytes): later lines are dropped");
+  if (!AppendToFile(path,
+                    absl::StrCat(part.substr(0, cap - have), "\n[coordinator] ", note, "\n"))) {
+    return false;
+  }
+  if (auto it = jobs_.find(job_id); it != jobs_.end()) {
+    AddEvent(txn, it->second, std::nullopt, note);
+  }
+  return true;
 }
 
 // Rank 0's step points by their index in the attempt's sequence: the points received per

@@ -54,7 +54,8 @@ struct CoordinatorOptions {
   // A job whose spec leaves checkpoint.interval_seconds 0 checkpoints this often: a lost worker
   // then costs at most this much of its work.
   int64_t checkpoint_interval_seconds = 600;
-  int64_t max_body_bytes = 1 << 20;  // told to agents: heartbeats must fit
+  int64_t max_body_bytes = 1 << 20;                // told to agents: heartbeats must fit
+  int64_t max_job_log_bytes = int64_t{256} << 20;  // the first this many bytes of a job's log
   SchedulerOptions scheduler;
   // Every time the coordinator reads (heartbeat silence, fencing, queue ages, event times).
   std::shared_ptr<Clock> clock = std::make_shared<SystemClock>();
@@ -220,6 +221,8 @@ class Coordinator {
   void ForgiveOwnOutage();
   void MarkSilentWorkersLost(Txn& txn);
   bool AllWorkersSilent(int64_t now);
+  bool AppendCapped(Txn& txn, const std::string& job_id, const std::string& path,
+                    absl::string_view part);
   // A heartbeat under the lock; *written: the log sequence its state changes need on disk
   // before the answer goes out (0: none).
   absl::StatusOr<v1::HeartbeatResponse> HeartbeatLocked(const v1::HeartbeatRequest& request,

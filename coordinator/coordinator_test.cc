@@ -594,6 +594,46 @@ TEST_F(CoordinatorTest, AWallClockStepMovesNeitherLivenessNorFences) {
   EXPECT_EQ(Job(id).placement(0).worker_id(), w2);
 }
 
+// A job's log keeps its first max_job_log_bytes: the chunk that crosses is cut there and a line
+// and an event say so; later chunks are acknowledged (no resend) and dropped.
+TEST_F(CoordinatorTest, AJobsLogIsCappedAndSaysSo) {
+  options_.max_job_log_bytes = 4096;
+  Reopen();
+  const std::string w = RegisterWorker("a", 1);
+  const std::string id = Submit(MicroJob(1));
+  c_->Tick();
+  ASSERT_EQ(Job(id).placement_size(), 1) << Job(id).state() << ": " << Job(id).reason();
+  ASSERT_EQ(Job(id).placement(0).worker_id(), w);
+  int64_t offset = 0;
+  for (int i = 0; i < 20; ++i) {
+    v1::HeartbeatRequest req;
+    req.set_worker_id(w);
+    v1::AttemptReport* a = req.add_attempts();
+    a->set_job_id(id);
+    a->set_attempt(1);
+    a->set_master_port(30000);
+    v1::RankStatus* r = a->add_ranks();
+    r->set_rank(0);
+    r->set_running(true);
+    a->set_log_offset(offset);
+    a->set_log(std::string(999, static_cast<char>('a' + i % 26)) + "\n");
+    offset += 1000;
+    ASSERT_TRUE(c_->Heartbeat(req, w).ok());
+  }
+  auto log = c_->ReadLog(id, 0, 1 << 20);
+  ASSERT_TRUE(log.ok()) << log.status();
+  EXPECT_GE(log->data.size(), 4096u);
+  EXPECT_LT(log->data.size(), 4096u + 200) << "grew past the cap";
+  EXPECT_EQ(log->data.substr(0, 1000), std::string(999, 'a') + "\n");
+  EXPECT_NE(log->data.find("[coordinator] this job's log reached 4096 bytes"), std::string::npos);
+  int notes = 0;
+  const v1::Job job = Job(id);
+  for (const v1::JobEvent& e : job.events()) {
+    notes += e.reason().find("log reached 4096 bytes") != std::string::npos;
+  }
+  EXPECT_EQ(notes, 1);
+}
+
 TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
   options_.lost_after_ms = 300;
   options_.lease_ms = 150;

@@ -50,6 +50,8 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --aging-seconds S       a queued job gains one priority point per S seconds (default 60)
   --reserve-after-s S     a blocked job reserves slots after waiting S seconds (default 300)
   --max-body-bytes N      request size limit (default 1048576)
+  --max-job-log-bytes N   a job's log keeps its first N bytes (default 268435456); later lines
+                          are dropped, which the log and the job's events say
   --max-connections N     open HTTP connections of all clients (default 512)
   --max-connections-per-address N   HTTP connections one client address is served at once
                           (default 16; more wait, or displace its slow or idle ones)
@@ -109,6 +111,7 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
                          "lost-after-ms",
                          "lease-ms",
                          "all-silent-min-workers",
+                         "max-job-log-bytes",
                          "term-grace-ms",
                          "max-infra-restarts",
                          "checkpoint-interval-seconds",
@@ -150,6 +153,9 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   LOOM_ASSIGN_OR_RETURN(int64_t reserve, args.GetInt("reserve-after-s", 300, 0, 1000000000));
   LOOM_ASSIGN_OR_RETURN(settings.port, args.GetInt("port", 8470, 0, 65535));
   LOOM_ASSIGN_OR_RETURN(settings.agent_port, args.GetInt("agent-port", 8471, 0, 65535));
+  LOOM_ASSIGN_OR_RETURN(
+      options.max_job_log_bytes,
+      args.GetInt("max-job-log-bytes", int64_t{256} << 20, 4096, int64_t{1} << 40));
   LOOM_ASSIGN_OR_RETURN(options.max_body_bytes,
                         args.GetInt("max-body-bytes", 1 << 20, 1024, 1 << 30));
   // Loss detection and the lease must outlast a few heartbeat intervals, or a slow reply marks a
