@@ -12,6 +12,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 
@@ -178,6 +179,31 @@ def rank_log_step(tmp, job_id):
                     except (ValueError, KeyError):
                         pass
     return newest
+
+
+class AttemptSampler:
+    """Samples the job's live trainers every 50 ms; remembers any instant with two attempts.
+    finish() stops it and fails if one was seen."""
+
+    def __init__(self, root, job):
+        self.root, self.job = root, job
+        self.overlaps, self.samples, self.stop = [], 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop.is_set():
+            attempts = {t["attempt"] for t in loom_trainers(self.root) if t["job"] == self.job and t["state"] != "T"}
+            self.samples += 1
+            if len(attempts) > 1:
+                self.overlaps.append((time.time(), sorted(attempts)))
+            time.sleep(0.05)
+
+    def finish(self):
+        self.stop.set()
+        self.thread.join()
+        assert self.samples > 20, f"only {self.samples} samples: the sampler hardly ran"
+        assert not self.overlaps, f"{self.job}: two attempts alive at once: {self.overlaps[:3]}"
 
 
 def kill_trainers_under(root):

@@ -22,12 +22,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import (Service, control_plane_arg_parser, loom_trainers, proc_state, rank_log_step,  # noqa: E402
-                          stop_all, wait_for)
+from loom_testlib import (AttemptSampler, Service, control_plane_arg_parser, loom_trainers, proc_state,  # noqa: E402
+                          rank_log_step, stop_all, wait_for)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -116,30 +115,6 @@ def gang_job(steps=10 ** 7, world=2, pool=None):
             "data": {"corpus_bytes": 65536}, "eval": {"batches": 1},
             "checkpoint": {"interval": 20, "keep_last": 3}, "metrics": {"log_every": 5}}
     return {"spec": spec, "world_size": world, "pool": pool or {"pool": "cpu"}}
-
-
-class AttemptSampler:
-    """Samples the job's live trainers every 50 ms; remembers any instant with two attempts."""
-
-    def __init__(self, root, job):
-        self.root, self.job = root, job
-        self.overlaps, self.samples, self.stop = [], 0, threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self):
-        while not self.stop.is_set():
-            attempts = {t["attempt"] for t in loom_trainers(self.root) if t["job"] == self.job and t["state"] != "T"}
-            self.samples += 1
-            if len(attempts) > 1:
-                self.overlaps.append((time.time(), sorted(attempts)))
-            time.sleep(0.05)
-
-    def finish(self):
-        self.stop.set()
-        self.thread.join()
-        assert self.samples > 100, f"only {self.samples} samples"
-        assert not self.overlaps, f"{self.job}: two attempts alive at once: {self.overlaps[:3]}"
 
 
 class Cluster:
