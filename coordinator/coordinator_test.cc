@@ -18,6 +18,7 @@
 #include <iterator>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "coordinator/clock.h"
 #include "coordinator/http_api.h"
@@ -73,6 +74,24 @@ class CoordinatorTest : public ::testing::Test {
     auto s = c_->Register(r);
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? s->worker_id() : "";
+  }
+  // The state of worker `id` ("?" when it is not listed).
+  std::string WorkerState(const std::string& id) {
+    const absl::StatusOr<v1::ListWorkersResponse> list = c_->ListWorkers();
+    if (!list.ok()) return list.status().ToString();
+    for (const v1::Worker& w : list->workers()) {
+      if (w.id() == id) return w.state();
+    }
+    return "?";
+  }
+  // Two one-slot workers and a one-rank job placed on one of them: (job, its worker, the other).
+  std::tuple<std::string, std::string, std::string> OneJobOnTwoWorkers() {
+    const std::string a = RegisterWorker("a", 1);
+    const std::string b = RegisterWorker("b", 1);
+    const std::string id = Submit(MicroJob(1));
+    c_->Tick();
+    const std::string runs = Job(id).placement(0).worker_id();
+    return {id, runs, runs == a ? b : a};
   }
   v1::Job Job(const std::string& id) {
     auto j = c_->GetJob(id);
@@ -421,20 +440,7 @@ TEST_F(CoordinatorTest, AWholeClusterFallingSilentIsHeldUntilTheLeaseLapses) {
   options_.lease_ms = 5000;
   options_.term_grace_ms = 400;
   Reopen();
-  auto state = [&](const std::string& id) {
-    const absl::StatusOr<v1::ListWorkersResponse> list = c_->ListWorkers();
-    if (!list.ok()) return list.status().ToString();
-    for (const v1::Worker& w : list->workers()) {
-      if (w.id() == id) return w.state();
-    }
-    return std::string("?");
-  };
-  const std::string a = RegisterWorker("a", 1);
-  const std::string b = RegisterWorker("b", 1);
-  const std::string id = Submit(MicroJob(1));
-  c_->Tick();
-  const std::string w1 = Job(id).placement(0).worker_id();  // runs the job
-  const std::string w2 = w1 == a ? b : a;
+  const auto [id, w1, w2] = OneJobOnTwoWorkers();  // w1 runs the job
   Beat(w1, id, 1, {{0, -1}}, {10}, 30000);
   Beat(w2, "", 0, {});
   const int64_t cut = clock_->NowMs();
@@ -444,8 +450,8 @@ TEST_F(CoordinatorTest, AWholeClusterFallingSilentIsHeldUntilTheLeaseLapses) {
   }
   const std::string queued = Submit(MicroJob(1));
   c_->Tick();
-  EXPECT_EQ(state(w1), "alive");
-  EXPECT_EQ(state(w2), "alive");
+  EXPECT_EQ(WorkerState(w1), "alive");
+  EXPECT_EQ(WorkerState(w2), "alive");
   EXPECT_EQ(Job(id).state(), "running");
   EXPECT_EQ(Job(queued).state(), "queued") << "placed on a worker nobody has heard for 3 s";
   // w2 is heard again: the link is back. w1 gets lost_after from then to be heard too (its beat
@@ -453,26 +459,26 @@ TEST_F(CoordinatorTest, AWholeClusterFallingSilentIsHeldUntilTheLeaseLapses) {
   Beat(w2, "", 0, {});
   c_->Tick();
   const int64_t heal = clock_->NowMs();
-  while (state(w1) == "alive") {
+  while (WorkerState(w1) == "alive") {
     ASSERT_LE(clock_->NowMs() - heal, 1000) << "w1 still alive";
     clock_->Advance(100);
     Beat(w2, "", 0, {});
     c_->Tick();
   }
   EXPECT_GT(clock_->NowMs() - heal, 1000) << "lost before lost_after from the heal";
-  EXPECT_EQ(state(w1), "lost");
-  EXPECT_EQ(state(w2), "alive");
+  EXPECT_EQ(WorkerState(w1), "lost");
+  EXPECT_EQ(WorkerState(w2), "alive");
   EXPECT_EQ(Job(id).not_before_ms(), cut + 5000 + 400) << "the fence is unchanged by the hold";
   // Two silent again (a third worker joins w2): held only until the newest heartbeat's lease.
   const std::string w3 = RegisterWorker("c", 1);
   const int64_t last = clock_->NowMs();
   while (clock_->NowMs() - last <= 5000) {
-    EXPECT_EQ(state(w2), "alive") << (clock_->NowMs() - last) << " ms in";
+    EXPECT_EQ(WorkerState(w2), "alive") << (clock_->NowMs() - last) << " ms in";
     clock_->Advance(100);
     c_->Tick();
   }
-  EXPECT_EQ(state(w2), "lost");
-  EXPECT_EQ(state(w3), "lost");
+  EXPECT_EQ(WorkerState(w2), "lost");
+  EXPECT_EQ(WorkerState(w3), "lost");
   // Off: the same silence marks workers lost after lost_after.
   options_.all_silent_min_workers = 0;
   Reopen();
@@ -482,8 +488,8 @@ TEST_F(CoordinatorTest, AWholeClusterFallingSilentIsHeldUntilTheLeaseLapses) {
   Beat(w5, "", 0, {});
   clock_->Advance(1100);
   c_->Tick();
-  EXPECT_EQ(state(w4), "lost");
-  EXPECT_EQ(state(w5), "lost");
+  EXPECT_EQ(WorkerState(w4), "lost");
+  EXPECT_EQ(WorkerState(w5), "lost");
 }
 
 // Group commit: heartbeats that change state (here each catalogues a checkpoint) from many
@@ -551,30 +557,18 @@ TEST_F(CoordinatorTest, AWallClockStepMovesNeitherLivenessNorFences) {
   options_.lease_ms = 2000;
   options_.term_grace_ms = 400;
   Reopen();
-  auto state = [&](const std::string& id) {
-    const absl::StatusOr<v1::ListWorkersResponse> list = c_->ListWorkers();
-    for (const v1::Worker& w : list->workers()) {
-      if (w.id() == id) return w.state();
-    }
-    return std::string("?");
-  };
-  const std::string a = RegisterWorker("a", 1);
-  const std::string b = RegisterWorker("b", 1);
-  const std::string id = Submit(MicroJob(1));
-  c_->Tick();
-  const std::string w1 = Job(id).placement(0).worker_id();
-  const std::string w2 = w1 == a ? b : a;
+  const auto [id, w1, w2] = OneJobOnTwoWorkers();  // w1 runs the job
   Beat(w1, id, 1, {{0, -1}}, {10}, 30000);
   Beat(w2, "", 0, {});
   clock_->StepWall(3600 * 1000);  // forward
   c_->Tick();
-  EXPECT_EQ(state(w1), "alive");
-  EXPECT_EQ(state(w2), "alive");
+  EXPECT_EQ(WorkerState(w1), "alive");
+  EXPECT_EQ(WorkerState(w2), "alive");
   EXPECT_EQ(Job(id).state(), "running");
   clock_->StepWall(-2 * 3600 * 1000);  // and back, an hour behind
   Beat(w2, "", 0, {});
   c_->Tick();
-  EXPECT_EQ(state(w1), "alive");
+  EXPECT_EQ(WorkerState(w1), "alive");
   // w1 falls silent: lost after lost_after of real time, placed again after lease + grace.
   const int64_t silent = clock_->SteadyMs();
   while (Job(id).state() != "queued") {
@@ -583,7 +577,7 @@ TEST_F(CoordinatorTest, AWallClockStepMovesNeitherLivenessNorFences) {
     Beat(w2, "", 0, {});
     c_->Tick();
   }
-  EXPECT_EQ(state(w1), "lost");
+  EXPECT_EQ(WorkerState(w1), "lost");
   while (Job(id).state() == "queued") {
     ASSERT_LT(clock_->SteadyMs() - silent, 3000) << "the fence moved with the step";
     clock_->Advance(100);
