@@ -8,7 +8,7 @@ BUILD_TYPE ?= Release
 CMAKE_ARGS ?=
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps configure build demo test format clean
+.PHONY: all deps configure build demo test fuzz format clean
 
 all: build
 
@@ -34,3 +34,9 @@ format:
 
 clean:
 	rm -rf $(BUILD_DIR)
+
+# The libFuzzer harnesses (clang, ASan + UBSan) in build-fuzz/; scripts/fuzz runs them
+# (docs/testing.md). `make test` builds and replays them too, in $(BUILD_DIR)/fuzz.
+fuzz: deps
+	cmake -S . -B build-fuzz -G Ninja -DLOOM_FUZZ=ON -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ $(CMAKE_ARGS)
+	cmake --build build-fuzz --target loom_fuzzers -j $(JOBS)

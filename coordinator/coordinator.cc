@@ -1710,7 +1710,7 @@ v1::AttemptRef* AddAttemptRef(google::protobuf::RepeatedPtrField<v1::AttemptRef>
 
 // What a worker placed in `p` is told to start.
 v1::Assignment AssignmentOf(const std::string& id, const v1::Job& job, const v1::Placement& p,
-                            int64_t checkpoint_interval_seconds) {
+                            const CoordinatorOptions& options) {
   v1::Assignment a;
   a.set_job_id(id);
   a.set_attempt(job.attempt());
@@ -1720,9 +1720,10 @@ v1::Assignment AssignmentOf(const std::string& id, const v1::Job& job, const v1:
   a.set_master_port(job.master_port());
   *a.mutable_spec() = job.spec();
   // Jobs stored before the time interval existed get it here.
-  ApplyCheckpointIntervalDefault(*a.mutable_spec(), checkpoint_interval_seconds);
+  ApplyCheckpointIntervalDefault(*a.mutable_spec(), options.checkpoint_interval_seconds);
   a.set_resume_from(job.spec().checkpoint().dir());
   a.set_init_from(job.init_from_path());
+  a.set_storage_root(options.storage_root);
   return a;
 }
 
@@ -1772,7 +1773,7 @@ void Coordinator::AssignLocked(const std::string& worker, const v1::HeartbeatReq
     if (reported.count({id, job.attempt()})) continue;  // already running there
     // Other workers wait for the port rank 0's worker picks (0 tells rank 0's worker to pick).
     if (job.master_port() == 0 && !HostsRankZero(job, worker)) continue;
-    *response.add_assignments() = AssignmentOf(id, job, *p, options_.checkpoint_interval_seconds);
+    *response.add_assignments() = AssignmentOf(id, job, *p, options_);
   }
 }
 

@@ -257,12 +257,27 @@ TEST_F(CoordinatorTest, PathsStayInsideTheStorageRoot) {
   r.mutable_spec()->mutable_data()->set_source("shards");
   r.mutable_spec()->mutable_data()->set_path("data/set");
   EXPECT_EQ(Job(Submit(r)).spec().data().path(), root + "/data/set");
-  for (const std::string path : {"data/escape/passwd", "data/escape", "../outside", "/etc"}) {
+  // A dangling link is refused too: the file it names may exist only on the workers (their
+  // credential; weakly_canonical used to return such a link's own in-root path). So is a
+  // relative link that climbs out, and a chain whose last link leaves.
+  fs::create_symlink("/var/lib/loom-worker/worker-credential", fs::path(root) / "data" / "cred");
+  fs::create_symlink("../../..", fs::path(root) / "data" / "up");
+  fs::create_symlink("escape", fs::path(root) / "data" / "chain");
+  for (const std::string path : {"data/escape/passwd", "data/escape", "../outside", "/etc",
+                                 "data/cred", "data/up/etc", "data/chain/passwd"}) {
     r.mutable_spec()->mutable_data()->set_path(path);
     auto s = c_->Submit(r, "alice");
     ASSERT_FALSE(s.ok()) << path;
     EXPECT_NE(s.status().message().find("spec.data.path"), std::string::npos) << s.status();
   }
+  EXPECT_NE(c_->Submit(r, "alice").status().message().find("symlink"), std::string::npos);
+  r.mutable_spec()->mutable_data()->set_path("data/cred");
+  EXPECT_NE(c_->Submit(r, "alice").status().message().find("resolves to nothing"),
+            std::string::npos);
+  // A link that stays inside the root is fine, and the path is kept as given (not resolved).
+  fs::create_symlink("set", fs::path(root) / "data" / "alias");
+  r.mutable_spec()->mutable_data()->set_path("data/alias");
+  EXPECT_EQ(Job(Submit(r)).spec().data().path(), root + "/data/alias");
   v1::SubmitJobRequest eval = MicroJob();
   eval.mutable_spec()->set_kind("eval");
   eval.mutable_spec()->set_steps(0);

@@ -144,15 +144,31 @@ absl::StatusOr<std::string> InsideStorageRoot(const std::string& storage_root,
     if (part == "..") return FieldError(field, absl::StrCat("'", value, "' must not contain '..'"));
   }
   const fs::path full = p.is_absolute() ? p.lexically_normal() : (root / p).lexically_normal();
-  // Symlinks resolved: a link inside the root may point anywhere.
-  std::error_code ec;
-  const fs::path real = fs::weakly_canonical(full, ec);
   const std::string r = root.string();
-  for (const std::string& f : {full.string(), ec ? full.string() : real.string()}) {
-    if (!(f == r || absl::StartsWith(f, r + "/"))) {
+  auto inside = [&](const fs::path& f) {
+    return f.string() == r || absl::StartsWith(f.string(), r + "/");
+  };
+  if (!inside(full))
+    return FieldError(field, absl::StrCat("'", value, "' is outside the storage root ", r));
+  // Each symlink on the path must resolve, and inside the root. A dangling one is refused too: it
+  // may name a file that exists only where the ranks run (a worker's credential). The ranks
+  // open the files confined to the root as well (storage/confined_files.h): this is the early,
+  // clear error; that is the guarantee against links made later.
+  fs::path prefix = root;
+  for (const auto& part : full.lexically_relative(root)) {
+    if (part == ".") continue;
+    prefix /= part;
+    std::error_code ec;
+    const fs::file_status st = fs::symlink_status(prefix, ec);
+    if (ec || st.type() == fs::file_type::not_found) break;  // the rest does not exist yet
+    if (st.type() != fs::file_type::symlink) continue;
+    const fs::path target = fs::canonical(prefix, ec);
+    if (ec)
+      return FieldError(field, absl::StrCat("'", value, "': ", prefix.string(),
+                                            " is a symlink that resolves to nothing"));
+    if (!inside(target))
       return FieldError(field, absl::StrCat("'", value, "' is outside the storage root ", r,
-                                            f == full.string() ? "" : " (through a symlink)"));
-    }
+                                            " (through the symlink ", prefix.string(), ")"));
   }
   return full.string();
 }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "storage/confined_files.h"
 
 namespace loom::data {
 namespace {
@@ -83,7 +84,8 @@ absl::Status Invalid(const std::string& path, const std::string& what) {
 absl::StatusOr<std::string> PreTokenizerPattern(const Json& j, const std::string& path) {
   const Json& pre = j.value("pre_tokenizer", Json());
   std::vector<Json> steps;
-  if (pre.is_object() && pre.value("type", "") == "Sequence" && pre["pretokenizers"].is_array()) {
+  if (pre.is_object() && pre.value("type", Json()) == "Sequence" &&
+      pre.value("pretokenizers", Json()).is_array()) {
     for (const Json& p : pre["pretokenizers"]) steps.push_back(p);
   } else if (pre.is_object()) {
     steps.push_back(pre);
@@ -342,11 +344,23 @@ absl::Status BpeTokenizer::Impl::LoadVocab(const Json& j, const Json& model,
   }
   id_to_token.assign(max_id + 1, "");
   is_added.assign(max_id + 1, false);
-  for (const auto& [token, id] : vocab) id_to_token[id] = token;
+  // One token per id: decoding an id must give back what encoding produced it from.
+  for (const auto& [token, id] : vocab) {
+    if (token.empty()) return Invalid(path, "model.vocab: an empty token");
+    if (!id_to_token[id].empty())
+      return Invalid(path, absl::StrCat("model.vocab['", token.substr(0, 40), "']: id ", id,
+                                        " is also '", id_to_token[id].substr(0, 40), "'"));
+    id_to_token[id] = token;
+  }
   for (size_t i = 0; i < added_json.size(); ++i) {
     const std::string content = added_json[i]["content"];
     if (content.empty()) return Invalid(path, absl::StrCat("added_tokens[", i, "]: empty content"));
     const uint32_t id = added_ids[i];
+    // An added token may repeat a vocabulary entry (the same text), never displace another.
+    if (!id_to_token[id].empty() && id_to_token[id] != content &&
+        !(vocab.count(content) && vocab.at(content) == id))
+      return Invalid(path, absl::StrCat("added_tokens[", i, "].id: ", id, " is already '",
+                                        id_to_token[id].substr(0, 40), "'"));
     added[content] = id;
     id_to_token[id] = content;
     is_added[id] = true;
@@ -418,9 +432,28 @@ absl::Status BpeTokenizer::Impl::CompileRegex(const std::string& pattern, const 
 }
 
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("tokenizer file '", path, "': cannot open"));
-  Json j = Json::parse(in, nullptr, /*allow_exceptions=*/false);
+  // Llama 3's is 9 MB; the bound keeps a hostile file from exhausting memory before parsing.
+  auto text = storage::ReadConfinedFile(path, 256 << 20);
+  if (!text.ok())
+    return absl::Status(text.status().code(),
+                        absl::StrCat("tokenizer file '", path, "': ", text.status().message()));
+  return FromJson(*text, path);
+}
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(std::string_view text,
+                                                                     const std::string& path) {
+  // The checks name the fields they know; a value of a type nobody checked (a number where
+  // the file format has a string) is still an error, not an exception out of the loader.
+  try {
+    return Parse(text, path);
+  } catch (const Json::exception& e) {
+    return Invalid(path, absl::StrCat("malformed: ", e.what()));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Parse(std::string_view text,
+                                                                  const std::string& path) {
+  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) return Invalid(path, "not a JSON object (a Hugging Face tokenizer.json)");
   const Json& model = j.value("model", Json());
   if (!model.is_object() || model.value("type", "") != "BPE") {

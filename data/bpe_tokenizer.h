@@ -27,6 +27,9 @@ class BpeTokenizer : public Tokenizer {
  public:
   // InvalidArgument naming what in the file is malformed or not supported.
   static absl::StatusOr<std::unique_ptr<BpeTokenizer>> Load(const std::string& path);
+  // The same from a file's text; `path` names it in errors and in Describe().
+  static absl::StatusOr<std::unique_ptr<BpeTokenizer>> FromJson(std::string_view text,
+                                                                const std::string& path);
   ~BpeTokenizer() override;
 
   std::vector<uint32_t> Encode(std::string_view text) const override;
@@ -42,6 +45,8 @@ class BpeTokenizer : public Tokenizer {
 
  private:
   BpeTokenizer(std::string path, std::unique_ptr<Impl> impl);
+  static absl::StatusOr<std::unique_ptr<BpeTokenizer>> Parse(std::string_view text,
+                                                             const std::string& path);
   std::string path_;
   std::unique_ptr<Impl> impl_;
 };

@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "storage/confined_files.h"
 
 namespace loom::data {
 namespace {
@@ -91,8 +92,9 @@ absl::StatusOr<Conversation> ParseChatLine(std::string_view line, int64_t line_n
 absl::StatusOr<std::vector<Conversation>> ReadChatJsonl(const std::string& path,
                                                         bool skip_malformed, ChatReadReport* report,
                                                         const ChatLineParser& parse) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
+  auto stream = storage::OpenConfinedStream(path);
+  if (!stream.ok()) return stream.status();
+  std::istream& in = **stream;
   ChatReadReport local;
   ChatReadReport& r = report ? *report : local;
   std::vector<Conversation> out;

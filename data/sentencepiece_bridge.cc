@@ -3,6 +3,8 @@
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 
+#include <exception>
+
 namespace loom::data {
 
 struct SentencePieceModel::Impl {
@@ -12,15 +14,19 @@ struct SentencePieceModel::Impl {
 SentencePieceModel::SentencePieceModel() : impl_(new Impl) {}
 SentencePieceModel::~SentencePieceModel() = default;
 
-std::unique_ptr<SentencePieceModel> SentencePieceModel::Load(const std::string& path,
-                                                             std::string* error) {
+std::unique_ptr<SentencePieceModel> SentencePieceModel::FromBytes(const std::string& bytes,
+                                                                  std::string* error) {
   std::unique_ptr<SentencePieceModel> m(new SentencePieceModel());
-  auto status = m->impl_->processor.Load(path);
-  if (!status.ok()) {
+  // libsentencepiece reports a malformed model as a status, except where its trie builder
+  // (darts) throws (the fuzz harness found a model whose pieces it cannot insert).
+  try {
+    auto status = m->impl_->processor.LoadFromSerializedProto(bytes);
+    if (status.ok()) return m;
     *error = status.ToString();
-    return nullptr;
+  } catch (const std::exception& e) {
+    *error = std::string("malformed model: ") + e.what();
   }
-  return m;
+  return nullptr;
 }
 
 std::vector<int> SentencePieceModel::Encode(const std::string& text) const {

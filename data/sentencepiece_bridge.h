@@ -12,8 +12,9 @@ namespace loom::data {
 
 class SentencePieceModel {
  public:
-  // Returns null and sets *error on failure.
-  static std::unique_ptr<SentencePieceModel> Load(const std::string& path, std::string* error);
+  // From a .model file's bytes (a serialised ModelProto); null with *error set on failure.
+  static std::unique_ptr<SentencePieceModel> FromBytes(const std::string& bytes,
+                                                       std::string* error);
   ~SentencePieceModel();
   std::vector<int> Encode(const std::string& text) const;
   std::string Decode(const std::vector<int>& ids) const;

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "storage/confined_files.h"
 #include "storage/crc32c.h"
 #include "storage/safetensors.h"
 
@@ -115,13 +116,12 @@ absl::StatusOr<TokenIndex> TokenShardWriter::Finish() {
 
 absl::StatusOr<TokenIndex> ReadTokenIndex(const std::string& dir) {
   const std::string path = (fs::path(dir) / kIndex).string();
-  std::ifstream in(path);
-  if (!in)
+  auto text = storage::ReadConfinedFile(path, 256 << 20);
+  if (absl::IsNotFound(text.status()))
     return absl::NotFoundError(
         absl::StrCat(path, ": missing (not a loom-data dataset, or never finished)"));
-  std::stringstream text;
-  text << in.rdbuf();
-  json j = json::parse(text.str(), nullptr, false);
+  if (!text.ok()) return text.status();
+  json j = json::parse(*text, nullptr, false);
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(absl::StrCat(path, ": ", why));
   };
@@ -165,8 +165,11 @@ absl::StatusOr<std::shared_ptr<TokenShards>> TokenShards::Open(const std::string
   uint64_t first = 0;
   for (const ShardEntry& e : t->index_.shards) {
     const std::string path = (fs::path(dir) / e.file).string();
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return absl::DataLossError(absl::StrCat("shard ", path, ": missing"));
+    auto opened = storage::OpenForRead(path);
+    if (absl::IsNotFound(opened.status()))
+      return absl::DataLossError(absl::StrCat("shard ", path, ": missing"));
+    if (!opened.ok()) return opened.status();
+    int fd = opened->Release();
     struct stat st;
     ::fstat(fd, &st);
     const uint64_t expected = e.tokens * t->width_;

@@ -6,6 +6,7 @@
 #include "base/status_macros.h"
 #include "data/bpe_tokenizer.h"
 #include "data/sentencepiece_bridge.h"
+#include "storage/confined_files.h"
 
 namespace loom::data {
 namespace {
@@ -45,8 +46,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> MakeTokenizer(const std::string& kind
   if (kind == "sentencepiece") {
     if (model.empty())
       return absl::InvalidArgumentError("tokenizer_model: required for sentencepiece");
+    auto bytes = storage::ReadConfinedFile(model, 256 << 20);
+    if (!bytes.ok())
+      return absl::Status(bytes.status().code(), absl::StrCat("tokenizer model '", model,
+                                                              "': ", bytes.status().message()));
     std::string error;
-    auto loaded = SentencePieceModel::Load(model, &error);
+    auto loaded = SentencePieceModel::FromBytes(*bytes, &error);
     if (!loaded)
       return absl::InvalidArgumentError(absl::StrCat("tokenizer model '", model, "': ", error));
     return std::make_unique<SentencePieceTokenizer>(model, std::move(loaded));

@@ -15,6 +15,8 @@
 #define LOOM_INTEROP_HF_FOLDER_H_
 
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -59,6 +61,18 @@ struct ImportSummary {
 };
 
 absl::StatusOr<ImportSummary> ImportHuggingFace(const ImportOptions& options);
+
+// What import-hf reads before any weight, from the files' text (no file access; the fuzz
+// harness fuzz/hf_import_fuzzer.cc drives these). config.json: the architecture and the Loom
+// model it describes (max_seq_len 0 = max_position_embeddings).
+struct HfConfig {
+  std::string architecture;
+  v1::ModelConfig model;
+};
+absl::StatusOr<HfConfig> ParseHfConfig(const std::string& text, int64_t max_seq_len);
+// model.safetensors.index.json: the tensor names each shard file of the folder holds.
+absl::StatusOr<std::map<std::string, std::set<std::string>>> ParseWeightIndex(
+    const std::string& text);
 
 // The Python implementation written next to a LoomIhaForCausalLM export (embedded at build).
 std::string_view ModelingLoomIhaPy();

@@ -11,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/json_integer.h"
 #include "base/status_macros.h"
 #include "interop/hf_folder.h"
 #include "interop/hf_model.h"
@@ -49,8 +50,9 @@ absl::StatusOr<int64_t> IntField(const Json& c, const char* key, int64_t min, in
     if (fallback >= min) return fallback;
     return ConfigError(key, "missing");
   }
-  if (!c[key].is_number_integer()) return ConfigError(key, "must be an integer");
-  const int64_t v = c[key].get<int64_t>();
+  const std::optional<int64_t> exact = ExactInteger<int64_t>(c[key]);
+  if (!exact) return ConfigError(key, "must be an integer");
+  const int64_t v = *exact;
   if (v < min || v > max)
     return ConfigError(key, absl::StrCat(v, " is not in [", min, ", ", max, "]"));
   return v;
@@ -68,11 +70,19 @@ bool BoolField(const Json& c, const char* key, bool fallback) {
   return c.contains(key) && c[key].is_boolean() ? c[key].get<bool>() : fallback;
 }
 
+// A string field: `fallback` when absent or null, an error naming it when not a string.
+absl::StatusOr<std::string> StringField(const Json& c, const char* key,
+                                        const std::string& fallback) {
+  if (!c.contains(key) || c[key].is_null()) return fallback;
+  if (!c[key].is_string()) return ConfigError(key, "must be a string");
+  return c[key].get<std::string>();
+}
+
 std::string Architecture(const Json& c) {
   if (c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty() &&
       c["architectures"][0].is_string())
     return c["architectures"][0].get<std::string>();
-  const std::string type = c.value("model_type", "");
+  const std::string type = StringField(c, "model_type", "").value_or("");
   return type == "llama"      ? "LlamaForCausalLM"
          : type == "mistral"  ? "MistralForCausalLM"
          : type == "loom_iha" ? "LoomIhaForCausalLM"
@@ -86,7 +96,7 @@ absl::Status CheckLlamaFields(const Json& c) {
                        "RoPE scaling (Llama 3.1's 'llama3', YaRN, ...) is not "
                        "implemented in Loom");
   if (BoolField(c, "mlp_bias", false)) return ConfigError("mlp_bias", "MLP biases are not in Loom");
-  const std::string act = c.value("hidden_act", "silu");
+  LOOM_ASSIGN_OR_RETURN(const std::string act, StringField(c, "hidden_act", "silu"));
   if (act != "silu")
     return ConfigError("hidden_act", absl::StrCat("'", act, "': Llama-style MLPs take silu"));
   return absl::OkStatus();
@@ -151,7 +161,7 @@ absl::StatusOr<v1::ModelConfig> ModelFromConfig(const Json& c, const std::string
   m.set_tie_embeddings(BoolField(c, "tie_word_embeddings", false));
   m.set_attention_bias(BoolField(c, "attention_bias", false));
   if (arch == "LoomIhaForCausalLM") {
-    const std::string act = c.value("hidden_act", "silu");
+    LOOM_ASSIGN_OR_RETURN(const std::string act, StringField(c, "hidden_act", "silu"));
     if (act != "silu" && act != "gelu")
       return ConfigError("hidden_act", absl::StrCat("'", act, "'"));
     m.set_ffn_activation(act == "silu" ? "swiglu" : "gelu");
@@ -196,17 +206,7 @@ absl::StatusOr<std::vector<storage::SafetensorsFile>> ReadWeights(const fs::path
                      "model.safetensors.index.json (pytorch_model.bin is not "
                      "read: save the model with safetensors)"));
   LOOM_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path, 64 << 20));
-  const Json index = Json::parse(text, nullptr, false);
-  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-    return absl::InvalidArgumentError("model.safetensors.index.json: no weight_map object");
-  std::map<std::string, std::set<std::string>> names_by_file;
-  for (const auto& [name, file] : index["weight_map"].items()) {
-    if (!file.is_string() || !PlainFileName(file.get<std::string>()))
-      return absl::InvalidArgumentError(absl::StrCat("model.safetensors.index.json: weight_map['",
-                                                     name.substr(0, 80),
-                                                     "']: not a .safetensors file of the folder"));
-    names_by_file[file.get<std::string>()].insert(name);
-  }
+  LOOM_ASSIGN_OR_RETURN(const auto names_by_file, ParseWeightIndex(text));
   for (const auto& [file, names] : names_by_file) {
     LOOM_ASSIGN_OR_RETURN(auto f, storage::SafetensorsFile::Read((dir / file).string()));
     std::set<std::string> held;
@@ -361,28 +361,51 @@ absl::StatusOr<std::string> CommitCheckpoint(const ImportOptions& options, const
 
 }  // namespace
 
+absl::StatusOr<HfConfig> ParseHfConfig(const std::string& text, int64_t max_seq_len) {
+  const Json config = Json::parse(text, nullptr, false);
+  if (!config.is_object()) return absl::InvalidArgumentError("config.json: not a JSON object");
+  HfConfig out;
+  out.architecture = Architecture(config);
+  if (out.architecture != "LlamaForCausalLM" && out.architecture != "MistralForCausalLM" &&
+      out.architecture != "LoomIhaForCausalLM")
+    return ConfigError("architectures",
+                       absl::StrCat("'", out.architecture.substr(0, 80),
+                                    "': Loom imports LlamaForCausalLM, MistralForCausalLM "
+                                    "and LoomIhaForCausalLM"));
+  LOOM_ASSIGN_OR_RETURN(out.model, ModelFromConfig(config, out.architecture, max_seq_len));
+  return out;
+}
+
+absl::StatusOr<std::map<std::string, std::set<std::string>>> ParseWeightIndex(
+    const std::string& text) {
+  const Json index = Json::parse(text, nullptr, false);
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    return absl::InvalidArgumentError("model.safetensors.index.json: no weight_map object");
+  std::map<std::string, std::set<std::string>> names_by_file;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string() || !PlainFileName(file.get<std::string>()))
+      return absl::InvalidArgumentError(absl::StrCat("model.safetensors.index.json: weight_map['",
+                                                     name.substr(0, 80),
+                                                     "']: not a .safetensors file of the folder"));
+    names_by_file[file.get<std::string>()].insert(name);
+  }
+  return names_by_file;
+}
+
 absl::StatusOr<ImportSummary> ImportHuggingFace(const ImportOptions& options) {
   if (options.rope_pairing != "half" && options.rope_pairing != "interleaved")
     return absl::InvalidArgumentError(absl::StrCat("--rope-pairing: '", options.rope_pairing,
                                                    "' is not one of half | interleaved"));
   const fs::path dir(options.in_dir);
   LOOM_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(dir / "config.json", 1 << 20));
-  const Json config = Json::parse(text, nullptr, false);
-  if (!config.is_object()) return absl::InvalidArgumentError("config.json: not a JSON object");
+  LOOM_ASSIGN_OR_RETURN(HfConfig config, ParseHfConfig(text, options.max_seq_len));
   ImportSummary summary;
-  summary.architecture = Architecture(config);
-  if (summary.architecture != "LlamaForCausalLM" && summary.architecture != "MistralForCausalLM" &&
-      summary.architecture != "LoomIhaForCausalLM")
-    return ConfigError("architectures",
-                       absl::StrCat("'", summary.architecture.substr(0, 80),
-                                    "': Loom imports LlamaForCausalLM, MistralForCausalLM "
-                                    "and LoomIhaForCausalLM"));
+  summary.architecture = config.architecture;
+  summary.model = config.model;
   const bool interleaved = options.rope_pairing == "interleaved";
   if (interleaved && summary.architecture == "LoomIhaForCausalLM")
     return absl::InvalidArgumentError(
         "--rope-pairing interleaved: a Loom-IHA folder is in Loom's own pairing");
-  LOOM_ASSIGN_OR_RETURN(summary.model,
-                        ModelFromConfig(config, summary.architecture, options.max_seq_len));
   LOOM_ASSIGN_OR_RETURN(v1::ModelConfig resolved, ResolveModelConfig(summary.model));
   if (interleaved && resolved.rope_theta() <= 0)
     return absl::InvalidArgumentError("--rope-pairing interleaved: the model has no RoPE");

@@ -177,10 +177,10 @@ std::string Registry::Render() const {
             [](const auto& a, const auto& b) { return a.name < b.name; });
   for (auto& f : families) {
     for (auto& m : f.metric) {
-      for (const auto& [k, v] : constant) {
-        const bool has =
-            std::any_of(m.label.begin(), m.label.end(), [&](const auto& l) { return l.name == k; });
-        if (!has) m.label.push_back({k, v});
+      for (const auto& label : constant) {
+        const bool has = std::any_of(m.label.begin(), m.label.end(),
+                                     [&](const auto& l) { return l.name == label.first; });
+        if (!has) m.label.push_back({label.first, label.second});
       }
       std::sort(m.label.begin(), m.label.end());
     }

@@ -177,6 +177,13 @@ class HttpServer {
     logger_ = std::move(logger);
   }
 
+  // Answers a request as a connection does once its head is parsed: request target, head
+  // checks, then the handler (a streamed response is returned, not run). Without a socket: the
+  // router's fuzz harness (fuzz/rest_routes_fuzzer.cc) drives every route through it.
+  HttpResponse Answer(const std::string& method, absl::string_view target,
+                      std::vector<std::pair<std::string, std::string>> headers,
+                      std::string body) const;
+
   // Binds and listens (port 0: any free port); returns the bound port.
   absl::StatusOr<int> Listen(const std::string& address, int port);
   // Starts the event loop and the handler pool.

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "net/http_server.h"
+#include "net/request_target.h"
 
 namespace loom::net {
 
@@ -76,6 +77,23 @@ void HttpServer::Dispatch(HttpRequest& request, HttpResponse& response) const {
   } catch (const std::exception& e) {
     SetJsonError(response, 500, absl::StrCat("internal error: ", e.what()));
   }
+}
+
+HttpResponse HttpServer::Answer(const std::string& method, absl::string_view target,
+                                std::vector<std::pair<std::string, std::string>> headers,
+                                std::string body) const {
+  HttpRequest request;
+  HttpResponse response;
+  request.method = method;
+  request.headers = std::move(headers);
+  if (absl::Status s = ParseRequestTarget(target, &request); !s.ok()) {
+    SetJsonError(response, s.code() == absl::StatusCode::kNotFound ? 404 : 400, s.message());
+    return response;
+  }
+  if (AnswerHead(request, response)) return response;
+  request.body = std::move(body);
+  Dispatch(request, response);
+  return response;
 }
 
 }  // namespace loom::net

@@ -26,25 +26,13 @@
 
 #include "absl/status/status.h"
 #include "metrics/prometheus.h"
+#include "serve/sequence_params.h"
 #include "worker/trainer/generate.h"
 #include "worker/trainer/model.h"
 
 namespace loom::serve {
 
 using Clock = std::chrono::steady_clock;
-
-struct SequenceParams {
-  std::vector<uint32_t> prompt;
-  bool greedy = true;
-  double temperature = 1.0;
-  double top_p = 1.0;
-  int64_t max_tokens = 16;            // generated tokens at most; 0 = score the prompt only
-  std::vector<std::string> stop;      // stop strings (the text is cut before the first)
-  std::vector<uint32_t> stop_tokens;  // e.g. <|end|>, EOS (not part of the output)
-  uint64_t seed = 1;
-  int logprobs = -1;             // -1: none; k >= 0: each token's logprob and its top k
-  bool prompt_logprobs = false;  // also score the prompt's tokens (echo with logprobs)
-};
 
 struct TokenLogprob {
   uint32_t token = 0;

@@ -10,11 +10,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "base/json_integer.h"
+#include "storage/confined_files.h"
 #include "storage/crc32c.h"
 
 namespace loom::storage {
@@ -57,13 +60,9 @@ std::optional<int64_t> StepOf(const std::string& name) {
   return step;
 }
 
+// Through the confining root (confined_files.h): checkpoints given as init_from are job input.
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": missing"));
-  std::ostringstream s;
-  s << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read failed"));
-  return std::move(s).str();
+  return ReadConfinedFile(path, std::numeric_limits<uint64_t>::max());
 }
 
 }  // namespace
@@ -101,26 +100,26 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
   if (j.is_discarded() || !j.is_object()) return bad("manifest is not a JSON object");
   Manifest m;
   try {
-    m.format_version = j.at("format_version").get<int>();
+    m.format_version = ExactIntegerAt<int>(j, "format_version");
     if (m.format_version != 1)
       return bad(absl::StrCat("unsupported format_version ", m.format_version));
-    m.step = j.at("step").get<int64_t>();
-    m.tokens_seen = j.at("tokens_seen").get<int64_t>();
-    m.world_size = j.at("world_size").get<int>();
+    m.step = ExactIntegerAt<int64_t>(j, "step");
+    m.tokens_seen = ExactIntegerAt<int64_t>(j, "tokens_seen");
+    m.world_size = ExactIntegerAt<int>(j, "world_size");
     m.spec_hash = j.at("spec_hash").get<std::string>();
     m.parent = j.at("parent").get<std::string>();
     m.kind = j.at("kind").get<std::string>();
-    m.created_unix_ms = j.at("created_unix_ms").get<int64_t>();
+    m.created_unix_ms = ExactIntegerAt<int64_t>(j, "created_unix_ms");
     m.state = j.at("state").get<std::map<std::string, std::string>>();
     for (const json& s : j.at("shards")) {
       ShardInfo info;
-      info.rank = s.at("rank").get<int>();
+      info.rank = ExactIntegerAt<int>(s, "rank");
       info.file = s.at("file").get<std::string>();
-      info.bytes = s.at("bytes").get<uint64_t>();
+      info.bytes = ExactIntegerAt<uint64_t>(s, "bytes");
       info.crc32c = s.at("crc32c").get<std::string>();
       m.shards.push_back(std::move(info));
     }
-  } catch (const json::exception& e) {
+  } catch (const std::exception& e) {  // json's, and ExactIntegerAt's (names the key)
     return bad(absl::StrCat("malformed manifest: ", e.what()));
   }
   if (m.world_size < 1 || static_cast<int>(m.shards.size()) != m.world_size) {

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "storage/confined_files.h"
 
 namespace loom::storage {
 namespace {
@@ -259,12 +260,9 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, std::s
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read failed"));
-  return Parse(std::move(buffer).str(), path);
+  auto bytes = ReadConfinedFile(path, std::numeric_limits<uint64_t>::max());
+  if (!bytes.ok()) return bytes.status();
+  return Parse(*std::move(bytes), path);
 }
 
 const TensorInfo* SafetensorsFile::Find(std::string_view name) const {

@@ -543,6 +543,46 @@ def test_loom_up(args, tmp):
     print("ok: loom up (local coordinator + 2 workers), CLI submit --follow, clean stop")
 
 
+def test_links_made_after_submission(c):
+    """A path the coordinator accepted is opened by the ranks beneath the storage root
+    (loom-train --storage-root, openat2 RESOLVE_BENEATH): a directory swapped for a symlink out
+    of the root between submission and start makes the job fail with that reason, and the file
+    outside is never read; a link that stays inside is followed."""
+    api, root = c.api, c.storage
+    conversation = json.dumps({"messages": [{"role": "user", "content": "2+2?"},
+                                            {"role": "assistant", "content": "4"}]})
+    for d in (os.path.join(root, "data", "chats"), os.path.join(ROOT, "outside")):
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "conv.jsonl"), "w") as f:
+            f.write((conversation + "\n") * 64)
+    os.symlink("chats", os.path.join(root, "data", "alias"))
+
+    def sft(path):
+        body = micro(2, world=1, interval=0, kind="sft", seq_len=64,
+                     model={"vocab_size": 260}, data={"source": "chat", "path": path})
+        body["pool"] = {"pool": "late"}  # nobody runs it until node-late starts
+        body["max_restarts"] = 0
+        return submit(api, body)
+
+    swapped, inside = sft("data/chats/conv.jsonl"), sft("data/alias/conv.jsonl")
+    os.rename(os.path.join(root, "data", "chats"), os.path.join(root, "data", "chats-moved"))
+    os.symlink(os.path.join(ROOT, "outside"), os.path.join(root, "data", "chats"))
+    os.remove(os.path.join(root, "data", "alias"))  # the inside link follows the move
+    os.symlink("chats-moved", os.path.join(root, "data", "alias"))
+    c.start_worker("node-late", labels="pool=late")
+    try:
+        job = api.wait_end(swapped)
+        assert job["state"] == "failed", job
+        _, _, log = api.request("GET", f"/v1/jobs/{swapped}/logs")
+        assert "leaves the storage root" in log, log[-3000:]
+        job = api.wait_end(inside)
+        assert job["state"] == "succeeded", (job, api.request("GET", f"/v1/jobs/{inside}/logs")[2][-3000:])
+    finally:
+        c.workers["node-late"].terminate()
+    print(f"ok: a directory swapped for a link out of the root after submission fails {swapped}; "
+          f"a link inside is followed ({inside})")
+
+
 def main():
     ap = control_plane_arg_parser()
     args = ap.parse_args()
@@ -563,6 +603,7 @@ def main():
         test_kill_worker(c)
         test_restart_coordinator(c)
         test_concurrent_submissions(c)
+        test_links_made_after_submission(c)
         test_openapi(c, args)
         test_loom_up(args, tmp)
     except BaseException:

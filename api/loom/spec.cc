@@ -249,7 +249,11 @@ absl::StatusOr<std::string> YamlToJson(const std::string& yaml, const std::strin
         absl::StrCat(source, ":", e.mark.line + 1, ":", e.mark.column + 1, ": ", e.msg));
   }
   LOOM_ASSIGN_OR_RETURN(nlohmann::json json, YamlNodeToJson(root, source));
-  return json.dump();
+  try {
+    return json.dump();
+  } catch (const nlohmann::json::type_error&) {  // a string that is not UTF-8
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not UTF-8 text"));
+  }
 }
 
 absl::StatusOr<v1::JobSpec> ReadJobSpecFile(const std::string& path) {

@@ -264,6 +264,7 @@ std::vector<std::string> Agent::TrainerArgv(const v1::Assignment& as, const Atte
                                    "--no-retention"};
   if (!as.resume_from().empty()) argv.insert(argv.end(), {"--resume-if-any", as.resume_from()});
   if (!as.init_from().empty()) argv.insert(argv.end(), {"--init-from", as.init_from()});
+  if (!as.storage_root().empty()) argv.insert(argv.end(), {"--storage-root", as.storage_root()});
   if (!options_.plugin_dir.empty()) argv.insert(argv.end(), {"--plugin-dir", options_.plugin_dir});
   return argv;
 }

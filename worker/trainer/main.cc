@@ -27,6 +27,7 @@
 #include "loom/proto_json.h"
 #include "loom/spec_overrides.h"
 #include "storage/checkpoint.h"
+#include "storage/confined_files.h"
 #include "worker/trainer/corpus.h"
 #include "worker/trainer/devices.h"
 #include "worker/trainer/inference_commands.h"
@@ -55,6 +56,9 @@ commands:
                 --resume-if-any DIR (newest intact checkpoint there, else a fresh start or
                   --init-from; damaged ones are skipped)   --no-retention (keep every checkpoint)
                 --stop-after N (stop at step N with a checkpoint)  --print-spec
+                --storage-root DIR (open the data, tokenizer, reasoning-eval and --init-from
+                  files only beneath DIR: a symlink out of it is refused; agents pass the
+                  coordinator's)
                 --save-weights out.safetensors
                 --set PATH=VALUE (repeatable, after the flags above): any spec field, e.g.
                   optimizer.lr=3e-4 model.n_layers=4 data.task_options.ops=2-4 (docs/jobs.md)
@@ -189,11 +193,11 @@ absl::Status FillEvalModelFromCheckpoint(const CliArgs& args, v1::JobSpec* spec)
     dir = refs.back().dir;
   }
   const std::string manifest = (std::filesystem::path(dir) / "manifest.json").string();
-  std::ifstream in(manifest);
-  std::stringstream text;
-  text << in.rdbuf();
-  if (!in) return absl::NotFoundError(absl::StrCat("--init-from: cannot read ", manifest));
-  return FillModelFromManifest(spec, text.str(), manifest);
+  auto text = storage::ReadConfinedFile(manifest, 64 << 20);
+  if (!text.ok())
+    return absl::Status(text.status().code(),
+                        absl::StrCat("--init-from: ", text.status().message()));
+  return FillModelFromManifest(spec, *text, manifest);
 }
 
 // The job for `train`: the spec or preset, then the field flags, then each --set PATH=VALUE.
@@ -207,9 +211,9 @@ absl::StatusOr<v1::JobSpec> JobFromArgs(const CliArgs& args) {
 
 // Every flag `train` takes besides the switches and --set.
 std::set<std::string> TrainFlags() {
-  std::set<std::string> flags = {"spec",       "preset",       "model",
-                                 "plugin-dir", "save-weights", "resume",
-                                 "init-from",  "stop-after",   "resume-if-any"};
+  std::set<std::string> flags = {"spec",          "preset",      "model",     "plugin-dir",
+                                 "save-weights",  "resume",      "init-from", "stop-after",
+                                 "resume-if-any", "storage-root"};
   for (const FieldFlag& f : kFieldFlags) flags.insert(f.flag);
   return flags;
 }
@@ -217,6 +221,7 @@ std::set<std::string> TrainFlags() {
 absl::Status RunTrain(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 2, TrainFlags(),
                                                      {"print-spec", "no-retention"}, {"set"}));
+  LOOM_RETURN_IF_ERROR(storage::ConfineReadsTo(args.Get("storage-root")));
   LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, JobFromArgs(args));
   if (args.Has("print-spec")) {
     std::cout << MessageToJsonText(spec, /*pretty=*/true);

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "storage/confined_files.h"
 
 namespace loom::trainer {
 namespace {
@@ -24,8 +25,11 @@ std::string DecodeChatBytes(const std::vector<uint32_t>& tokens) {
 
 absl::StatusOr<std::vector<EvalProblem>> ReadProblemFile(const v1::ReasoningEvalConfig& c,
                                                          const SftObjective& objective) {
-  std::ifstream in(c.path());
-  if (!in) return absl::NotFoundError(absl::StrCat("reasoning_eval.path: cannot open ", c.path()));
+  auto stream = storage::OpenConfinedStream(c.path());
+  if (!stream.ok())
+    return absl::Status(stream.status().code(),
+                        absl::StrCat("reasoning_eval.path: ", stream.status().message()));
+  std::istream& in = **stream;
   std::vector<EvalProblem> out;
   std::string line;
   int64_t line_no = 0;
