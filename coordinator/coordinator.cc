@@ -83,6 +83,10 @@ void DeclareMetrics(metrics::Registry& r) {
                  "1 while every alive worker is silent at once (a partition of the coordinator): "
                  "none is marked lost until the lease lapses");
   r.Set("loom_coordinator_loss_detection_held", 0);
+  r.DeclareGauge("loom_coordinator_storage_full",
+                 "1 while the data directory's filesystem is full: heartbeats and leases go on, "
+                 "nothing is stored (submissions get 507) until there is room again");
+  r.Set("loom_coordinator_storage_full", 0);
   r.DeclareCounter("loom_coordinator_http_requests_total", "HTTP requests by route and status");
   r.DeclareCounter("loom_coordinator_store_errors_total", "Failed RocksDB writes");
   r.DeclareCounter("loom_coordinator_log_syncs_total",
@@ -347,6 +351,8 @@ void Coordinator::SaveCredential(Txn& txn, const std::string& worker_id) {
 absl::Status Coordinator::Commit(Txn& txn, bool sync) {
   absl::Status s = txn.progress.empty() ? absl::OkStatus() : store_->Commit(txn.progress, false);
   if (s.ok() && !txn.batch.empty()) s = store_->Commit(txn.batch, sync);
+  if (IsStorageFull(s)) disk_full_ = true;
+  if (s.ok() && !(txn.progress.empty() && txn.batch.empty())) disk_full_ = false;
   if (s.ok()) {
     pending_deletes_.insert(pending_deletes_.end(), txn.deletes.begin(), txn.deletes.end());
     for (JobState state : txn.ended) {
@@ -1370,11 +1376,11 @@ bool Coordinator::AppendCapped(Txn& txn, const std::string& job_id, const std::s
   std::error_code ec;
   const uintmax_t have = fs::exists(path, ec) ? fs::file_size(path, ec) : 0;
   if (ec || have >= cap) return !ec;
-  if (have + part.size() <= cap) return AppendToFile(path, part);
+  if (have + part.size() <= cap) return AppendToFile(path, part, &txn.no_space);
   const std::string note = absl::StrCat("this job's log reached ", cap,
                                         " bytes (--max-job-log-bytes): later lines are dropped");
-  if (!AppendToFile(path,
-                    absl::StrCat(part.substr(0, cap - have), "\n[coordinator] ", note, "\n"))) {
+  if (!AppendToFile(path, absl::StrCat(part.substr(0, cap - have), "\n[coordinator] ", note, "\n"),
+                    &txn.no_space)) {
     return false;
   }
   if (auto it = jobs_.find(job_id); it != jobs_.end()) {
@@ -1397,7 +1403,7 @@ void Coordinator::AppendSteps(Txn& txn, const v1::AttemptReport& report,
     std::error_code ec;
     const auto size = fs::file_size(path, ec);
     if (!ec && size > kMaxSeriesBytes) return true;
-    return AppendToFile(path, StepLines(report, first));
+    return AppendToFile(path, StepLines(report, first), &txn.no_space);
   });
 }
 
@@ -1843,8 +1849,23 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::HeartbeatLocked(
     txn.progress.PutWorker(w);
   }
   const bool changes_state = !txn.batch.empty();
-  LOOM_RETURN_IF_ERROR(Commit(txn, /*sync=*/false));
-  if (changes_state) *written = store_->LastSequence();
+  absl::Status s = txn.no_space ? absl::OkStatus() : Commit(txn, /*sync=*/false);
+  if (txn.no_space || IsStorageFull(s)) {
+    // A full disk: the heartbeat still counts (liveness is in memory, the agent renews its
+    // ranks' lease on this answer), but nothing it reported is recorded. The agent keeps every
+    // report, log chunk and step and sends them again; no attempt is forgotten.
+    if (txn.no_space) {
+      registry_.Increment("loom_coordinator_store_errors_total");
+      Rollback(txn);
+      disk_full_ = true;
+    }
+    response.clear_forget();
+    response.set_not_recorded(true);
+  } else if (!s.ok()) {
+    return s;
+  } else if (changes_state) {
+    *written = store_->LastSequence();
+  }
   reported_running_[worker] = std::move(running);
   return response;
 }
@@ -2046,7 +2067,21 @@ void Coordinator::ForgiveOwnOutage() {
   registry_.Increment("loom_coordinator_outages_forgiven_total");
 }
 
+// A full data directory: try to resume the store, at most once a second.
+void Coordinator::ResumeStoreIfFull() {
+  if (!store_->Full() || SteadyMs() - last_resume_try_ms_ < 1000) return;
+  last_resume_try_ms_ = SteadyMs();
+  const absl::Status resumed = store_->Resume();
+  if (resumed.ok()) {
+    std::cerr << "coordinator: the data directory has room again; state writes resumed\n";
+  } else if (last_resume_try_ms_ - last_resume_report_ms_ >= 60000 || last_resume_report_ms_ == 0) {
+    last_resume_report_ms_ = last_resume_try_ms_;
+    std::cerr << "coordinator: " << resumed.message() << "\n";
+  }
+}
+
 void Coordinator::Tick() {
+  ResumeStoreIfFull();
   std::vector<std::string> deletes;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -2055,6 +2090,7 @@ void Coordinator::Tick() {
     MarkSilentWorkersLost(txn);
     ScheduleLocked(txn);
     (void)Commit(txn);  // on failure memory is restored; the next tick tries again
+    registry_.Set("loom_coordinator_storage_full", disk_full_ || store_->Full() ? 1 : 0);
     IndexPlacementsLocked();
     deletes.swap(pending_deletes_);
   }

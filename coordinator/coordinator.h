@@ -165,6 +165,7 @@ class Coordinator {
     std::map<std::string, int64_t> event_counts;
     std::vector<std::string> deletes;  // checkpoint directories to remove once committed
     std::vector<JobState> ended;       // terminal states reached, counted once committed
+    bool no_space = false;             // a job log or series append found the disk full
   };
   enum class Failure { kJob, kInfra, kBadInput };
   struct PlannedJob;  // one (cell, seed) of a sweep, validated before anything is stored
@@ -219,6 +220,7 @@ class Coordinator {
                       int64_t not_before_ms = 0);
   void MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string& reason);
   void ForgiveOwnOutage();
+  void ResumeStoreIfFull();
   void MarkSilentWorkersLost(Txn& txn);
   bool AllWorkersSilent(int64_t now);
   bool AppendCapped(Txn& txn, const std::string& job_id, const std::string& path,
@@ -299,7 +301,12 @@ class Coordinator {
   // outage, not its workers' silence (ForgiveOwnOutage).
   std::chrono::steady_clock::time_point last_tick_{};
   bool holding_loss_detection_ = false;  // AllWorkersSilent held at the last tick
-  int64_t hold_ended_ms_ = 0;            // steady: when a worker was heard after such a hold
+  // The last write to the data directory (state, job logs) found it full; the next one that
+  // succeeds clears it. The loom_coordinator_storage_full gauge.
+  bool disk_full_ = false;
+  int64_t last_resume_try_ms_ = 0;     // steady; the tick thread only
+  int64_t last_resume_report_ms_ = 0;  // steady: when a failed resume was last logged
+  int64_t hold_ended_ms_ = 0;          // steady: when a worker was heard after such a hold
   // Liveness and fencing on the steady clock (clock.h): an NTP step moves neither. The wall-clock
   // twins (Worker.last_heartbeat_ms, Job.not_before_ms) are what is shown and stored.
   std::map<std::string, int64_t> heard_steady_;  // worker id -> last heartbeat

@@ -29,6 +29,7 @@ using google::protobuf::Message;
 using google::protobuf::Reflection;
 
 int HttpCode(const absl::Status& s) {
+  if (IsStorageFull(s)) return 507;  // Insufficient Storage: nothing was stored
   switch (s.code()) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kOutOfRange:

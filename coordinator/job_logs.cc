@@ -1,6 +1,7 @@
 #include "coordinator/job_logs.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -62,11 +63,24 @@ std::optional<int64_t> NewPartStart(int64_t received, int64_t offset, int64_t co
   return std::max<int64_t>(0, received - offset);
 }
 
-bool AppendToFile(const std::string& path, absl::string_view bytes) {
-  std::ofstream out(path, std::ios::app | std::ios::binary);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  out.flush();
-  return static_cast<bool>(out);
+bool AppendToFile(const std::string& path, absl::string_view bytes, bool* no_space) {
+  std::error_code ec;
+  const uintmax_t before = fs::exists(path, ec) ? fs::file_size(path, ec) : 0;
+  if (ec) return false;
+  int error = 0;
+  {
+    errno = 0;
+    std::ofstream out(path, std::ios::app | std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (out) return true;
+    error = errno;
+  }
+  if (no_space != nullptr && (error == ENOSPC || error == EDQUOT)) *no_space = true;
+  // A short write (a full disk) must not leave a fragment: the agent sends the chunk again and
+  // it would follow the fragment.
+  fs::resize_file(path, before, ec);
+  return false;
 }
 
 FileBytes ReadFileBytes(const std::string& path, int64_t offset, int64_t max) {

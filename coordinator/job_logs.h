@@ -23,8 +23,9 @@ std::string JobSeriesPath(const std::string& data_dir, const std::string& job_id
 // came already: the index in the chunk where the new items start, or nullopt if none are new.
 std::optional<int64_t> NewPartStart(int64_t received, int64_t offset, int64_t count);
 
-// Appends and flushes; false when the bytes did not reach the file (the agent resends them).
-bool AppendToFile(const std::string& path, absl::string_view bytes);
+// Appends and flushes; false when the bytes did not reach the file, which is then as before
+// (nothing of a cut-short write stays). *no_space: it failed because the filesystem is full.
+bool AppendToFile(const std::string& path, absl::string_view bytes, bool* no_space = nullptr);
 
 // Bytes [offset, offset + max) of a file, and the file's size (0 when it does not exist).
 struct FileBytes {

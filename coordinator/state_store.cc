@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -30,7 +31,37 @@ absl::Status ParseValue(const rocksdb::Slice& key, const rocksdb::Slice& value, 
   return absl::OkStatus();
 }
 
+bool NoSpace(const rocksdb::Status& s) {
+  return s.IsNoSpace() || s.ToString().find("No space left on device") != std::string::npos;
+}
+
 }  // namespace
+
+bool IsStorageFull(const absl::Status& s) { return s.GetPayload(kStorageFullPayload).has_value(); }
+
+// A write's status; a full filesystem becomes ResourceExhausted (507 for users) and marks the
+// store full until Resume() succeeds.
+absl::Status StateStore::Checked(const rocksdb::Status& s, const std::string& what) {
+  if (s.ok()) {
+    full_.store(false);  // RocksDB recovered by itself: writes work again
+    return absl::OkStatus();
+  }
+  if (!NoSpace(s) && !full_.load()) return FromRocks(s, what);
+  full_.store(true);
+  absl::Status full = absl::ResourceExhaustedError(
+      absl::StrCat("the coordinator's data directory is full (rocksdb ", what, ": ", s.ToString(),
+                   "): nothing was stored; the coordinator resumes by itself once there is room"));
+  full.SetPayload(kStorageFullPayload, absl::Cord("507"));
+  return full;
+}
+
+absl::Status StateStore::Resume() {
+  if (!full_.load()) return absl::OkStatus();
+  const rocksdb::Status s = db_->Resume();
+  if (!s.ok()) return Checked(s, "resume");
+  full_.store(false);
+  return absl::OkStatus();
+}
 
 StateStore::Batch::Batch() : batch_(std::make_unique<rocksdb::WriteBatch>()) {}
 StateStore::Batch::~Batch() = default;
@@ -79,6 +110,12 @@ absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& 
   rocksdb::Options options;
   options.create_if_missing = true;
   options.paranoid_checks = true;
+  // After a full disk RocksDB recovers by itself (its SstFileManager polls every 5 s) once the
+  // filesystem has a memtable's size free: 4 MiB instead of the default 64 (the state is small).
+  options.write_buffer_size = 4 << 20;
+  // No preallocated log space: a full disk shows at the next write (507, the storage_full gauge),
+  // not megabytes later at an unforeseeable log roll or flush.
+  options.allow_fallocate = false;
   rocksdb::DB* db = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, dir, &db);
   if (!s.ok())
@@ -151,7 +188,7 @@ absl::StatusOr<std::vector<v1::JobEvent>> StateStore::Events(const std::string& 
 absl::Status StateStore::Commit(Batch& batch, bool sync) {
   rocksdb::WriteOptions options;
   options.sync = sync;
-  return FromRocks(db_->Write(options, batch.batch_.get()), "write");
+  return Checked(db_->Write(options, batch.batch_.get()), "write");
 }
 
 uint64_t StateStore::LastSequence() const { return db_->GetLatestSequenceNumber(); }
@@ -172,7 +209,7 @@ absl::Status StateStore::SyncLogThrough(uint64_t sequence, bool* led) {
   if (s.ok()) synced_ = std::max(synced_, through);
   sync_done_.notify_all();
   if (led != nullptr) *led = true;
-  return FromRocks(s, "sync");
+  return Checked(s, "sync");
 }
 
 }  // namespace loom::coordinator

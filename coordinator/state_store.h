@@ -8,6 +8,7 @@
 #ifndef LOOM_COORDINATOR_STATE_STORE_H_
 #define LOOM_COORDINATOR_STATE_STORE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -21,10 +22,16 @@
 
 namespace rocksdb {
 class DB;
+class Status;
 class WriteBatch;
 }  // namespace rocksdb
 
 namespace loom::coordinator {
+
+// A write refused because the data directory's filesystem is full: ResourceExhausted with this
+// payload, which the REST API answers with 507 Insufficient Storage.
+inline constexpr char kStorageFullPayload[] = "type.loom.dev/storage-full";
+bool IsStorageFull(const absl::Status& s);
 
 struct LoadedState {
   std::map<std::string, v1::Job> jobs;
@@ -79,9 +86,18 @@ class StateStore {
   uint64_t LastSequence() const;
   absl::Status SyncLogThrough(uint64_t sequence, bool* led = nullptr);
 
+  // After a write failed for lack of space RocksDB refuses every write (its background error)
+  // until it has recovered, by itself once 4 MiB are free (Open) or through DB::Resume(), which
+  // answers Busy while its own recovery is under way. Full(): such an error is outstanding.
+  // Resume(): OK when writes work again (also when nothing was wrong).
+  bool Full() const { return full_.load(); }
+  absl::Status Resume();
+
  private:
   StateStore() = default;
+  absl::Status Checked(const rocksdb::Status& s, const std::string& what);
   std::unique_ptr<rocksdb::DB> db_;
+  std::atomic<bool> full_{false};
   std::mutex sync_mu_;
   std::condition_variable sync_done_;
   bool syncing_ = false;  // a caller is in SyncWAL

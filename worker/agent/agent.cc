@@ -722,6 +722,7 @@ void Agent::Acknowledge(const v1::HeartbeatRequest& sent,
                         const std::map<std::string, int64_t>& ends,
                         const v1::HeartbeatResponse& resp) {
   for (const auto& r : sent.attempts()) {
+    if (resp.not_recorded()) break;  // the coordinator's disk is full: everything is sent again
     auto it = attempts_.find(Key(r.job_id(), r.attempt()));
     if (it == attempts_.end()) continue;
     Attempt& a = it->second;
