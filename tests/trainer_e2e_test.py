@@ -205,6 +205,36 @@ def test_live_metrics(loom, tmp, promtool):
     print("live /metrics: scraped, promtool check metrics passed")
 
 
+def test_crafted_tokenizer(loom, loom_data, tmp):
+    """A tokenizer.json whose added token has id 2^32 - 1 (it used to wrap the id table to size 0
+    and write through a null pointer: SIGSEGV) or 2^31 + 5 (bad_alloc): loom-data and loom-train
+    refuse it as bad input (exit 2, the contract the agent fails a job by without retrying),
+    naming the field and the value."""
+    vocab, nxt = {}, 256
+    for b in range(256):
+        direct = ord("!") <= b <= ord("~") or 0xA1 <= b <= 0xAC or b >= 0xAE
+        vocab[chr(b if direct else nxt)] = b
+        nxt += 0 if direct else 1
+    text = os.path.join(tmp, "lines.b64")
+    with open(text, "w") as f:
+        f.write("aGVsbG8=\n")
+    for bad in (4294967295, 2 ** 31 + 5):
+        tok = os.path.join(tmp, f"tokenizer-{bad}.json")
+        with open(tok, "w") as f:
+            json.dump({"added_tokens": [{"id": bad, "content": "<|x|>"}],
+                       "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False},
+                       "model": {"type": "BPE", "vocab": vocab, "merges": []}}, f)
+        p = subprocess.run([loom_data, "encode", "--tokenizer", tok, "--input", text],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and f"added_tokens[0].id: {bad} is not a token id" in p.stderr, \
+            (p.returncode, p.stderr)
+        path = spec(tmp, f"crafted-{bad}", data={"tokenizer": "bpe", "tokenizer_path": tok},
+                    checkpoint={"dir": ""})
+        p = run(loom, ["--spec", path], expect_ok=False)
+        assert p.returncode == 2 and "added_tokens[0].id" in p.stderr, (p.returncode, p.stderr[-2000:])
+    print("crafted tokenizer.json (ids 2^32 - 1, 2^31 + 5): refused by name, exit 2, no crash")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loom-train", required=True)
@@ -219,6 +249,7 @@ def main():
         test_flipped_byte(args.loom_train, tmp)
         test_init_from_and_bad_inputs(args.loom_train, tmp)
         test_train_on_packed_shards(args.loom_train, args.loom_data, tmp)
+        test_crafted_tokenizer(args.loom_train, args.loom_data, tmp)
         test_live_metrics(args.loom_train, tmp, args.promtool)
     finally:
         kill_all(PROCS)
