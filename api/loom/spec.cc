@@ -181,7 +181,11 @@ absl::StatusOr<nlohmann::json> YamlNodeToJson(const YAML::Node& node, const std:
     case YAML::NodeType::Map: {
       nlohmann::json out = nlohmann::json::object();
       for (const auto& kv : node) {
-        const std::string key = kv.first.as<std::string>();
+        if (!kv.first.IsScalar()) {  // `? [a, b]: c` — a key JSON cannot have
+          return absl::InvalidArgumentError(absl::StrCat(source, ":", kv.first.Mark().line + 1,
+                                                         ": a key must be a plain string"));
+        }
+        const std::string key = kv.first.Scalar();
         if (out.contains(key)) {
           return absl::InvalidArgumentError(
               absl::StrCat(source, ":", kv.first.Mark().line + 1, ": duplicate key '", key, "'"));
@@ -248,9 +252,16 @@ absl::StatusOr<std::string> YamlToJson(const std::string& yaml, const std::strin
     return absl::InvalidArgumentError(
         absl::StrCat(source, ":", e.mark.line + 1, ":", e.mark.column + 1, ": ", e.msg));
   }
-  LOOM_ASSIGN_OR_RETURN(nlohmann::json json, YamlNodeToJson(root, source));
+  absl::StatusOr<nlohmann::json> json;
   try {
-    return json.dump();
+    json = YamlNodeToJson(root, source);
+  } catch (const YAML::Exception& e) {  // what the node walk did not foresee
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ":", e.mark.line + 1, ":", e.mark.column + 1, ": ", e.msg));
+  }
+  if (!json.ok()) return json.status();
+  try {
+    return json->dump();
   } catch (const nlohmann::json::type_error&) {  // a string that is not UTF-8
     return absl::InvalidArgumentError(absl::StrCat(source, ": not UTF-8 text"));
   }
