@@ -1379,7 +1379,11 @@ bool Coordinator::AppendCapped(Txn& txn, const std::string& job_id, const std::s
   if (have + part.size() <= cap) return AppendToFile(path, part, &txn.no_space);
   const std::string note = absl::StrCat("this job's log reached ", cap,
                                         " bytes (--max-job-log-bytes): later lines are dropped");
-  if (!AppendToFile(path, absl::StrCat(part.substr(0, cap - have), "\n[coordinator] ", note, "\n"),
+  // Cut at a character boundary: the log stays valid UTF-8 (no continuation byte left alone).
+  size_t cut = static_cast<size_t>(cap - have);
+  while (cut > 0 && cut < part.size() && (static_cast<unsigned char>(part[cut]) & 0xC0) == 0x80)
+    --cut;
+  if (!AppendToFile(path, absl::StrCat(part.substr(0, cut), "\n[coordinator] ", note, "\n"),
                     &txn.no_space)) {
     return false;
   }

@@ -625,7 +625,14 @@ TEST_F(CoordinatorTest, AJobsLogIsCappedAndSaysSo) {
     r->set_rank(0);
     r->set_running(true);
     a->set_log_offset(offset);
-    a->set_log(std::string(999, static_cast<char>('a' + i % 26)) + "\n");
+    // The chunk that crosses the cap holds two-byte characters, the cap inside one of them.
+    std::string text = std::string(999, static_cast<char>('a' + i % 26)) + "\n";
+    if (i == 4) {
+      text = "x";
+      for (int k = 0; k < 499; ++k) text += "\xC3\xA9";  // é
+      text += "\n";
+    }
+    a->set_log(text);
     offset += 1000;
     ASSERT_TRUE(c_->Heartbeat(req, w).ok());
   }
@@ -635,6 +642,9 @@ TEST_F(CoordinatorTest, AJobsLogIsCappedAndSaysSo) {
   EXPECT_LT(log->data.size(), 4096u + 200) << "grew past the cap";
   EXPECT_EQ(log->data.substr(0, 1000), std::string(999, 'a') + "\n");
   EXPECT_NE(log->data.find("[coordinator] this job's log reached 4096 bytes"), std::string::npos);
+  const size_t note = log->data.find("\n[coordinator]");
+  ASSERT_NE(note, std::string::npos);
+  EXPECT_EQ(log->data.substr(note - 2, 2), "\xC3\xA9") << "a character cut in two at the cap";
   int notes = 0;
   const v1::Job job = Job(id);
   for (const v1::JobEvent& e : job.events()) {

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "base/json_integer.h"
 #include "storage/confined_files.h"
 #include "storage/crc32c.h"
 #include "storage/safetensors.h"
@@ -121,7 +122,11 @@ absl::StatusOr<TokenIndex> ReadTokenIndex(const std::string& dir) {
     return absl::NotFoundError(
         absl::StrCat(path, ": missing (not a loom-data dataset, or never finished)"));
   if (!text.ok()) return text.status();
-  json j = json::parse(*text, nullptr, false);
+  return ParseTokenIndex(*text, path);
+}
+
+absl::StatusOr<TokenIndex> ParseTokenIndex(const std::string& text, const std::string& path) {
+  json j = json::parse(text, nullptr, false);
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(absl::StrCat(path, ": ", why));
   };
@@ -129,19 +134,22 @@ absl::StatusOr<TokenIndex> ReadTokenIndex(const std::string& dir) {
   TokenIndex index;
   try {
     if (j.at("format").get<std::string>() != "loom-tokens") return bad("format is not loom-tokens");
-    index.version = j.at("version").get<int>();
+    index.version = ExactIntegerAt<int>(j, "version");
     if (index.version != 1) return bad(absl::StrCat("unsupported version ", index.version));
     index.dtype = j.at("dtype").get<std::string>();
     if (index.dtype != "uint16" && index.dtype != "uint32")
       return bad("dtype must be uint16 or uint32");
-    index.vocab_size = j.at("vocab_size").get<int64_t>();
+    index.vocab_size = ExactIntegerAt<int64_t>(j, "vocab_size");
     index.tokenizer = j.at("tokenizer").get<std::string>();
-    index.documents = j.at("documents").get<uint64_t>();
-    index.total_tokens = j.at("total_tokens").get<uint64_t>();
+    index.documents = ExactIntegerAt<uint64_t>(j, "documents");
+    index.total_tokens = ExactIntegerAt<uint64_t>(j, "total_tokens");
     uint64_t sum = 0;
     for (const json& s : j.at("shards")) {
-      ShardEntry e{s.at("file").get<std::string>(), s.at("tokens").get<uint64_t>(),
+      ShardEntry e{s.at("file").get<std::string>(), ExactIntegerAt<uint64_t>(s, "tokens"),
                    s.at("crc32c").get<std::string>()};
+      // A shard is a file of at most 2^48 bytes: the sum below and tokens x width cannot wrap.
+      if (e.tokens > (uint64_t{1} << 46))
+        return bad(absl::StrCat("shard '", e.file.substr(0, 80), "': ", e.tokens, " tokens"));
       if (e.file.find('/') != std::string::npos || e.file.find("..") != std::string::npos) {
         return bad(absl::StrCat("shard file '", e.file, "' is not a plain name"));
       }
@@ -149,7 +157,7 @@ absl::StatusOr<TokenIndex> ReadTokenIndex(const std::string& dir) {
       index.shards.push_back(std::move(e));
     }
     if (sum != index.total_tokens) return bad("shard token counts do not add up to total_tokens");
-  } catch (const json::exception& e) {
+  } catch (const std::exception& e) {  // json's, and ExactIntegerAt's (names the key)
     return bad(absl::StrCat("malformed index: ", e.what()));
   }
   return index;

@@ -79,6 +79,8 @@ class TokenShards {
 };
 
 absl::StatusOr<TokenIndex> ReadTokenIndex(const std::string& dir);
+// The same from the index file's text; `path` names it in errors.
+absl::StatusOr<TokenIndex> ParseTokenIndex(const std::string& text, const std::string& path);
 
 }  // namespace loom::data
 

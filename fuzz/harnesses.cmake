@@ -11,5 +11,6 @@ set(LOOM_FUZZERS
     trainer_events:loom_events
     hf_import:loom_interop
     chat_jsonl:loom_data
+    token_index:loom_data
     serve_request:loom_serve_request
     rest_routes:loom_coordinator_core)

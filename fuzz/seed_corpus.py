@@ -247,6 +247,17 @@ def chat():
     put("chat_jsonl", "ops-one", "3")
 
 
+def token_index():
+    index = {"format": "loom-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
+             "tokenizer": "byte", "documents": 3, "total_tokens": 300,
+             "shards": [{"file": "shard-00000.bin", "tokens": 200, "crc32c": "0a1b2c3d"},
+                        {"file": "shard-00001.bin", "tokens": 100, "crc32c": "deadbeef"}]}
+    put("token_index", "two-shards", json.dumps(index, indent=1))
+    put("token_index", "bpe", json.dumps(dict(index, dtype="uint32", vocab_size=128256,
+                                              tokenizer="bpe:tokenizer.json")))
+    put("token_index", "bad-sum", json.dumps(dict(index, total_tokens=301)))
+
+
 def serve():
     put("serve_request", "completion", b"p" + json.dumps({
         "model": "m", "prompt": "Once upon", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9,
@@ -291,5 +302,5 @@ def rest():
 
 if __name__ == "__main__":
     for f in [job_specs, overrides, safetensors, manifests, tokenizers, sentencepiece, events, hf,
-              chat, serve, rest]:
+              chat, token_index, serve, rest]:
         f()
