@@ -4,9 +4,18 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace loom {
+
+absl::Status UsageError(absl::string_view message) {
+  absl::Status s = absl::InvalidArgumentError(message);
+  s.SetPayload(kUsageErrorPayload, absl::Cord("usage"));
+  return s;
+}
+
+bool IsUsageError(const absl::Status& s) { return s.GetPayload(kUsageErrorPayload).has_value(); }
 
 absl::StatusOr<CliArgs> CliArgs::Parse(int argc, char** argv, int first,
                                        const std::set<std::string>& flags,
@@ -16,7 +25,7 @@ absl::StatusOr<CliArgs> CliArgs::Parse(int argc, char** argv, int first,
   for (int i = first; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg.rfind("--", 0) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'"));
+      return UsageError(absl::StrCat("unexpected argument '", arg, "'"));
     }
     std::string name = arg.substr(2), value;
     bool has_value = false;
@@ -26,15 +35,14 @@ absl::StatusOr<CliArgs> CliArgs::Parse(int argc, char** argv, int first,
       has_value = true;
     }
     if (switches.count(name)) {
-      if (has_value) return absl::InvalidArgumentError(absl::StrCat("--", name, " takes no value"));
+      if (has_value) return UsageError(absl::StrCat("--", name, " takes no value"));
       args.values_[name] = "true";
       continue;
     }
     if (!flags.count(name) && !repeatable.count(name))
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
+      return UsageError(absl::StrCat("unknown flag --", name));
     if (!has_value) {
-      if (i + 1 >= argc)
-        return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      if (i + 1 >= argc) return UsageError(absl::StrCat("--", name, " needs a value"));
       value = argv[++i];
     }
     if (repeatable.count(name)) {
@@ -42,7 +50,7 @@ absl::StatusOr<CliArgs> CliArgs::Parse(int argc, char** argv, int first,
       continue;
     }
     if (args.values_.count(name)) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, " given twice"));
+      return UsageError(absl::StrCat("--", name, " given twice"));
     }
     args.values_[name] = value;
   }
@@ -62,7 +70,7 @@ std::vector<std::string> CliArgs::GetAll(const std::string& name) const {
 absl::StatusOr<std::string> CliArgs::Require(const std::string& name) const {
   auto it = values_.find(name);
   if (it == values_.end() || it->second.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " is required"));
+    return UsageError(absl::StrCat("--", name, " is required"));
   }
   return it->second;
 }
@@ -75,12 +83,10 @@ absl::StatusOr<int64_t> CliArgs::GetInt(const std::string& name, int64_t fallbac
   char* end = nullptr;
   long long v = std::strtoll(it->second.c_str(), &end, 10);
   if (it->second.empty() || *end != '\0' || errno == ERANGE) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", name, ": '", it->second, "' is not an integer"));
+    return UsageError(absl::StrCat("--", name, ": '", it->second, "' is not an integer"));
   }
   if (v < min || v > max) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", name, ": ", v, " is out of range [", min, ", ", max, "]"));
+    return UsageError(absl::StrCat("--", name, ": ", v, " is out of range [", min, ", ", max, "]"));
   }
   return v;
 }
@@ -93,12 +99,10 @@ absl::StatusOr<double> CliArgs::GetDouble(const std::string& name, double fallba
   char* end = nullptr;
   double v = std::strtod(it->second.c_str(), &end);
   if (it->second.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", name, ": '", it->second, "' is not a number"));
+    return UsageError(absl::StrCat("--", name, ": '", it->second, "' is not a number"));
   }
   if (v < min || v > max) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", name, ": ", v, " is out of range [", min, ", ", max, "]"));
+    return UsageError(absl::StrCat("--", name, ": ", v, " is out of range [", min, ", ", max, "]"));
   }
   return v;
 }

@@ -10,8 +10,16 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace loom {
+
+// The command line itself is wrong (an unknown flag, a missing or malformed value):
+// InvalidArgument with this payload, so a program can tell it from bad input files (loom-data
+// exits 2 for the first, 1 for the second).
+inline constexpr char kUsageErrorPayload[] = "type.loom.dev/usage";
+absl::Status UsageError(absl::string_view message);
+bool IsUsageError(const absl::Status& s);
 
 class CliArgs {
  public:

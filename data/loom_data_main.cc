@@ -43,6 +43,9 @@ constexpr char kUsage[] = R"(usage: loom-data <command> [flags]
       each line a conversation (OpenThoughts or {"messages": [...]}); prints one JSON line each,
       {"tokens", "loss_mask", "prompt"} as an SFT job renders it: Llama 3's template when the
       tokenizer has its header tokens, else Loom's markers (chat template parity tests)
+
+exit status: 0 done; 1 the command failed (an input, tokenizer or dataset is missing or
+malformed: the message names the file and the field); 2 the command line is wrong
 )";
 
 std::vector<std::string> Inputs(const CliArgs& args) {
@@ -265,7 +268,7 @@ int main(int argc, char** argv) {
     status = args.ok() ? Encode(*args) : args.status();
   } else if (command == "info" || command == "verify") {
     status = argc == 3 ? Info(argv[2], command == "verify")
-                       : absl::InvalidArgumentError(absl::StrCat(command, " takes one directory"));
+                       : UsageError(absl::StrCat(command, " takes one directory"));
   } else if (command == "train-tokenizer") {
     auto args = CliArgs::Parse(argc, argv, 2, {"input", "vocab-size", "output"});
     status = args.status();
@@ -283,10 +286,7 @@ int main(int argc, char** argv) {
   }
   if (!status.ok()) {
     std::cerr << "loom-data " << command << ": " << status.message() << "\n";
-    return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ||
-                   absl::IsAlreadyExists(status)
-               ? 2
-               : 1;
+    return IsUsageError(status) ? 2 : 1;
   }
   return 0;
 }

@@ -207,9 +207,9 @@ def test_live_metrics(loom, tmp, promtool):
 
 def test_crafted_tokenizer(loom, loom_data, tmp):
     """A tokenizer.json whose added token has id 2^32 - 1 (it used to wrap the id table to size 0
-    and write through a null pointer: SIGSEGV) or 2^31 + 5 (bad_alloc): loom-data and loom-train
-    refuse it as bad input (exit 2, the contract the agent fails a job by without retrying),
-    naming the field and the value."""
+    and write through a null pointer: SIGSEGV) or 2^31 + 5 (bad_alloc): loom-data refuses it (exit
+    1: a bad input file; 2 is for a wrong command line) and loom-train too, as bad input (exit 2,
+    the contract the agent fails a job by without retrying), both naming the field and value."""
     vocab, nxt = {}, 256
     for b in range(256):
         direct = ord("!") <= b <= ord("~") or 0xA1 <= b <= 0xAC or b >= 0xAE
@@ -226,13 +226,14 @@ def test_crafted_tokenizer(loom, loom_data, tmp):
                        "model": {"type": "BPE", "vocab": vocab, "merges": []}}, f)
         p = subprocess.run([loom_data, "encode", "--tokenizer", tok, "--input", text],
                            capture_output=True, text=True, timeout=60)
-        assert p.returncode == 2 and f"added_tokens[0].id: {bad} is not a token id" in p.stderr, \
+        assert p.returncode == 1 and f"added_tokens[0].id: {bad} is not a token id" in p.stderr, \
             (p.returncode, p.stderr)
         path = spec(tmp, f"crafted-{bad}", data={"tokenizer": "bpe", "tokenizer_path": tok},
                     checkpoint={"dir": ""})
         p = run(loom, ["--spec", path], expect_ok=False)
         assert p.returncode == 2 and "added_tokens[0].id" in p.stderr, (p.returncode, p.stderr[-2000:])
-    print("crafted tokenizer.json (ids 2^32 - 1, 2^31 + 5): refused by name, exit 2, no crash")
+    print("crafted tokenizer.json (ids 2^32 - 1, 2^31 + 5): refused by name (loom-data exit 1, "
+          "loom-train exit 2: bad input), no crash")
 
 
 def main():
