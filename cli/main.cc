@@ -556,7 +556,8 @@ UpLayout PrepareUpLayout(const CliArgs& args) {
 // user token.
 absl::StatusOr<std::string> WriteUpTokens(const UpLayout& l) {
   const std::string user_token = RandomToken(), enrolment_token = RandomToken();
-  LOOM_RETURN_IF_ERROR(WritePrivateFile(l.users_file(), absl::StrCat("local ", user_token, "\n")));
+  LOOM_RETURN_IF_ERROR(
+      WritePrivateFile(l.users_file(), absl::StrCat("local ", user_token, " admin\n")));
   LOOM_RETURN_IF_ERROR(WritePrivateFile(l.worker_token_file(), enrolment_token + "\n"));
   LOOM_RETURN_IF_ERROR(WritePrivateFile((l.tokens / "user-token").string(), user_token + "\n"));
   return user_token;

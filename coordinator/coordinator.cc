@@ -114,6 +114,16 @@ void DeclareMetrics(metrics::Registry& r) {
                  "Seconds since an active job's newest checkpoint (or its start)");
 }
 
+// Owners change their own jobs and sweeps; admins anyone's. A record without an owner (stored
+// before owners were kept) is an admin's to change.
+absl::Status MayChange(const Caller& caller, absl::string_view what, const std::string& id,
+                       const std::string& owner) {
+  if (caller.admin || (!owner.empty() && owner == caller.user)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(what, " ", id, " belongs to ",
+                                                  owner.empty() ? "nobody on record" : owner,
+                                                  ": only its owner or an admin may change it"));
+}
+
 }  // namespace
 
 bool IsValidId(const std::string& id) {
@@ -716,11 +726,13 @@ absl::StatusOr<v1::ListSweepsResponse> Coordinator::ListSweeps(int page_size,
   return out;
 }
 
-absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const std::string& user) {
+absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const Caller& caller) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = sweeps_.find(id);
   if (it == sweeps_.end()) return absl::NotFoundError(absl::StrCat("sweep '", id, "' not found"));
+  LOOM_RETURN_IF_ERROR(MayChange(caller, "sweep", id, it->second.submitted_by()));
+  const std::string& user = caller.user;
   Txn txn;
   for (const v1::SweepJob& sj : it->second.jobs()) {
     auto job = jobs_.find(sj.job_id());
@@ -1013,12 +1025,14 @@ absl::StatusOr<v1::Job> Coordinator::GetJob(const std::string& id) {
   return job;
 }
 
-absl::StatusOr<v1::Job> Coordinator::Cancel(const std::string& id, const std::string& user) {
+absl::StatusOr<v1::Job> Coordinator::Cancel(const std::string& id, const Caller& caller) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("job id: malformed");
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = jobs_.find(id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
   v1::Job& job = it->second;
+  LOOM_RETURN_IF_ERROR(MayChange(caller, "job", id, job.submitted_by()));
+  const std::string& user = caller.user;
   if (IsTerminal(job)) {
     return absl::FailedPreconditionError(absl::StrCat("job ", id, " is already ", job.state()));
   }

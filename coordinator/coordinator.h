@@ -63,6 +63,12 @@ struct CoordinatorOptions {
 
 bool IsValidId(const std::string& id);
 
+// Who asks for a change: a user may change their own jobs and sweeps, an admin anyone's.
+struct Caller {
+  std::string user;
+  bool admin = false;
+};
+
 // Checkpoint ids are "<job id>.<step>" (job-000001.150): one path segment, so a URL can hold
 // one. The older "<job id>/<step>" is still accepted wherever an id is given (init_from) and
 // state written with it is migrated when the coordinator opens it.
@@ -91,7 +97,8 @@ class Coordinator {
   absl::StatusOr<v1::ListJobsResponse> ListJobs(const JobFilter& filter, int page_size,
                                                 const std::string& page_token);
   absl::StatusOr<v1::Job> GetJob(const std::string& id);
-  absl::StatusOr<v1::Job> Cancel(const std::string& id, const std::string& user);
+  // Owner or admin only (PermissionDenied otherwise).
+  absl::StatusOr<v1::Job> Cancel(const std::string& id, const Caller& caller);
   // Lists are paged (paging.h): page_size in 1..500, page_token from the previous page.
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& job_id,
                                                               int page_size = kMaxPageSize,
@@ -104,7 +111,7 @@ class Coordinator {
   absl::StatusOr<v1::ListSweepsResponse> ListSweeps(int page_size = kMaxPageSize,
                                                     const std::string& page_token = "");
   // Cancels every job of the sweep that has not ended.
-  absl::StatusOr<v1::Sweep> CancelSweep(const std::string& id, const std::string& user);
+  absl::StatusOr<v1::Sweep> CancelSweep(const std::string& id, const Caller& caller);
   // The sweep's report; each set field of the query replaces the sweep's own (400 naming it if
   // unknown). A baseline is a cell of this sweep, or SWEEP_ID/CELL: another sweep's cell, added
   // to the report and paired with this sweep's cells by seed.

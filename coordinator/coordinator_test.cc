@@ -295,7 +295,7 @@ TEST_F(CoordinatorTest, StateSurvivesAReopen) {
   r.set_request_id("client-1:attempt");
   const std::string a = Submit(r);
   const std::string b = Submit(MicroJob());
-  ASSERT_TRUE(c_->Cancel(b, "bob").ok());
+  ASSERT_TRUE(c_->Cancel(b, Caller{"bob", true}).ok());  // an admin
   const std::string w = RegisterWorker("node-a", 4);
   Reopen();
   EXPECT_EQ(Job(a).state(), "queued");
@@ -701,21 +701,64 @@ TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
   ASSERT_EQ(hb.cancels_size(), 1);
 }
 
+// Guarantee 5: a user changes only their own jobs and sweeps; an admin anyone's.
+TEST_F(CoordinatorTest, OnlyTheOwnerOrAnAdminCancels) {
+  const std::string id = Submit(MicroJob(1));  // alice's
+  auto refused = c_->Cancel(id, Caller{"bob"});
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_NE(refused.status().message().find("belongs to alice"), std::string::npos);
+  EXPECT_EQ(Job(id).state(), "queued");
+  EXPECT_EQ(States(Job(id)), (std::vector<std::string>{"queued"})) << "nothing recorded";
+  v1::SweepSpec sweep;
+  *sweep.mutable_base() = MicroJob(1);
+  sweep.add_seeds(1);
+  auto created = c_->CreateSweep(sweep, "alice");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(c_->CancelSweep(created->id(), Caller{"bob"}).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(c_->Cancel(id, Caller{"carol", true}).ok()) << "an admin may";
+  EXPECT_EQ(Job(id).events(1).reason(), "cancelled by carol");
+  EXPECT_TRUE(c_->CancelSweep(created->id(), Caller{"alice"}).ok()) << "the owner may";
+}
+
+// The --user-tokens file: "<user> <token> [admin]"; a file without roles reads as before.
+TEST(UserTokensTest, RolesAreReadAndCheckedByLine) {
+  const fs::path path = fs::temp_directory_path() / ("loom-users-" + std::to_string(::getpid()));
+  std::ofstream(path)
+      << "# the group\nalice alice-token-0123456789 admin\n\nbob\tbob-token-0123456789ab\n";
+  auto users = ReadUserTokens(path.string());
+  ASSERT_TRUE(users.ok()) << users.status();
+  EXPECT_EQ(users->tokens.at("alice-token-0123456789"), "alice");
+  EXPECT_EQ(users->tokens.at("bob-token-0123456789ab"), "bob");
+  EXPECT_EQ(users->admins, (std::set<std::string>{"alice"}));
+  for (const std::string bad : {"carol carol-token-0123456789 root\n", "dan short\n",
+                                "eve eve-token-0123456789ab admin extra\n"}) {
+    std::ofstream(path) << bad;
+    auto refused = ReadUserTokens(path.string());
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find(":1: expected '<user> <token> [admin]'"),
+              std::string::npos)
+        << refused.status();
+  }
+  fs::remove(path);
+}
+
 TEST_F(CoordinatorTest, CancelStopsRanksAndRejectsTerminalJobs) {
   const std::string w = RegisterWorker("a", 2);
   const std::string id = Submit(MicroJob(2));
   c_->Tick();
   Beat(w, id, 1, {{0, -1}, {1, -1}}, {}, 31000);
-  auto cancelled = c_->Cancel(id, "carol");
+  auto cancelled = c_->Cancel(id, Caller{"alice"});
   ASSERT_TRUE(cancelled.ok());
   EXPECT_EQ(cancelled->state(), "cancelled");
   auto hb = Beat(w, id, 1, {{0, -1}, {1, -1}});
   ASSERT_EQ(hb.cancels_size(), 1);
   EXPECT_EQ(hb.assignments_size(), 0);
-  auto again = c_->Cancel(id, "carol");
+  auto again = c_->Cancel(id, Caller{"alice"});
   EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(c_->Cancel("job-999999", "carol").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(c_->Cancel("../etc", "carol").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c_->Cancel("job-999999", Caller{"alice"}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c_->Cancel("../etc", Caller{"alice"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
   // Until the ranks are reported gone their slots stay in use.
   auto workers = *c_->ListWorkers();
   EXPECT_EQ(workers.workers(0).used_slots(), 2);
@@ -1024,7 +1067,7 @@ TEST_F(CoordinatorTest, RetentionKeepsWhatQueuedJobsStartFrom) {
   } while (!token.empty());
   EXPECT_EQ(paged, (std::vector<int64_t>{10, 20, 30}));
   // Once the child is over, the pin goes and retention removes step 10 too.
-  ASSERT_TRUE(c_->Cancel(child_id, "x").ok());
+  ASSERT_TRUE(c_->Cancel(child_id, Caller{"alice"}).ok());
   c_->Tick();
   EXPECT_FALSE(fs::exists(CheckpointPath(parent, 10)));
   // A deleted checkpoint cannot be started from.
@@ -1183,7 +1226,7 @@ TEST_F(CoordinatorTest, SweepsExpandIntoTaggedJobsAtomically) {
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(got->state(), "running");
   EXPECT_EQ(got->job_states().at("queued"), 6);
-  auto cancelled = c_->CancelSweep(created->id(), "bob");
+  auto cancelled = c_->CancelSweep(created->id(), Caller{"bob", true});
   ASSERT_TRUE(cancelled.ok());
   EXPECT_EQ(cancelled->state(), "cancelled");
   EXPECT_EQ(Job(got->jobs(0).job_id()).state(), "cancelled");
@@ -1215,7 +1258,7 @@ TEST_F(CoordinatorTest, ReportsPairAgainstAnotherSweepsCell) {
     return created.ok() ? created->id() : std::string();
   };
   const std::string a = sweep_of({7, 8, 9}, ""), b = sweep_of({8, 9, 10}, "x");
-  ASSERT_TRUE(c_->CancelSweep(b, "bob").ok());
+  ASSERT_TRUE(c_->CancelSweep(b, Caller{"alice"}).ok());
   Coordinator::ReportQuery query;
   query.baseline = b + "/x";
   auto r = c_->ReportSweep(a, query);
@@ -1287,7 +1330,7 @@ TEST_F(CoordinatorTest, ReportsMergeAnotherSweepsSeedsIntoTheSameCells) {
   EXPECT_EQ(r->cells(0).pending(), 5);  // seeds 7-9 here and 10-11 there, none run yet
   EXPECT_EQ(r->cells(1).pending(), 5);
   EXPECT_EQ(r->warnings_size(), 0) << r->warnings(0);
-  ASSERT_TRUE(c_->CancelSweep(more, "bob").ok());
+  ASSERT_TRUE(c_->CancelSweep(more, Caller{"alice"}).ok());
   r = c_->ReportSweep(a, query);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->cells(0).pending(), 3);
@@ -1334,7 +1377,7 @@ TEST_F(CoordinatorTest, ReportsMergeAnotherSweepsSeedsIntoTheSameCells) {
 
 TEST_F(CoordinatorTest, ListsPaginateAndFilter) {
   for (int i = 0; i < 7; ++i) Submit(MicroJob());
-  ASSERT_TRUE(c_->Cancel("job-000002", "x").ok());
+  ASSERT_TRUE(c_->Cancel("job-000002", Caller{"alice"}).ok());
   std::set<std::string> seen;
   std::string token;
   int pages = 0;

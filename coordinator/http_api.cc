@@ -395,25 +395,29 @@ std::string UserForToken(const ApiOptions& options, const std::string& token) {
   return user;
 }
 
-absl::StatusOr<std::map<std::string, std::string>> ReadUserTokens(const std::string& path) {
+absl::StatusOr<UserTokens> ReadUserTokens(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("--user-tokens: cannot open '", path, "'"));
-  std::map<std::string, std::string> tokens;
+  UserTokens users;
   std::string line;
   int n = 0;
   while (std::getline(in, line)) {
     ++n;
     absl::string_view l = absl::StripAsciiWhitespace(line);
     if (l.empty() || l[0] == '#') continue;
-    std::vector<std::string> parts = absl::StrSplit(l, ' ', absl::SkipEmpty());
-    if (parts.size() != 2 || parts[1].size() < 16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ":", n, ": expected '<user> <token>' with a token of 16+ characters"));
+    std::vector<std::string> parts = absl::StrSplit(l, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    const bool role_ok = parts.size() == 2 || (parts.size() == 3 && parts[2] == "admin");
+    if (!role_ok || parts[1].size() < 16) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ":", n, ": expected '<user> <token> [admin]' with a token of 16+ characters"));
     }
-    tokens[parts[1]] = parts[0];
+    if (users.tokens.count(parts[1]))
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": a token given twice"));
+    users.tokens[parts[1]] = parts[0];
+    if (parts.size() == 3) users.admins.insert(parts[0]);
   }
-  if (tokens.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no tokens"));
-  return tokens;
+  if (users.tokens.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": no tokens"));
+  return users;
 }
 
 absl::StatusOr<std::string> ReadWorkerToken(const std::string& path) {
@@ -523,10 +527,12 @@ HttpHandler GetById(Coordinator* c, const ApiOptions& options,
 // POST .../{id}/<action> by the caller: no query parameters; the answer is the resource after.
 template <typename T>
 HttpHandler ActOnId(Coordinator* c, const ApiOptions& options,
-                    absl::StatusOr<T> (Coordinator::*act)(const std::string&, const std::string&)) {
+                    absl::StatusOr<T> (Coordinator::*act)(const std::string&, const Caller&)) {
   return UserRoute(c, options,
-                   [act](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
-                     if (CheckParams(req, res, {})) Reply(res, (c->*act)(req.matches[0], user));
+                   [act, admins = options.admins](Coordinator* c, const std::string& user, Req req,
+                                                  HttpResponse& res) {
+                     if (CheckParams(req, res, {}))
+                       Reply(res, (c->*act)(req.matches[0], Caller{user, admins.count(user) > 0}));
                    });
 }
 

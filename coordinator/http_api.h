@@ -48,6 +48,7 @@ absl::Status CheckMessageLimits(const google::protobuf::Message& message);
 
 struct ApiOptions {
   std::map<std::string, std::string> user_tokens;  // token -> user name
+  std::set<std::string> admins;                    // users who may act on anyone's jobs
   std::string enrolment_token;                     // the agent port's Register only
   // Host names (no port) the API answers to; empty = any. Origin headers must name one of them
   // (or, when empty, the request's own Host).
@@ -56,8 +57,14 @@ struct ApiOptions {
   int max_followers = 16;          // of everyone (each holds a thread of the user listener)
 };
 
-// Reads "<name> <token>" lines (# comments, blank lines ignored); tokens need >= 16 characters.
-absl::StatusOr<std::map<std::string, std::string>> ReadUserTokens(const std::string& path);
+// The --user-tokens file: "<name> <token> [admin]" lines (# comments, blank lines ignored);
+// tokens need >= 16 characters. An admin may cancel anyone's jobs and sweeps; other users only
+// their own.
+struct UserTokens {
+  std::map<std::string, std::string> tokens;  // token -> user name
+  std::set<std::string> admins;
+};
+absl::StatusOr<UserTokens> ReadUserTokens(const std::string& path);
 absl::StatusOr<std::string> ReadWorkerToken(const std::string& path);
 
 // Tokens: equal in time independent of where they differ; false when `b` is empty.

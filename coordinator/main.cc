@@ -76,7 +76,9 @@ absl::StatusOr<ApiOptions> ReadApiOptions(const CliArgs& args, const std::string
         "--user-tokens and --worker-token-file are required (`loom up` generates both for one "
         "box)");
   }
-  LOOM_ASSIGN_OR_RETURN(api.user_tokens, ReadUserTokens(args.Get("user-tokens")));
+  LOOM_ASSIGN_OR_RETURN(UserTokens users, ReadUserTokens(args.Get("user-tokens")));
+  api.user_tokens = std::move(users.tokens);
+  api.admins = std::move(users.admins);
   LOOM_ASSIGN_OR_RETURN(api.enrolment_token, ReadWorkerToken(args.Get("worker-token-file")));
   for (const auto& [token, user] : api.user_tokens) {
     if (token == api.enrolment_token) {

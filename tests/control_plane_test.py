@@ -186,6 +186,13 @@ def test_cancel_mid_run(c):
     job_id = submit(api, micro(100000, interval=0))
     api.wait(job_id, lambda j: j["state"] == "running" and int(j["progress"].get("step", 0)) > 5, "progress")
     assert len(rank_pids(job_id)) == 2
+    # bob may not cancel alice's job: 403, and it runs on with the same ranks.
+    pids = rank_pids(job_id)
+    status, parsed, text = api.request("POST", f"/v1/jobs/{job_id}/cancel", token=BOB_TOKEN)
+    assert status == 403 and "belongs to alice" in parsed["error"]["message"], (status, text)
+    step = int(api.job(job_id)["progress"]["step"])
+    api.wait(job_id, lambda j: int(j["progress"].get("step", 0)) > step + 5, "progress after bob's cancel")
+    assert api.job(job_id)["state"] == "running" and rank_pids(job_id) == pids
     job = api.ok("POST", f"/v1/jobs/{job_id}/cancel")
     assert job["state"] == "cancelled"
     deadline = time.time() + 15
@@ -198,7 +205,7 @@ def test_cancel_mid_run(c):
     assert not any(w["used_slots"] for w in c.worker_ids().values()), c.worker_ids()
     status, parsed, _ = api.request("POST", f"/v1/jobs/{job_id}/cancel")
     assert status == 409 and "already cancelled" in parsed["error"]["message"]
-    print(f"ok: cancel mid-run ({job_id})")
+    print(f"ok: cancel mid-run ({job_id}); another user's cancel is 403 and the job runs on")
 
 
 def wait_checkpoint(api, job_id, min_step):
