@@ -708,15 +708,17 @@ absl::StatusOr<v1::Sweep> Coordinator::GetSweep(const std::string& id) {
 }
 
 absl::StatusOr<v1::ListSweepsResponse> Coordinator::ListSweeps(int page_size,
-                                                               const std::string& page_token) {
+                                                               const std::string& page_token,
+                                                               const std::string& owner) {
   LOOM_RETURN_IF_ERROR(CheckPageSize(page_size));
-  LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "sweeps", ""));
+  LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "sweeps", owner));
   std::lock_guard<std::mutex> lock(mutex_);
   v1::ListSweepsResponse out;
   for (auto it = sweeps_.upper_bound(after); it != sweeps_.end(); ++it) {
     const v1::Sweep& sweep = it->second;
+    if (!owner.empty() && sweep.submitted_by() != owner) continue;
     if (out.sweeps_size() == page_size) {
-      out.set_next_page_token(EncodePageToken("sweeps", "", out.sweeps(page_size - 1).id()));
+      out.set_next_page_token(EncodePageToken("sweeps", owner, out.sweeps(page_size - 1).id()));
       break;
     }
     v1::Sweep* s = out.add_sweeps();
@@ -1056,11 +1058,13 @@ std::vector<std::string> Coordinator::PinnedBy(const std::string& checkpoint_id)
 }
 
 absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
-    const std::string& job_id, int page_size, const std::string& page_token) {
+    const std::string& job_id, int page_size, const std::string& page_token,
+    const std::string& owner) {
   if (!job_id.empty() && !IsValidId(job_id)) return FieldError("job", "malformed job id");
   LOOM_RETURN_IF_ERROR(CheckPageSize(page_size));
+  const std::string filter = absl::StrCat(job_id, "|", owner);
   LOOM_ASSIGN_OR_RETURN(const std::string after,
-                        DecodePageToken(page_token, "checkpoints", job_id));
+                        DecodePageToken(page_token, "checkpoints", filter));
   // Ordered by job, then step: the key "<job>/<step, zero-padded>" sorts that way.
   auto key = [](const v1::CheckpointEntry& c) {
     return absl::StrFormat("%s/%020d", c.job_id(), c.step());
@@ -1068,13 +1072,19 @@ absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
   std::lock_guard<std::mutex> lock(mutex_);
   v1::ListCheckpointsResponse out;
   std::map<std::string, const v1::CheckpointEntry*> list;
+  auto owned = [&](const v1::CheckpointEntry& c) {
+    if (owner.empty()) return true;
+    auto job = jobs_.find(c.job_id());
+    return job != jobs_.end() && job->second.submitted_by() == owner;
+  };
   for (const auto& [id, c] : checkpoints_) {
-    if ((job_id.empty() || c.job_id() == job_id) && key(c) > after) list.emplace(key(c), &c);
+    if ((job_id.empty() || c.job_id() == job_id) && key(c) > after && owned(c))
+      list.emplace(key(c), &c);
   }
   for (const auto& [k, c] : list) {
     if (out.checkpoints_size() == page_size) {
       out.set_next_page_token(
-          EncodePageToken("checkpoints", job_id, key(out.checkpoints(page_size - 1))));
+          EncodePageToken("checkpoints", filter, key(out.checkpoints(page_size - 1))));
       break;
     }
     v1::CheckpointEntry* e = out.add_checkpoints();

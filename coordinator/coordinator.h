@@ -100,16 +100,20 @@ class Coordinator {
   // Owner or admin only (PermissionDenied otherwise).
   absl::StatusOr<v1::Job> Cancel(const std::string& id, const Caller& caller);
   // Lists are paged (paging.h): page_size in 1..500, page_token from the previous page.
+  // `owner` non-empty: only the checkpoints of that user's jobs (--private-jobs).
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& job_id,
                                                               int page_size = kMaxPageSize,
-                                                              const std::string& page_token = "");
+                                                              const std::string& page_token = "",
+                                                              const std::string& owner = "");
 
   // Sweeps (docs/sweeps.md): every (cell, seed) becomes an ordinary job, all in one commit.
   absl::StatusOr<v1::CreateSweepResponse> CreateSweep(const v1::SweepSpec& spec,
                                                       const std::string& user);
   absl::StatusOr<v1::Sweep> GetSweep(const std::string& id);
+  // `owner` non-empty: only that user's sweeps (--private-jobs).
   absl::StatusOr<v1::ListSweepsResponse> ListSweeps(int page_size = kMaxPageSize,
-                                                    const std::string& page_token = "");
+                                                    const std::string& page_token = "",
+                                                    const std::string& owner = "");
   // Cancels every job of the sweep that has not ended.
   absl::StatusOr<v1::Sweep> CancelSweep(const std::string& id, const Caller& caller);
   // The sweep's report; each set field of the query replaces the sweep's own (400 naming it if

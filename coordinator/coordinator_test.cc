@@ -721,6 +721,52 @@ TEST_F(CoordinatorTest, OnlyTheOwnerOrAnAdminCancels) {
   EXPECT_TRUE(c_->CancelSweep(created->id(), Caller{"alice"}).ok()) << "the owner may";
 }
 
+// --private-jobs, through the real router (HttpServer::Answer, no socket): a user reads only
+// their own jobs and sweeps; an admin reads all; without the flag everyone reads everything.
+TEST_F(CoordinatorTest, PrivateJobsAreReadByTheirOwnerOrAnAdminOnly) {
+  const std::string alices = Submit(MicroJob(1));
+  auto b = c_->Submit(MicroJob(1), "bob");
+  ASSERT_TRUE(b.ok()) << b.status();
+  const std::string bobs = b->id();
+  v1::SweepSpec sweep;
+  *sweep.mutable_base() = MicroJob(1);
+  sweep.add_seeds(1);
+  auto created = c_->CreateSweep(sweep, "alice");
+  ASSERT_TRUE(created.ok()) << created.status();
+  const std::string sweep_id = created->id();
+  const std::string alice = "alice-token-0123456789", bob = "bob-token-0123456789ab",
+                    carol = "carol-token-0123456789";
+  for (const bool private_jobs : {true, false}) {
+    net::HttpServer server(net::HttpServerOptions{});
+    ApiOptions api;
+    api.user_tokens = {{alice, "alice"}, {bob, "bob"}, {carol, "carol"}};
+    api.admins = {"carol"};
+    api.private_jobs = private_jobs;
+    InstallUserRoutes(server, *c_, api);
+    auto get = [&](const std::string& token, const std::string& target) {
+      return server.Answer("GET", target,
+                           {{"host", "127.0.0.1"}, {"authorization", "Bearer " + token}}, "");
+    };
+    const int other = private_jobs ? 403 : 200;
+    for (const std::string& path : {"/v1/jobs/" + alices, "/v1/jobs/" + alices + "/logs",
+                                    "/v1/jobs/" + alices + "/metrics", "/v1/sweeps/" + sweep_id,
+                                    "/v1/sweeps/" + sweep_id + "/report"}) {
+      auto r = get(bob, path);
+      EXPECT_EQ(r.status, other) << path << ": " << r.body;
+      if (private_jobs) EXPECT_NE(r.body.find("belongs to alice"), std::string::npos) << r.body;
+      EXPECT_EQ(get(carol, path).status, 200) << "an admin reads " << path;
+      EXPECT_EQ(get(alice, path).status, 200) << "the owner reads " << path;
+    }
+    const std::string listed = get(bob, "/v1/jobs").body;
+    EXPECT_NE(listed.find(bobs), std::string::npos);
+    EXPECT_EQ(listed.find(alices) != std::string::npos, !private_jobs) << listed;
+    EXPECT_EQ(get(bob, "/v1/jobs?user=alice").status, other);
+    EXPECT_EQ(get(bob, "/v1/sweeps").body.find(sweep_id) != std::string::npos, !private_jobs);
+    EXPECT_NE(get(carol, "/v1/jobs").body.find(alices), std::string::npos);
+    EXPECT_NE(get(carol, "/v1/sweeps").body.find(sweep_id), std::string::npos);
+  }
+}
+
 // The --user-tokens file: "<user> <token> [admin]"; a file without roles reads as before.
 TEST(UserTokensTest, RolesAreReadAndCheckedByLine) {
   const fs::path path = fs::temp_directory_path() / ("loom-users-" + std::to_string(::getpid()));

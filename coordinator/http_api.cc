@@ -313,12 +313,41 @@ absl::Status CheckLimitsAt(const Message& m, const std::string& path, int free_d
   return absl::OkStatus();
 }
 
+// The caller of a user route: who, whether an admin, and under --private-jobs the owner its
+// reads are limited to ("" = every job and sweep).
+struct Who {
+  std::string user;
+  bool admin = false;
+  std::string scope;
+  Caller caller() const { return Caller{user, admin}; }
+};
+
 template <typename Handler>
 HttpHandler UserRoute(Coordinator* c, const ApiOptions& opts, Handler handler) {
   return [c, opts, handler](const HttpRequest& req, HttpResponse& res) {
     const std::string user = AuthenticateUser(req, res, opts);
-    if (!user.empty()) handler(c, user, req, res);
+    if (user.empty()) return;
+    Who who{user, opts.admins.count(user) > 0, ""};
+    if (opts.private_jobs && !who.admin) who.scope = user;
+    handler(c, who, req, res);
   };
+}
+
+// Under --private-jobs a user reads only their own jobs and sweeps: false (and a 403 naming
+// the owner) for another's.
+template <typename T>
+bool MayRead(const Who& who, absl::string_view what, const absl::StatusOr<T>& resource,
+             HttpResponse& res) {
+  if (!resource.ok()) {
+    SendStatus(res, resource.status());
+    return false;
+  }
+  if (who.scope.empty() || resource->submitted_by() == who.scope) return true;
+  SetJsonError(res, 403,
+               absl::StrCat(what, " ", resource->id(), " belongs to ", resource->submitted_by(),
+                            ": with --private-jobs only its owner or an admin may read it"),
+               "PERMISSION_DENIED");
+  return false;
 }
 
 void InstallCommon(HttpServer& server, Coordinator& coordinator, const ApiOptions& options) {
@@ -443,13 +472,14 @@ void ReplyCreated(HttpResponse& res, const absl::StatusOr<T>& r) {
   SendMessage(res, *r, r->created() ? 201 : 200);
 }
 
-void SubmitJob(Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+void SubmitJob(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+  const std::string& user = who.user;
   v1::SubmitJobRequest request;
   if (!CheckParams(req, res, {}) || !ParseBody(req, res, &request)) return;
   ReplyCreated(res, c->Submit(request, user));
 }
 
-void ListJobs(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+void ListJobs(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   if (!CheckParams(req, res,
                    {"state", "user", "kind", "sweep", "order", "page_size", "page_token"}))
     return;
@@ -458,6 +488,11 @@ void ListJobs(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
   Coordinator::JobFilter filter;
   filter.state = req.Param("state");
   filter.user = req.Param("user");
+  if (!who.scope.empty() && !filter.user.empty() && filter.user != who.scope) {
+    return SetJsonError(res, 403, "user: with --private-jobs a user lists only their own jobs",
+                        "PERMISSION_DENIED");
+  }
+  if (!who.scope.empty()) filter.user = who.scope;
   filter.kind = req.Param("kind");
   filter.sweep = req.Param("sweep");
   const std::string order = req.Param("order");
@@ -468,27 +503,29 @@ void ListJobs(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
   Reply(res, c->ListJobs(filter, static_cast<int>(page_size), req.Param("page_token")));
 }
 
-void GetJobMetrics(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+void GetJobMetrics(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   if (!CheckParams(req, res, {"max_points"})) return;
+  if (!MayRead(who, "job", c->GetJob(req.matches[0]), res)) return;
   int64_t max_points;
   if (!IntParam(req, res, "max_points", 2000, 10, 100000, &max_points)) return;
   Reply(res, c->JobMetrics(req.matches[0], static_cast<int>(max_points)));
 }
 
-void ListCheckpoints(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+void ListCheckpoints(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   int page_size;
   if (!CheckParams(req, res, {"job", "page_size", "page_token"}) || !PageSize(req, res, &page_size))
     return;
-  Reply(res, c->ListCheckpoints(req.Param("job"), page_size, req.Param("page_token")));
+  Reply(res, c->ListCheckpoints(req.Param("job"), page_size, req.Param("page_token"), who.scope));
 }
 
-void CreateSweep(Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
+void CreateSweep(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   v1::SweepSpec spec;
   if (!CheckParams(req, res, {}) || !ParseBody(req, res, &spec)) return;
-  ReplyCreated(res, c->CreateSweep(spec, user));
+  ReplyCreated(res, c->CreateSweep(spec, who.user));
 }
 
-void ReportSweep(Coordinator* c, const std::string&, Req req, HttpResponse& res) {
+void ReportSweep(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+  if (!MayRead(who, "sweep", c->GetSweep(req.matches[0]), res)) return;
   int64_t length = 0;
   double threshold = 0;
   if (!CheckParams(req, res, {"metric", "select", "length", "threshold", "baseline", "merge"}) ||
@@ -518,35 +555,33 @@ void ReportSweep(Coordinator* c, const std::string&, Req req, HttpResponse& res)
 template <typename T>
 HttpHandler GetById(Coordinator* c, const ApiOptions& options,
                     absl::StatusOr<T> (Coordinator::*get)(const std::string&)) {
-  return UserRoute(c, options,
-                   [get](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-                     if (CheckParams(req, res, {})) Reply(res, (c->*get)(req.matches[0]));
-                   });
+  return UserRoute(c, options, [get](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+    if (!CheckParams(req, res, {})) return;
+    auto resource = (c->*get)(req.matches[0]);
+    if (MayRead(who, T::descriptor()->name() == "Sweep" ? "sweep" : "job", resource, res))
+      Reply(res, std::move(resource));
+  });
 }
 
 // POST .../{id}/<action> by the caller: no query parameters; the answer is the resource after.
 template <typename T>
 HttpHandler ActOnId(Coordinator* c, const ApiOptions& options,
                     absl::StatusOr<T> (Coordinator::*act)(const std::string&, const Caller&)) {
-  return UserRoute(c, options,
-                   [act, admins = options.admins](Coordinator* c, const std::string& user, Req req,
-                                                  HttpResponse& res) {
-                     if (CheckParams(req, res, {}))
-                       Reply(res, (c->*act)(req.matches[0], Caller{user, admins.count(user) > 0}));
-                   });
+  return UserRoute(c, options, [act](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+    if (CheckParams(req, res, {})) Reply(res, (c->*act)(req.matches[0], who.caller()));
+  });
 }
 
 // A paged list with no filter: page_size and page_token (paging.h).
 template <typename T>
 HttpHandler PagedList(Coordinator* c, const ApiOptions& options,
                       absl::StatusOr<T> (Coordinator::*list)(int, const std::string&)) {
-  return UserRoute(
-      c, options, [list](Coordinator* c, const std::string&, Req req, HttpResponse& res) {
-        int page_size;
-        if (!CheckParams(req, res, {"page_size", "page_token"}) || !PageSize(req, res, &page_size))
-          return;
-        Reply(res, (c->*list)(page_size, req.Param("page_token")));
-      });
+  return UserRoute(c, options, [list](Coordinator* c, const Who&, Req req, HttpResponse& res) {
+    int page_size;
+    if (!CheckParams(req, res, {"page_size", "page_token"}) || !PageSize(req, res, &page_size))
+      return;
+    Reply(res, (c->*list)(page_size, req.Param("page_token")));
+  });
 }
 
 // /v1/jobs...: submit, list, inspect, cancel, curves and logs.
@@ -560,16 +595,23 @@ void InstallJobRoutes(HttpServer& server, Coordinator* c, const ApiOptions& opti
       std::make_shared<FollowerLimits>(options.max_followers_per_user, options.max_followers);
   server.Route(
       "GET", "/v1/jobs/{id}/logs", "user",
-      UserRoute(c, options,
-                [limits](Coordinator* c, const std::string& user, Req req, HttpResponse& res) {
-                  ServeLogs(c, limits.get(), user, req, res);
-                }));
+      UserRoute(c, options, [limits](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+        if (MayRead(who, "job", c->GetJob(req.matches[0]), res))
+          ServeLogs(c, limits.get(), who.user, req, res);
+      }));
 }
 
 // /v1/sweeps...: create, list, inspect, cancel, report.
 void InstallSweepRoutes(HttpServer& server, Coordinator* c, const ApiOptions& options) {
   server.Route("POST", "/v1/sweeps", "user", UserRoute(c, options, CreateSweep));
-  server.Route("GET", "/v1/sweeps", "user", PagedList(c, options, &Coordinator::ListSweeps));
+  server.Route(
+      "GET", "/v1/sweeps", "user",
+      UserRoute(c, options, [](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+        int page_size;
+        if (!CheckParams(req, res, {"page_size", "page_token"}) || !PageSize(req, res, &page_size))
+          return;
+        Reply(res, c->ListSweeps(page_size, req.Param("page_token"), who.scope));
+      }));
   server.Route("GET", "/v1/sweeps/{id}", "user", GetById(c, options, &Coordinator::GetSweep));
   server.Route("POST", "/v1/sweeps/{id}/cancel", "user",
                ActOnId(c, options, &Coordinator::CancelSweep));

@@ -49,7 +49,9 @@ absl::Status CheckMessageLimits(const google::protobuf::Message& message);
 struct ApiOptions {
   std::map<std::string, std::string> user_tokens;  // token -> user name
   std::set<std::string> admins;                    // users who may act on anyone's jobs
-  std::string enrolment_token;                     // the agent port's Register only
+  // --private-jobs: users other than admins read only their own jobs, sweeps and checkpoints.
+  bool private_jobs = false;
+  std::string enrolment_token;  // the agent port's Register only
   // Host names (no port) the API answers to; empty = any. Origin headers must name one of them
   // (or, when empty, the request's own Host).
   std::set<std::string> allowed_hosts;

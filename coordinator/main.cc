@@ -56,6 +56,8 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --max-connections-per-address N   HTTP connections one client address is served at once
                           (default 16; more wait, or displace its slow or idle ones)
   --max-log-followers-per-user N   concurrent log streams per user (default 4)
+  --private-jobs          users other than admins (--user-tokens roles) see only their own jobs,
+                          sweeps, logs, curves and checkpoints (default: every user sees all)
   --prometheus-sd-file F  write a Prometheus file_sd target list for this coordinator's /metrics
   --tls-cert F --tls-key F  serve both ports over TLS (PEM certificate chain and key); clients
                           then use https:// (and --ca-file for a private CA)
@@ -94,6 +96,7 @@ absl::StatusOr<ApiOptions> ReadApiOptions(const CliArgs& args, const std::string
   }
   LOOM_ASSIGN_OR_RETURN(int64_t followers, args.GetInt("max-log-followers-per-user", 4, 1, 1000));
   api.max_followers_per_user = static_cast<int>(followers);
+  api.private_jobs = args.Has("private-jobs");
   return api;
 }
 
@@ -127,7 +130,7 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
                          "tls-cert",
                          "tls-key",
                          "client-ca"},
-                        {"help"});
+                        {"help", "private-jobs"});
 }
 
 // The coordinator's options and the two listeners' ports, checked in the order of the usage.
