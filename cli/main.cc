@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -97,6 +98,19 @@ absl::Status WritePrivateFile(const std::string& path, const std::string& text) 
   return absl::OkStatus();
 }
 
+// A query parameter's value, percent-encoded (RFC 3986: all but unreserved characters).
+std::string QueryValue(const std::string& value) {
+  std::string out;
+  for (unsigned char c : value) {
+    if (std::isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      absl::StrAppendFormat(&out, "%%%02X", c);
+    }
+  }
+  return out;
+}
+
 std::string FormatTime(int64_t ms) {
   if (ms <= 0) return "-";
   return absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(ms), absl::LocalTimeZone());
@@ -119,6 +133,19 @@ std::string ProgressBar(const v1::Job& job) {
 
 // The request `loom submit` sends: the file (a bare job spec or a whole request, JSON or YAML),
 // its flags, then the --set overrides of the spec in order (docs/control-plane.md).
+// "k=v,k2=v2" into a map; the error names --flag.
+absl::Status ParseKeyValues(const std::string& flag, const std::string& text,
+                            google::protobuf::Map<std::string, std::string>* out) {
+  for (absl::string_view kv : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    if (p.first.empty() || p.second.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": expected k=v, got '", kv, "'"));
+    }
+    (*out)[p.first] = p.second;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::SubmitJobRequest> SubmitRequest(const std::string& file,
                                                    const std::vector<std::string>& sets,
                                                    const CliArgs& args) {
@@ -144,13 +171,9 @@ absl::StatusOr<v1::SubmitJobRequest> SubmitRequest(const std::string& file,
     LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("max-restarts", 3, 0, 100));
     req.set_max_restarts(static_cast<int32_t>(v));
   }
-  for (absl::string_view kv : absl::StrSplit(args.Get("pool"), ',', absl::SkipEmpty())) {
-    std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
-    if (p.first.empty() || p.second.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--pool: expected k=v, got '", kv, "'"));
-    }
-    (*req.mutable_pool())[p.first] = p.second;
-  }
+  LOOM_RETURN_IF_ERROR(ParseKeyValues("pool", args.Get("pool"), req.mutable_pool()));
+  LOOM_RETURN_IF_ERROR(ParseKeyValues("label", args.Get("label"), req.mutable_labels()));
+  if (args.Has("description")) req.set_description(args.Get("description"));
   if (args.Has("init-from")) req.set_init_from(args.Get("init-from"));
   if (args.Has("request-id")) req.set_request_id(args.Get("request-id"));
   if (args.Has("name")) req.mutable_spec()->set_name(args.Get("name"));
@@ -291,7 +314,10 @@ class Cli {
     std::deque<v1::Job> newest;
     do {
       std::string path = "/v1/jobs?page_size=500";
-      if (args.Has("state")) absl::StrAppend(&path, "&state=", args.Get("state"));
+      for (const char* filter : {"state", "label", "user"}) {
+        if (args.Has(filter))
+          absl::StrAppend(&path, "&", filter, "=", QueryValue(args.Get(filter)));
+      }
       if (!token.empty()) absl::StrAppend(&path, "&page_token=", token);
       v1::ListJobsResponse page;
       LOOM_RETURN_IF_ERROR(client_->Call("GET", path, nullptr, &page));
@@ -328,6 +354,14 @@ class Cli {
               << job.world_size() << "  attempt " << job.attempt() << "  restarts "
               << job.restarts() << "/" << job.max_restarts() << "\n  submitted "
               << FormatTime(job.submit_time_ms()) << " by " << job.submitted_by() << "\n";
+    if (!job.request().labels().empty()) {
+      std::vector<std::string> labels;
+      for (const auto& [k, v] : job.request().labels()) labels.push_back(absl::StrCat(k, "=", v));
+      std::sort(labels.begin(), labels.end());
+      std::cout << "  labels    " << absl::StrJoin(labels, ",") << "\n";
+    }
+    if (!job.request().description().empty())
+      std::cout << "  about     " << job.request().description() << "\n";
     for (const auto& p : job.placement()) {
       std::cout << "  placed    " << p.worker_id() << " ranks " << absl::StrJoin(p.ranks(), ",")
                 << "\n";
@@ -842,7 +876,9 @@ void AddSubmitCommand(CommandLine& line, Commands& c) {
                  {"max-restarts", "N", "retries after the job's own failures (default 3)"},
                  {"init-from", "CHECKPOINT", "start from the weights of this catalogue checkpoint"},
                  {"request-id", "KEY", "idempotency key: a retry returns the same job"},
-                 {"name", "NAME", "the job's name"}});
+                 {"name", "NAME", "the job's name"},
+                 {"label", "K=V,...", "labels to find the job by (loom list --label)"},
+                 {"description", "TEXT", "what the job is for (at most 1024 bytes)"}});
   c.submit
       ->add_option("--set", c.sets,
                    "override a job spec field, after the file and the flags; repeatable: "
@@ -858,6 +894,8 @@ void AddJobCommands(CommandLine& line, Commands& c) {
   using C = CommandLine;
   c.list = line.Command("list", "jobs, newest last");
   C::Flags(c.list, {{"state", "STATE", "only jobs in this state (queued, running, succeeded, ...)"},
+                    {"label", "K=V,...", "only jobs with all these labels"},
+                    {"user", "USER", "only this user's jobs"},
                     {"limit", "N", "the newest N jobs (default 50; 0: all)"}});
   c.status = line.Command("status", "a job's state, progress, events, checkpoints and evaluations");
   c.logs = line.Command("logs", "a job's logs");

@@ -114,6 +114,16 @@ void DeclareMetrics(metrics::Registry& r) {
                  "Seconds since an active job's newest checkpoint (or its start)");
 }
 
+// Every label of the selector, with its value.
+bool HasLabels(const google::protobuf::Map<std::string, std::string>& labels,
+               const std::map<std::string, std::string>& want) {
+  for (const auto& [k, v] : want) {
+    auto it = labels.find(k);
+    if (it == labels.end() || it->second != v) return false;
+  }
+  return true;
+}
+
 // Owners change their own jobs and sweeps; admins anyone's. A record without an owner (stored
 // before owners were kept) is an admin's to change.
 absl::Status MayChange(const Caller& caller, absl::string_view what, const std::string& id,
@@ -588,6 +598,7 @@ absl::StatusOr<std::vector<Coordinator::PlannedJob>> Coordinator::PlanSweepJobs(
     for (uint64_t seed : spec.seeds()) {
       PlannedJob p{&cell, seed, spec.base(), {}};
       LOOM_ASSIGN_OR_RETURN(*p.request.mutable_spec(), ApplyCell(spec.base().spec(), cell, seed));
+      for (const auto& [k, v] : spec.labels()) (*p.request.mutable_labels())[k] = v;
       auto resolved = ResolveSubmission(p.request);
       if (!resolved.ok()) return InCell(resolved.status(), cell.name, seed);
       p.spec = *std::move(resolved);
@@ -709,16 +720,21 @@ absl::StatusOr<v1::Sweep> Coordinator::GetSweep(const std::string& id) {
 
 absl::StatusOr<v1::ListSweepsResponse> Coordinator::ListSweeps(int page_size,
                                                                const std::string& page_token,
-                                                               const std::string& owner) {
+                                                               const std::string& owner,
+                                                               const std::string& label_selector) {
   LOOM_RETURN_IF_ERROR(CheckPageSize(page_size));
-  LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "sweeps", owner));
+  LOOM_ASSIGN_OR_RETURN(const auto labels, ParseLabelSelector(label_selector));
+  const std::string filter =
+      owner.empty() && label_selector.empty() ? "" : absl::StrCat(owner, "\x1e", label_selector);
+  LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "sweeps", filter));
   std::lock_guard<std::mutex> lock(mutex_);
   v1::ListSweepsResponse out;
   for (auto it = sweeps_.upper_bound(after); it != sweeps_.end(); ++it) {
     const v1::Sweep& sweep = it->second;
     if (!owner.empty() && sweep.submitted_by() != owner) continue;
+    if (!HasLabels(sweep.spec().labels(), labels)) continue;
     if (out.sweeps_size() == page_size) {
-      out.set_next_page_token(EncodePageToken("sweeps", owner, out.sweeps(page_size - 1).id()));
+      out.set_next_page_token(EncodePageToken("sweeps", filter, out.sweeps(page_size - 1).id()));
       break;
     }
     v1::Sweep* s = out.add_sweeps();
@@ -974,17 +990,20 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const JobFilter& f, i
   }
   LOOM_RETURN_IF_ERROR(CheckPageSize(page_size));
   // The old token format carries the state alone; the other filters extend it.
+  LOOM_ASSIGN_OR_RETURN(const auto labels, ParseLabelSelector(f.labels));
   std::string key = f.state;
-  if (!f.user.empty() || !f.kind.empty() || !f.sweep.empty() || f.newest_first) {
+  if (!f.user.empty() || !f.kind.empty() || !f.sweep.empty() || f.newest_first ||
+      !f.labels.empty()) {
     key = absl::StrJoin(
-        {f.state, f.user, f.kind, f.sweep, std::string(f.newest_first ? "desc" : "")}, "\x1e");
+        {f.state, f.user, f.kind, f.sweep, std::string(f.newest_first ? "desc" : ""), f.labels},
+        "\x1e");
   }
   LOOM_ASSIGN_OR_RETURN(const std::string after, DecodePageToken(page_token, "jobs", key));
   std::lock_guard<std::mutex> lock(mutex_);
   auto matches = [&](const v1::Job& j) {
     return (!state || JobStateOf(j) == state) && (f.user.empty() || j.submitted_by() == f.user) &&
            (f.kind.empty() || (j.spec().kind().empty() ? "pretrain" : j.spec().kind()) == f.kind) &&
-           (f.sweep.empty() || j.sweep_id() == f.sweep);
+           (f.sweep.empty() || j.sweep_id() == f.sweep) && HasLabels(j.request().labels(), labels);
   };
   v1::ListJobsResponse out;
   auto add = [&](const v1::Job& job) {

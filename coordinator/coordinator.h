@@ -92,6 +92,7 @@ class Coordinator {
   // Every filter that is non-empty must match; `newest_first` pages from the highest id down.
   struct JobFilter {
     std::string state, user, kind, sweep;
+    std::string labels;  // "k=v,k2=v2": every label must be on the job
     bool newest_first = false;
   };
   absl::StatusOr<v1::ListJobsResponse> ListJobs(const JobFilter& filter, int page_size,
@@ -110,10 +111,12 @@ class Coordinator {
   absl::StatusOr<v1::CreateSweepResponse> CreateSweep(const v1::SweepSpec& spec,
                                                       const std::string& user);
   absl::StatusOr<v1::Sweep> GetSweep(const std::string& id);
-  // `owner` non-empty: only that user's sweeps (--private-jobs).
+  // `owner` non-empty: only that user's sweeps (--private-jobs); `labels` "k=v,...": only
+  // sweeps with those labels.
   absl::StatusOr<v1::ListSweepsResponse> ListSweeps(int page_size = kMaxPageSize,
                                                     const std::string& page_token = "",
-                                                    const std::string& owner = "");
+                                                    const std::string& owner = "",
+                                                    const std::string& labels = "");
   // Cancels every job of the sweep that has not ended.
   absl::StatusOr<v1::Sweep> CancelSweep(const std::string& id, const Caller& caller);
   // The sweep's report; each set field of the query replaces the sweep's own (400 naming it if

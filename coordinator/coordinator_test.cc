@@ -721,6 +721,57 @@ TEST_F(CoordinatorTest, OnlyTheOwnerOrAnAdminCancels) {
   EXPECT_TRUE(c_->CancelSweep(created->id(), Caller{"alice"}).ok()) << "the owner may";
 }
 
+// Labels and a description on jobs and sweeps; lists filter by labels; a sweep's go to its jobs.
+TEST_F(CoordinatorTest, LabelsFilterJobsAndSweeps) {
+  v1::SubmitJobRequest r = MicroJob(1);
+  (*r.mutable_labels())["project"] = "iha";
+  (*r.mutable_labels())["stage"] = "ablation-2";
+  r.set_description("p = 2 against MHA at equal parameters");
+  const std::string labelled = Submit(r);
+  const std::string plain = Submit(MicroJob(1));
+  EXPECT_EQ(Job(labelled).request().description(), "p = 2 against MHA at equal parameters");
+  auto ids = [&](const std::string& selector) {
+    Coordinator::JobFilter f;
+    f.labels = selector;
+    auto list = c_->ListJobs(f, 100, "");
+    EXPECT_TRUE(list.ok()) << list.status();
+    std::vector<std::string> out;
+    if (list.ok())
+      for (const auto& j : list->jobs()) out.push_back(j.id());
+    return out;
+  };
+  EXPECT_EQ(ids("project=iha"), (std::vector<std::string>{labelled}));
+  EXPECT_EQ(ids("project=iha,stage=ablation-2"), (std::vector<std::string>{labelled}));
+  EXPECT_TRUE(ids("project=mha").empty());
+  EXPECT_EQ(ids("").size(), 2u) << plain;
+  Coordinator::JobFilter bad;
+  bad.labels = "project";
+  EXPECT_EQ(c_->ListJobs(bad, 100, "").status().code(), absl::StatusCode::kInvalidArgument);
+  for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
+           {"Project", "x"}, {"-x", "y"}, {"ok", "has space"}, {std::string(64, 'k'), "v"}}) {
+    v1::SubmitJobRequest b = MicroJob(1);
+    (*b.mutable_labels())[key] = value;
+    auto refused = c_->Submit(b, "alice");
+    ASSERT_FALSE(refused.ok()) << key << "=" << value;
+    EXPECT_EQ(refused.status().message().rfind("labels", 0), 0u) << refused.status();
+  }
+  v1::SubmitJobRequest long_text = MicroJob(1);
+  long_text.set_description(std::string(1025, 'x'));
+  EXPECT_FALSE(c_->Submit(long_text, "alice").ok());
+  v1::SweepSpec sweep;
+  *sweep.mutable_base() = r;
+  sweep.add_seeds(1);
+  sweep.add_seeds(2);
+  (*sweep.mutable_labels())["sweep-set"] = "nightly";
+  auto created = c_->CreateSweep(sweep, "alice");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(ids("sweep-set=nightly,project=iha").size(), 2u) << "the sweep's jobs carry both";
+  auto sweeps = c_->ListSweeps(100, "", "", "sweep-set=nightly");
+  ASSERT_TRUE(sweeps.ok()) << sweeps.status();
+  ASSERT_EQ(sweeps->sweeps_size(), 1);
+  EXPECT_EQ(c_->ListSweeps(100, "", "", "sweep-set=weekly")->sweeps_size(), 0);
+}
+
 // --private-jobs, through the real router (HttpServer::Answer, no socket): a user reads only
 // their own jobs and sweeps; an admin reads all; without the flag everyone reads everything.
 TEST_F(CoordinatorTest, PrivateJobsAreReadByTheirOwnerOrAnAdminOnly) {
@@ -748,9 +799,9 @@ TEST_F(CoordinatorTest, PrivateJobsAreReadByTheirOwnerOrAnAdminOnly) {
                            {{"host", "127.0.0.1"}, {"authorization", "Bearer " + token}}, "");
     };
     const int other = private_jobs ? 403 : 200;
-    for (const std::string& path : {"/v1/jobs/" + alices, "/v1/jobs/" + alices + "/logs",
-                                    "/v1/jobs/" + alices + "/metrics", "/v1/sweeps/" + sweep_id,
-                                    "/v1/sweeps/" + sweep_id + "/report"}) {
+    for (const std::string& path :
+         {"/v1/jobs/" + alices, "/v1/jobs/" + alices + "/logs", "/v1/jobs/" + alices + "/metrics",
+          "/v1/sweeps/" + sweep_id, "/v1/sweeps/" + sweep_id + "/report"}) {
       auto r = get(bob, path);
       EXPECT_EQ(r.status, other) << path << ": " << r.body;
       if (private_jobs) EXPECT_NE(r.body.find("belongs to alice"), std::string::npos) << r.body;

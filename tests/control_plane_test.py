@@ -151,6 +151,24 @@ def test_cli_exit_codes(c):
     _, err = follow.communicate(timeout=60)
     assert follow.returncode == 5 and "cancelled" in err, (follow.returncode, err)
     print("ok: CLI exit codes: not found 3, refused 4, job cancelled under --follow 5")
+    # Labels and a description: set by `loom submit`, shown by `loom status`, filtered by
+    # `loom list --label` (a job on a pool nobody serves: it only waits).
+    spec_file = os.path.join(c.tmp, "labelled-job.json")
+    with open(spec_file, "w") as f:
+        json.dump(micro(10, world=1), f)
+    r = c.cli("submit", spec_file, "--pool", "pool=nobody", "--label", "project=iha,stage=a-1",
+              "--description", "p=2 vs MHA")
+    labelled = re.match(r"submitted (job-\d+)", r.stdout).group(1)
+    status = c.cli("status", labelled).stdout
+    assert "labels    project=iha,stage=a-1" in status and "about     p=2 vs MHA" in status, status
+    listed = json.loads(c.cli("list", "--label", "project=iha", "--limit", "0", "--json").stdout)
+    assert [j["id"] for j in listed["jobs"]] == [labelled], listed
+    none = json.loads(c.cli("list", "--label", "project=mha", "--limit", "0", "--json").stdout)
+    assert not none.get("jobs"), none
+    r = c.cli("submit", spec_file, "--label", "Project=x", check=False)
+    assert r.returncode == 4 and "labels" in r.stderr, (r.returncode, r.stderr)
+    c.api.ok("POST", f"/v1/jobs/{labelled}/cancel")
+    print(f"ok: labels and a description on {labelled}: shown, filtered, refused when malformed")
 
 
 def test_eval_job_results_stored_with_the_job(c):

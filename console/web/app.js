@@ -166,7 +166,7 @@
   function viewJobs(query) {
     const q = params(query);
     const filters = { state: q.get('state') || '', user: q.get('user') || '',
-      kind: q.get('kind') || '', sweep: q.get('sweep') || '' };
+      kind: q.get('kind') || '', sweep: q.get('sweep') || '', label: q.get('label') || '' };
     const tokens = [''];
     let at = 0;
     const setFilter = (k, v) => {
@@ -204,7 +204,8 @@
         select('filter-state', 'State', filters.state, STATES),
         text('filter-user', 'User', filters.user),
         select('filter-kind', 'Kind', filters.kind, KINDS),
-        text('filter-sweep', 'Sweep', filters.sweep)),
+        text('filter-sweep', 'Sweep', filters.sweep),
+        text('filter-label', 'Labels (k=v,…)', filters.label)),
       h('div', { class: 'table-wrap' }, h('table', { id: 'jobs' },
         h('thead', {}, h('tr', {}, ['Job', 'Name', 'Kind', 'State', 'Progress', 'Loss', 'User',
           'Submitted', 'Attempts'].map((x) => h('th', { scope: 'col' }, x)))), tbody)),
@@ -277,6 +278,9 @@
         ' ', h('span', { id: 'job-state', class: 'reason' }, job.reason || '')),
       h('p', {}, cancel, ' ', h('a', { href: `#/lineage/${encodeURIComponent(job.id)}` }, 'Lineage')));
   }
+  function labelsText(labels) {
+    return Object.entries(labels || {}).sort().map(([k, v]) => `${k}=${v}`).join(', ');
+  }
   function renderSummary(dl, job, withSpec) {
     const p = job.progress || {};
     const rows = [
@@ -289,6 +293,8 @@
         ? jobLink(checkpointJob(job.request.init_from), job.request.init_from) : 'fresh weights'],
       ['Sweep', job.sweep_id ? h('a', { href: `#/sweeps/${encodeURIComponent(job.sweep_id)}` },
         `${job.sweep_id} · ${job.sweep_cell} · seed ${job.sweep_seed}`) : '—'],
+      ['Labels', labelsText(job.request?.labels) || '—'],
+      ['About', job.request?.description || '—'],
     ];
     const items = rows.map(([k, v]) => [h('dt', {}, k), h('dd', {}, v)]).flat();
     const keep = dl.querySelector('details');
