@@ -542,6 +542,41 @@ class Cli {
     return absl::OkStatus();
   }
 
+  // loom admin quota list | set KIND NAME SLOTS | delete KIND NAME
+  absl::Status Quota(const std::string& action, const std::vector<std::string>& words) {
+    if (action == "list") {
+      v1::ListQuotasResponse r;
+      LOOM_RETURN_IF_ERROR(client_->Call("GET", "/v1/quotas", nullptr, &r));
+      if (json_) {
+        std::cout << FormatMessage(r, output_) << "\n";
+        return absl::OkStatus();
+      }
+      std::cout << absl::StrFormat("%-8s %-20s %9s\n", "KIND", "NAME", "USED/MAX");
+      for (const auto& q : r.quotas()) {
+        std::cout << absl::StrFormat("%-8s %-20s %4d/%-4d\n", q.kind(), q.name(), q.used(),
+                                     q.slots());
+      }
+      return absl::OkStatus();
+    }
+    const std::string path =
+        absl::StrCat("/v1/quotas/", QueryValue(words.at(0)), "/", QueryValue(words.at(1)));
+    if (action == "delete") {
+      LOOM_RETURN_IF_ERROR(client_->Call("DELETE", path, nullptr, nullptr));
+      std::cout << "removed the quota of " << words[0] << " " << words[1] << "\n";
+      return absl::OkStatus();
+    }
+    int64_t slots = 0;
+    if (!absl::SimpleAtoi(words.at(2), &slots))
+      return absl::InvalidArgumentError(absl::StrCat("SLOTS: '", words[2], "' is not a number"));
+    v1::Quota q;
+    q.set_slots(static_cast<int32_t>(std::clamp<int64_t>(slots, -1, 1 << 30)));
+    v1::Quota stored;
+    LOOM_RETURN_IF_ERROR(client_->Call("PUT", path, &q, &stored));
+    std::cout << stored.kind() << " " << stored.name() << ": at most " << stored.slots()
+              << " slots\n";
+    return absl::OkStatus();
+  }
+
   client::RestClient& client() { return *client_; }
   Output output() const { return output_; }
 
@@ -846,6 +881,8 @@ class CommandLine {
 // The commands as CLI11 defines them, and where their positionals and --set values land.
 struct Commands {
   std::string file, job, sweep_arg;
+  std::vector<std::string> quota_words;  // admin quota set/delete: KIND NAME [SLOTS]
+  CLI::App* quota = nullptr;
   std::vector<std::string> sets;  // submit --set PATH=VALUE, in order
   CLI::App *up = nullptr, *submit = nullptr, *list = nullptr, *status = nullptr, *logs = nullptr,
            *cancel = nullptr, *plot = nullptr, *checkpoints = nullptr, *workers = nullptr,
@@ -934,6 +971,23 @@ void AddServeCommand(CommandLine& line, Commands& c) {
   c.serve->get_option("--checkpoint")->required();
 }
 
+void AddAdminCommands(CommandLine& line, Commands& c) {
+  CLI::App* admin = line.Command("admin", "cluster settings (quotas: set by admins, read by all)");
+  admin->require_subcommand(1);
+  c.quota = admin->add_subcommand("quota", "limits on the slots a user's or a project's jobs hold");
+  c.quota->require_subcommand(1);
+  c.quota->fallthrough();
+  c.quota->add_subcommand("list", "every quota with what it counts now");
+  c.quota->add_subcommand("set", "set one: KIND (user | project) NAME SLOTS")
+      ->add_option("words", c.quota_words, "KIND NAME SLOTS")
+      ->expected(3)
+      ->required();
+  c.quota->add_subcommand("delete", "remove one: KIND NAME")
+      ->add_option("words", c.quota_words, "KIND NAME")
+      ->expected(2)
+      ->required();
+}
+
 void AddSweepCommands(CommandLine& line, Commands& c) {
   using C = CommandLine;
   CLI::App* sweep = c.sweep = line.Command("sweep",
@@ -1019,6 +1073,10 @@ absl::Status RunCommand(const CommandLine& line, const Commands& c) {
     LOOM_RETURN_IF_ERROR(cli.Init(args));
     return RunSweepCommand(cli.client(), cmd->get_name(), c.sweep_arg, args, cli.output());
   }
+  for (CLI::App* cmd : c.quota->get_subcommands()) {
+    LOOM_RETURN_IF_ERROR(cli.Init(line.ArgsOf(cmd)));
+    return cli.Quota(cmd->get_name(), c.quota_words);
+  }
   return absl::InvalidArgumentError("missing command (loom --help)");
 }
 
@@ -1029,6 +1087,7 @@ absl::Status Dispatch(CommandLine& line, int argc, char** argv) {
   AddJobCommands(line, c);
   AddServeCommand(line, c);
   AddSweepCommands(line, c);
+  AddAdminCommands(line, c);
   LOOM_RETURN_IF_ERROR(ParseCommandLine(line.app(), argc, argv));
   return RunCommand(line, c);
 }

@@ -121,6 +121,18 @@ absl::StatusOr<HttpResult> RestClient::Post(const std::string& path, const std::
   return HttpResult{r->status, r->body};
 }
 
+absl::StatusOr<HttpResult> RestClient::Send(const std::string& method, const std::string& path,
+                                            const std::string& json) {
+  if (method == "GET") return Get(path);
+  if (method == "POST") return Post(path, json);
+  if (method != "PUT" && method != "DELETE")
+    return absl::InvalidArgumentError(absl::StrCat("method ", method, ": not one the API uses"));
+  httplib::Result r = method == "PUT" ? http_->Put(path.c_str(), json, "application/json")
+                                      : http_->Delete(path.c_str());
+  if (!r) return Unreachable(url_, r.error());
+  return HttpResult{r->status, r->body};
+}
+
 absl::Status RestClient::GetStream(const std::string& path,
                                    const std::function<bool(const char*, size_t)>& on_data) {
   int status = 0;
@@ -145,8 +157,7 @@ absl::Status RestClient::GetStream(const std::string& path,
 absl::Status RestClient::Call(const std::string& method, const std::string& path,
                               const google::protobuf::Message* request,
                               google::protobuf::Message* response) {
-  absl::StatusOr<HttpResult> r =
-      method == "GET" ? Get(path) : Post(path, request ? MessageToJson(*request) : "{}");
+  absl::StatusOr<HttpResult> r = Send(method, path, request ? MessageToJson(*request) : "{}");
   if (!r.ok()) return r.status();
   if (auto s = StatusFromHttp(r->status, r->body); !s.ok()) return s;
   if (response == nullptr) return absl::OkStatus();

@@ -35,6 +35,9 @@ class RestClient {
 
   absl::StatusOr<HttpResult> Get(const std::string& path);
   absl::StatusOr<HttpResult> Post(const std::string& path, const std::string& json);
+  // GET, POST, PUT or DELETE (a JSON body for POST and PUT).
+  absl::StatusOr<HttpResult> Send(const std::string& method, const std::string& path,
+                                  const std::string& json);
   // Streams a GET response body to `on_data` (return false to stop).
   absl::Status GetStream(const std::string& path,
                          const std::function<bool(const char*, size_t)>& on_data);

@@ -283,6 +283,7 @@ absl::Status Coordinator::Load() {
   log_offsets_ = std::move(state.log_offsets);
   credentials_ = std::move(state.credentials);
   sweeps_ = std::move(state.sweeps);
+  quotas_ = std::move(state.quotas);
   next_sweep_ = state.next_sweep;
   // Credentials stored in clear by an older coordinator: their digests replace them.
   StateStore::Batch upgrade;
@@ -1941,6 +1942,9 @@ std::vector<QueuedJob> Coordinator::QueueLocked(std::map<std::string, std::strin
     q.world_size = job.world_size();
     q.priority = job.priority();
     q.pool.insert(job.request().pool().begin(), job.request().pool().end());
+    q.user = job.submitted_by();
+    if (auto p = job.request().labels().find("project"); p != job.request().labels().end())
+      q.project = p->second;
     q.queued_since_ms = job.queued_since_ms();
     queue.push_back(std::move(q));
   }
@@ -2041,10 +2045,74 @@ void Coordinator::ScheduleLocked(Txn& txn) {
     waiting_reason_ = std::move(held);
     return;
   }
-  ScheduleResult result = Schedule(std::move(queue), FreeWorkersLocked(), options_.scheduler, now);
+  ScheduleResult result =
+      Schedule(std::move(queue), FreeWorkersLocked(), options_.scheduler, now, QuotasLocked());
   waiting_reason_ = std::move(result.waiting);
   waiting_reason_.insert(held.begin(), held.end());
   for (const GangPlacement& g : result.placed) StartAttemptLocked(txn, g, now);
+}
+
+// The quotas with what they count now: the slots of every scheduled or running job.
+Quotas Coordinator::QuotasLocked() const {
+  Quotas q;
+  for (const auto& [key, quota] : quotas_) {
+    (quota.kind() == "user" ? q.user_limit : q.project_limit)[quota.name()] = quota.slots();
+  }
+  if (quotas_.empty()) return q;
+  for (const auto& [id, job] : jobs_) {
+    const std::optional<JobState> state = JobStateOf(job);
+    if (state != JobState::kScheduled && state != JobState::kRunning) continue;
+    q.user_used[job.submitted_by()] += job.world_size();
+    if (auto p = job.request().labels().find("project"); p != job.request().labels().end())
+      q.project_used[p->second] += job.world_size();
+  }
+  return q;
+}
+
+absl::StatusOr<v1::ListQuotasResponse> Coordinator::ListQuotas() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Quotas live = QuotasLocked();
+  v1::ListQuotasResponse out;
+  for (const auto& [key, quota] : quotas_) {
+    v1::Quota* q = out.add_quotas();
+    *q = quota;
+    const auto& used = quota.kind() == "user" ? live.user_used : live.project_used;
+    q->set_used(used.count(quota.name()) ? used.at(quota.name()) : 0);
+  }
+  return out;
+}
+
+absl::StatusOr<v1::Quota> Coordinator::SetQuota(const v1::Quota& quota, const Caller& caller) {
+  if (!caller.admin) return absl::PermissionDeniedError("quotas are set by admins");
+  if (quota.kind() != "user" && quota.kind() != "project")
+    return FieldError("kind", "user or project");
+  if (!IsToken(quota.name(), 63) || quota.name().find_first_of("/:") != std::string::npos)
+    return FieldError("name", "1..63 characters of [A-Za-z0-9._-]");
+  if (quota.slots() < 0 || quota.slots() > 1000000) return FieldError("slots", "0..1000000");
+  StateStore::Batch batch;
+  batch.PutQuota(quota);
+  std::lock_guard<std::mutex> lock(mutex_);
+  LOOM_RETURN_IF_ERROR(store_->Commit(batch, true));
+  v1::Quota& stored = quotas_[absl::StrCat(quota.kind(), "/", quota.name())];
+  stored = quota;
+  stored.clear_used();
+  wake_.notify_all();  // a raised quota may let a waiting job run
+  return stored;
+}
+
+absl::Status Coordinator::DeleteQuota(const std::string& kind, const std::string& name,
+                                      const Caller& caller) {
+  if (!caller.admin) return absl::PermissionDeniedError("quotas are set by admins");
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = quotas_.find(absl::StrCat(kind, "/", name));
+  if (it == quotas_.end())
+    return absl::NotFoundError(absl::StrCat("no quota for ", kind, " '", name.substr(0, 64), "'"));
+  StateStore::Batch batch;
+  batch.DeleteQuota(kind, name);
+  LOOM_RETURN_IF_ERROR(store_->Commit(batch, true));
+  quotas_.erase(it);
+  wake_.notify_all();
+  return absl::OkStatus();
 }
 
 int64_t Coordinator::HeardAt(const std::string& worker) const {

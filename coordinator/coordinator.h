@@ -129,6 +129,10 @@ class Coordinator {
     std::optional<double> threshold;
   };
   absl::StatusOr<v1::SweepReport> ReportSweep(const std::string& id, const ReportQuery& query = {});
+  // Quotas (scheduler.h): listed with what they count now; set and deleted by admins only.
+  absl::StatusOr<v1::ListQuotasResponse> ListQuotas();
+  absl::StatusOr<v1::Quota> SetQuota(const v1::Quota& quota, const Caller& caller);
+  absl::Status DeleteQuota(const std::string& kind, const std::string& name, const Caller& caller);
   absl::StatusOr<v1::ListWorkersResponse> ListWorkers(int page_size = kMaxPageSize,
                                                       const std::string& page_token = "");
 
@@ -235,6 +239,7 @@ class Coordinator {
   void MarkWorkerLost(Txn& txn, v1::Worker& worker, const std::string& reason);
   void ForgiveOwnOutage();
   void ResumeStoreIfFull();
+  Quotas QuotasLocked() const;
   void MarkSilentWorkersLost(Txn& txn);
   bool AllWorkersSilent(int64_t now);
   bool AppendCapped(Txn& txn, const std::string& job_id, const std::string& path,
@@ -295,6 +300,7 @@ class Coordinator {
   // IdempotencyKey(user, request_id) -> job id; "sweep:" + IdempotencyKey(...) -> sweep id.
   std::map<std::string, std::string> request_ids_;
   std::map<std::string, v1::Sweep> sweeps_;
+  std::map<std::string, v1::Quota> quotas_;  // "<kind>/<name>" -> quota (used not kept)
   int64_t next_sweep_ = 1;
   std::map<std::string, std::string> credentials_;       // worker id -> credential
   std::map<std::string, std::string> credential_owner_;  // credential -> worker id

@@ -721,6 +721,61 @@ TEST_F(CoordinatorTest, OnlyTheOwnerOrAnAdminCancels) {
   EXPECT_TRUE(c_->CancelSweep(created->id(), Caller{"alice"}).ok()) << "the owner may";
 }
 
+// Quotas: set by admins, persisted; a job beyond its owner's or its project's waits with the
+// reason and runs once the quota allows; nothing is refused or failed for it.
+TEST_F(CoordinatorTest, QuotasHoldJobsQueuedWithTheirReason) {
+  RegisterWorker("big", 16);
+  v1::Quota q;
+  q.set_kind("user");
+  q.set_name("alice");
+  q.set_slots(4);
+  EXPECT_EQ(c_->SetQuota(q, Caller{"alice"}).status().code(), absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(c_->SetQuota(q, Caller{"root", true}).ok());
+  v1::Quota bad = q;
+  bad.set_kind("group");
+  EXPECT_EQ(c_->SetQuota(bad, Caller{"root", true}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const std::string a = Submit(MicroJob(2)), b = Submit(MicroJob(2)), third = Submit(MicroJob(2));
+  auto bobs = c_->Submit(MicroJob(2), "bob");
+  ASSERT_TRUE(bobs.ok());
+  c_->Tick();
+  EXPECT_EQ(Job(a).placement_size(), 1);
+  EXPECT_EQ(Job(b).placement_size(), 1);
+  EXPECT_EQ(Job(bobs->id()).placement_size(), 1) << "bob has no quota";
+  EXPECT_EQ(Job(third).state(), "queued");
+  EXPECT_EQ(Job(third).reason(), "quota: alice uses 4 of 4 slots");
+  auto listed = c_->ListQuotas();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->quotas_size(), 1);
+  EXPECT_EQ(listed->quotas(0).used(), 4);
+  // A project quota counts the jobs labelled with it, whoever owns them.
+  v1::Quota project;
+  project.set_kind("project");
+  project.set_name("iha");
+  project.set_slots(2);
+  ASSERT_TRUE(c_->SetQuota(project, Caller{"root", true}).ok());
+  v1::SubmitJobRequest labelled = MicroJob(2);
+  (*labelled.mutable_labels())["project"] = "iha";
+  auto first = c_->Submit(labelled, "bob"), second = c_->Submit(labelled, "carol");
+  ASSERT_TRUE(first.ok() && second.ok());
+  c_->Tick();
+  EXPECT_EQ(Job(first->id()).placement_size(), 1);
+  EXPECT_EQ(Job(second->id()).reason(), "quota: project iha uses 2 of 2 slots");
+  // Raising alice's quota lets her third job run.
+  q.set_slots(6);
+  ASSERT_TRUE(c_->SetQuota(q, Caller{"root", true}).ok());
+  c_->Tick();
+  EXPECT_EQ(Job(third).placement_size(), 1);
+  ASSERT_TRUE(c_->DeleteQuota("project", "iha", Caller{"root", true}).ok());
+  EXPECT_EQ(c_->DeleteQuota("project", "iha", Caller{"root", true}).code(),
+            absl::StatusCode::kNotFound);
+  Reopen();  // persisted: the user quota, not the deleted one
+  listed = c_->ListQuotas();
+  ASSERT_EQ(listed->quotas_size(), 1);
+  EXPECT_EQ(listed->quotas(0).name(), "alice");
+  EXPECT_EQ(listed->quotas(0).slots(), 6);
+}
+
 // Labels and a description on jobs and sweeps; lists filter by labels; a sweep's go to its jobs.
 TEST_F(CoordinatorTest, LabelsFilterJobsAndSweeps) {
   v1::SubmitJobRequest r = MicroJob(1);

@@ -602,6 +602,35 @@ void InstallJobRoutes(HttpServer& server, Coordinator* c, const ApiOptions& opti
       }));
 }
 
+// /v1/quotas...: everyone lists them (with what they count now); admins set and delete them.
+void InstallQuotaRoutes(HttpServer& server, Coordinator* c, const ApiOptions& options) {
+  server.Route("GET", "/v1/quotas", "user",
+               UserRoute(c, options, [](Coordinator* c, const Who&, Req req, HttpResponse& res) {
+                 if (CheckParams(req, res, {})) Reply(res, c->ListQuotas());
+               }));
+  server.Route(
+      "PUT", "/v1/quotas/{kind}/{name}", "user",
+      UserRoute(c, options, [](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+        v1::Quota quota;
+        if (!CheckParams(req, res, {}) || !ParseBody(req, res, &quota)) return;
+        if ((!quota.kind().empty() && quota.kind() != req.matches[0]) ||
+            (!quota.name().empty() && quota.name() != req.matches[1]))
+          return SetJsonError(res, 400, "kind, name: the body disagrees with the path");
+        quota.set_kind(req.matches[0]);
+        quota.set_name(req.matches[1]);
+        Reply(res, c->SetQuota(quota, who.caller()));
+      }));
+  server.Route(
+      "DELETE", "/v1/quotas/{kind}/{name}", "user",
+      UserRoute(c, options, [](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {})) return;
+        const absl::Status s = c->DeleteQuota(req.matches[0], req.matches[1], who.caller());
+        if (!s.ok()) return SendStatus(res, s);
+        res.status = 200;
+        res.body = "{}\n";
+      }));
+}
+
 // /v1/sweeps...: create, list, inspect, cancel, report.
 void InstallSweepRoutes(HttpServer& server, Coordinator* c, const ApiOptions& options) {
   server.Route("POST", "/v1/sweeps", "user", UserRoute(c, options, CreateSweep));
@@ -633,6 +662,7 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   server.Route("GET", "/v1/checkpoints", "user", UserRoute(c, options, ListCheckpoints));
   server.Route("GET", "/v1/workers", "user", PagedList(c, options, &Coordinator::ListWorkers));
   InstallSweepRoutes(server, c, options);
+  InstallQuotaRoutes(server, c, options);
   // Agent routes live on the agent listener only.
   server.RoutePattern("POST", R"(/v1/agent/.*)", [](const HttpRequest& req, HttpResponse& res) {
     SetJsonError(res, 404,

@@ -24,10 +24,30 @@ std::string PoolText(const std::map<std::string, std::string>& pool) {
   return absl::StrCat("pool {", s, "}");
 }
 
+std::string QuotaText(const std::string& who, int used, int limit, int need) {
+  return absl::StrCat(
+      "quota: ", who, " uses ", used, " of ", limit, " slots",
+      used + need > limit && used < limit ? absl::StrCat("; this job needs ", need) : "");
+}
+
 }  // namespace
 
+std::string OverQuota(const QueuedJob& job, const Quotas& q) {
+  auto limit = q.user_limit.find(job.user);
+  const int user_used = q.user_used.count(job.user) ? q.user_used.at(job.user) : 0;
+  if (limit != q.user_limit.end() && user_used + job.world_size > limit->second)
+    return QuotaText(job.user, user_used, limit->second, job.world_size);
+  if (job.project.empty()) return "";
+  limit = q.project_limit.find(job.project);
+  const int project_used = q.project_used.count(job.project) ? q.project_used.at(job.project) : 0;
+  if (limit != q.project_limit.end() && project_used + job.world_size > limit->second)
+    return QuotaText(absl::StrCat("project ", job.project), project_used, limit->second,
+                     job.world_size);
+  return "";
+}
+
 ScheduleResult Schedule(std::vector<QueuedJob> queue, std::vector<FreeWorker> workers,
-                        const SchedulerOptions& options, int64_t now_ms) {
+                        const SchedulerOptions& options, int64_t now_ms, Quotas quotas) {
   auto effective = [&](const QueuedJob& j) {
     const double waited_s =
         static_cast<double>(std::max<int64_t>(0, now_ms - j.queued_since_ms)) / 1000.0;
@@ -41,6 +61,10 @@ ScheduleResult Schedule(std::vector<QueuedJob> queue, std::vector<FreeWorker> wo
   });
   ScheduleResult result;
   for (const QueuedJob& job : queue) {
+    if (std::string over = OverQuota(job, quotas); !over.empty()) {
+      result.waiting[job.id] = std::move(over);  // waits, reserving nothing: never fails
+      continue;
+    }
     std::vector<FreeWorker*> matching;
     int total = 0, free = 0;
     for (FreeWorker& w : workers) {
@@ -69,6 +93,8 @@ ScheduleResult Schedule(std::vector<QueuedJob> queue, std::vector<FreeWorker> wo
         p.workers.emplace_back(w->id, std::move(ranks));
       }
       result.placed.push_back(std::move(p));
+      quotas.user_used[job.user] += job.world_size;
+      if (!job.project.empty()) quotas.project_used[job.project] += job.world_size;
       continue;
     }
     if (total < job.world_size) {

@@ -6,7 +6,8 @@
 // when all of its world_size ranks fit on workers whose labels match its pool selector (gang,
 // all-or-nothing). A job that does not fit is skipped so smaller jobs behind it can backfill the
 // free slots, until it has waited reserve_after_ms: from then on it reserves the matching free
-// slots as they appear, so a stream of small jobs cannot starve it.
+// slots as they appear, so a stream of small jobs cannot starve it. A job whose owner or project
+// would go beyond its quota waits (with the reason) and reserves nothing.
 #ifndef LOOM_COORDINATOR_SCHEDULER_H_
 #define LOOM_COORDINATOR_SCHEDULER_H_
 
@@ -23,6 +24,15 @@ struct QueuedJob {
   int priority = 0;
   std::map<std::string, std::string> pool;  // required worker labels
   int64_t queued_since_ms = 0;
+  std::string user;     // the owner, for user quotas
+  std::string project;  // its `project` label ("" = none), for project quotas
+};
+
+// Limits an admin set on the slots one user's, or one project's, jobs hold at once (absent: no
+// limit), and what they hold now (scheduled and running jobs).
+struct Quotas {
+  std::map<std::string, int> user_limit, project_limit;
+  std::map<std::string, int> user_used, project_used;
 };
 
 struct FreeWorker {
@@ -51,8 +61,11 @@ struct ScheduleResult {
 bool LabelsMatch(const std::map<std::string, std::string>& pool,
                  const std::map<std::string, std::string>& labels);
 
+// Why the job would go beyond a quota ("" when it fits them): "quota: alice uses 8 of 8 slots".
+std::string OverQuota(const QueuedJob& job, const Quotas& quotas);
+
 ScheduleResult Schedule(std::vector<QueuedJob> queue, std::vector<FreeWorker> workers,
-                        const SchedulerOptions& options, int64_t now_ms);
+                        const SchedulerOptions& options, int64_t now_ms, Quotas quotas = {});
 
 }  // namespace loom::coordinator
 

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+
 namespace loom::coordinator {
 namespace {
 
@@ -127,6 +129,36 @@ TEST(SchedulerTest, AStreamOfSmallJobsCannotStarveALargeOne) {
   }
   ASSERT_GE(large_started, 0) << "the 4-slot job never ran";
   EXPECT_LE(large_started, 10000 + 3000);
+}
+
+// Quotas: a job that would take its owner, or its project, beyond the limit waits with the
+// reason and reserves nothing (a job behind it that fits runs); what a pass places counts.
+TEST(SchedulerTest, QuotasHoldJobsBackWithTheirReason) {
+  SchedulerOptions o;
+  o.reserve_after_ms = 0;  // a blocked job would reserve at once: a quota must not
+  Quotas q;
+  q.user_limit["alice"] = 4;
+  q.user_used["alice"] = 2;
+  q.project_limit["iha"] = 3;
+  auto job = [](const std::string& id, int world, const std::string& user,
+                const std::string& project, int64_t since) {
+    QueuedJob j = Job(id, world, 0, since);
+    j.user = user;
+    j.project = project;
+    return j;
+  };
+  // a1 (2 slots) fits alice's 4 with 2 used; a2 then does not; b1 is bob's, project iha: 2 of
+  // 3; b2 would make iha 4 of 3; c1 has no quota at all.
+  auto r = Schedule(
+      {job("a1", 2, "alice", "", 0), job("a2", 1, "alice", "", 1), job("b1", 2, "bob", "iha", 2),
+       job("b2", 2, "bob", "iha", 3), job("c1", 2, "carol", "", 4)},
+      {Worker("w", 16, 16)}, o, 1000, q);
+  std::set<std::string> placed;
+  for (const auto& p : r.placed) placed.insert(p.job_id);
+  EXPECT_EQ(placed, (std::set<std::string>{"a1", "b1", "c1"}));
+  EXPECT_EQ(r.waiting.at("a2"), "quota: alice uses 4 of 4 slots");
+  EXPECT_EQ(r.waiting.at("b2"), "quota: project iha uses 2 of 3 slots; this job needs 2");
+  EXPECT_EQ(OverQuota(job("x", 5, "dan", "", 0), q), "") << "no quota, no limit";
 }
 
 }  // namespace

@@ -104,6 +104,14 @@ void StateStore::Batch::PutSweep(const v1::Sweep& sweep) {
 void StateStore::Batch::PutNextSweep(int64_t next) {
   batch_->Put("meta/next_sweep", std::to_string(next));
 }
+void StateStore::Batch::PutQuota(const v1::Quota& quota) {
+  v1::Quota stored = quota;
+  stored.clear_used();
+  batch_->Put(absl::StrCat("quota/", quota.kind(), "/", quota.name()), stored.SerializeAsString());
+}
+void StateStore::Batch::DeleteQuota(const std::string& kind, const std::string& name) {
+  batch_->Delete(absl::StrCat("quota/", kind, "/", name));
+}
 bool StateStore::Batch::empty() const { return batch_->Count() == 0; }
 
 absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& dir) {
@@ -158,6 +166,10 @@ absl::StatusOr<LoadedState> StateStore::Load() {
       v1::Sweep sw;
       if (auto s = ParseValue(it->key(), it->value(), &sw); !s.ok()) return s;
       state.sweeps[sw.id()] = std::move(sw);
+    } else if (key.rfind("quota/", 0) == 0) {
+      v1::Quota q;
+      if (auto s = ParseValue(it->key(), it->value(), &q); !s.ok()) return s;
+      state.quotas[absl::StrCat(q.kind(), "/", q.name())] = std::move(q);
     } else if (key == "meta/next_sweep") {
       if (!absl::SimpleAtoi(it->value().ToString(), &state.next_sweep)) {
         return absl::DataLossError("state store: bad meta/next_sweep");

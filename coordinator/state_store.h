@@ -4,7 +4,7 @@
 //
 // Keys: job/<id>, event/<job id>/<seq, 12 digits>, worker/<id>, ckpt/<id>, request/<key>,
 // logoff/<job>/<attempt>/<worker>, cred/<worker id> (its heartbeat credential), sweep/<id>,
-// meta/next_job, meta/next_sweep.
+// quota/<kind>/<name>, meta/next_job, meta/next_sweep.
 #ifndef LOOM_COORDINATOR_STATE_STORE_H_
 #define LOOM_COORDINATOR_STATE_STORE_H_
 
@@ -43,6 +43,7 @@ struct LoadedState {
   std::map<std::string, int64_t> log_offsets;  // "<job>/<attempt>/<worker>" -> log bytes received
   std::map<std::string, std::string> credentials;  // worker id -> heartbeat credential
   std::map<std::string, v1::Sweep> sweeps;
+  std::map<std::string, v1::Quota> quotas;  // "<kind>/<name>" -> quota
   int64_t next_sweep = 1;
 };
 
@@ -64,6 +65,8 @@ class StateStore {
     void DeleteCredential(const std::string& worker_id);
     void PutSweep(const v1::Sweep& sweep);
     void PutNextSweep(int64_t next);
+    void PutQuota(const v1::Quota& quota);
+    void DeleteQuota(const std::string& kind, const std::string& name);
     bool empty() const;
 
    private:

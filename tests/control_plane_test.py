@@ -30,6 +30,7 @@ PROCS = []
 ROOT = None  # this suite's temporary directory: its agents' ranks run under it
 USER_TOKEN = "alice-token-0123456789abcdef"
 BOB_TOKEN = "bob-token-0123456789abcdef01"
+ROOT_TOKEN = "root-token-0123456789abcdef0"
 WORKER_TOKEN = "worker-token-0123456789abcdef"  # the enrolment token: good for registration only
 
 
@@ -37,9 +38,9 @@ class Cluster(Service):
     """The coordinator (fast heartbeats, a 256 KiB body limit) and the node-a / node-b agents."""
 
     def __init__(self, args, tmp):
-        super().__init__(args, tmp, {"alice": USER_TOKEN, "bob": BOB_TOKEN}, WORKER_TOKEN,
+        super().__init__(args, tmp, {"alice": USER_TOKEN, "bob": BOB_TOKEN, "root": ROOT_TOKEN}, WORKER_TOKEN,
                          ["--heartbeat-ms", "200", "--lost-after-ms", "4000", "--term-grace-ms", "2000",
-                          "--max-body-bytes", "262144"], PROCS)
+                          "--max-body-bytes", "262144"], PROCS, admins=("root",))
 
     def start_coordinator(self):
         """A restart reuses the ports, retrying while the old sockets still hold them."""
@@ -57,8 +58,8 @@ class Cluster(Service):
             time.sleep(0.1)
         raise AssertionError(f"fewer than {n} live workers: {self.worker_ids()}")
 
-    def cli(self, *argv, check=True):
-        env = {**self.env, "LOOM_COORDINATOR": f"http://127.0.0.1:{self.port}", "LOOM_TOKEN": USER_TOKEN}
+    def cli(self, *argv, check=True, token=USER_TOKEN):
+        env = {**self.env, "LOOM_COORDINATOR": f"http://127.0.0.1:{self.port}", "LOOM_TOKEN": token}
         r = subprocess.run([self.args.loom, *argv], env=env, capture_output=True, text=True, timeout=120)
         if check:
             assert r.returncode == 0, f"loom {' '.join(argv)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
@@ -568,6 +569,36 @@ def test_loom_up(args, tmp):
     print("ok: loom up (local coordinator + 2 workers), CLI submit --follow, clean stop")
 
 
+def test_quota(c):
+    """An admin's quota holds alice's third job queued with its reason while bob's runs; `loom admin
+    quota` sets, lists and deletes it; a non-admin cannot; the job runs once the quota is gone."""
+    api = c.api
+    r = c.cli("admin", "quota", "set", "user", "alice", "2", check=False)
+    assert r.returncode != 0 and "admins" in r.stderr, (r.returncode, r.stderr)
+    r = c.cli("admin", "quota", "set", "user", "alice", "2", token=ROOT_TOKEN)
+    assert "user alice: at most 2 slots" in r.stdout, r.stdout
+    jobs = [submit(api, micro(100000, world=1, interval=0)) for _ in range(3)]
+    for j in jobs[:2]:
+        api.wait(j, lambda x: x["state"] == "running", "alice's first two jobs to run")
+    third = api.wait(jobs[2], lambda x: x["reason"].startswith("quota:"), "the quota reason")
+    assert third["state"] == "queued" and third["reason"] == "quota: alice uses 2 of 2 slots", third
+    status, parsed, _ = api.request("POST", "/v1/jobs", micro(100000, world=1, interval=0), token=BOB_TOKEN)
+    bobs = parsed["id"]
+    api.wait(bobs, lambda x: x["state"] == "running", "bob's job to run beside alice's quota")
+    listed = c.cli("admin", "quota", "list").stdout
+    assert re.search(r"user\s+alice\s+2/2", listed), listed
+    time.sleep(1)
+    assert api.job(jobs[2])["state"] == "queued"
+    c.cli("admin", "quota", "delete", "user", "alice", token=ROOT_TOKEN)
+    api.wait(jobs[2], lambda x: x["state"] == "running", "the third job once the quota is gone")
+    for j in jobs + [bobs]:
+        api.request("POST", f"/v1/jobs/{j}/cancel", token=ROOT_TOKEN)
+    for j in jobs + [bobs]:
+        api.wait_end(j)
+    print(f"ok: a quota of 2 slots held {jobs[2]} queued with its reason while bob's {bobs} ran; "
+          "loom admin quota set/list/delete (admins only)")
+
+
 def test_links_made_after_submission(c):
     """A path the coordinator accepted is opened by the ranks beneath the storage root
     (loom-train --storage-root, openat2 RESOLVE_BENEATH): a directory swapped for a symlink out
@@ -628,6 +659,7 @@ def main():
         test_kill_worker(c)
         test_restart_coordinator(c)
         test_concurrent_submissions(c)
+        test_quota(c)
         test_links_made_after_submission(c)
         test_openapi(c, args)
         test_loom_up(args, tmp)

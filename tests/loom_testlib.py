@@ -414,10 +414,11 @@ class Service:
     """A coordinator (user listener + agent listener, token files written here) and worker
     agents, started as real processes. Every process goes into `procs` (the suite kills them).
     host: the coordinator's address (--bind); prefix: name ("coordinator" or a worker's) -> the
-    command that launches it (["ip", "netns", "exec", ns] puts it in a network namespace)."""
+    command that launches it (["ip", "netns", "exec", ns] puts it in a network namespace);
+    admins: the users given the admin role."""
 
     def __init__(self, args, tmp, users, enrolment_token, coordinator_flags, procs, host="127.0.0.1",
-                 prefix=None):
+                 prefix=None, admins=()):
         self.args, self.tmp, self.procs = args, tmp, procs
         self.host, self.prefix = host, dict(prefix or {})
         self.users = dict(users)  # name -> token
@@ -431,7 +432,8 @@ class Service:
         self.users_file = os.path.join(tmp, "users")
         self.enrolment_file = os.path.join(tmp, "enrolment-token")
         with open(self.users_file, "w") as f:
-            f.write("# user tokens\n" + "".join(f"{u} {t}\n" for u, t in self.users.items()))
+            f.write("# user tokens\n" + "".join(f"{u} {t}{' admin' if u in admins else ''}\n"
+                                                for u, t in self.users.items()))
         with open(self.enrolment_file, "w") as f:
             f.write(enrolment_token + "\n")
         os.chmod(self.users_file, 0o600)
