@@ -114,6 +114,12 @@ void DeclareMetrics(metrics::Registry& r) {
                  "Seconds since an active job's newest checkpoint (or its start)");
 }
 
+// The job's `project` label, what project quotas count ("" = none).
+std::string ProjectOf(const v1::Job& job) {
+  auto it = job.request().labels().find("project");
+  return it == job.request().labels().end() ? "" : it->second;
+}
+
 // Every label of the selector, with its value.
 bool HasLabels(const google::protobuf::Map<std::string, std::string>& labels,
                const std::map<std::string, std::string>& want) {
@@ -1943,8 +1949,7 @@ std::vector<QueuedJob> Coordinator::QueueLocked(std::map<std::string, std::strin
     q.priority = job.priority();
     q.pool.insert(job.request().pool().begin(), job.request().pool().end());
     q.user = job.submitted_by();
-    if (auto p = job.request().labels().find("project"); p != job.request().labels().end())
-      q.project = p->second;
+    q.project = ProjectOf(job);
     q.queued_since_ms = job.queued_since_ms();
     queue.push_back(std::move(q));
   }
@@ -2063,8 +2068,8 @@ Quotas Coordinator::QuotasLocked() const {
     const std::optional<JobState> state = JobStateOf(job);
     if (state != JobState::kScheduled && state != JobState::kRunning) continue;
     q.user_used[job.submitted_by()] += job.world_size();
-    if (auto p = job.request().labels().find("project"); p != job.request().labels().end())
-      q.project_used[p->second] += job.world_size();
+    if (const std::string project = ProjectOf(job); !project.empty())
+      q.project_used[project] += job.world_size();
   }
   return q;
 }
