@@ -186,12 +186,10 @@ absl::Status PackFile(const std::string& path, const PackInput& in, DocumentPack
 absl::StatusOr<PackInput> PackInputFromArgs(const CliArgs& args) {
   PackInput in{args.Get("format", "text"), args.Get("on-error", "fail"), args.Get("field", "text")};
   if (in.format != "text" && in.format != "lines" && in.format != "jsonl") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--format: '", in.format, "' is not text | lines | jsonl"));
+    return UsageError(absl::StrCat("--format: '", in.format, "' is not text | lines | jsonl"));
   }
   if (in.on_error != "fail" && in.on_error != "skip") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--on-error: '", in.on_error, "' is not fail | skip"));
+    return UsageError(absl::StrCat("--on-error: '", in.on_error, "' is not fail | skip"));
   }
   return in;
 }
