@@ -376,7 +376,11 @@ void Coordinator::SaveCredential(Txn& txn, const std::string& worker_id) {
 }
 
 absl::Status Coordinator::Commit(Txn& txn, bool sync) {
-  absl::Status s = txn.progress.empty() ? absl::OkStatus() : store_->Commit(txn.progress, false);
+  // A job log or series append that found the disk full fails the change like a full store:
+  // nothing of it is recorded, so the agent sends it all again.
+  absl::Status s = txn.no_space           ? StorageFullError("a job log append")
+                   : txn.progress.empty() ? absl::OkStatus()
+                                          : store_->Commit(txn.progress, false);
   if (s.ok() && !txn.batch.empty()) s = store_->Commit(txn.batch, sync);
   if (IsStorageFull(s)) disk_full_ = true;
   if (s.ok() && !(txn.progress.empty() && txn.batch.empty())) disk_full_ = false;
@@ -1903,16 +1907,11 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::HeartbeatLocked(
     txn.progress.PutWorker(w);
   }
   const bool changes_state = !txn.batch.empty();
-  absl::Status s = txn.no_space ? absl::OkStatus() : Commit(txn, /*sync=*/false);
-  if (txn.no_space || IsStorageFull(s)) {
+  const absl::Status s = Commit(txn, /*sync=*/false);
+  if (IsStorageFull(s)) {
     // A full disk: the heartbeat still counts (liveness is in memory, the agent renews its
     // ranks' lease on this answer), but nothing it reported is recorded. The agent keeps every
     // report, log chunk and step and sends them again; no attempt is forgotten.
-    if (txn.no_space) {
-      registry_.Increment("loom_coordinator_store_errors_total");
-      Rollback(txn);
-      disk_full_ = true;
-    }
     response.clear_forget();
     response.set_not_recorded(true);
   } else if (!s.ok()) {

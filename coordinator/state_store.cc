@@ -37,6 +37,14 @@ bool NoSpace(const rocksdb::Status& s) {
 
 }  // namespace
 
+absl::Status StorageFullError(absl::string_view detail) {
+  absl::Status full = absl::ResourceExhaustedError(
+      absl::StrCat("the coordinator's data directory is full (", detail,
+                   "): nothing was stored; the coordinator resumes by itself once there is room"));
+  full.SetPayload(kStorageFullPayload, absl::Cord("507"));
+  return full;
+}
+
 bool IsStorageFull(const absl::Status& s) { return s.GetPayload(kStorageFullPayload).has_value(); }
 
 // A write's status; a full filesystem becomes ResourceExhausted (507 for users) and marks the
@@ -48,11 +56,7 @@ absl::Status StateStore::Checked(const rocksdb::Status& s, const std::string& wh
   }
   if (!NoSpace(s) && !full_.load()) return FromRocks(s, what);
   full_.store(true);
-  absl::Status full = absl::ResourceExhaustedError(
-      absl::StrCat("the coordinator's data directory is full (rocksdb ", what, ": ", s.ToString(),
-                   "): nothing was stored; the coordinator resumes by itself once there is room"));
-  full.SetPayload(kStorageFullPayload, absl::Cord("507"));
-  return full;
+  return StorageFullError(absl::StrCat("rocksdb ", what, ": ", s.ToString()));
 }
 
 absl::Status StateStore::Resume() {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "loom/v1/control.pb.h"
 
 namespace rocksdb {
@@ -31,6 +32,7 @@ namespace loom::coordinator {
 // A write refused because the data directory's filesystem is full: ResourceExhausted with this
 // payload, which the REST API answers with 507 Insufficient Storage.
 inline constexpr char kStorageFullPayload[] = "type.loom.dev/storage-full";
+absl::Status StorageFullError(absl::string_view detail);
 bool IsStorageFull(const absl::Status& s);
 
 struct LoadedState {
