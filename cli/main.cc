@@ -542,8 +542,9 @@ class Cli {
     return absl::OkStatus();
   }
 
-  // loom admin quota list | set KIND NAME SLOTS | delete KIND NAME
-  absl::Status Quota(const std::string& action, const std::vector<std::string>& words) {
+  // loom admin quota list | set KIND NAME [SLOTS|none] [--weight W] | delete KIND NAME
+  absl::Status Quota(const std::string& action, const std::vector<std::string>& words,
+                     double weight) {
     if (action == "list") {
       v1::ListQuotasResponse r;
       LOOM_RETURN_IF_ERROR(client_->Call("GET", "/v1/quotas", nullptr, &r));
@@ -551,10 +552,12 @@ class Cli {
         std::cout << FormatMessage(r, output_) << "\n";
         return absl::OkStatus();
       }
-      std::cout << absl::StrFormat("%-8s %-20s %9s\n", "KIND", "NAME", "USED/MAX");
+      std::cout << absl::StrFormat("%-8s %-20s %11s %7s\n", "KIND", "NAME", "USED/MAX", "WEIGHT");
       for (const auto& q : r.quotas()) {
-        std::cout << absl::StrFormat("%-8s %-20s %4d/%-4d\n", q.kind(), q.name(), q.used(),
-                                     q.slots());
+        std::cout << absl::StrFormat(
+            "%-8s %-20s %5d/%-5s %7s\n", q.kind(), q.name(), q.used(),
+            q.has_slots() ? absl::StrCat(q.slots()) : "-",
+            q.kind() == "user" ? absl::StrCat(q.weight() > 0 ? q.weight() : 1.0) : "");
       }
       return absl::OkStatus();
     }
@@ -565,15 +568,24 @@ class Cli {
       std::cout << "removed the quota of " << words[0] << " " << words[1] << "\n";
       return absl::OkStatus();
     }
-    int64_t slots = 0;
-    if (!absl::SimpleAtoi(words.at(2), &slots))
-      return absl::InvalidArgumentError(absl::StrCat("SLOTS: '", words[2], "' is not a number"));
     v1::Quota q;
-    q.set_slots(static_cast<int32_t>(std::clamp<int64_t>(slots, -1, 1 << 30)));
+    if (words.size() > 2 && words[2] != "none") {
+      int64_t slots = 0;
+      if (!absl::SimpleAtoi(words[2], &slots))
+        return absl::InvalidArgumentError(
+            absl::StrCat("SLOTS: '", words[2], "' is not a number (or none)"));
+      q.set_slots(static_cast<int32_t>(std::clamp<int64_t>(slots, -1, 1 << 30)));
+    }
+    if (weight != 0) q.set_weight(weight);
+    if (!q.has_slots() && weight == 0)
+      return absl::InvalidArgumentError("give SLOTS, --weight, or both");
     v1::Quota stored;
     LOOM_RETURN_IF_ERROR(client_->Call("PUT", path, &q, &stored));
-    std::cout << stored.kind() << " " << stored.name() << ": at most " << stored.slots()
-              << " slots\n";
+    std::cout << stored.kind() << " " << stored.name() << ": "
+              << (stored.has_slots() ? absl::StrCat("at most ", stored.slots(), " slots")
+                                     : "no slot limit")
+              << (stored.weight() > 0 ? absl::StrCat(", fair-share weight ", stored.weight()) : "")
+              << "\n";
     return absl::OkStatus();
   }
 
@@ -882,6 +894,7 @@ class CommandLine {
 struct Commands {
   std::string file, job, sweep_arg;
   std::vector<std::string> quota_words;  // admin quota set/delete: KIND NAME [SLOTS]
+  double quota_weight = 0;               // admin quota set --weight
   CLI::App* quota = nullptr;
   std::vector<std::string> sets;  // submit --set PATH=VALUE, in order
   CLI::App *up = nullptr, *submit = nullptr, *list = nullptr, *status = nullptr, *logs = nullptr,
@@ -978,10 +991,11 @@ void AddAdminCommands(CommandLine& line, Commands& c) {
   c.quota->require_subcommand(1);
   c.quota->fallthrough();
   c.quota->add_subcommand("list", "every quota with what it counts now");
-  c.quota->add_subcommand("set", "set one: KIND (user | project) NAME SLOTS")
-      ->add_option("words", c.quota_words, "KIND NAME SLOTS")
-      ->expected(3)
-      ->required();
+  CLI::App* set = c.quota->add_subcommand(
+      "set", "set one: KIND (user | project) NAME [SLOTS | none]; replaces what was set");
+  set->add_option("words", c.quota_words, "KIND NAME [SLOTS | none]")->expected(2, 3)->required();
+  set->add_option("--weight", c.quota_weight,
+                  "a user's fair-share weight (default 1): twice the weight, twice the share");
   c.quota->add_subcommand("delete", "remove one: KIND NAME")
       ->add_option("words", c.quota_words, "KIND NAME")
       ->expected(2)
@@ -1075,7 +1089,7 @@ absl::Status RunCommand(const CommandLine& line, const Commands& c) {
   }
   for (CLI::App* cmd : c.quota->get_subcommands()) {
     LOOM_RETURN_IF_ERROR(cli.Init(line.ArgsOf(cmd)));
-    return cli.Quota(cmd->get_name(), c.quota_words);
+    return cli.Quota(cmd->get_name(), c.quota_words, c.quota_weight);
   }
   return absl::InvalidArgumentError("missing command (loom --help)");
 }

@@ -70,6 +70,8 @@ void DeclareMetrics(metrics::Registry& r) {
                  "Slots on live workers, used and free (their sum is the capacity)");
   r.DeclareCounter("loom_coordinator_jobs_submitted_total", "Jobs accepted by POST /v1/jobs");
   r.DeclareCounter("loom_coordinator_job_restarts_total", "Failed attempts requeued");
+  r.DeclareCounter("loom_coordinator_preemptions_total",
+                   "Attempts stopped for a higher-priority job and requeued");
   r.DeclareCounter("loom_coordinator_jobs_ended_total",
                    "Jobs that reached a terminal state (succeeded, failed, cancelled)");
   // At 0 from the start, so increase() sees the first failure (a series born at 1 has none).
@@ -290,6 +292,11 @@ absl::Status Coordinator::Load() {
   credentials_ = std::move(state.credentials);
   sweeps_ = std::move(state.sweeps);
   quotas_ = std::move(state.quotas);
+  // Written before slots became optional: a stored quota with neither slots nor a weight was
+  // one of 0 slots (proto3 does not write zeros).
+  for (auto& [key, quota] : quotas_) {
+    if (!quota.has_slots() && quota.weight() == 0) quota.set_slots(0);
+  }
   next_sweep_ = state.next_sweep;
   // Credentials stored in clear by an older coordinator: their digests replace them.
   StateStore::Batch upgrade;
@@ -316,12 +323,31 @@ absl::Status Coordinator::Load() {
     }
   }
   IndexPlacementsLocked();
+  RebuildUsageLocked();
   // Retention decided before a crash but not carried out yet.
   for (const auto& [id, c] : checkpoints_) {
     std::error_code ec;
     if (c.deleted() && fs::exists(c.path(), ec)) pending_deletes_.push_back(c.path());
   }
   return absl::OkStatus();
+}
+
+// Fair share's usage from every attempt's start and end (a running one's so far): the same
+// value the passes had advanced to, whatever the restart cost.
+void Coordinator::RebuildUsageLocked() {
+  const int64_t now = NowMs();
+  usage_.Advance(now, {});
+  last_held_.clear();
+  for (const auto& [id, job] : jobs_) {
+    const bool active = IsActive(job);
+    for (int i = 0; i < job.history_size(); ++i) {
+      const v1::AttemptRecord& a = job.history(i);
+      const bool current = active && i == job.history_size() - 1;
+      const int64_t end = current ? now : a.end_time_ms();
+      if (end > 0) usage_.AddInterval(job.submitted_by(), job.world_size(), a.start_time_ms(), end);
+    }
+    if (active) last_held_[job.submitted_by()] += job.world_size();
+  }
 }
 
 void Coordinator::Start() {
@@ -448,6 +474,7 @@ void Coordinator::SetState(Txn& txn, v1::Job& job, JobState state, const std::st
     if (job.history_size() > 0 && job.history().rbegin()->end_reason().empty()) {
       job.mutable_history()->rbegin()->set_end_reason(
           absl::StrCat(JobStateName(state), ": ", reason));
+      job.mutable_history()->rbegin()->set_end_time_ms(job.update_time_ms());
     }
   }
   AddEvent(txn, job, state, reason);
@@ -1290,10 +1317,48 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
   return r;
 }
 
+// Readies a job whose attempt ended for its next one (the caller sets it queued): placement
+// cleared, fenced until not_before_ms (0: none). It keeps its original queue time, so aging and
+// reservations count from the submission. Returns where it will resume from, in words.
+std::string Coordinator::Requeue(v1::Job& job, int64_t not_before_ms) {
+  std::string from = "the start";
+  if (const v1::CheckpointEntry* newest = NewestIntactCheckpoint(job)) {
+    from = absl::StrCat("step ", newest->step());
+  }
+  job.clear_placement();
+  job.set_master_port(0);
+  job.clear_finished_workers();
+  job.set_not_before_ms(not_before_ms);
+  fence_steady_[job.id()] = not_before_ms > 0 ? SteadyMs() + (not_before_ms - NowMs()) : 0;
+  return from;
+}
+
+// A preempted attempt ended (its ranks checkpointed and exited 76, or whatever they did once
+// asked to stop): queued again with its place kept, no restart counted.
+void Coordinator::RequeuePreempted(Txn& txn, v1::Job& job, const std::string& how) {
+  Save(txn, job);
+  v1::AttemptRecord* record = job.history_size() > 0 ? &*job.mutable_history()->rbegin() : nullptr;
+  if (record != nullptr) {
+    record->set_end_reason(absl::StrCat("preempted for ", job.preempted_for(), ": ", how));
+    record->set_end_time_ms(NowMs());
+    record->set_preempted(true);
+  }
+  job.set_preempt_requested(false);
+  job.set_preemptions(job.preemptions() + 1);
+  const std::string from = Requeue(job, 0);
+  SetState(txn, job, JobState::kQueued,
+           absl::StrCat("preempted for ", job.preempted_for(), "; requeued from ", from,
+                        " with its place in the queue kept (no restart counted)"));
+  registry_.Increment("loom_coordinator_preemptions_total");
+}
+
 void Coordinator::FailAttempt(Txn& txn, v1::Job& job, const std::string& reason, Failure kind,
                               int64_t not_before_ms) {
   Save(txn, job);
-  if (job.history_size() > 0) job.mutable_history()->rbegin()->set_end_reason(reason);
+  if (job.history_size() > 0) {
+    job.mutable_history()->rbegin()->set_end_reason(reason);
+    job.mutable_history()->rbegin()->set_end_time_ms(NowMs());
+  }
   if (kind == Failure::kBadInput) {
     SetState(txn, job, JobState::kFailed,
              absl::StrCat(reason,
@@ -1319,20 +1384,7 @@ void Coordinator::FailAttempt(Txn& txn, v1::Job& job, const std::string& reason,
     job.set_restarts(job.restarts() + 1);
   }
   SetState(txn, job, JobState::kRetrying, reason);
-  std::string from = "the start";
-  for (auto it = job.checkpoints().rbegin(); it != job.checkpoints().rend(); ++it) {
-    auto c = checkpoints_.find(*it);
-    if (c != checkpoints_.end() && !c->second.deleted() && c->second.damaged().empty()) {
-      from = absl::StrCat("step ", c->second.step());
-      break;
-    }
-  }
-  job.clear_placement();
-  job.set_master_port(0);
-  job.clear_finished_workers();
-  job.set_not_before_ms(not_before_ms);
-  fence_steady_[job.id()] = not_before_ms > 0 ? SteadyMs() + (not_before_ms - NowMs()) : 0;
-  // The job keeps its original queue time: aging and reservations count from the submission.
+  const std::string from = Requeue(job, not_before_ms);
   SetState(
       txn, job, JobState::kQueued,
       infra ? absl::StrCat("requeued from ", from, " (infrastructure failure ",
@@ -1748,6 +1800,10 @@ void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r
   if (static_cast<size_t>(job.checkpoints_size()) != before) ApplyRetention(txn, job.id());
   RecordEvals(txn, job, r);
   const RankFailures failed = FailedRanks(r, wid);
+  if (!failed.text.empty() && job.preempt_requested()) {
+    RequeuePreempted(txn, job, failed.text);
+    return;
+  }
   if (!failed.text.empty()) {
     FailAttempt(txn, job, failed.text,
                 failed.bad_input ? Failure::kBadInput
@@ -1813,7 +1869,9 @@ void Coordinator::ReconcileReportLocked(Txn& txn, const std::string& worker,
   // Reports of unknown jobs and of old attempts: stop what still runs, forget what ended.
   const bool live =
       jit != jobs_.end() && IsActive(jit->second) && r.attempt() == jit->second.attempt();
-  if (!live && !r.finished()) AddAttemptRef(response.mutable_cancels(), r);
+  // A preempted attempt is stopped like a cancelled one: SIGTERM, checkpoint, exit 76.
+  const bool stop = !live || jit->second.preempt_requested();
+  if (stop && !r.finished()) AddAttemptRef(response.mutable_cancels(), r);
   if (r.finished()) {
     AddAttemptRef(response.mutable_forget(), r);
   } else {
@@ -1950,9 +2008,22 @@ std::vector<QueuedJob> Coordinator::QueueLocked(std::map<std::string, std::strin
     q.user = job.submitted_by();
     q.project = ProjectOf(job);
     q.queued_since_ms = job.queued_since_ms();
+    q.sweep = job.sweep_id();
+    q.sweep_order = SweepOrder(job);
     queue.push_back(std::move(q));
   }
   return queue;
+}
+
+// A sweep job's seed-major position: seed index × cells + cell index (0 for other jobs).
+int Coordinator::SweepOrder(const v1::Job& job) const {
+  auto sweep = sweeps_.find(job.sweep_id());
+  if (job.sweep_id().empty() || sweep == sweeps_.end()) return 0;
+  const auto& cells = sweep->second.cells();
+  const auto& seeds = sweep->second.spec().seeds();
+  const auto cell = std::find(cells.begin(), cells.end(), job.sweep_cell());
+  const auto seed = std::find(seeds.begin(), seeds.end(), job.sweep_seed());
+  return static_cast<int>((seed - seeds.begin()) * cells.size() + (cell - cells.begin()));
 }
 
 // After a restart: nothing is placed until every live worker has said what it runs.
@@ -2049,17 +2120,84 @@ void Coordinator::ScheduleLocked(Txn& txn) {
     waiting_reason_ = std::move(held);
     return;
   }
-  ScheduleResult result =
-      Schedule(std::move(queue), FreeWorkersLocked(), options_.scheduler, now, QuotasLocked());
-  waiting_reason_ = std::move(result.waiting);
+  const PassInputs in = PassInputsLocked(now);
+  const ScheduleResult result = Schedule(queue, FreeWorkersLocked(), options_.scheduler, now,
+                                         in.quotas, in.share, in.running);
+  waiting_reason_ = Explain(result, queue);
   waiting_reason_.insert(held.begin(), held.end());
   for (const GangPlacement& g : result.placed) StartAttemptLocked(txn, g, now);
+  for (const Preemption& p : result.preempt) RequestPreemption(txn, jobs_[p.victim], p.for_job);
 }
 
-// The quotas with what they count now: the slots of every scheduled or running job.
+// Asks the victim's ranks to stop (SIGTERM on their agents' next heartbeat; they checkpoint and
+// exit 76). Its slots stay counted until they are gone; then it is requeued (RequeuePreempted).
+void Coordinator::RequestPreemption(Txn& txn, v1::Job& victim, const std::string& for_job) {
+  Save(txn, victim);
+  victim.set_preempt_requested(true);
+  victim.set_preempted_for(for_job);
+  txn.batch.PutJob(victim);
+  AddEvent(txn, victim, std::nullopt,
+           absl::StrCat("preempting for ", for_job, " (priority ", jobs_[for_job].priority(), " > ",
+                        victim.priority(), "): stopping its ranks to checkpoint and requeue"));
+}
+
+// The fair-share ledger brought to `now` with what each user held since the last pass.
+void Coordinator::AdvanceUsageLocked(int64_t now, const std::map<std::string, int>& held) {
+  usage_.Advance(now, last_held_);
+  last_held_ = held;
+}
+
+// One scan of the jobs for what a pass needs besides the queue and the free slots: quotas with
+// their usage, sweeps' max_concurrent, fair share, and the running jobs preemption may stop.
+Coordinator::PassInputs Coordinator::PassInputsLocked(int64_t now) {
+  PassInputs in;
+  in.quotas = QuotasLocked();
+  for (const auto& [key, quota] : quotas_) {
+    if (quota.kind() == "user" && quota.weight() > 0)
+      in.share.weight[quota.name()] = quota.weight();
+  }
+  for (const auto& [id, job] : jobs_) {
+    const std::optional<JobState> state = JobStateOf(job);
+    if (state != JobState::kScheduled && state != JobState::kRunning) continue;
+    in.share.held[job.submitted_by()] += job.world_size();
+    if (!job.sweep_id().empty()) in.quotas.sweep_active[job.sweep_id()] += 1;
+    if (state == JobState::kRunning) in.running.push_back(RunningJobOf(job, now));
+  }
+  for (const auto& [id, sweep] : sweeps_) {
+    if (sweep.spec().max_concurrent() > 0)
+      in.quotas.sweep_limit[id] = sweep.spec().max_concurrent();
+  }
+  AdvanceUsageLocked(now, in.share.held);
+  in.share.average = usage_.averages();
+  return in;
+}
+
+// A running job as preemption sees it: the work it would lose is the time since its newest
+// checkpoint (or its attempt's start); an attempt that follows a preemption is protected for
+// min_run_ms, so no job is stopped over and over.
+RunningJob Coordinator::RunningJobOf(const v1::Job& job, int64_t now) const {
+  RunningJob r;
+  r.id = job.id();
+  r.priority = job.priority();
+  for (const v1::Placement& p : job.placement())
+    r.slots.emplace_back(p.worker_id(), p.ranks_size());
+  int64_t since = job.history_size() > 0 ? job.history().rbegin()->start_time_ms() : now;
+  if (const v1::CheckpointEntry* c = NewestIntactCheckpoint(job))
+    since = std::max(since, c->time_ms());
+  r.checkpoint_age_ms = std::max<int64_t>(0, now - since);
+  const int n = job.history_size();
+  if (n >= 2 && job.history(n - 2).preempted())
+    r.protected_until_ms = job.history(n - 1).start_time_ms() + options_.scheduler.min_run_ms;
+  r.stopping = job.preempt_requested();
+  return r;
+}
+
+// The quotas with what they count now: the slots of every scheduled or running job. A quota
+// without slots (a fair-share weight alone) limits nothing.
 Quotas Coordinator::QuotasLocked() const {
   Quotas q;
   for (const auto& [key, quota] : quotas_) {
+    if (!quota.has_slots()) continue;
     (quota.kind() == "user" ? q.user_limit : q.project_limit)[quota.name()] = quota.slots();
   }
   if (quotas_.empty()) return q;
@@ -2092,7 +2230,14 @@ absl::StatusOr<v1::Quota> Coordinator::SetQuota(const v1::Quota& quota, const Ca
     return FieldError("kind", "user or project");
   if (!IsToken(quota.name(), 63) || quota.name().find_first_of("/:") != std::string::npos)
     return FieldError("name", "1..63 characters of [A-Za-z0-9._-]");
-  if (quota.slots() < 0 || quota.slots() > 1000000) return FieldError("slots", "0..1000000");
+  if (quota.has_slots() && (quota.slots() < 0 || quota.slots() > 1000000))
+    return FieldError("slots", "0..1000000");
+  if (!(quota.weight() >= 0 && quota.weight() <= 1e6))  // NaN fails too
+    return FieldError("weight", "a number in (0, 1000000]");
+  if (quota.weight() > 0 && quota.kind() != "user")
+    return FieldError("weight", "fair share is between users: set it on a user");
+  if (!quota.has_slots() && quota.weight() == 0)
+    return FieldError("slots", "give slots, a weight, or both");
   StateStore::Batch batch;
   batch.PutQuota(quota);
   std::lock_guard<std::mutex> lock(mutex_);

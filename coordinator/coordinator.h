@@ -57,6 +57,7 @@ struct CoordinatorOptions {
   int64_t max_body_bytes = 1 << 20;                // told to agents: heartbeats must fit
   int64_t max_job_log_bytes = int64_t{256} << 20;  // the first this many bytes of a job's log
   SchedulerOptions scheduler;
+  double fair_share_half_life_s = 86400;  // decay of the usage fair share counts (UsageLedger)
   // Every time the coordinator reads (heartbeat silence, fencing, queue ages, event times).
   std::shared_ptr<Clock> clock = std::make_shared<SystemClock>();
 };
@@ -190,7 +191,8 @@ class Coordinator {
   // Attempts ("<job>", attempt) a worker reported as not finished -> its ranks running them.
   using RunningAttempts = std::map<std::pair<std::string, int>, int>;
 
-  explicit Coordinator(const CoordinatorOptions& options) : options_(options) {}
+  explicit Coordinator(const CoordinatorOptions& options)
+      : options_(options), usage_(options.fair_share_half_life_s) {}
   int64_t NowMs() const { return options_.clock->NowMs(); }
   int64_t SteadyMs() const { return options_.clock->SteadyMs(); }
   // When the worker was last heard, on the steady clock (0: never since this process started).
@@ -240,6 +242,19 @@ class Coordinator {
   void ForgiveOwnOutage();
   void ResumeStoreIfFull();
   Quotas QuotasLocked() const;
+  struct PassInputs {
+    Quotas quotas;
+    FairShare share;
+    std::vector<RunningJob> running;
+  };
+  PassInputs PassInputsLocked(int64_t now);
+  RunningJob RunningJobOf(const v1::Job& job, int64_t now) const;
+  void AdvanceUsageLocked(int64_t now, const std::map<std::string, int>& held);
+  void RebuildUsageLocked();
+  int SweepOrder(const v1::Job& job) const;
+  void RequestPreemption(Txn& txn, v1::Job& victim, const std::string& for_job);
+  void RequeuePreempted(Txn& txn, v1::Job& job, const std::string& how);
+  std::string Requeue(v1::Job& job, int64_t not_before_ms);
   void MarkSilentWorkersLost(Txn& txn);
   bool AllWorkersSilent(int64_t now);
   bool AppendCapped(Txn& txn, const std::string& job_id, const std::string& path,
@@ -301,6 +316,10 @@ class Coordinator {
   std::map<std::string, std::string> request_ids_;
   std::map<std::string, v1::Sweep> sweeps_;
   std::map<std::string, v1::Quota> quotas_;  // "<kind>/<name>" -> quota (used not kept)
+  // Fair share's decayed usage: rebuilt from the jobs' attempt histories at load, advanced by
+  // each pass with what the users held since the one before.
+  UsageLedger usage_;
+  std::map<std::string, int> last_held_;
   int64_t next_sweep_ = 1;
   std::map<std::string, std::string> credentials_;       // worker id -> credential
   std::map<std::string, std::string> credential_owner_;  // credential -> worker id

@@ -759,8 +759,9 @@ TEST_F(CoordinatorTest, QuotasHoldJobsQueuedWithTheirReason) {
   auto first = c_->Submit(labelled, "bob"), second = c_->Submit(labelled, "carol");
   ASSERT_TRUE(first.ok() && second.ok());
   c_->Tick();
-  EXPECT_EQ(Job(first->id()).placement_size(), 1);
-  EXPECT_EQ(Job(second->id()).reason(), "quota: project iha uses 2 of 2 slots");
+  // Carol goes first by fair share (bob holds 2 slots already, she none).
+  EXPECT_EQ(Job(second->id()).placement_size(), 1);
+  EXPECT_EQ(Job(first->id()).reason(), "quota: project iha uses 2 of 2 slots");
   // Raising alice's quota lets her third job run.
   q.set_slots(6);
   ASSERT_TRUE(c_->SetQuota(q, Caller{"root", true}).ok());
@@ -774,6 +775,181 @@ TEST_F(CoordinatorTest, QuotasHoldJobsQueuedWithTheirReason) {
   ASSERT_EQ(listed->quotas_size(), 1);
   EXPECT_EQ(listed->quotas(0).name(), "alice");
   EXPECT_EQ(listed->quotas(0).slots(), 6);
+}
+
+// Preemption end to end in the state machine: after the grace, an urgent job that cannot be
+// placed has the lower-priority job stopped (its agent is told to cancel the attempt); once its
+// ranks exit 76 it is requeued with its place kept and no restart counted, resumes from its
+// checkpoint, and is protected from another preemption for min_run.
+TEST_F(CoordinatorTest, UrgentJobPreemptsALowerPriorityOneWhichRequeuesUncounted) {
+  options_.scheduler.preempt_after_ms = 30000;
+  options_.scheduler.min_run_ms = 600000;
+  Reopen();
+  const std::string w = RegisterWorker("a", 2);
+  const std::string low = Submit(MicroJob(2));
+  c_->Tick();
+  Beat(w, low, 1, {{0, -1}, {1, -1}}, {}, 31000);
+  WriteCheckpointDir(low, 10);
+  Beat(w, low, 1, {{0, -1}, {1, -1}}, {10});
+  v1::SubmitJobRequest urgent_request = MicroJob(2);
+  urgent_request.set_priority(5);
+  auto urgent = c_->Submit(urgent_request, "bob");
+  ASSERT_TRUE(urgent.ok());
+  c_->Tick();
+  EXPECT_FALSE(Job(low).preempt_requested()) << "not before the grace";
+  EXPECT_NE(Job(urgent->id()).reason().find("waiting for 2 slots"), std::string::npos);
+  clock_->Advance(30000);
+  c_->Tick();
+  EXPECT_TRUE(Job(low).preempt_requested());
+  EXPECT_EQ(Job(low).preempted_for(), urgent->id());
+  EXPECT_NE(Job(urgent->id()).reason().find("preempting 1 lower-priority job"), std::string::npos)
+      << Job(urgent->id()).reason();
+  // Its agent is told to stop the attempt; the ranks checkpoint and exit 76.
+  auto hb = Beat(w, low, 1, {{0, -1}, {1, -1}});
+  ASSERT_EQ(hb.cancels_size(), 1);
+  EXPECT_EQ(hb.cancels(0).job_id(), low);
+  c_->Tick();
+  EXPECT_EQ(Job(low).preemptions(), 0) << "nothing is requeued before the ranks are gone";
+  WriteCheckpointDir(low, 12);
+  Beat(w, low, 1, {{0, kExitStopped}, {1, kExitStopped}}, {12});
+  v1::Job requeued = Job(low);
+  EXPECT_EQ(requeued.state(), "queued");
+  EXPECT_EQ(requeued.preemptions(), 1);
+  EXPECT_EQ(requeued.restarts(), 0);
+  EXPECT_EQ(requeued.infra_restarts(), 0);
+  EXPECT_EQ(requeued.queued_since_ms(), Job(low).submit_time_ms()) << "its place is kept";
+  EXPECT_TRUE(requeued.history(0).preempted());
+  EXPECT_NE(requeued.reason().find("requeued from step 12"), std::string::npos)
+      << requeued.reason();
+  c_->Tick();
+  EXPECT_EQ(Job(urgent->id()).placement_size(), 1) << Job(urgent->id()).reason();
+  // The urgent job finishes; the preempted one resumes from its checkpoint.
+  Beat(w, urgent->id(), 1, {{0, 0}, {1, 0}});
+  c_->Tick();
+  v1::Job resumed = Job(low);
+  ASSERT_EQ(resumed.attempt(), 2);
+  EXPECT_EQ(resumed.resume_from(), CheckpointPath(low, 12));
+  Beat(w, low, 2, {{0, -1}, {1, -1}});
+  // A second urgent job cannot preempt it again within min_run, even after the grace.
+  auto second = c_->Submit(urgent_request, "bob");
+  ASSERT_TRUE(second.ok());
+  auto run_for = [&](int minutes) {
+    for (int i = 0; i < minutes; ++i) {
+      clock_->Advance(60000);
+      Beat(w, low, 2, {{0, -1}, {1, -1}});
+      c_->Tick();
+    }
+  };
+  run_for(5);
+  EXPECT_FALSE(Job(low).preempt_requested()) << "protected for min_run";
+  run_for(6);
+  EXPECT_TRUE(Job(low).preempt_requested()) << "after min_run it may be preempted again";
+  // Never for a job of equal priority.
+  EXPECT_EQ(Job(second->id()).priority(), 5);
+}
+
+TEST_F(CoordinatorTest, NoPreemptionForEqualPriorityOrWhenDisabled) {
+  options_.scheduler.preempt_after_ms = 0;
+  Reopen();
+  const std::string w = RegisterWorker("a", 1);
+  const std::string first = Submit(MicroJob(1));
+  c_->Tick();
+  Beat(w, first, 1, {{0, -1}}, {}, 31000);
+  const std::string second = Submit(MicroJob(1));
+  clock_->Advance(3600000);
+  c_->Tick();
+  EXPECT_FALSE(Job(first).preempt_requested()) << "equal priority";
+  options_.scheduler.preempt_after_ms = -1;
+  Reopen();
+  v1::SubmitJobRequest urgent = MicroJob(1);
+  urgent.set_priority(9);
+  Submit(urgent);
+  Beat(w, first, 1, {{0, -1}}, {}, 31000);
+  clock_->Advance(3600000);
+  c_->Tick();
+  EXPECT_FALSE(Job(first).preempt_requested()) << "--preempt-after-s -1";
+}
+
+// Fair share through the coordinator: weights are set like quotas (a user entry with a weight
+// alone limits nothing), and the usage history survives a restart (rebuilt from attempts).
+TEST_F(CoordinatorTest, FairShareFollowsWeightsAndHistoryAcrossARestart) {
+  options_.fair_share_half_life_s = 3600;
+  Reopen();
+  v1::Quota weight;
+  weight.set_kind("user");
+  weight.set_name("bob");
+  weight.set_weight(3);
+  auto set = c_->SetQuota(weight, Caller{"root", true});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_FALSE(set->has_slots());
+  weight.set_kind("project");
+  EXPECT_EQ(c_->SetQuota(weight, Caller{"root", true}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  weight.set_kind("user");
+  weight.set_weight(std::nan(""));
+  EXPECT_EQ(c_->SetQuota(weight, Caller{"root", true}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Alice runs a 4-slot job for an hour; then it ends.
+  const std::string w = RegisterWorker("a", 4);
+  const std::string history = Submit(MicroJob(4));
+  c_->Tick();
+  Beat(w, history, 1, {{0, -1}, {1, -1}, {2, -1}, {3, -1}}, {}, 31000);
+  for (int i = 0; i < 60; ++i) {
+    clock_->Advance(60000);
+    c_->Tick();
+    Beat(w, history, 1, {{0, -1}, {1, -1}, {2, -1}, {3, -1}});
+  }
+  Beat(w, history, 1, {{0, 0}, {1, 0}, {2, 0}, {3, 0}});
+  ASSERT_EQ(Job(history).state(), "succeeded");
+  Reopen();  // the usage is rebuilt from the attempt's start and end
+  Beat(w, "", 0, {});
+  // Two one-slot jobs each, alice's queued first: bob (no usage, weight 3) gets three turns
+  // before alice's history lets her have one.
+  std::vector<std::string> alice, bob;
+  for (int i = 0; i < 4; ++i) alice.push_back(Submit(MicroJob(1)));
+  for (int i = 0; i < 4; ++i) bob.push_back(c_->Submit(MicroJob(1), "bob")->id());
+  c_->Tick();
+  int alice_placed = 0, bob_placed = 0;
+  for (const auto& id : alice) alice_placed += Job(id).placement_size();
+  for (const auto& id : bob) bob_placed += Job(id).placement_size();
+  // Alice's decayed average: 4 slots for one half-life = 2, score 2; bob's four jobs take him to
+  // 4/3 only.
+  EXPECT_EQ(bob_placed, 4) << "alice held 4 slots for an hour: bob catches up first";
+  EXPECT_EQ(alice_placed, 0);
+}
+
+// A sweep's cells advance round-robin over seeds (seed-major), and max_concurrent caps it.
+TEST_F(CoordinatorTest, SweepsRunSeedMajorUpToMaxConcurrent) {
+  RegisterWorker("a", 8);
+  v1::SweepSpec sweep;
+  *sweep.mutable_base() = MicroJob(1);
+  auto* lr = &(*sweep.mutable_grid())["optimizer.lr"];
+  lr->add_values()->set_number_value(0.001);
+  lr->add_values()->set_number_value(0.002);
+  lr->add_values()->set_number_value(0.004);
+  for (int seed = 1; seed <= 3; ++seed) sweep.add_seeds(seed);
+  sweep.set_max_concurrent(4);
+  auto created = c_->CreateSweep(sweep, "alice");
+  ASSERT_TRUE(created.ok()) << created.status();
+  c_->Tick();
+  auto got = c_->GetSweep(created->id());
+  ASSERT_TRUE(got.ok()) << got.status();
+  std::map<uint64_t, int> placed_by_seed;
+  int waiting = 0;
+  for (const auto& j : got->jobs()) {
+    const v1::Job job = Job(j.job_id());
+    if (job.placement_size() > 0) {
+      ++placed_by_seed[j.seed()];
+    } else {
+      ++waiting;
+      EXPECT_NE(job.reason().find("of max_concurrent 4"), std::string::npos) << job.reason();
+    }
+  }
+  EXPECT_EQ(placed_by_seed, (std::map<uint64_t, int>{{1, 3}, {2, 1}}))
+      << "every cell's first seed before any cell's second";
+  EXPECT_EQ(waiting, 5);
+  sweep.set_max_concurrent(-1);
+  EXPECT_EQ(c_->CreateSweep(sweep, "alice").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Labels and a description on jobs and sweeps; lists filter by labels; a sweep's go to its jobs.

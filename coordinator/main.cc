@@ -49,6 +49,12 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
                           checkpoint at least this often (default 600)
   --aging-seconds S       a queued job gains one priority point per S seconds (default 60)
   --reserve-after-s S     a blocked job reserves slots after waiting S seconds (default 300)
+  --preempt-after-s S     a job that has waited S seconds (default 600) may preempt running
+                          jobs of lower priority: they checkpoint, exit and are requeued with
+                          their place kept (-1 = never preempt)
+  --min-run-s S           a preempted job's next attempt is not preempted again for S seconds
+                          (default 600)
+  --fair-share-half-life-s S   how fast the usage fair share counts is forgotten (default 86400)
   --max-body-bytes N      request size limit (default 1048576)
   --max-job-log-bytes N   a job's log keeps its first N bytes (default 268435456); later lines
                           are dropped, which the log and the job's events say
@@ -122,6 +128,9 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
                          "checkpoint-interval-seconds",
                          "aging-seconds",
                          "reserve-after-s",
+                         "preempt-after-s",
+                         "min-run-s",
+                         "fair-share-half-life-s",
                          "max-body-bytes",
                          "max-connections",
                          "max-connections-per-address",
@@ -156,6 +165,10 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   LOOM_ASSIGN_OR_RETURN(options.scheduler.aging_seconds,
                         args.GetDouble("aging-seconds", 60, 0.001, 1e9));
   LOOM_ASSIGN_OR_RETURN(int64_t reserve, args.GetInt("reserve-after-s", 300, 0, 1000000000));
+  LOOM_ASSIGN_OR_RETURN(int64_t preempt, args.GetInt("preempt-after-s", 600, -1, 1000000000));
+  LOOM_ASSIGN_OR_RETURN(int64_t min_run, args.GetInt("min-run-s", 600, 0, 1000000000));
+  LOOM_ASSIGN_OR_RETURN(options.fair_share_half_life_s,
+                        args.GetDouble("fair-share-half-life-s", 86400, 1, 1e9));
   LOOM_ASSIGN_OR_RETURN(settings.port, args.GetInt("port", 8470, 0, 65535));
   LOOM_ASSIGN_OR_RETURN(settings.agent_port, args.GetInt("agent-port", 8471, 0, 65535));
   LOOM_ASSIGN_OR_RETURN(
@@ -178,6 +191,8 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   options.all_silent_min_workers = static_cast<int>(all_silent);
   options.max_infra_restarts = static_cast<int>(infra);
   options.scheduler.reserve_after_ms = reserve * 1000;
+  options.scheduler.preempt_after_ms = preempt < 0 ? -1 : preempt * 1000;
+  options.scheduler.min_run_ms = min_run * 1000;
   return settings;
 }
 

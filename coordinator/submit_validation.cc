@@ -181,6 +181,7 @@ absl::Status CheckSweepRequest(const v1::SweepSpec& spec) {
   LOOM_RETURN_IF_ERROR(CheckRequestId(spec.request_id()));
   LOOM_RETURN_IF_ERROR(CheckLabels("labels", spec.labels()));
   LOOM_RETURN_IF_ERROR(CheckDescription("description", spec.description()));
+  if (spec.max_concurrent() < 0) return FieldError("max_concurrent", "must be >= 0 (0: no limit)");
   if (!spec.base().request_id().empty()) {
     return FieldError("base.request_id", "set request_id on the sweep, not its base job");
   }
