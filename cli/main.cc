@@ -634,11 +634,19 @@ UpLayout PrepareUpLayout(const CliArgs& args) {
 }
 
 // Tokens even on one box: any web page the user opens can reach a loopback port. Returns the
-// user token.
-absl::StatusOr<std::string> WriteUpTokens(const UpLayout& l) {
+// user token. --users adds a shared box's other users ("user token [admin]" lines, checked by
+// the coordinator as it reads them).
+absl::StatusOr<std::string> WriteUpTokens(const UpLayout& l, const CliArgs& args) {
   const std::string user_token = RandomToken(), enrolment_token = RandomToken();
-  LOOM_RETURN_IF_ERROR(
-      WritePrivateFile(l.users_file(), absl::StrCat("local ", user_token, " admin\n")));
+  std::string users = absl::StrCat("local ", user_token, " admin\n");
+  if (args.Has("users")) {
+    std::ifstream in(args.Get("users"));
+    if (!in)
+      return absl::InvalidArgumentError(absl::StrCat("--users: cannot read ", args.Get("users")));
+    users.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    if (users.back() != '\n') users += '\n';
+  }
+  LOOM_RETURN_IF_ERROR(WritePrivateFile(l.users_file(), users));
   LOOM_RETURN_IF_ERROR(WritePrivateFile(l.worker_token_file(), enrolment_token + "\n"));
   LOOM_RETURN_IF_ERROR(WritePrivateFile((l.tokens / "user-token").string(), user_token + "\n"));
   return user_token;
@@ -671,16 +679,35 @@ class ChildProcesses {
   std::vector<pid_t> pids_;
 };
 
-pid_t StartCoordinator(ChildProcesses& children, const UpLayout& l, int64_t port) {
+pid_t StartCoordinator(ChildProcesses& children, const UpLayout& l, int64_t port,
+                       const CliArgs& args) {
   std::error_code ec;
   fs::remove(l.agent_port_file, ec);
-  return children.Spawn({(l.bin / "loom-coordinator").string(), "--data-dir",
-                         (fs::path(l.data) / "coordinator").string(), "--storage-root",
-                         (fs::path(l.data) / "storage").string(), "--port", std::to_string(port),
-                         "--port-file", l.port_file, "--agent-port", "0", "--agent-port-file",
-                         l.agent_port_file, "--user-tokens", l.users_file(), "--worker-token-file",
-                         l.worker_token_file(), "--prometheus-sd-file",
-                         (fs::path(l.sd_dir) / "coordinator.json").string()});
+  std::vector<std::string> argv = {(l.bin / "loom-coordinator").string(),
+                                   "--data-dir",
+                                   (fs::path(l.data) / "coordinator").string(),
+                                   "--storage-root",
+                                   (fs::path(l.data) / "storage").string(),
+                                   "--port",
+                                   std::to_string(port),
+                                   "--port-file",
+                                   l.port_file,
+                                   "--agent-port",
+                                   "0",
+                                   "--agent-port-file",
+                                   l.agent_port_file,
+                                   "--user-tokens",
+                                   l.users_file(),
+                                   "--worker-token-file",
+                                   l.worker_token_file(),
+                                   "--prometheus-sd-file",
+                                   (fs::path(l.sd_dir) / "coordinator.json").string()};
+  // The scheduling policy of a shared box, passed through (the coordinator checks the values).
+  for (const char* flag : {"preempt-after-s", "min-run-s", "fair-share-half-life-s"}) {
+    if (args.Has(flag)) argv.insert(argv.end(), {absl::StrCat("--", flag), args.Get(flag)});
+  }
+  if (args.Has("private-jobs")) argv.push_back("--private-jobs");
+  return children.Spawn(argv);
 }
 
 // The coordinator's bound {user port, agent port}, once it has written both (10 s at most).
@@ -765,9 +792,9 @@ absl::Status Up(const CliArgs& args) {
   sa.sa_handler = OnSignal;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
-  LOOM_ASSIGN_OR_RETURN(const std::string user_token, WriteUpTokens(layout));
+  LOOM_ASSIGN_OR_RETURN(const std::string user_token, WriteUpTokens(layout, args));
   ChildProcesses children;
-  const pid_t coordinator = StartCoordinator(children, layout, port);
+  const pid_t coordinator = StartCoordinator(children, layout, port, args);
   LOOM_ASSIGN_OR_RETURN(const auto ports, WaitForCoordinatorPorts(children, layout, coordinator));
   // The CLI finds the token here for this port (LocalToken).
   const std::string cli_token_file = LocalTokenPath(std::to_string(ports.first));
@@ -910,7 +937,14 @@ void AddUpCommand(CommandLine& line, Commands& c) {
              {"port", "PORT", "coordinator port on 127.0.0.1 (default 8470)"},
              {"data-dir", "DIR", "state, checkpoints and logs (default runs/loom-up)"},
              {"labels", "K=V,...", "worker labels k=v,..."},
-             {"prometheus-dir", "DIR", "file_sd targets (default DATA_DIR/prometheus-targets)"}});
+             {"prometheus-dir", "DIR", "file_sd targets (default DATA_DIR/prometheus-targets)"},
+             {"users", "FILE", "more users of a shared box: `user token [admin]` lines"},
+             {"preempt-after-s", "S",
+              "a job waiting S s may preempt lower priorities (default "
+              "600; -1 never)"},
+             {"min-run-s", "S", "a preempted job is not preempted again for S s (default 600)"},
+             {"fair-share-half-life-s", "S", "half-life of the usage fair share counts"}});
+  CommandLine::Switch(c.up, "--private-jobs", "users see only their own jobs (admins see all)");
 }
 
 void AddSubmitCommand(CommandLine& line, Commands& c) {

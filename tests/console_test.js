@@ -229,7 +229,13 @@ async function main() {
   await page.waitForFunction((id) => [...document.querySelectorAll('tr[data-worker] td')]
     .some((td) => td.textContent.includes(id)), { timeout: 10000 }, longId);
   assert.match(await textOf(page, 'tr[data-worker]'), /pool=cpu/);
+  // Quotas and fair-share weights an admin set (loom up's user is one) are listed there too.
+  assert.equal((await rest(base, token, 'PUT', '/v1/quotas/user/local', { slots: 8, weight: 2 })).status, 200);
+  await page.waitForFunction(() => /1 of 8|2 of 8/.test(document.querySelector('tr[data-quota="user/local"]')?.textContent || ''),
+    { timeout: 15000 });
+  assert.match(await textOf(page, 'tr[data-quota="user/local"]'), /user.*local.*of 8.*2/);
   await shot(page, 'workers');
+  assert.equal((await rest(base, token, 'DELETE', '/v1/quotas/user/local')).status, 200);
   // A rank dies (SIGKILL): attempt 2 resumes from the newest checkpoint (step 20, or 40 when the
   // job got there before the kill) and draws its own line from there; neither line goes back
   // over itself.

@@ -288,7 +288,9 @@
       ['Submitted', fmtTime(job.submit_time_ms)], ['Started', fmtTime(job.start_time_ms)],
       ['Ended', fmtTime(job.end_time_ms)], ['Step', `${p.step || 0} / ${p.total_steps || job.spec?.steps || '?'}`],
       ['Tokens/s', fmt(p.tokens_per_second)], ['World size', job.world_size],
-      ['Attempt', `${job.attempt} (restarts ${job.restarts || 0}, infrastructure ${job.infra_restarts || 0})`],
+      ['Attempt', `${job.attempt} (restarts ${job.restarts || 0}, infrastructure ${job.infra_restarts || 0}, `
+        + `preempted ${job.preemptions || 0})`],
+      ['Priority', String(job.priority || 0)],
       ['Started from', job.request?.init_from
         ? jobLink(checkpointJob(job.request.init_from), job.request.init_from) : 'fresh weights'],
       ['Sweep', job.sweep_id ? h('a', { href: `#/sweeps/${encodeURIComponent(job.sweep_id)}` },
@@ -724,8 +726,9 @@
     const body = h('div');
     page('Workers', body);
     every(POLL_MS, async () => {
-      const [workers, running] = await Promise.all([all('/v1/workers', 'workers'),
-        Promise.all(['scheduled', 'running'].map((st) => all(`/v1/jobs?state=${st}`, 'jobs'))).then((x) => x.flat())]);
+      const [workers, running, quotas] = await Promise.all([all('/v1/workers', 'workers'),
+        Promise.all(['scheduled', 'running'].map((st) => all(`/v1/jobs?state=${st}`, 'jobs'))).then((x) => x.flat()),
+        api('GET', '/v1/quotas').then((r) => (r && r.quotas) || [])]);
       const onWorker = new Map();
       for (const j of running) for (const p of j.placement || []) {
         if (!onWorker.has(p.worker_id)) onWorker.set(p.worker_id, []);
@@ -739,7 +742,13 @@
             ` ${w.used_slots || 0}/${w.slots}`),
           h('td', {}, (w.gpus || []).map((g) => h('div', {}, `${g.index}: ${g.model || 'GPU'}`))),
           h('td', {}, Object.entries(w.labels || {}).map(([k, v]) => h('span', { class: 'chip' }, `${k}=${v}`))),
-          h('td', {}, fmtAge(w.last_heartbeat_ms)), h('td', {}, onWorker.get(w.id) || '—')))));
+          h('td', {}, fmtAge(w.last_heartbeat_ms)), h('td', {}, onWorker.get(w.id) || '—')))),
+        h('h2', {}, 'Quotas and fair-share weights'),
+        quotas.length ? table(['Kind', 'Name', 'Slots used', 'Weight'], quotas.map((q) => h('tr', { 'data-quota': `${q.kind}/${q.name}` },
+          h('td', {}, q.kind), h('td', {}, q.name),
+          h('td', {}, q.slots === undefined ? `${q.used || 0} (no limit)` : `${q.used || 0} of ${q.slots}`),
+          h('td', {}, q.kind === 'user' ? String(q.weight || 1) : '—'))))
+          : h('p', { class: 'help' }, 'No quotas: every user may use every slot; fair-share weights are all 1.'));
     });
   }
 
