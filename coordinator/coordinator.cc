@@ -1986,6 +1986,10 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::HeartbeatLocked(
 std::vector<QueuedJob> Coordinator::QueueLocked(std::map<std::string, std::string>& held) const {
   std::vector<QueuedJob> queue;
   const int64_t steady = SteadyMs();
+  std::set<std::string> preempting;  // jobs that active jobs are stopping for
+  for (const auto& [id, job] : jobs_) {
+    if (job.preempt_requested() && IsActive(job)) preempting.insert(job.preempted_for());
+  }
   for (const auto& [id, job] : jobs_) {
     if (JobStateOf(job) != JobState::kQueued) continue;
     if (auto fence = fence_steady_.find(id);
@@ -2010,6 +2014,7 @@ std::vector<QueuedJob> Coordinator::QueueLocked(std::map<std::string, std::strin
     q.queued_since_ms = job.queued_since_ms();
     q.sweep = job.sweep_id();
     q.sweep_order = SweepOrder(job);
+    q.preempting = preempting.count(id) > 0;
     queue.push_back(std::move(q));
   }
   return queue;

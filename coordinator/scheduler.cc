@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <queue>
 #include <set>
 #include <tuple>
@@ -180,40 +181,39 @@ class FreeSlotIndex {
 };
 
 // Victims for preemption, cheapest first: the least work lost (age of the newest checkpoint),
-// then the fewest ranks.
+// then the fewest ranks. The candidates are sorted, and the slots still to come per pool
+// counted, only when a pass first needs them: most passes preempt nothing.
 class Preemptor {
  public:
   Preemptor(const std::vector<RunningJob>& running, int64_t now_ms)
-      : running_(running), stopping_(running.size()) {
+      : running_(running), now_ms_(now_ms), stopping_(running.size()) {
     for (size_t i = 0; i < running.size(); ++i) {
       stopping_[i] = running[i].stopping;
-      if (!running[i].stopping && running[i].protected_until_ms <= now_ms) {
-        order_.push_back(static_cast<int>(i));
+      if (!running[i].stopping && running[i].protected_until_ms <= now_ms)
         lowest_priority_ = std::min(lowest_priority_, running[i].priority);
-      }
     }
-    std::sort(order_.begin(), order_.end(), [&](int a, int b) {
-      const RunningJob &x = running[a], &y = running[b];
-      return std::make_tuple(x.checkpoint_age_ms, Ranks(x), x.id) <
-             std::make_tuple(y.checkpoint_age_ms, Ranks(y), y.id);
-    });
   }
 
   const std::string& Victim(int i) const { return running_[i].id; }
 
   // Slots of jobs already stopping that sit on the pool's workers.
-  int Coming(const FreeSlotIndex& index, int pool) const {
-    int n = 0;
-    for (size_t i = 0; i < running_.size(); ++i) {
-      if (stopping_[i]) n += InPool(index, pool, running_[i]);
+  int Coming(const FreeSlotIndex& index, int pool) {
+    if (pool >= static_cast<int>(coming_.size())) coming_.resize(pool + 1, -1);
+    if (coming_[pool] < 0) {
+      coming_[pool] = 0;
+      for (size_t i = 0; i < running_.size(); ++i) {
+        if (stopping_[i]) coming_[pool] += InPool(index, pool, running_[i]);
+      }
     }
-    return n;
+    return coming_[pool];
   }
 
   // Chooses victims of priority below `priority` whose slots in the pool bring `have` to
   // `need`; marks them stopping. Empty when they cannot.
-  std::vector<int> Choose(const FreeSlotIndex& index, int pool, int priority, int have, int need) {
+  std::vector<int> Choose(const FreeSlotIndex& index, int pool, int priority, int have,
+                          int need) {
     if (priority <= lowest_priority_ || failed_.count({pool, priority})) return {};
+    SortCandidates();
     std::vector<std::pair<int, int>> chosen;  // running index, its slots in the pool
     for (int i : order_) {
       const RunningJob& r = running_[i];
@@ -238,12 +238,28 @@ class Preemptor {
     std::vector<int> victims;
     for (const auto& [i, slots] : chosen) {
       stopping_[i] = true;
+      for (size_t p = 0; p < coming_.size(); ++p) {
+        if (coming_[p] >= 0) coming_[p] += InPool(index, static_cast<int>(p), running_[i]);
+      }
       victims.push_back(i);
     }
     return victims;
   }
 
  private:
+  void SortCandidates() {
+    if (sorted_) return;
+    sorted_ = true;
+    for (size_t i = 0; i < running_.size(); ++i) {
+      if (!stopping_[i] && running_[i].protected_until_ms <= now_ms_)
+        order_.push_back(static_cast<int>(i));
+    }
+    std::sort(order_.begin(), order_.end(), [&](int a, int b) {
+      const RunningJob &x = running_[a], &y = running_[b];
+      return std::make_tuple(x.checkpoint_age_ms, Ranks(x), x.id) <
+             std::make_tuple(y.checkpoint_age_ms, Ranks(y), y.id);
+    });
+  }
   static int Ranks(const RunningJob& r) {
     int n = 0;
     for (const auto& [w, k] : r.slots) n += k;
@@ -256,8 +272,11 @@ class Preemptor {
   }
 
   const std::vector<RunningJob>& running_;
+  int64_t now_ms_;
   std::vector<char> stopping_;
   std::vector<int> order_;
+  bool sorted_ = false;
+  std::vector<int> coming_;  // per pool: -1 until counted
   int lowest_priority_ = 1 << 30;
   std::set<std::pair<int, int>> failed_;  // (pool, priority) that found too few victims
 };
@@ -295,7 +314,8 @@ std::vector<OrderKey> OrderKeys(const std::vector<QueuedJob>& queue,
   for (size_t i = 0; i < queue.size(); ++i) {
     const QueuedJob& j = queue[i];
     const double waited = static_cast<double>(std::max<int64_t>(0, now_ms - j.queued_since_ms));
-    keys[i].band = j.priority + static_cast<int64_t>(std::floor(waited / aging_ms));
+    keys[i].band = j.preempting ? std::numeric_limits<int64_t>::max()
+                                : j.priority + static_cast<int64_t>(std::floor(waited / aging_ms));
     keys[i].user = users.IndexOf(j.user);
     keys[i].since = j.queued_since_ms;
     keys[i].sweep =

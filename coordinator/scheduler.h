@@ -19,7 +19,8 @@
 // of strictly lower priority: those that lose the least work (oldest-checkpoint age first, then
 // fewest ranks), as few as free its gang, never one protected (it restarted after a preemption
 // less than min_run_ms ago) or one already stopping. It then reserves the free matching slots
-// until the victims' ranks have gone.
+// until the victims' ranks have gone, and goes before every other job, so that the slots they
+// free are its own (otherwise an older job could take them and the preemptor preempt again).
 #ifndef LOOM_COORDINATOR_SCHEDULER_H_
 #define LOOM_COORDINATOR_SCHEDULER_H_
 
@@ -41,6 +42,7 @@ struct QueuedJob {
   std::string project;  // its `project` label ("" = none), for project quotas
   std::string sweep;    // the sweep that made it ("" = none)
   int sweep_order = 0;  // seed-major position in the sweep: seed index × cells + cell index
+  bool preempting = false;  // jobs are stopping for it: it goes first, so it gets their slots
 };
 
 // A scheduled or running job: what preemption may choose from.
@@ -98,7 +100,7 @@ struct FreeWorker {
 };
 
 struct SchedulerOptions {
-  double aging_seconds = 60;          // one priority point per this many seconds waited
+  double aging_seconds = 3600;        // one priority point per this many seconds waited
   int64_t reserve_after_ms = 300000;  // a blocked job waiting this long reserves slots
   int64_t preempt_after_ms = 600000;  // a blocked job waiting this long may preempt; < 0: never
   int64_t min_run_ms = 600000;        // a preempted job's next attempt is protected this long
