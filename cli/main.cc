@@ -396,6 +396,41 @@ class Cli {
     return absl::OkStatus();
   }
 
+  // loom update JOB [--priority N] [--keep-last K] [--keep-every E]
+  absl::Status Update(const std::string& id, const CliArgs& args) {
+    v1::JobUpdate u;
+    if (args.Has("priority")) {
+      LOOM_ASSIGN_OR_RETURN(int64_t p, args.GetInt("priority", 0, -1000, 1000));
+      u.set_priority(static_cast<int32_t>(p));
+    }
+    if (args.Has("keep-last")) {
+      LOOM_ASSIGN_OR_RETURN(int64_t k, args.GetInt("keep-last", 3, 1, 1000000));
+      u.set_keep_last(static_cast<int32_t>(k));
+    }
+    if (args.Has("keep-every")) {
+      LOOM_ASSIGN_OR_RETURN(int64_t e, args.GetInt("keep-every", 0, 0, int64_t{1} << 40));
+      u.set_keep_every(e);
+    }
+    if (!u.has_priority() && !u.has_keep_last() && !u.has_keep_every())
+      return absl::InvalidArgumentError("give --priority, --keep-last or --keep-every");
+    v1::Job job;
+    LOOM_RETURN_IF_ERROR(client_->Call("PATCH", absl::StrCat("/v1/jobs/", id), &u, &job));
+    if (json_) {
+      std::cout << FormatMessage(job, output_) << "\n";
+    } else {
+      std::cout << id << ": priority " << job.priority() << ", keeps the last "
+                << (job.spec().checkpoint().keep_last() > 0 ? job.spec().checkpoint().keep_last()
+                                                            : 3)
+                << " checkpoints"
+                << (job.spec().checkpoint().keep_every() > 0
+                        ? absl::StrCat(" and every ", job.spec().checkpoint().keep_every(),
+                                       "-th step's")
+                        : "")
+                << "\n";
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Checkpoints(const CliArgs& args) {
     std::string path = "/v1/checkpoints?page_size=500";
     if (args.Has("job")) path += "&job=" + args.Get("job");
@@ -926,7 +961,7 @@ struct Commands {
   std::vector<std::string> sets;  // submit --set PATH=VALUE, in order
   CLI::App *up = nullptr, *submit = nullptr, *list = nullptr, *status = nullptr, *logs = nullptr,
            *cancel = nullptr, *plot = nullptr, *checkpoints = nullptr, *workers = nullptr,
-           *serve = nullptr, *sweep = nullptr;
+           *update = nullptr, *serve = nullptr, *sweep = nullptr;
 };
 
 void AddUpCommand(CommandLine& line, Commands& c) {
@@ -985,9 +1020,13 @@ void AddJobCommands(CommandLine& line, Commands& c) {
   c.logs = line.Command("logs", "a job's logs");
   c.cancel = line.Command("cancel", "cancel a job");
   c.plot = line.Command("plot", "a job's loss and tokens/s curves as a PNG (gnuplot)");
-  for (CLI::App* cmd : {c.status, c.logs, c.cancel, c.plot}) {
+  c.update = line.Command("update", "change a job's priority or retention (its owner or an admin)");
+  for (CLI::App* cmd : {c.status, c.logs, c.cancel, c.plot, c.update}) {
     cmd->add_option("job", c.job, "job id")->required();
   }
+  C::Flags(c.update, {{"priority", "N", "the new priority (-1000..1000; higher runs first)"},
+                      {"keep-last", "K", "keep the newest K intact checkpoints"},
+                      {"keep-every", "E", "and every checkpoint at a multiple of E (0: none)"}});
   C::Switch(c.status, "-f,--follow", "until the job ends");
   C::Switch(c.logs, "-f,--follow", "stream until the job ends");
   C::Flags(c.plot, {{"file", "PNG", "the PNG to write (default JOB.png)"}});
@@ -1101,8 +1140,8 @@ absl::Status ParseCommandLine(CLI::App& app, int argc, char** argv) {
 absl::Status RunCommand(const CommandLine& line, const Commands& c) {
   if (c.up->parsed()) return Up(line.ArgsOf(c.up));
   Cli cli;
-  for (CLI::App* cmd :
-       {c.submit, c.list, c.status, c.logs, c.cancel, c.plot, c.checkpoints, c.workers, c.serve}) {
+  for (CLI::App* cmd : {c.submit, c.list, c.status, c.logs, c.cancel, c.plot, c.checkpoints,
+                        c.workers, c.serve, c.update}) {
     if (!cmd->parsed()) continue;
     const CliArgs args = line.ArgsOf(cmd);
     LOOM_RETURN_IF_ERROR(cli.Init(args));
@@ -1111,6 +1150,7 @@ absl::Status RunCommand(const CommandLine& line, const Commands& c) {
     if (cmd == c.status) return cli.Status(c.job, args);
     if (cmd == c.logs) return cli.Logs(c.job, args);
     if (cmd == c.cancel) return cli.Cancel(c.job);
+    if (cmd == c.update) return cli.Update(c.job, args);
     if (cmd == c.plot) return cli.Plot(c.job, args);
     if (cmd == c.checkpoints) return cli.Checkpoints(args);
     if (cmd == c.serve) return cli.Serve(args);

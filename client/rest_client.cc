@@ -125,10 +125,11 @@ absl::StatusOr<HttpResult> RestClient::Send(const std::string& method, const std
                                             const std::string& json) {
   if (method == "GET") return Get(path);
   if (method == "POST") return Post(path, json);
-  if (method != "PUT" && method != "DELETE")
+  if (method != "PUT" && method != "PATCH" && method != "DELETE")
     return absl::InvalidArgumentError(absl::StrCat("method ", method, ": not one the API uses"));
-  httplib::Result r = method == "PUT" ? http_->Put(path.c_str(), json, "application/json")
-                                      : http_->Delete(path.c_str());
+  httplib::Result r = method == "PUT"     ? http_->Put(path.c_str(), json, "application/json")
+                      : method == "PATCH" ? http_->Patch(path.c_str(), json, "application/json")
+                                          : http_->Delete(path.c_str());
   if (!r) return Unreachable(url_, r.error());
   return HttpResult{r->status, r->body};
 }

@@ -1106,6 +1106,60 @@ absl::StatusOr<v1::Job> Coordinator::Cancel(const std::string& id, const Caller&
   return jobs_[id];
 }
 
+namespace {
+
+absl::Status CheckJobUpdate(const v1::JobUpdate& u) {
+  if (!u.has_priority() && !u.has_keep_last() && !u.has_keep_every())
+    return FieldError("priority", "give priority, keep_last or keep_every");
+  if (u.has_priority() && (u.priority() < -1000 || u.priority() > 1000))
+    return FieldError("priority", "must be in -1000..1000");
+  if (u.has_keep_last() && (u.keep_last() < 1 || u.keep_last() > 1000000))
+    return FieldError("keep_last", "must be in 1..1000000");
+  if (u.has_keep_every() && (u.keep_every() < 0 || u.keep_every() > (int64_t{1} << 40)))
+    return FieldError("keep_every", "must be in 0..2^40");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::Job> Coordinator::UpdateJob(const std::string& id, const v1::JobUpdate& u,
+                                               const Caller& caller) {
+  if (!IsValidId(id)) return absl::InvalidArgumentError("job id: malformed");
+  LOOM_RETURN_IF_ERROR(CheckJobUpdate(u));
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = jobs_.find(id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
+  v1::Job& job = it->second;
+  LOOM_RETURN_IF_ERROR(MayChange(caller, "job", id, job.submitted_by()));
+  if (u.has_priority() && IsTerminal(job)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", id, " is already ", job.state(), ": its priority no longer matters"));
+  }
+  Txn txn;
+  Save(txn, job);
+  std::vector<std::string> changed;
+  if (u.has_priority() && u.priority() != job.priority()) {
+    changed.push_back(absl::StrCat("priority ", job.priority(), " -> ", u.priority()));
+    job.set_priority(u.priority());
+  }
+  v1::CheckpointConfig* cfg = job.mutable_spec()->mutable_checkpoint();
+  if (u.has_keep_last() && u.keep_last() != cfg->keep_last()) {
+    changed.push_back(absl::StrCat("keep_last ", cfg->keep_last(), " -> ", u.keep_last()));
+    cfg->set_keep_last(u.keep_last());
+  }
+  if (u.has_keep_every() && u.keep_every() != cfg->keep_every()) {
+    changed.push_back(absl::StrCat("keep_every ", cfg->keep_every(), " -> ", u.keep_every()));
+    cfg->set_keep_every(u.keep_every());
+  }
+  if (changed.empty()) return job;
+  txn.batch.PutJob(job);
+  AddEvent(txn, job, std::nullopt, absl::StrCat(absl::StrJoin(changed, ", "), " by ", caller.user));
+  if (u.has_keep_last() || u.has_keep_every()) ApplyRetention(txn, id);
+  LOOM_RETURN_IF_ERROR(Commit(txn));
+  wake_.notify_all();  // a raised priority may place it, or let it preempt
+  return jobs_[id];
+}
+
 std::vector<std::string> Coordinator::PinnedBy(const std::string& checkpoint_id) const {
   std::vector<std::string> out;
   for (const auto& [id, job] : jobs_) {

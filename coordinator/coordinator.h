@@ -101,6 +101,9 @@ class Coordinator {
   absl::StatusOr<v1::Job> GetJob(const std::string& id);
   // Owner or admin only (PermissionDenied otherwise).
   absl::StatusOr<v1::Job> Cancel(const std::string& id, const Caller& caller);
+  // Priority and retention after submission; owner-or-admin, each change an event.
+  absl::StatusOr<v1::Job> UpdateJob(const std::string& id, const v1::JobUpdate& update,
+                                    const Caller& caller);
   // Lists are paged (paging.h): page_size in 1..500, page_token from the previous page.
   // `owner` non-empty: only the checkpoints of that user's jobs (--private-jobs).
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(const std::string& job_id,

@@ -721,6 +721,50 @@ TEST_F(CoordinatorTest, OnlyTheOwnerOrAnAdminCancels) {
   EXPECT_TRUE(c_->CancelSweep(created->id(), Caller{"alice"}).ok()) << "the owner may";
 }
 
+// PATCH /v1/jobs/{id}: priority and retention, owner-or-admin, each change an event.
+TEST_F(CoordinatorTest, OwnersChangePriorityAndRetention) {
+  const std::string w = RegisterWorker("a", 1);
+  const std::string id = Submit(MicroJob(1));
+  c_->Tick();
+  Beat(w, id, 1, {{0, -1}}, {}, 31000);
+  for (int64_t step : {10, 20, 30}) WriteCheckpointDir(id, step);
+  Beat(w, id, 1, {{0, -1}}, {10, 20, 30});
+  v1::JobUpdate raise;
+  raise.set_priority(5);
+  EXPECT_EQ(c_->UpdateJob(id, raise, Caller{"bob"}).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Job(id).priority(), 0) << "bob changed nothing";
+  auto changed = c_->UpdateJob(id, raise, Caller{"alice"});
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  EXPECT_EQ(changed->priority(), 5);
+  EXPECT_EQ(Job(id).events().rbegin()->reason(), "priority 0 -> 5 by alice");
+  v1::JobUpdate keep;
+  keep.set_keep_last(1);
+  ASSERT_TRUE(c_->UpdateJob(id, keep, Caller{"carol", true}).ok()) << "an admin may";
+  auto catalogue = c_->ListCheckpoints(id, 100, "", "");
+  ASSERT_TRUE(catalogue.ok());
+  std::map<int64_t, bool> deleted;
+  for (const auto& e : catalogue->checkpoints()) deleted[e.step()] = e.deleted();
+  EXPECT_EQ(deleted, (std::map<int64_t, bool>{{10, true}, {20, true}, {30, false}}));
+  v1::JobUpdate bad;
+  EXPECT_EQ(c_->UpdateJob(id, bad, Caller{"alice"}).status().code(),
+            absl::StatusCode::kInvalidArgument)
+      << "nothing to change";
+  bad.set_keep_last(0);
+  EXPECT_EQ(c_->UpdateJob(id, bad, Caller{"alice"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  bad.clear_keep_last();
+  bad.set_priority(5000);
+  EXPECT_EQ(c_->UpdateJob(id, bad, Caller{"alice"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c_->Cancel(id, Caller{"alice"}).ok());
+  EXPECT_EQ(c_->UpdateJob(id, raise, Caller{"alice"}).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "an ended job's priority no longer matters";
+  keep.set_keep_last(2);
+  EXPECT_TRUE(c_->UpdateJob(id, keep, Caller{"alice"}).ok()) << "its retention still does";
+}
+
 // Quotas: set by admins, persisted; a job beyond its owner's or its project's waits with the
 // reason and runs once the quota allows; nothing is refused or failed for it.
 TEST_F(CoordinatorTest, QuotasHoldJobsQueuedWithTheirReason) {

@@ -592,6 +592,13 @@ void InstallJobRoutes(HttpServer& server, Coordinator* c, const ApiOptions& opti
   server.Route("GET", "/v1/jobs/{id}/metrics", "user", UserRoute(c, options, GetJobMetrics));
   server.Route("GET", "/v1/jobs/{id}", "user", GetById(c, options, &Coordinator::GetJob));
   server.Route("POST", "/v1/jobs/{id}/cancel", "user", ActOnId(c, options, &Coordinator::Cancel));
+  server.Route(
+      "PATCH", "/v1/jobs/{id}", "user",
+      UserRoute(c, options, [](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+        v1::JobUpdate update;
+        if (!CheckParams(req, res, {}) || !ParseBody(req, res, &update)) return;
+        Reply(res, c->UpdateJob(req.matches[0], update, who.caller()));
+      }));
   auto limits =
       std::make_shared<FollowerLimits>(options.max_followers_per_user, options.max_followers);
   server.Route(

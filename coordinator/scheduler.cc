@@ -93,28 +93,35 @@ bool OverLimit(const QueuedJob& job, const Quotas& q, Waiting& w) {
 
 // The matching workers of each distinct pool selector, with their free slots bucketed so that a
 // gang takes the fullest-free workers first without sorting every worker for every job: a pass
-// over 100 000 queued jobs and 10 000 workers touches each worker once per selector.
+// over 100 000 queued jobs and 10 000 workers touches each worker once per selector. A bucket is
+// a vector of worker indices in id order; an entry whose worker's free count has changed since
+// is stale and skipped (within a pass free slots only go down, so an entry never becomes valid
+// again).
 class FreeSlotIndex {
  public:
   explicit FreeSlotIndex(std::vector<FreeWorker> workers) : workers_(std::move(workers)) {
-    std::sort(workers_.begin(), workers_.end(),
-              [](const FreeWorker& a, const FreeWorker& b) { return a.id < b.id; });
+    auto by_id = [](const FreeWorker& a, const FreeWorker& b) { return a.id < b.id; };
+    if (!std::is_sorted(workers_.begin(), workers_.end(), by_id))
+      std::sort(workers_.begin(), workers_.end(), by_id);
     pools_of_.resize(workers_.size());
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      worker_index_[workers_[i].id] = static_cast<int>(i);
-      max_slots_ = std::max(max_slots_, workers_[i].free_slots);
-    }
+    for (const FreeWorker& w : workers_) max_slots_ = std::max(max_slots_, w.free_slots);
   }
 
   int PoolOf(const std::map<std::string, std::string>& selector) {
+    if (selector.empty() && any_pool_ >= 0) return any_pool_;
     auto [it, added] = index_.try_emplace(selector, static_cast<int>(pools_.size()));
     if (added) Build(selector);
+    if (selector.empty()) any_pool_ = it->second;
     return it->second;
   }
   int Free(int pool) const { return pools_[pool].free; }
   int Total(int pool) const { return pools_[pool].total; }
   // Ranks of `worker` that sit on workers of the pool.
-  int SlotsIn(int pool, const std::string& worker, int ranks) const {
+  int SlotsIn(int pool, const std::string& worker, int ranks) {
+    if (worker_index_.empty()) {
+      for (size_t i = 0; i < workers_.size(); ++i)
+        worker_index_[workers_[i].id] = static_cast<int>(i);
+    }
     auto it = worker_index_.find(worker);
     return it != worker_index_.end() && pools_[pool].member[it->second] ? ranks : 0;
   }
@@ -124,10 +131,12 @@ class FreeSlotIndex {
   // index and count, in that order.
   std::vector<std::pair<int, int>> Take(int pool, int need) {
     std::vector<std::pair<int, int>> taken;
-    auto& buckets = pools_[pool].by_free;
-    for (int f = static_cast<int>(buckets.size()) - 1; f > 0 && need > 0; --f) {
-      while (need > 0 && !buckets[f].empty()) {
-        const int w = *buckets[f].begin();
+    Pool& p = pools_[pool];
+    for (int f = static_cast<int>(p.by_free.size()) - 1; f > 0 && need > 0; --f) {
+      Bucket& b = p.by_free[f];
+      while (need > 0 && b.head < b.workers.size()) {
+        const int w = b.workers[b.head++];
+        if (workers_[w].free_slots != f) continue;  // stale
         const int take = std::min(need, f);
         taken.emplace_back(w, take);
         need -= take;
@@ -138,10 +147,14 @@ class FreeSlotIndex {
   }
 
  private:
+  struct Bucket {
+    std::vector<int> workers;  // by index (= id order); entries before head are used up
+    size_t head = 0;
+  };
   struct Pool {
     std::vector<char> member;
     int total = 0, free = 0;
-    std::vector<std::set<int>> by_free;  // free slots -> workers (by id)
+    std::vector<Bucket> by_free;  // free slots -> workers
   };
 
   void Build(const std::map<std::string, std::string>& selector) {
@@ -151,32 +164,36 @@ class FreeSlotIndex {
     const int index = static_cast<int>(pools_.size());
     for (size_t i = 0; i < workers_.size(); ++i) {
       const FreeWorker& w = workers_[i];
-      if (!LabelsMatch(selector, w.labels)) continue;
+      if (!selector.empty() && !LabelsMatch(selector, w.labels)) continue;
       p.member[i] = 1;
       p.total += w.slots;
       p.free += w.free_slots;
-      if (w.free_slots > 0) p.by_free[w.free_slots].insert(static_cast<int>(i));
+      if (w.free_slots > 0) p.by_free[w.free_slots].workers.push_back(static_cast<int>(i));
       pools_of_[i].push_back(index);
     }
     pools_.push_back(std::move(p));
   }
 
+  // A worker with slots left after a take goes to its new bucket, in id order.
   void SetFree(int w, int free) {
     const int old = workers_[w].free_slots;
     workers_[w].free_slots = free;
     for (int pool : pools_of_[w]) {
       Pool& p = pools_[pool];
       p.free -= old - free;
-      if (old > 0) p.by_free[old].erase(w);
-      if (free > 0) p.by_free[free].insert(w);
+      if (free == 0) continue;
+      Bucket& b = p.by_free[free];
+      b.workers.insert(
+          std::lower_bound(b.workers.begin() + static_cast<long>(b.head), b.workers.end(), w), w);
     }
   }
 
   std::vector<FreeWorker> workers_;
-  std::unordered_map<std::string, int> worker_index_;
-  std::vector<std::vector<int>> pools_of_;  // worker -> the pools it belongs to
+  std::unordered_map<std::string, int> worker_index_;  // built when preemption needs it
+  std::vector<std::vector<int>> pools_of_;             // worker -> the pools it belongs to
   std::vector<Pool> pools_;
   std::map<std::map<std::string, std::string>, int> index_;
+  int any_pool_ = -1;
   int max_slots_ = 0;
 };
 
@@ -197,7 +214,7 @@ class Preemptor {
   const std::string& Victim(int i) const { return running_[i].id; }
 
   // Slots of jobs already stopping that sit on the pool's workers.
-  int Coming(const FreeSlotIndex& index, int pool) {
+  int Coming(FreeSlotIndex& index, int pool) {
     if (pool >= static_cast<int>(coming_.size())) coming_.resize(pool + 1, -1);
     if (coming_[pool] < 0) {
       coming_[pool] = 0;
@@ -210,8 +227,7 @@ class Preemptor {
 
   // Chooses victims of priority below `priority` whose slots in the pool bring `have` to
   // `need`; marks them stopping. Empty when they cannot.
-  std::vector<int> Choose(const FreeSlotIndex& index, int pool, int priority, int have,
-                          int need) {
+  std::vector<int> Choose(FreeSlotIndex& index, int pool, int priority, int have, int need) {
     if (priority <= lowest_priority_ || failed_.count({pool, priority})) return {};
     SortCandidates();
     std::vector<std::pair<int, int>> chosen;  // running index, its slots in the pool
@@ -265,7 +281,7 @@ class Preemptor {
     for (const auto& [w, k] : r.slots) n += k;
     return n;
   }
-  static int InPool(const FreeSlotIndex& index, int pool, const RunningJob& r) {
+  static int InPool(FreeSlotIndex& index, int pool, const RunningJob& r) {
     int n = 0;
     for (const auto& [w, k] : r.slots) n += index.SlotsIn(pool, w, k);
     return n;

@@ -21,6 +21,8 @@ constexpr char kUsage[] = R"(usage: loom-sim [flags]
   --tick-s S           one scheduling pass per S simulated seconds (default 10)
   --aging-seconds S    --reserve-after-s S   --preempt-after-s S   --min-run-s S
   --fair-share-half-life-s S                 the coordinator's flags, same defaults
+  --compare-fifo       also run the same trace without fair share (within a band, queue order
+                       alone) and print the ratios fair share / that baseline
   --check              exit 1 unless the goals hold: a pass's p99 under --max-pass-ms (50),
                        utilisation while jobs wait >= --min-utilisation (0.9), Jain's index
                        >= --min-fairness (0.95)
@@ -60,9 +62,8 @@ void Print(const loom::sim::TraceOptions& t, const loom::sim::SimReport& r) {
   std::cout << absl::StrFormat(
       "loom-sim: %d nodes x %d GPUs, %d users, %d jobs over %.1f h (load %.2f)\n", t.nodes,
       t.gpus_per_node, t.users, t.jobs, t.hours, t.load);
-  std::cout << absl::StrFormat(
-      "utilisation: %.3f while jobs wait, %.3f overall (%.0f GPU-hours)\n", r.utilisation_waiting,
-      r.utilisation, r.gpu_hours_used);
+  std::cout << absl::StrFormat("utilisation: %.3f while jobs wait, %.3f overall (%.0f GPU-hours)\n",
+                               r.utilisation_waiting, r.utilisation, r.gpu_hours_used);
   for (const auto& [priority, w] : r.wait_s) {
     std::cout << absl::StrFormat(
         "queue wait, priority %2d: p50 %8.0f s  p99 %8.0f s  (%lld started, %lld never)\n",
@@ -92,7 +93,8 @@ absl::Status Check(const CliArgs& a, const loom::sim::SimReport& r) {
   LOOM_ASSIGN_OR_RETURN(double min_util, a.GetDouble("min-utilisation", 0.9, 0, 1));
   LOOM_ASSIGN_OR_RETURN(double min_fair, a.GetDouble("min-fairness", 0.95, 0, 1));
   std::string failed;
-  if (r.pass_ms.p99 > max_pass) failed += absl::StrFormat(" pass p99 %.2f ms > %.2f;", r.pass_ms.p99, max_pass);
+  if (r.pass_ms.p99 > max_pass)
+    failed += absl::StrFormat(" pass p99 %.2f ms > %.2f;", r.pass_ms.p99, max_pass);
   if (r.utilisation_waiting < min_util)
     failed += absl::StrFormat(" utilisation %.3f < %.3f;", r.utilisation_waiting, min_util);
   if (r.jain < min_fair) failed += absl::StrFormat(" fairness %.4f < %.4f;", r.jain, min_fair);
@@ -104,12 +106,12 @@ absl::Status Check(const CliArgs& a, const loom::sim::SimReport& r) {
 absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
       CliArgs args,
-      CliArgs::Parse(argc, argv, 1,
-                     {"nodes", "gpus-per-node", "users", "jobs", "hours", "load", "node-mtbf-hours",
-                      "seed", "tick-s", "aging-seconds", "reserve-after-s", "preempt-after-s",
-                      "min-run-s", "fair-share-half-life-s", "max-pass-ms", "min-utilisation",
-                      "min-fairness"},
-                     {"help", "check"}));
+      CliArgs::Parse(
+          argc, argv, 1,
+          {"nodes", "gpus-per-node", "users", "jobs", "hours", "load", "node-mtbf-hours", "seed",
+           "tick-s", "aging-seconds", "reserve-after-s", "preempt-after-s", "min-run-s",
+           "fair-share-half-life-s", "max-pass-ms", "min-utilisation", "min-fairness"},
+          {"help", "check", "compare-fifo"}));
   if (args.Has("help")) {
     std::cout << kUsage;
     return absl::OkStatus();
@@ -120,6 +122,22 @@ absl::Status Run(int argc, char** argv) {
   const loom::sim::Trace trace = loom::sim::MakeTrace(trace_options);
   const loom::sim::SimReport report = loom::sim::Simulate(trace, trace_options, options);
   Print(trace_options, report);
+  if (args.Has("compare-fifo")) {
+    loom::sim::SimOptions fifo = options;
+    fifo.fair_share = false;
+    const loom::sim::SimReport base = loom::sim::Simulate(trace, trace_options, fifo);
+    std::cout << "\nbaseline, the same trace without fair share (queue order within a band):\n";
+    Print(trace_options, base);
+    std::cout << absl::StrFormat(
+        "\nfair share / baseline: Jain's index %.3f, worst user's share %.3f, utilisation while "
+        "jobs wait %.3f, priority-0 p99 wait %.3f, pass p99 %.3f\n",
+        report.jain / base.jain, report.worst_share / base.worst_share,
+        report.utilisation_waiting / base.utilisation_waiting,
+        report.wait_s.count(0) && base.wait_s.count(0) && base.wait_s.at(0).p99 > 0
+            ? report.wait_s.at(0).p99 / base.wait_s.at(0).p99
+            : 0.0,
+        base.pass_ms.p99 > 0 ? report.pass_ms.p99 / base.pass_ms.p99 : 0.0);
+  }
   return args.Has("check") ? Check(args, report) : absl::OkStatus();
 }
 

@@ -32,7 +32,7 @@ struct Job {
   int64_t remaining_ms = 0;  // work left from the newest checkpoint
   int64_t attempt_start = 0;
   int64_t first_start = -1;
-  int64_t stop_at = 0;  // stopping for a preemption: when its ranks have exited
+  int64_t stop_at = 0;    // stopping for a preemption: when its ranks have exited
   int stopping_for = -1;  // the job it stops for
   int64_t protected_until = 0;
   std::vector<std::pair<int, int>> placement;  // node, GPUs
@@ -120,10 +120,10 @@ class ClusterSim {
   std::map<std::string, double> share_weight_;
   std::vector<double> usage_ms_;  // GPU-ms per user
   std::vector<coordinator::QueuedJob> queue_;
-  std::vector<int> queued_job_;            // queue_[i] is jobs_[queued_job_[i]]
+  std::vector<int> queued_job_;               // queue_[i] is jobs_[queued_job_[i]]
   std::unordered_map<int, size_t> in_queue_;  // job -> position
-  std::vector<int> running_;               // scheduled, running or stopping
-  std::unordered_map<int, int> victims_of_;  // job -> victims still stopping for it
+  std::vector<int> running_;                  // scheduled, running or stopping
+  std::unordered_map<int, int> victims_of_;   // job -> victims still stopping for it
   size_t next_arrival_ = 0, next_failure_ = 0;
   std::vector<double> pass_ms_, inputs_ms_;
   double used_gpu_ms_ = 0, up_gpu_ms_ = 0, used_waiting_ = 0, up_waiting_ = 0;
@@ -138,8 +138,8 @@ void ClusterSim::Enqueue(int job) {
   q.world_size = j.t->gpus;
   q.priority = j.t->priority;
   if (j.t->pool == 1) q.pool["gpu"] = "a100";
-  q.queued_since_ms = j.t->submit_ms;  // a requeued job keeps its place
-  q.user = users_[j.t->user];
+  q.queued_since_ms = j.t->submit_ms;                     // a requeued job keeps its place
+  q.user = options_.fair_share ? users_[j.t->user] : "";  // baseline: one queue, no turns
   in_queue_[job] = queue_.size();
   queue_.push_back(std::move(q));
   queued_job_.push_back(job);
@@ -152,7 +152,8 @@ void ClusterSim::VictimDone(Job& victim) {
   victim.stop_at = 0;
   if (for_job < 0 || --victims_of_[for_job] > 0) return;
   victims_of_.erase(for_job);
-  if (auto it = in_queue_.find(for_job); it != in_queue_.end()) queue_[it->second].preempting = false;
+  if (auto it = in_queue_.find(for_job); it != in_queue_.end())
+    queue_[it->second].preempting = false;
 }
 
 void ClusterSim::Dequeue(int job) {
@@ -303,24 +304,27 @@ void ClusterSim::Start(const coordinator::GangPlacement& p, int64_t now) {
 void ClusterSim::Pass(int64_t now) {
   auto t0 = std::chrono::steady_clock::now();
   coordinator::FairShare share;
-  share.weight = share_weight_;
-  std::map<std::string, int> held;
-  for (int id : running_) held[users_[jobs_[id].t->user]] += jobs_[id].t->gpus;
-  ledger_.Advance(now, held);
-  share.average = ledger_.averages();
-  share.held = std::move(held);
+  if (options_.fair_share) {
+    share.weight = share_weight_;
+    std::map<std::string, int> held;
+    for (int id : running_) held[users_[jobs_[id].t->user]] += jobs_[id].t->gpus;
+    ledger_.Advance(now, held);
+    share.average = ledger_.averages();
+    share.held = std::move(held);
+  }
   std::vector<coordinator::FreeWorker> workers = FreeWorkers();
   const std::vector<coordinator::RunningJob> running = Running(now);
   inputs_ms_.push_back(MsSince(t0));
   t0 = std::chrono::steady_clock::now();
-  const coordinator::ScheduleResult result =
-      coordinator::Schedule(queue_, std::move(workers), options_.scheduler, now, {}, share, running);
+  const coordinator::ScheduleResult result = coordinator::Schedule(
+      queue_, std::move(workers), options_.scheduler, now, {}, share, running);
   pass_ms_.push_back(MsSince(t0));
   for (const auto& p : result.preempt) {
     Job& victim = jobs_[index_.at(p.victim)];
     victim.stop_at = now + options_.stop_ms;
     victim.stopping_for = index_.at(p.for_job);
-    if (victims_of_[victim.stopping_for]++ == 0) queue_[in_queue_.at(victim.stopping_for)].preempting = true;
+    if (victims_of_[victim.stopping_for]++ == 0)
+      queue_[in_queue_.at(victim.stopping_for)].preempting = true;
     ++report_.preemptions;
   }
   for (const auto& p : result.placed) Start(p, now);

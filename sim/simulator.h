@@ -18,11 +18,14 @@ namespace loom::sim {
 struct SimOptions {
   coordinator::SchedulerOptions scheduler;
   double half_life_s = 86400;
-  int64_t tick_ms = 10000;                  // one scheduling pass per tick, as the coordinator
-  double end_hours = 24;                    // simulated time
-  int64_t checkpoint_every_ms = 1800000;    // jobs checkpoint every 30 min
-  int64_t stop_ms = 30000;                  // SIGTERM to exit 76: the step in flight + a checkpoint
-  int64_t start_overhead_ms = 60000;        // rendezvous and restoring a checkpoint
+  int64_t tick_ms = 10000;                // one scheduling pass per tick, as the coordinator
+  double end_hours = 24;                  // simulated time
+  int64_t checkpoint_every_ms = 1800000;  // jobs checkpoint every 30 min
+  int64_t stop_ms = 30000;                // SIGTERM to exit 76: the step in flight + a checkpoint
+  int64_t start_overhead_ms = 60000;      // rendezvous and restoring a checkpoint
+  // false: the baseline without fair share (no weights, no usage history, no turns by slots
+  // held): within a band, queue order alone.
+  bool fair_share = true;
 };
 
 struct Percentiles {
@@ -31,9 +34,9 @@ struct Percentiles {
 };
 
 struct SimReport {
-  double utilisation = 0;          // GPU-time held by jobs / GPU-time of live nodes
-  double utilisation_waiting = 0;  // the same, over the passes that left jobs waiting
-  std::map<int, Percentiles> wait_s;  // per priority: submission to first start (started jobs)
+  double utilisation = 0;              // GPU-time held by jobs / GPU-time of live nodes
+  double utilisation_waiting = 0;      // the same, over the passes that left jobs waiting
+  std::map<int, Percentiles> wait_s;   // per priority: submission to first start (started jobs)
   std::map<int, int64_t> not_started;  // per priority: submitted, never started
   double jain = 0;  // over users, usage / weighted max-min fair share of their demand
   double worst_share = 0, best_share = 0;  // min and max of usage / fair share

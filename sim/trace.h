@@ -16,8 +16,8 @@ struct TraceOptions {
   double special_pool_fraction = 0.3;  // nodes labelled gpu=a100 (the rest gpu=h100)
   int users = 200;
   int jobs = 100000;
-  double hours = 24;  // submissions spread over this much simulated time
-  double load = 1.3;  // GPU-time submitted / GPU-time the cluster has over `hours`
+  double hours = 24;              // submissions spread over this much simulated time
+  double load = 1.3;              // GPU-time submitted / GPU-time the cluster has over `hours`
   double node_mtbf_hours = 2400;  // per node: 10 000 nodes lose about 100 a day
   double repair_minutes = 60;
   uint64_t seed = 1;
@@ -39,8 +39,8 @@ struct NodeFailure {
 };
 
 struct Trace {
-  std::vector<double> weights;  // per user
-  std::vector<TraceJob> jobs;   // by submit time
+  std::vector<double> weights;        // per user
+  std::vector<TraceJob> jobs;         // by submit time
   std::vector<NodeFailure> failures;  // by time
 };
 

@@ -90,8 +90,14 @@ def test_cancel_and_quota(box):
     box.alice.wait(a1, lambda j: j["state"] == "running", "alice's job to run")
     r = box.cli(BOB, "cancel", a1)
     assert r.returncode == 4 and "403" in r.stderr + r.stdout and "alice" in r.stderr + r.stdout, (r.returncode, r.stdout, r.stderr)
+    r = box.cli(BOB, "update", a1, "--priority", "3")
+    assert r.returncode == 4 and "403" in r.stderr + r.stdout, (r.returncode, r.stdout, r.stderr)
+    r = box.cli(ALICE, "update", a1, "--priority", "-1")
+    assert r.returncode == 0 and "priority -1" in r.stdout, r.stdout + r.stderr
     time.sleep(1)
-    assert box.alice.job(a1)["state"] == "running", "bob's refused cancel changed nothing"
+    job = box.alice.job(a1)
+    assert job["state"] == "running" and job["priority"] == -1, "bob's refused cancel and update changed nothing"
+    assert any(e["reason"] == "priority 0 -> -1 by alice" for e in job["events"]), job["events"]
     r = box.cli(box.admin, "admin", "quota", "set", "user", "alice", "1")
     assert r.returncode == 0 and "user alice: at most 1 slots" in r.stdout, r.stdout + r.stderr
     a2 = box.submit(box.alice, spec(100000, 1, 0))
