@@ -47,7 +47,7 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --max-infra-restarts N  attempts a job may lose to lost or restarted workers (default 20)
   --checkpoint-interval-seconds S   jobs whose spec leaves checkpoint.interval_seconds 0
                           checkpoint at least this often (default 600)
-  --aging-seconds S       a queued job gains one priority point per S seconds (default 3600)
+  --aging-seconds S       a queued job gains one priority point per S seconds (default 86400)
   --reserve-after-s S     a blocked job reserves slots after waiting S seconds (default 300)
   --preempt-after-s S     a job that has waited S seconds (default 600) may preempt running
                           jobs of lower priority: they checkpoint, exit and are requeued with
@@ -163,7 +163,7 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   LOOM_ASSIGN_OR_RETURN(options.checkpoint_interval_seconds,
                         args.GetInt("checkpoint-interval-seconds", 600, 1, 31536000));
   LOOM_ASSIGN_OR_RETURN(options.scheduler.aging_seconds,
-                        args.GetDouble("aging-seconds", 3600, 0.001, 1e9));
+                        args.GetDouble("aging-seconds", 86400, 0.001, 1e9));
   LOOM_ASSIGN_OR_RETURN(int64_t reserve, args.GetInt("reserve-after-s", 300, 0, 1000000000));
   LOOM_ASSIGN_OR_RETURN(int64_t preempt, args.GetInt("preempt-after-s", 600, -1, 1000000000));
   LOOM_ASSIGN_OR_RETURN(int64_t min_run, args.GetInt("min-run-s", 600, 0, 1000000000));

@@ -100,7 +100,7 @@ struct FreeWorker {
 };
 
 struct SchedulerOptions {
-  double aging_seconds = 3600;        // one priority point per this many seconds waited
+  double aging_seconds = 86400;       // one priority point per this many seconds waited
   int64_t reserve_after_ms = 300000;  // a blocked job waiting this long reserves slots
   int64_t preempt_after_ms = 600000;  // a blocked job waiting this long may preempt; < 0: never
   int64_t min_run_ms = 600000;        // a preempted job's next attempt is protected this long

@@ -40,7 +40,7 @@ absl::Status ReadOptions(const CliArgs& a, loom::sim::TraceOptions& t, loom::sim
   LOOM_ASSIGN_OR_RETURN(t.load, a.GetDouble("load", 1.3, 0.01, 100));
   LOOM_ASSIGN_OR_RETURN(t.node_mtbf_hours, a.GetDouble("node-mtbf-hours", 2400, 1, 1e9));
   LOOM_ASSIGN_OR_RETURN(int64_t tick, a.GetInt("tick-s", 10, 1, 3600));
-  LOOM_ASSIGN_OR_RETURN(s.scheduler.aging_seconds, a.GetDouble("aging-seconds", 3600, 0.001, 1e9));
+  LOOM_ASSIGN_OR_RETURN(s.scheduler.aging_seconds, a.GetDouble("aging-seconds", 86400, 0.001, 1e9));
   LOOM_ASSIGN_OR_RETURN(int64_t reserve, a.GetInt("reserve-after-s", 300, 0, 1000000000));
   LOOM_ASSIGN_OR_RETURN(int64_t preempt, a.GetInt("preempt-after-s", 600, -1, 1000000000));
   LOOM_ASSIGN_OR_RETURN(int64_t min_run, a.GetInt("min-run-s", 600, 0, 1000000000));
