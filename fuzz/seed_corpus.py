@@ -295,6 +295,12 @@ def rest():
         "console": ("GET /", ""),
         "agent": ("POST /v1/agent/heartbeat", "{}"),
         "encoded": ("GET /v1/jobs/job%2D000001?x=%zz&y=a+b", ""),
+        "update": ("PATCH /v1/jobs/job-000001", json.dumps({"priority": 3, "keep_last": 2})),
+        "update-bad": ("PATCH /v1/jobs/job-000001", json.dumps({"priority": 1e12, "keep_every": "x"})),
+        "quota": ("PUT /v1/quotas/user/bob", json.dumps({"slots": 4, "weight": 2.5})),
+        "quota-nan": ("PUT /v1/quotas/user/bob", '{"weight": "NaN"}'),
+        "quotas": ("GET /v1/quotas", ""),
+        "quota-delete": ("DELETE /v1/quotas/user/bob", ""),
     }
     for label, (head, body) in reqs.items():
         put("rest_routes", label, head + "\n" + body)
