@@ -738,7 +738,8 @@ pid_t StartCoordinator(ChildProcesses& children, const UpLayout& l, int64_t port
                                    "--prometheus-sd-file",
                                    (fs::path(l.sd_dir) / "coordinator.json").string()};
   // The scheduling policy of a shared box, passed through (the coordinator checks the values).
-  for (const char* flag : {"preempt-after-s", "min-run-s", "fair-share-half-life-s"}) {
+  for (const char* flag :
+       {"preempt-after-s", "min-run-s", "fair-share-half-life-s", "max-user-priority"}) {
     if (args.Has(flag)) argv.insert(argv.end(), {absl::StrCat("--", flag), args.Get(flag)});
   }
   if (args.Has("private-jobs")) argv.push_back("--private-jobs");
@@ -978,7 +979,8 @@ void AddUpCommand(CommandLine& line, Commands& c) {
               "a job waiting S s may preempt lower priorities (default "
               "600; -1 never)"},
              {"min-run-s", "S", "a preempted job is not preempted again for S s (default 600)"},
-             {"fair-share-half-life-s", "S", "half-life of the usage fair share counts"}});
+             {"fair-share-half-life-s", "S", "half-life of the usage fair share counts"},
+             {"max-user-priority", "N", "the highest priority a non-admin may set (default any)"}});
   CommandLine::Switch(c.up, "--private-jobs", "users see only their own jobs (admins see all)");
 }
 

@@ -1383,6 +1383,9 @@ std::string Coordinator::Requeue(v1::Job& job, int64_t not_before_ms) {
   job.set_master_port(0);
   job.clear_finished_workers();
   job.set_not_before_ms(not_before_ms);
+  // A preemption asked of an attempt that ended otherwise (its worker lost) is void: the next
+  // attempt must not be stopped for it.
+  job.set_preempt_requested(false);
   fence_steady_[job.id()] = not_before_ms > 0 ? SteadyMs() + (not_before_ms - NowMs()) : 0;
   return from;
 }
@@ -1397,7 +1400,6 @@ void Coordinator::RequeuePreempted(Txn& txn, v1::Job& job, const std::string& ho
     record->set_end_time_ms(NowMs());
     record->set_preempted(true);
   }
-  job.set_preempt_requested(false);
   job.set_preemptions(job.preemptions() + 1);
   const std::string from = Requeue(job, 0);
   SetState(txn, job, JobState::kQueued,
@@ -2040,10 +2042,6 @@ absl::StatusOr<v1::HeartbeatResponse> Coordinator::HeartbeatLocked(
 std::vector<QueuedJob> Coordinator::QueueLocked(std::map<std::string, std::string>& held) const {
   std::vector<QueuedJob> queue;
   const int64_t steady = SteadyMs();
-  std::set<std::string> preempting;  // jobs that active jobs are stopping for
-  for (const auto& [id, job] : jobs_) {
-    if (job.preempt_requested() && IsActive(job)) preempting.insert(job.preempted_for());
-  }
   for (const auto& [id, job] : jobs_) {
     if (JobStateOf(job) != JobState::kQueued) continue;
     if (auto fence = fence_steady_.find(id);
@@ -2068,7 +2066,7 @@ std::vector<QueuedJob> Coordinator::QueueLocked(std::map<std::string, std::strin
     q.queued_since_ms = job.queued_since_ms();
     q.sweep = job.sweep_id();
     q.sweep_order = SweepOrder(job);
-    q.preempting = preempting.count(id) > 0;
+    q.preempting = job.preempting();
     queue.push_back(std::move(q));
   }
   return queue;
@@ -2139,6 +2137,7 @@ void Coordinator::StartAttemptLocked(Txn& txn, const GangPlacement& g, int64_t n
   v1::Job& job = jobs_[g.job_id];
   Save(txn, job);
   job.set_attempt(job.attempt() + 1);
+  job.set_preempting(false);  // placed: it no longer goes first
   job.clear_placement();
   job.clear_finished_workers();
   v1::AttemptRecord* record = job.add_history();
@@ -2195,6 +2194,12 @@ void Coordinator::RequestPreemption(Txn& txn, v1::Job& victim, const std::string
   victim.set_preempt_requested(true);
   victim.set_preempted_for(for_job);
   txn.batch.PutJob(victim);
+  v1::Job& preemptor = jobs_[for_job];
+  if (!preemptor.preempting()) {
+    Save(txn, preemptor);
+    preemptor.set_preempting(true);
+    txn.batch.PutJob(preemptor);
+  }
   AddEvent(txn, victim, std::nullopt,
            absl::StrCat("preempting for ", for_job, " (priority ", jobs_[for_job].priority(), " > ",
                         victim.priority(), "): stopping its ranks to checkpoint and requeue"));

@@ -892,6 +892,150 @@ TEST_F(CoordinatorTest, UrgentJobPreemptsALowerPriorityOneWhichRequeuesUncounted
   EXPECT_EQ(Job(second->id()).priority(), 5);
 }
 
+// A victim whose worker is lost while it stops is an infrastructure failure like any other:
+// requeued, and its next attempt is not stopped for the old preemption.
+TEST_F(CoordinatorTest, APreemptionOfAnAttemptLostMeanwhileIsVoid) {
+  options_.scheduler.preempt_after_ms = 0;
+  options_.lost_after_ms = 10000;
+  Reopen();
+  const std::string w = RegisterWorker("a", 1);
+  const std::string low = Submit(MicroJob(1));
+  c_->Tick();
+  Beat(w, low, 1, {{0, -1}}, {}, 31000);
+  v1::SubmitJobRequest urgent = MicroJob(1);
+  urgent.set_priority(5);
+  const std::string high = Submit(urgent);
+  c_->Tick();
+  ASSERT_TRUE(Job(low).preempt_requested());
+  clock_->Advance(11000);  // the worker goes silent: lost
+  c_->Tick();
+  v1::Job requeued = Job(low);
+  EXPECT_EQ(requeued.state(), "queued");
+  EXPECT_FALSE(requeued.preempt_requested());
+  EXPECT_EQ(requeued.infra_restarts(), 1);
+  EXPECT_EQ(requeued.preemptions(), 0);
+  (void)high;
+}
+
+// A small trace through the real coordinator (state machine, RocksDB, heartbeats, ManualClock):
+// 4 workers x 16 slots; alice, bob and carol (weight 2) each queue 40 jobs of 1..4 ranks; later
+// two urgent 16-rank jobs of bob's. Agents report ranks running, exiting 0 once a job's work is
+// done, or exiting 76 when told to stop. Every job succeeds with no restart counted; while all
+// three users wait, carol holds about twice alice's slots and bob about as many; the urgent jobs
+// preempt and start within the grace and a stop.
+TEST_F(CoordinatorTest, ATraceThroughTheCoordinatorKeepsSharesAndPreempts) {
+  options_.scheduler.preempt_after_ms = 30000;
+  options_.scheduler.min_run_ms = 60000;
+  Reopen();
+  v1::Quota carol;
+  carol.set_kind("user");
+  carol.set_name("carol");
+  carol.set_weight(2);
+  ASSERT_TRUE(c_->SetQuota(carol, Caller{"root", true}).ok());
+  std::vector<std::string> workers;
+  for (int i = 0; i < 4; ++i) workers.push_back(RegisterWorker("w" + std::to_string(i), 16));
+  std::vector<std::string> ids;
+  std::map<std::string, int> work, full;  // ticks of work left, per job
+  std::map<std::string, std::string> owner;
+  auto submit = [&](const std::string& user, int world, int priority, int ticks) {
+    v1::SubmitJobRequest r = MicroJob(world);
+    r.set_priority(priority);
+    auto job = c_->Submit(r, user);
+    ASSERT_TRUE(job.ok()) << job.status();
+    ids.push_back(job->id());
+    work[job->id()] = full[job->id()] = ticks;
+    owner[job->id()] = user;
+  };
+  for (int i = 0; i < 40; ++i) {
+    for (const std::string user : {"alice", "bob", "carol"}) submit(user, 1 + i % 4, 0, 6 + i % 5);
+  }
+  std::set<std::pair<std::string, int>> told_to_stop;
+  std::map<std::string, double> held_while_all_wait;
+  std::vector<std::string> urgent;
+  int64_t urgent_at = 0;
+  for (int tick = 0; tick < 600; ++tick) {
+    if (tick == 30) {
+      urgent_at = clock_->NowMs();
+      submit("bob", 16, 5, 5);
+      submit("bob", 16, 5, 5);
+      urgent = {ids[ids.size() - 2], ids.back()};
+    }
+    clock_->Advance(10000);
+    c_->Tick();
+    std::map<std::string, v1::Job> jobs;
+    for (const auto& id : ids) jobs[id] = Job(id);
+    for (const std::string& w : workers) {
+      v1::HeartbeatRequest req;
+      req.set_worker_id(w);
+      for (const auto& [id, job] : jobs) {
+        if (!IsActive(job)) continue;
+        for (const v1::Placement& p : job.placement()) {
+          if (p.worker_id() != w) continue;
+          v1::AttemptReport* a = req.add_attempts();
+          a->set_job_id(id);
+          a->set_attempt(job.attempt());
+          a->mutable_progress()->set_update_time_ms(clock_->NowMs());
+          const int code = told_to_stop.count({id, job.attempt()}) ? kExitStopped
+                           : work[id] <= 0                         ? 0
+                                                                   : -1;
+          for (int rank : p.ranks()) {
+            v1::RankStatus* st = a->add_ranks();
+            st->set_rank(rank);
+            st->set_running(code < 0);
+            st->set_exit_code(code < 0 ? 0 : code);
+          }
+          a->set_finished(code >= 0);
+        }
+      }
+      auto resp = c_->Heartbeat(req, w);
+      ASSERT_TRUE(resp.ok()) << resp.status();
+      for (const auto& stop : resp->cancels()) told_to_stop.insert({stop.job_id(), stop.attempt()});
+    }
+    // Work advances for running attempts; a preempted job starts over (no checkpoint here).
+    std::map<std::string, int> held;
+    std::set<std::string> waiting;
+    for (const auto& id : ids) {
+      const v1::Job job = Job(id);
+      if (job.state() == "running") {
+        --work[id];
+        held[owner[id]] += job.world_size();
+      }
+      if (job.state() == "queued") {
+        waiting.insert(owner[id]);
+        if (job.preemptions() > 0 && work[id] != full[id]) work[id] = full[id];
+      }
+    }
+    if (tick < 30 && waiting.size() == 3) {
+      for (const auto& [user, slots] : held) held_while_all_wait[user] += slots;
+    }
+    bool all_done = true;
+    for (const auto& id : ids) all_done &= Job(id).state() == "succeeded";
+    if (all_done) break;
+  }
+  int preemptions = 0;
+  for (const auto& id : ids) {
+    const v1::Job job = Job(id);
+    EXPECT_EQ(job.state(), "succeeded") << id << ": " << job.reason();
+    EXPECT_EQ(job.restarts(), 0) << id;
+    EXPECT_EQ(job.infra_restarts(), 0) << id;
+    preemptions += job.preemptions();
+  }
+  EXPECT_GT(preemptions, 0);
+  for (const auto& id : urgent) {
+    const v1::Job job = Job(id);
+    ASSERT_GT(job.history_size(), 0);
+    EXPECT_LE(job.history(0).start_time_ms() - urgent_at, 30000 + 4 * 10000)
+        << id << ": the grace, a stop, a pass";
+  }
+  ASSERT_GT(held_while_all_wait["alice"], 0);
+  const double carol_ratio = held_while_all_wait["carol"] / held_while_all_wait["alice"];
+  const double bob_ratio = held_while_all_wait["bob"] / held_while_all_wait["alice"];
+  EXPECT_GT(carol_ratio, 1.4) << "weight 2";
+  EXPECT_LT(carol_ratio, 2.8);
+  EXPECT_GT(bob_ratio, 0.6);
+  EXPECT_LT(bob_ratio, 1.6);
+}
+
 TEST_F(CoordinatorTest, NoPreemptionForEqualPriorityOrWhenDisabled) {
   options_.scheduler.preempt_after_ms = 0;
   Reopen();
@@ -1049,6 +1193,43 @@ TEST_F(CoordinatorTest, LabelsFilterJobsAndSweeps) {
 
 // --private-jobs, through the real router (HttpServer::Answer, no socket): a user reads only
 // their own jobs and sweeps; an admin reads all; without the flag everyone reads everything.
+// --max-user-priority, through the real router: a user's submission, sweep base or PATCH above
+// the ceiling is 403 and stores nothing; an admin's is not limited.
+TEST_F(CoordinatorTest, PrioritiesAboveTheUserCeilingAreForAdmins) {
+  const std::string alice = "alice-token-0123456789", root = "root-token-0123456789ab";
+  net::HttpServer server(net::HttpServerOptions{});
+  ApiOptions api;
+  api.user_tokens = {{alice, "alice"}, {root, "root"}};
+  api.admins = {"root"};
+  api.max_user_priority = 0;
+  InstallUserRoutes(server, *c_, api);
+  auto send = [&](const std::string& token, const std::string& method, const std::string& target,
+                  const std::string& body) {
+    return server.Answer(method, target,
+                         {{"host", "127.0.0.1"},
+                          {"authorization", "Bearer " + token},
+                          {"content-type", "application/json"},
+                          {"content-length", std::to_string(body.size())}},
+                         body);
+  };
+  const std::string job = R"({"spec": {"preset": "micro", "steps": 4}, "world_size": 1)";
+  auto r = send(alice, "POST", "/v1/jobs", job + R"(, "priority": 5})");
+  EXPECT_EQ(r.status, 403) << r.body;
+  EXPECT_NE(r.body.find("--max-user-priority"), std::string::npos) << r.body;
+  r = send(alice, "POST", "/v1/sweeps",
+           R"({"base": )" + job + R"(, "priority": 1}, "seeds": [1]})");
+  EXPECT_EQ(r.status, 403) << r.body;
+  r = send(alice, "POST", "/v1/jobs", job + "}");
+  ASSERT_EQ(r.status, 201) << r.body;
+  const std::string id = "job-000001";
+  EXPECT_EQ(send(alice, "PATCH", "/v1/jobs/" + id, R"({"priority": 3})").status, 403);
+  EXPECT_EQ(send(alice, "PATCH", "/v1/jobs/" + id, R"({"priority": -5})").status, 200)
+      << "lowering is always allowed";
+  EXPECT_EQ(send(root, "PATCH", "/v1/jobs/" + id, R"({"priority": 50})").status, 200);
+  EXPECT_EQ(Job(id).priority(), 50);
+  EXPECT_EQ(send(root, "POST", "/v1/jobs", job + R"(, "priority": 9})").status, 201);
+}
+
 TEST_F(CoordinatorTest, PrivateJobsAreReadByTheirOwnerOrAnAdminOnly) {
   const std::string alices = Submit(MicroJob(1));
   auto b = c_->Submit(MicroJob(1), "bob");

@@ -319,8 +319,20 @@ struct Who {
   std::string user;
   bool admin = false;
   std::string scope;
+  int max_priority = 1000;  // the highest priority this caller may give a job
   Caller caller() const { return Caller{user, admin}; }
 };
+
+// False (and a 403) when the caller may not give a job this priority: with preemption, a high
+// priority stops other people's jobs, so a cluster can keep the high ones for admins.
+bool MayUsePriority(const Who& who, int priority, HttpResponse& res) {
+  if (priority <= who.max_priority) return true;
+  SetJsonError(res, 403,
+               absl::StrCat("priority: ", priority, " is above ", who.max_priority,
+                            ", the most a user may set here (--max-user-priority); ask an admin"),
+               "PERMISSION_DENIED");
+  return false;
+}
 
 template <typename Handler>
 HttpHandler UserRoute(Coordinator* c, const ApiOptions& opts, Handler handler) {
@@ -329,6 +341,7 @@ HttpHandler UserRoute(Coordinator* c, const ApiOptions& opts, Handler handler) {
     if (user.empty()) return;
     Who who{user, opts.admins.count(user) > 0, ""};
     if (opts.private_jobs && !who.admin) who.scope = user;
+    if (!who.admin) who.max_priority = opts.max_user_priority;
     handler(c, who, req, res);
   };
 }
@@ -475,7 +488,9 @@ void ReplyCreated(HttpResponse& res, const absl::StatusOr<T>& r) {
 void SubmitJob(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   const std::string& user = who.user;
   v1::SubmitJobRequest request;
-  if (!CheckParams(req, res, {}) || !ParseBody(req, res, &request)) return;
+  if (!CheckParams(req, res, {}) || !ParseBody(req, res, &request) ||
+      !MayUsePriority(who, request.priority(), res))
+    return;
   ReplyCreated(res, c->Submit(request, user));
 }
 
@@ -521,7 +536,9 @@ void ListCheckpoints(Coordinator* c, const Who& who, Req req, HttpResponse& res)
 
 void CreateSweep(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   v1::SweepSpec spec;
-  if (!CheckParams(req, res, {}) || !ParseBody(req, res, &spec)) return;
+  if (!CheckParams(req, res, {}) || !ParseBody(req, res, &spec) ||
+      !MayUsePriority(who, spec.base().priority(), res))
+    return;
   ReplyCreated(res, c->CreateSweep(spec, who.user));
 }
 
@@ -596,7 +613,9 @@ void InstallJobRoutes(HttpServer& server, Coordinator* c, const ApiOptions& opti
       "PATCH", "/v1/jobs/{id}", "user",
       UserRoute(c, options, [](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
         v1::JobUpdate update;
-        if (!CheckParams(req, res, {}) || !ParseBody(req, res, &update)) return;
+        if (!CheckParams(req, res, {}) || !ParseBody(req, res, &update) ||
+            (update.has_priority() && !MayUsePriority(who, update.priority(), res)))
+          return;
         Reply(res, c->UpdateJob(req.matches[0], update, who.caller()));
       }));
   auto limits =

@@ -51,6 +51,9 @@ struct ApiOptions {
   std::set<std::string> admins;                    // users who may act on anyone's jobs
   // --private-jobs: users other than admins read only their own jobs, sweeps and checkpoints.
   bool private_jobs = false;
+  // --max-user-priority: the highest priority a user other than an admin may give a job (on
+  // submission, in a sweep's base, or by PATCH); a higher one is 403. The default allows all.
+  int max_user_priority = 1000;
   std::string enrolment_token;  // the agent port's Register only
   // Host names (no port) the API answers to; empty = any. Origin headers must name one of them
   // (or, when empty, the request's own Host).

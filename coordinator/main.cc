@@ -62,6 +62,9 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --max-connections-per-address N   HTTP connections one client address is served at once
                           (default 16; more wait, or displace its slow or idle ones)
   --max-log-followers-per-user N   concurrent log streams per user (default 4)
+  --max-user-priority N   the highest priority a user other than an admin may give a job
+                          (default 1000: any); a higher one is refused with 403. A high
+                          priority preempts other people's jobs: e.g. 0 keeps that to admins
   --private-jobs          users other than admins (--user-tokens roles) see only their own jobs,
                           sweeps, logs, curves and checkpoints (default: every user sees all)
   --prometheus-sd-file F  write a Prometheus file_sd target list for this coordinator's /metrics
@@ -103,6 +106,8 @@ absl::StatusOr<ApiOptions> ReadApiOptions(const CliArgs& args, const std::string
   LOOM_ASSIGN_OR_RETURN(int64_t followers, args.GetInt("max-log-followers-per-user", 4, 1, 1000));
   api.max_followers_per_user = static_cast<int>(followers);
   api.private_jobs = args.Has("private-jobs");
+  LOOM_ASSIGN_OR_RETURN(int64_t max_priority, args.GetInt("max-user-priority", 1000, -1000, 1000));
+  api.max_user_priority = static_cast<int>(max_priority);
   return api;
 }
 
@@ -135,6 +140,7 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
                          "max-connections",
                          "max-connections-per-address",
                          "max-log-followers-per-user",
+                         "max-user-priority",
                          "prometheus-sd-file",
                          "tls-cert",
                          "tls-key",

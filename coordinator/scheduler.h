@@ -19,8 +19,9 @@
 // of strictly lower priority: those that lose the least work (oldest-checkpoint age first, then
 // fewest ranks), as few as free its gang, never one protected (it restarted after a preemption
 // less than min_run_ms ago) or one already stopping. It then reserves the free matching slots
-// until the victims' ranks have gone, and goes before every other job, so that the slots they
-// free are its own (otherwise an older job could take them and the preemptor preempt again).
+// until the victims' ranks have gone, and goes before every other job until it is placed, so
+// that the slots they free are its own (otherwise an older job could take them and the
+// preemptor preempt again).
 #ifndef LOOM_COORDINATOR_SCHEDULER_H_
 #define LOOM_COORDINATOR_SCHEDULER_H_
 
@@ -38,11 +39,11 @@ struct QueuedJob {
   int priority = 0;
   std::map<std::string, std::string> pool;  // required worker labels
   int64_t queued_since_ms = 0;
-  std::string user;     // the owner: quotas and fair share
-  std::string project;  // its `project` label ("" = none), for project quotas
-  std::string sweep;    // the sweep that made it ("" = none)
-  int sweep_order = 0;  // seed-major position in the sweep: seed index × cells + cell index
-  bool preempting = false;  // jobs are stopping for it: it goes first, so it gets their slots
+  std::string user;         // the owner: quotas and fair share
+  std::string project;      // its `project` label ("" = none), for project quotas
+  std::string sweep;        // the sweep that made it ("" = none)
+  int sweep_order = 0;      // seed-major position in the sweep: seed index × cells + cell index
+  bool preempting = false;  // jobs were stopped for it: it goes first until placed
 };
 
 // A scheduled or running job: what preemption may choose from.

@@ -123,7 +123,6 @@ class ClusterSim {
   std::vector<int> queued_job_;               // queue_[i] is jobs_[queued_job_[i]]
   std::unordered_map<int, size_t> in_queue_;  // job -> position
   std::vector<int> running_;                  // scheduled, running or stopping
-  std::unordered_map<int, int> victims_of_;   // job -> victims still stopping for it
   size_t next_arrival_ = 0, next_failure_ = 0;
   std::vector<double> pass_ms_, inputs_ms_;
   double used_gpu_ms_ = 0, up_gpu_ms_ = 0, used_waiting_ = 0, up_waiting_ = 0;
@@ -145,15 +144,10 @@ void ClusterSim::Enqueue(int job) {
   queued_job_.push_back(job);
 }
 
-// A job with victims still stopping for it goes first (QueuedJob::preempting).
+// A victim's stop is over (it exited, finished or its node failed).
 void ClusterSim::VictimDone(Job& victim) {
-  const int for_job = victim.stopping_for;
   victim.stopping_for = -1;
   victim.stop_at = 0;
-  if (for_job < 0 || --victims_of_[for_job] > 0) return;
-  victims_of_.erase(for_job);
-  if (auto it = in_queue_.find(for_job); it != in_queue_.end())
-    queue_[it->second].preempting = false;
 }
 
 void ClusterSim::Dequeue(int job) {
@@ -323,8 +317,9 @@ void ClusterSim::Pass(int64_t now) {
     Job& victim = jobs_[index_.at(p.victim)];
     victim.stop_at = now + options_.stop_ms;
     victim.stopping_for = index_.at(p.for_job);
-    if (victims_of_[victim.stopping_for]++ == 0)
-      queue_[in_queue_.at(victim.stopping_for)].preempting = true;
+    // The preemptor goes first until it is placed (QueuedJob::preempting).
+    queue_[in_queue_.at(victim.stopping_for)].preempting = true;
+
     ++report_.preemptions;
   }
   for (const auto& p : result.placed) Start(p, now);
