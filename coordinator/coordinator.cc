@@ -2174,11 +2174,12 @@ void Coordinator::ScheduleLocked(Txn& txn) {
     for (const auto& q : queue) held[q.id] = "waiting for every worker to report after a restart";
     queue.clear();
   }
+  // Every pass, queue or not: fair share's usage accrues while nothing waits too.
+  const PassInputs in = PassInputsLocked(now);
   if (queue.empty()) {
     waiting_reason_ = std::move(held);
     return;
   }
-  const PassInputs in = PassInputsLocked(now);
   const ScheduleResult result = Schedule(queue, FreeWorkersLocked(), options_.scheduler, now,
                                          in.quotas, in.share, in.running);
   waiting_reason_ = Explain(result, queue);
@@ -2215,7 +2216,7 @@ void Coordinator::AdvanceUsageLocked(int64_t now, const std::map<std::string, in
 // their usage, sweeps' max_concurrent, fair share, and the running jobs preemption may stop.
 Coordinator::PassInputs Coordinator::PassInputsLocked(int64_t now) {
   PassInputs in;
-  in.quotas = QuotasLocked();
+  in.quotas = QuotaLimitsLocked();
   for (const auto& [key, quota] : quotas_) {
     if (quota.kind() == "user" && quota.weight() > 0)
       in.share.weight[quota.name()] = quota.weight();
@@ -2223,6 +2224,7 @@ Coordinator::PassInputs Coordinator::PassInputsLocked(int64_t now) {
   for (const auto& [id, job] : jobs_) {
     const std::optional<JobState> state = JobStateOf(job);
     if (state != JobState::kScheduled && state != JobState::kRunning) continue;
+    CountQuotaUsage(job, in.quotas);
     in.share.held[job.submitted_by()] += job.world_size();
     if (!job.sweep_id().empty()) in.quotas.sweep_active[job.sweep_id()] += 1;
     if (state == JobState::kRunning) in.running.push_back(RunningJobOf(job, now));
@@ -2259,20 +2261,29 @@ RunningJob Coordinator::RunningJobOf(const v1::Job& job, int64_t now) const {
 // The quotas with what they count now: the slots of every scheduled or running job. A quota
 // without slots (a fair-share weight alone) limits nothing.
 Quotas Coordinator::QuotasLocked() const {
+  Quotas q = QuotaLimitsLocked();
+  if (quotas_.empty()) return q;
+  for (const auto& [id, job] : jobs_) {
+    const std::optional<JobState> state = JobStateOf(job);
+    if (state == JobState::kScheduled || state == JobState::kRunning) CountQuotaUsage(job, q);
+  }
+  return q;
+}
+
+Quotas Coordinator::QuotaLimitsLocked() const {
   Quotas q;
   for (const auto& [key, quota] : quotas_) {
     if (!quota.has_slots()) continue;
     (quota.kind() == "user" ? q.user_limit : q.project_limit)[quota.name()] = quota.slots();
   }
-  if (quotas_.empty()) return q;
-  for (const auto& [id, job] : jobs_) {
-    const std::optional<JobState> state = JobStateOf(job);
-    if (state != JobState::kScheduled && state != JobState::kRunning) continue;
-    q.user_used[job.submitted_by()] += job.world_size();
-    if (const std::string project = ProjectOf(job); !project.empty())
-      q.project_used[project] += job.world_size();
-  }
   return q;
+}
+
+// A scheduled or running job's slots, counted against its owner's and its project's quota.
+void Coordinator::CountQuotaUsage(const v1::Job& job, Quotas& q) const {
+  q.user_used[job.submitted_by()] += job.world_size();
+  if (const std::string project = ProjectOf(job); !project.empty())
+    q.project_used[project] += job.world_size();
 }
 
 absl::StatusOr<v1::ListQuotasResponse> Coordinator::ListQuotas() {

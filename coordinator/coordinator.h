@@ -245,6 +245,8 @@ class Coordinator {
   void ForgiveOwnOutage();
   void ResumeStoreIfFull();
   Quotas QuotasLocked() const;
+  Quotas QuotaLimitsLocked() const;
+  void CountQuotaUsage(const v1::Job& job, Quotas& q) const;
   struct PassInputs {
     Quotas quotas;
     FairShare share;

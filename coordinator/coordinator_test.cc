@@ -1106,6 +1106,30 @@ TEST_F(CoordinatorTest, FairShareFollowsWeightsAndHistoryAcrossARestart) {
   EXPECT_EQ(alice_placed, 0);
 }
 
+// Usage accrues on every pass, also while nothing waits: an hour of alice's 4 slots with an
+// empty queue still counts when bob and she next compete.
+TEST_F(CoordinatorTest, UsageAccruesWhileTheQueueIsEmpty) {
+  options_.fair_share_half_life_s = 3600;
+  Reopen();
+  const std::string w = RegisterWorker("a", 4);
+  const std::string history = Submit(MicroJob(4));
+  c_->Tick();
+  for (int i = 0; i < 60; ++i) {
+    Beat(w, history, 1, {{0, -1}, {1, -1}, {2, -1}, {3, -1}});
+    clock_->Advance(60000);
+    c_->Tick();
+  }
+  Beat(w, history, 1, {{0, 0}, {1, 0}, {2, 0}, {3, 0}});
+  ASSERT_EQ(Job(history).state(), "succeeded");
+  std::vector<std::string> alice, bob;
+  for (int i = 0; i < 4; ++i) alice.push_back(Submit(MicroJob(1)));
+  for (int i = 0; i < 4; ++i) bob.push_back(c_->Submit(MicroJob(1), "bob")->id());
+  c_->Tick();
+  int bob_placed = 0;
+  for (const auto& id : bob) bob_placed += Job(id).placement_size();
+  EXPECT_GE(bob_placed, 3) << "alice's hour alone counts: bob goes first";
+}
+
 // A sweep's cells advance round-robin over seeds (seed-major), and max_concurrent caps it.
 TEST_F(CoordinatorTest, SweepsRunSeedMajorUpToMaxConcurrent) {
   RegisterWorker("a", 8);
