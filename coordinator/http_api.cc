@@ -326,7 +326,8 @@ struct Who {
 // False (and a 403) when the caller may not give a job this priority: with preemption, a high
 // priority stops other people's jobs, so a cluster can keep the high ones for admins.
 bool MayUsePriority(const Who& who, int priority, HttpResponse& res) {
-  if (priority <= who.max_priority) return true;
+  // One out of -1000..1000 is left to the request's own checks: a 400 naming the range.
+  if (priority <= who.max_priority || priority > 1000) return true;
   SetJsonError(res, 403,
                absl::StrCat("priority: ", priority, " is above ", who.max_priority,
                             ", the most a user may set here (--max-user-priority); ask an admin"),
