@@ -298,6 +298,24 @@ absl::StatusOr<std::vector<CheckpointRef>> ListCheckpoints(const std::string& ro
   return out;
 }
 
+std::optional<int64_t> StepOfDirName(const std::string& name) { return StepOf(name); }
+
+absl::StatusOr<SafetensorsFile> VerifyShard(std::string bytes, const ShardInfo& info,
+                                            const std::string& where) {
+  if (bytes.size() != info.bytes) {
+    return absl::DataLossError(absl::StrCat("shard ", where, ": size ", bytes.size(),
+                                            " differs from the manifest's ", info.bytes));
+  }
+  const std::string crc = Crc32cHex(Crc32c(bytes.data(), bytes.size()));
+  if (crc != info.crc32c) {
+    return absl::DataLossError(absl::StrCat("shard ", where, ": checksum ", crc,
+                                            " differs from the manifest's ", info.crc32c));
+  }
+  auto parsed = SafetensorsFile::Parse(std::move(bytes), where);
+  if (!parsed.ok()) return absl::DataLossError(std::string(parsed.status().message()));
+  return parsed;
+}
+
 absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const std::string& dir) {
   const std::string manifest_path = (fs::path(dir) / kManifest).string();
   auto text = ReadWholeFile(manifest_path);
@@ -312,17 +330,8 @@ absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const std::string& dir) {
     const std::string path = (fs::path(dir) / info.file).string();
     auto bytes = ReadWholeFile(path);
     if (!bytes.ok()) return absl::DataLossError(absl::StrCat("shard ", path, ": missing"));
-    if (bytes->size() != info.bytes) {
-      return absl::DataLossError(absl::StrCat("shard ", path, ": size ", bytes->size(),
-                                              " differs from the manifest's ", info.bytes));
-    }
-    const std::string crc = Crc32cHex(Crc32c(bytes->data(), bytes->size()));
-    if (crc != info.crc32c) {
-      return absl::DataLossError(absl::StrCat("shard ", path, ": checksum ", crc,
-                                              " differs from the manifest's ", info.crc32c));
-    }
-    auto parsed = SafetensorsFile::Parse(std::move(*bytes), path);
-    if (!parsed.ok()) return absl::DataLossError(std::string(parsed.status().message()));
+    auto parsed = VerifyShard(std::move(*bytes), info, path);
+    if (!parsed.ok()) return parsed.status();
     loaded.shards.push_back(std::move(*parsed));
   }
   loaded.manifest = std::move(*manifest);

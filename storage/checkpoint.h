@@ -55,6 +55,9 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
 
 // "step-00000100"
 std::string CheckpointDirName(int64_t step);
+// "step-00000100" -> 100; nullopt for any other name.
+std::optional<int64_t> StepOfDirName(const std::string& name);
+inline constexpr char kManifestFile[] = "manifest.json";
 
 // The two renames a commit makes, as syscalls (0 or -1 with errno). Tests replace them to fail
 // one and check what is left on disk (storage/checkpoint_test.cc).
@@ -119,6 +122,11 @@ struct LoadedCheckpoint {
   Manifest manifest;
   std::vector<SafetensorsFile> shards;  // indexed by rank, checksums verified
 };
+
+// One shard's bytes checked against the manifest (size, CRC-32C) and parsed; DataLoss names
+// `where` (a path or a URL) otherwise.
+absl::StatusOr<SafetensorsFile> VerifyShard(std::string bytes, const ShardInfo& info,
+                                            const std::string& where);
 
 // Loads and verifies one checkpoint directory: manifest present and well-formed, every shard
 // present with the recorded size and CRC-32C, parseable as safetensors. DataLoss names the shard.

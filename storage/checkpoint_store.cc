@@ -1,0 +1,384 @@
+#include "storage/checkpoint_store.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "storage/crc32c.h"
+#include "storage/s3/s3_client.h"
+
+namespace loom::storage {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr uint64_t kMaxManifestBytes = 64 << 20;
+
+std::string Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? "" : v;
+}
+
+absl::StatusOr<std::string> ReadLocalFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read"));
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A file's CRC-32C, read in blocks (shards can be many GB).
+absl::StatusOr<std::string> FileCrc32c(const std::string& path, uint64_t* size) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read"));
+  std::string block(4 << 20, '\0');
+  uint32_t crc = 0;
+  *size = 0;
+  while (in) {
+    in.read(block.data(), block.size());
+    const auto n = static_cast<size_t>(in.gcount());
+    crc = Crc32c(block.data(), n, crc);
+    *size += n;
+  }
+  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read error"));
+  return Crc32cHex(crc);
+}
+
+// A shard's file name from a manifest (hostile input): one plain name, never a path.
+absl::Status CheckShardName(const ShardInfo& s, const std::string& where) {
+  if (s.file.empty() || s.file == "." || s.file == ".." || s.file.find('/') != std::string::npos ||
+      s.crc32c.size() != 8 || s.crc32c.find_first_not_of("0123456789abcdef") != std::string::npos) {
+    return absl::DataLossError(absl::StrCat(where, ": manifest names shard '", s.file, "' (crc '",
+                                            s.crc32c, "'): not a plain file name with a CRC-32C"));
+  }
+  return absl::OkStatus();
+}
+
+class PosixCheckpointStore : public CheckpointStore {
+ public:
+  explicit PosixCheckpointStore(std::string root) : root_(std::move(root)) {}
+  const std::string& root() const override { return root_; }
+  bool remote() const override { return false; }
+  absl::StatusOr<std::vector<CheckpointRef>> List() override { return ListCheckpoints(root_); }
+  absl::StatusOr<LoadedCheckpoint> Load(const std::string& dir) override {
+    return LoadCheckpoint(dir);
+  }
+  absl::StatusOr<int> CleanIncomplete() override { return storage::CleanIncomplete(root_); }
+  absl::Status Delete(const std::string& dir) override {
+    std::error_code ec;
+    fs::remove(fs::path(dir) / kManifestFile, ec);  // uncommitted first
+    fs::remove_all(dir, ec);
+    if (ec) return absl::InternalError(absl::StrCat(dir, ": cannot remove: ", ec.message()));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Upload(const std::string& local_dir,
+                                     const std::function<absl::Status()>& before_commit) override;
+
+ private:
+  std::string root_;
+};
+
+// A copy through CheckpointWriter: the same atomic commit as a trainer's.
+absl::StatusOr<std::string> PosixCheckpointStore::Upload(
+    const std::string& local_dir, const std::function<absl::Status()>& before_commit) {
+  const std::string manifest_path = (fs::path(local_dir) / kManifestFile).string();
+  LOOM_ASSIGN_OR_RETURN(std::string text, ReadLocalFile(manifest_path));
+  LOOM_ASSIGN_OR_RETURN(Manifest m, ManifestFromJson(text, manifest_path));
+  LOOM_ASSIGN_OR_RETURN(CheckpointWriter w,
+                        CheckpointWriter::Begin(root_, m.step, m.world_size, "upload"));
+  for (const ShardInfo& s : m.shards) {
+    LOOM_RETURN_IF_ERROR(CheckShardName(s, local_dir));
+    std::error_code ec;
+    fs::copy_file(fs::path(local_dir) / s.file, fs::path(w.temp_dir()) / s.file,
+                  fs::copy_options::overwrite_existing, ec);
+    absl::Status st =
+        ec ? absl::InternalError(absl::StrCat(s.file, ": ", ec.message())) : w.AdoptShard(s.rank);
+    if (!st.ok()) {
+      w.Abort();
+      return st;
+    }
+  }
+  if (before_commit) {
+    if (absl::Status s = before_commit(); !s.ok()) {
+      w.Abort();
+      return s;
+    }
+  }
+  auto dir = w.Commit(m);
+  if (!dir.ok()) w.Abort();
+  return dir;
+}
+
+class S3CheckpointStore : public CheckpointStore {
+ public:
+  S3CheckpointStore(std::string root, S3Location loc, S3Options options, std::string cache)
+      : root_(std::move(root)),
+        loc_(std::move(loc)),
+        client_(std::move(options)),
+        cache_(std::move(cache)) {}
+  const std::string& root() const override { return root_; }
+  bool remote() const override { return true; }
+  absl::StatusOr<std::vector<CheckpointRef>> List() override;
+  absl::StatusOr<LoadedCheckpoint> Load(const std::string& dir) override;
+  absl::StatusOr<int> CleanIncomplete() override;
+  absl::Status Delete(const std::string& dir) override;
+  absl::StatusOr<std::string> Upload(const std::string& local_dir,
+                                     const std::function<absl::Status()>& before_commit) override;
+
+ private:
+  // The objects under the root, by step directory name ("step-00000100" → keys).
+  absl::StatusOr<std::map<std::string, std::vector<std::string>>> StepObjects();
+  absl::StatusOr<SafetensorsFile> FetchShard(const S3Location& step, const ShardInfo& info);
+  void TrimCache();
+
+  std::string root_;
+  S3Location loc_;
+  S3Client client_;
+  std::string cache_;
+};
+
+absl::StatusOr<std::map<std::string, std::vector<std::string>>> S3CheckpointStore::StepObjects() {
+  const std::string prefix = loc_.prefix.empty() ? "" : loc_.prefix + "/";
+  LOOM_ASSIGN_OR_RETURN(std::vector<ObjectInfo> objects, client_.List(loc_.bucket, prefix));
+  std::map<std::string, std::vector<std::string>> out;
+  for (const ObjectInfo& o : objects) {
+    const std::string rel = o.key.substr(prefix.size());
+    const size_t slash = rel.find('/');
+    if (slash == std::string::npos || !StepOfDirName(rel.substr(0, slash))) continue;
+    out[rel.substr(0, slash)].push_back(o.key);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<CheckpointRef>> S3CheckpointStore::List() {
+  LOOM_ASSIGN_OR_RETURN(auto steps, StepObjects());
+  std::vector<CheckpointRef> out;
+  for (const auto& [name, keys] : steps) {
+    const std::string manifest = loc_.Key(absl::StrCat(name, "/", kManifestFile));
+    if (std::find(keys.begin(), keys.end(), manifest) == keys.end()) continue;  // uncommitted
+    out.push_back({*StepOfDirName(name), loc_.Url(name)});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const CheckpointRef& a, const CheckpointRef& b) { return a.step < b.step; });
+  return out;
+}
+
+absl::StatusOr<SafetensorsFile> S3CheckpointStore::FetchShard(const S3Location& step,
+                                                              const ShardInfo& info) {
+  const std::string url = step.Url(info.file);
+  const fs::path objects = fs::path(cache_) / "objects";
+  const fs::path cached = objects / absl::StrCat(info.crc32c, "-", info.bytes);
+  std::error_code ec;
+  if (fs::exists(cached, ec)) {
+    auto bytes = ReadLocalFile(cached.string());
+    if (bytes.ok()) {
+      auto parsed = VerifyShard(std::move(*bytes), info, cached.string());
+      if (parsed.ok()) {
+        fs::last_write_time(cached, fs::file_time_type::clock::now(), ec);  // for TrimCache
+        return parsed;
+      }
+    }
+    fs::remove(cached, ec);  // damaged in the cache: fetch it again
+  }
+  fs::create_directories(objects, ec);
+  const fs::path part =
+      objects / absl::StrCat(".fetch-", cached.filename().string(), "-", ::getpid(), "-",
+                             std::hash<std::thread::id>()(std::this_thread::get_id()));
+  absl::Status got = client_.GetFile(step.bucket, step.Key(info.file), part.string());
+  if (absl::IsNotFound(got)) return absl::DataLossError(absl::StrCat("shard ", url, ": missing"));
+  if (!got.ok()) return got;
+  auto bytes = ReadLocalFile(part.string());
+  if (!bytes.ok()) return bytes.status();
+  auto parsed = VerifyShard(std::move(*bytes), info, url);
+  if (parsed.ok()) {
+    fs::rename(part, cached, ec);
+  } else {
+    fs::remove(part, ec);
+  }
+  return parsed;
+}
+
+absl::StatusOr<LoadedCheckpoint> S3CheckpointStore::Load(const std::string& dir) {
+  LOOM_ASSIGN_OR_RETURN(S3Location step, ParseS3Url(dir));
+  const std::string manifest_url = step.Url(kManifestFile);
+  auto text = client_.GetString(step.bucket, step.Key(kManifestFile), kMaxManifestBytes);
+  if (absl::IsNotFound(text.status())) {
+    return absl::NotFoundError(absl::StrCat(dir, ": no manifest (checkpoint never committed)"));
+  }
+  if (!text.ok()) return text.status();
+  LOOM_ASSIGN_OR_RETURN(Manifest manifest, ManifestFromJson(*text, manifest_url));
+  LoadedCheckpoint loaded;
+  loaded.dir = dir;
+  for (const ShardInfo& info : manifest.shards) {
+    LOOM_RETURN_IF_ERROR(CheckShardName(info, manifest_url));
+    LOOM_ASSIGN_OR_RETURN(SafetensorsFile shard, FetchShard(step, info));
+    loaded.shards.push_back(std::move(shard));
+  }
+  loaded.manifest = std::move(manifest);
+  TrimCache();
+  return loaded;
+}
+
+// The cache stays under $LOOM_CACHE_MAX_GB (default 20): least recently used shards go first.
+void S3CheckpointStore::TrimCache() {
+  int64_t max_gb = 20;
+  if (!absl::SimpleAtoi(Env("LOOM_CACHE_MAX_GB"), &max_gb) || max_gb < 0) max_gb = 20;
+  const uint64_t budget = static_cast<uint64_t>(max_gb) << 30;
+  std::vector<std::pair<fs::file_time_type, fs::path>> files;
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(fs::path(cache_) / "objects", ec)) {
+    if (!e.is_regular_file(ec) || e.path().filename().string()[0] == '.') continue;
+    total += e.file_size(ec);
+    files.emplace_back(e.last_write_time(ec), e.path());
+  }
+  std::sort(files.begin(), files.end());
+  for (const auto& [when, path] : files) {
+    if (total <= budget) break;
+    const uint64_t size = fs::file_size(path, ec);
+    if (fs::remove(path, ec)) total -= size;
+  }
+}
+
+absl::StatusOr<int> S3CheckpointStore::CleanIncomplete() {
+  LOOM_ASSIGN_OR_RETURN(auto steps, StepObjects());
+  int removed = 0;
+  for (const auto& [name, keys] : steps) {
+    const std::string manifest = loc_.Key(absl::StrCat(name, "/", kManifestFile));
+    if (std::find(keys.begin(), keys.end(), manifest) != keys.end()) continue;
+    for (const std::string& key : keys) LOOM_RETURN_IF_ERROR(client_.Delete(loc_.bucket, key));
+    ++removed;
+  }
+  return removed;
+}
+
+absl::Status S3CheckpointStore::Delete(const std::string& dir) {
+  LOOM_ASSIGN_OR_RETURN(S3Location step, ParseS3Url(dir));
+  if (step.bucket != loc_.bucket || !absl::StartsWith(step.prefix, loc_.prefix) ||
+      !StepOfDirName(fs::path(step.prefix).filename().string())) {
+    return absl::InvalidArgumentError(absl::StrCat(dir, ": not a step under ", root_));
+  }
+  // Uncommitted first: a crash mid-way leaves shards without a manifest, which nothing reads.
+  LOOM_RETURN_IF_ERROR(client_.Delete(step.bucket, step.Key(kManifestFile)));
+  LOOM_ASSIGN_OR_RETURN(std::vector<ObjectInfo> objects,
+                        client_.List(step.bucket, step.prefix + "/"));
+  for (const ObjectInfo& o : objects) LOOM_RETURN_IF_ERROR(client_.Delete(step.bucket, o.key));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> S3CheckpointStore::Upload(
+    const std::string& local_dir, const std::function<absl::Status()>& before_commit) {
+  const std::string manifest_path = (fs::path(local_dir) / kManifestFile).string();
+  LOOM_ASSIGN_OR_RETURN(std::string text, ReadLocalFile(manifest_path));
+  LOOM_ASSIGN_OR_RETURN(Manifest m, ManifestFromJson(text, manifest_path));
+  const std::string name = CheckpointDirName(m.step);
+  S3Location step{loc_.bucket, loc_.Key(name)};
+  // The local copy is checked before it leaves: the store must never hold a shard that the
+  // manifest would reject.
+  for (const ShardInfo& s : m.shards) {
+    LOOM_RETURN_IF_ERROR(CheckShardName(s, manifest_path));
+    uint64_t size = 0;
+    const std::string path = (fs::path(local_dir) / s.file).string();
+    LOOM_ASSIGN_OR_RETURN(std::string crc, FileCrc32c(path, &size));
+    if (crc != s.crc32c || size != s.bytes) {
+      return absl::DataLossError(absl::StrCat("shard ", path, ": checksum ", crc, " and size ",
+                                              size, " differ from the manifest's"));
+    }
+  }
+  // A step uploaded before (a rerun) stops existing before its shards change.
+  LOOM_RETURN_IF_ERROR(client_.Delete(step.bucket, step.Key(kManifestFile)));
+  for (const ShardInfo& s : m.shards) {
+    LOOM_RETURN_IF_ERROR(
+        client_.PutFile(step.bucket, step.Key(s.file), (fs::path(local_dir) / s.file).string()));
+  }
+  if (before_commit) LOOM_RETURN_IF_ERROR(before_commit());
+  LOOM_RETURN_IF_ERROR(client_.PutString(step.bucket, step.Key(kManifestFile), text));
+  return step.Url();
+}
+
+}  // namespace
+
+absl::StatusOr<LoadedCheckpoint> CheckpointStore::LoadLatest(std::vector<absl::Status>* skipped) {
+  LOOM_ASSIGN_OR_RETURN(std::vector<CheckpointRef> refs, List());
+  for (auto it = refs.rbegin(); it != refs.rend(); ++it) {
+    auto loaded = Load(it->dir);
+    if (loaded.ok()) return loaded;
+    if (!absl::IsDataLoss(loaded.status()) && !absl::IsNotFound(loaded.status()))
+      return loaded.status();  // the store, not the checkpoint: do not pass over it
+    if (skipped) skipped->push_back(loaded.status());
+  }
+  return absl::NotFoundError(absl::StrCat("no complete checkpoint under ", root()));
+}
+
+absl::Status CheckpointStore::ApplyRetention(int keep_last, int64_t keep_every) {
+  LOOM_ASSIGN_OR_RETURN(std::vector<CheckpointRef> refs, List());
+  keep_last = std::max(keep_last, 1);
+  for (size_t i = 0; i + static_cast<size_t>(keep_last) < refs.size(); ++i) {
+    if (keep_every > 0 && refs[i].step % keep_every == 0) continue;
+    LOOM_RETURN_IF_ERROR(Delete(refs[i].dir));
+  }
+  return absl::OkStatus();
+}
+
+std::string LocalCacheDir() {
+  if (!Env("LOOM_CACHE_DIR").empty()) return Env("LOOM_CACHE_DIR");
+  if (!Env("XDG_CACHE_HOME").empty()) return (fs::path(Env("XDG_CACHE_HOME")) / "loom").string();
+  if (!Env("HOME").empty()) return (fs::path(Env("HOME")) / ".cache" / "loom").string();
+  return absl::StrCat("/tmp/loom-cache-", ::getuid());
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointStore>> OpenCheckpointStore(const std::string& root) {
+  if (!IsS3Url(root)) return std::make_unique<PosixCheckpointStore>(root);
+  LOOM_ASSIGN_OR_RETURN(S3Location loc, ParseS3Url(root));
+  LOOM_ASSIGN_OR_RETURN(S3Options options, S3OptionsFromEnvironment());
+  return std::make_unique<S3CheckpointStore>(root, std::move(loc), std::move(options),
+                                             LocalCacheDir());
+}
+
+namespace {
+
+// "s3://b/root/step-00000100" → "s3://b/root"; "" when the URL names no step.
+std::string S3StepParent(const std::string& url) {
+  auto loc = ParseS3Url(url);
+  if (!loc.ok() || loc->prefix.empty()) return "";
+  const size_t slash = loc->prefix.rfind('/');
+  const std::string last = slash == std::string::npos ? loc->prefix : loc->prefix.substr(slash + 1);
+  if (!StepOfDirName(last)) return "";
+  return absl::StrCat("s3://", loc->bucket,
+                      slash == std::string::npos ? "" : "/" + loc->prefix.substr(0, slash));
+}
+
+}  // namespace
+
+absl::StatusOr<LoadedCheckpoint> LoadCheckpointAt(const std::string& where,
+                                                  std::vector<absl::Status>* skipped) {
+  if (IsS3Url(where)) {
+    const std::string parent = S3StepParent(where);
+    LOOM_ASSIGN_OR_RETURN(auto store, OpenCheckpointStore(parent.empty() ? where : parent));
+    if (!parent.empty()) {
+      LOOM_ASSIGN_OR_RETURN(S3Location loc, ParseS3Url(where));  // normalised: no trailing '/'
+      return store->Load(loc.Url());
+    }
+    return store->LoadLatest(skipped);
+  }
+  if (fs::exists(fs::path(where) / kManifestFile)) return LoadCheckpoint(where);
+  return LoadLatestCheckpoint(where, skipped);
+}
+
+absl::Status DeleteCheckpoint(const std::string& dir) {
+  const std::string parent =
+      IsS3Url(dir) ? S3StepParent(dir) : fs::path(dir).parent_path().string();
+  if (parent.empty()) return absl::InvalidArgumentError(absl::StrCat(dir, ": not a step"));
+  LOOM_ASSIGN_OR_RETURN(auto store, OpenCheckpointStore(parent));
+  return store->Delete(dir);
+}
+
+}  // namespace loom::storage
