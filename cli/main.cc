@@ -738,8 +738,8 @@ pid_t StartCoordinator(ChildProcesses& children, const UpLayout& l, int64_t port
                                    "--prometheus-sd-file",
                                    (fs::path(l.sd_dir) / "coordinator.json").string()};
   // The scheduling policy of a shared box, passed through (the coordinator checks the values).
-  for (const char* flag :
-       {"preempt-after-s", "min-run-s", "fair-share-half-life-s", "max-user-priority"}) {
+  for (const char* flag : {"preempt-after-s", "min-run-s", "fair-share-half-life-s",
+                           "max-user-priority", "checkpoint-store"}) {
     if (args.Has(flag)) argv.insert(argv.end(), {absl::StrCat("--", flag), args.Get(flag)});
   }
   if (args.Has("private-jobs")) argv.push_back("--private-jobs");
@@ -980,7 +980,9 @@ void AddUpCommand(CommandLine& line, Commands& c) {
               "600; -1 never)"},
              {"min-run-s", "S", "a preempted job is not preempted again for S s (default 600)"},
              {"fair-share-half-life-s", "S", "half-life of the usage fair share counts"},
-             {"max-user-priority", "N", "the highest priority a non-admin may set (default any)"}});
+             {"max-user-priority", "N", "the highest priority a non-admin may set (default any)"},
+             {"checkpoint-store", "URL",
+              "checkpoints in an object store, s3://bucket/prefix (AWS_* environment)"}});
   CommandLine::Switch(c.up, "--private-jobs", "users see only their own jobs (admins see all)");
 }
 

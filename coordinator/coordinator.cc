@@ -23,6 +23,7 @@
 #include "coordinator/submit_validation.h"
 #include "coordinator/sweep.h"
 #include "storage/checkpoint.h"
+#include "storage/checkpoint_store.h"
 
 namespace fs = std::filesystem;
 
@@ -327,7 +328,9 @@ absl::Status Coordinator::Load() {
   // Retention decided before a crash but not carried out yet.
   for (const auto& [id, c] : checkpoints_) {
     std::error_code ec;
-    if (c.deleted() && fs::exists(c.path(), ec)) pending_deletes_.push_back(c.path());
+    // (On an object store a step whose deletion a crash interrupted waits for its job's next
+    // sweep: a HEAD per deleted checkpoint at every start would grow without bound.)
+    if (c.deleted() && fs::exists(c.path(), ec)) pending_deletes_.push_back({c.path()});
   }
   return absl::OkStatus();
 }
@@ -530,7 +533,9 @@ absl::StatusOr<std::string> Coordinator::InitFromPathLocked(
   }
   const std::string& init_path = it->second.path();
   std::error_code ec;
-  if (it->second.deleted() || !fs::exists(fs::path(init_path) / "manifest.json", ec)) {
+  // (A step on an object store is not looked up under the lock: the catalogue says it exists.)
+  if (it->second.deleted() || (!storage::IsRemoteLocation(init_path) &&
+                               !fs::exists(fs::path(init_path) / "manifest.json", ec))) {
     return FieldError("init_from",
                       absl::StrCat("checkpoint '", request.init_from(), "' is no longer on disk (",
                                    init_path, "); pick an available one"));
@@ -548,6 +553,7 @@ absl::StatusOr<v1::Job> Coordinator::AddJobLocked(Txn& txn, const v1::SubmitJobR
                                                   const std::string& id) {
   LOOM_ASSIGN_OR_RETURN(const std::string init_path, InitFromPathLocked(request));
   LOOM_RETURN_IF_ERROR(ResolveJobPaths(spec, options_.storage_root, id));
+  spec.mutable_checkpoint()->set_dir(CheckpointDirFor(id, NowMs()));
   ApplyCheckpointIntervalDefault(spec, options_.checkpoint_interval_seconds);
   v1::Job job;
   job.set_id(id);
@@ -564,7 +570,9 @@ absl::StatusOr<v1::Job> Coordinator::AddJobLocked(Txn& txn, const v1::SubmitJobR
   job.set_queued_since_ms(now);
   job.mutable_progress()->set_total_steps(spec.steps());
   LOOM_RETURN_IF_ERROR(CheckPrintable(job));
-  LOOM_RETURN_IF_ERROR(SetAsideStaleDirectory(options_.storage_root, id, now));
+  if (!RemoteCheckpoints()) {
+    LOOM_RETURN_IF_ERROR(SetAsideStaleDirectory(options_.storage_root, id, now));
+  }
   SetState(txn, job, JobState::kQueued, absl::StrCat("submitted by ", user));
   jobs_[id] = job;
   return job;
@@ -1201,7 +1209,12 @@ absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
     v1::CheckpointEntry* e = out.add_checkpoints();
     *e = *c;
     std::error_code ec;
-    e->set_available(!c->deleted() && fs::exists(fs::path(c->path()) / "manifest.json", ec));
+    // On an object store the catalogue's word (a HEAD per entry would make a page wait on the
+    // network): not deleted, not found damaged.
+    e->set_available(!c->deleted() &&
+                     (storage::IsRemoteLocation(c->path())
+                          ? c->damaged().empty()
+                          : fs::exists(fs::path(c->path()) / "manifest.json", ec)));
     for (const std::string& j : PinnedBy(c->id())) e->add_pinned_by(j);
   }
   return out;
@@ -1640,6 +1653,17 @@ void Coordinator::CatalogueCheckpoint(Txn& txn, v1::Job& job, int64_t step,
                                       const std::string& path) {
   const std::string cid = CheckpointId(job.id(), step);
   if (checkpoints_.count(cid)) return;
+  // A worker names the step; where it is follows from the job (retention deletes what the
+  // catalogue holds: a report naming another job's directory must not get it deleted).
+  const std::string& root = job.spec().checkpoint().dir();
+  const std::string name = storage::CheckpointDirName(step);
+  if (step < 0 || (path != root + "/" + name && path != (fs::path(root) / name).string())) {
+    AddEvent(txn, job, std::nullopt,
+             absl::StrCat("a report named checkpoint ", path.substr(0, 200), " for step ", step,
+                          ", not under the job's ", root, ": ignored"));
+    txn.batch.PutJob(job);
+    return;
+  }
   Save(txn, job);
   SaveCheckpoint(txn, cid);
   v1::CheckpointEntry e;
@@ -1691,8 +1715,14 @@ void Coordinator::ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptRep
   for (const std::string& cid : job.checkpoints()) {
     auto it = checkpoints_.find(cid);
     std::error_code ec;
-    if (it != checkpoints_.end() && it->second.step() > step && !it->second.deleted() &&
-        it->second.damaged().empty() &&
+    if (it == checkpoints_.end() || it->second.step() <= step || it->second.deleted() ||
+        !it->second.damaged().empty()) {
+      continue;
+    }
+    // In an object store nothing is looked up under the lock: the trainer listed the store and
+    // took its newest step that verified, so a newer catalogued one it did not report skipped
+    // was not there.
+    if (storage::IsRemoteLocation(it->second.path()) ||
         !fs::exists(fs::path(it->second.path()) / "manifest.json", ec)) {
       mark(it->second.step(), absl::StrCat("missing: ", it->second.path(), " is gone"));
     }
@@ -1731,30 +1761,68 @@ void Coordinator::ApplyRetention(Txn& txn, const std::string& job_id) {
     v1::CheckpointEntry& e = it->second;
     if (cfg.keep_every() > 0 && e.step() % cfg.keep_every() == 0) continue;
     if (!PinnedBy(cid).empty()) continue;
-    const std::string jobs_root = (fs::path(options_.storage_root) / "jobs").string() + "/";
+    const std::string jobs_root = RemoteCheckpoints()
+                                      ? options_.checkpoint_store + "/jobs/"
+                                      : (fs::path(options_.storage_root) / "jobs").string() + "/";
     if (!absl::StartsWith(e.path(), jobs_root)) continue;  // never delete outside jobs/
     SaveCheckpoint(txn, cid);
     e.set_deleted(true);
     txn.batch.PutCheckpoint(e);
-    txn.deletes.push_back(e.path());
+    txn.deletes.push_back({e.path()});
   }
   // Steps a fenced attempt committed but never reported, older than what is kept: garbage.
   if (intact.empty()) return;
   const int64_t oldest_kept = intact[first_kept]->step();
+  if (RemoteCheckpoints()) {
+    Removal sweep{cfg.dir(), oldest_kept, cfg.keep_every(), {}};
+    for (const std::string& cid : jit->second.checkpoints()) {
+      auto it = checkpoints_.find(cid);
+      if (it != checkpoints_.end() && !it->second.deleted())
+        sweep.catalogued.insert(it->second.step());
+    }
+    txn.deletes.push_back(std::move(sweep));
+    return;
+  }
   auto on_disk = storage::ListCheckpoints(cfg.dir());
   if (!on_disk.ok()) return;
   for (const storage::CheckpointRef& ref : *on_disk) {
     if (ref.step < oldest_kept && !checkpoints_.count(CheckpointId(job_id, ref.step)) &&
         (cfg.keep_every() == 0 || ref.step % cfg.keep_every() != 0)) {
-      txn.deletes.push_back(ref.dir);
+      txn.deletes.push_back({ref.dir});
     }
   }
 }
 
-void Coordinator::DeleteDirectories(std::vector<std::string> dirs) {
-  for (const std::string& d : dirs) {
-    std::error_code ec;
-    fs::remove_all(d, ec);
+std::string Coordinator::CheckpointDirFor(const std::string& id, int64_t now) const {
+  if (!RemoteCheckpoints()) {
+    return (fs::path(options_.storage_root) / "jobs" / id / "checkpoints").string();
+  }
+  return absl::StrCat(options_.checkpoint_store, "/jobs/", id, "-", now, "/checkpoints");
+}
+
+void Coordinator::DeleteDirectories(std::vector<Removal> removals) {
+  for (const Removal& r : removals) {
+    if (r.sweep_before < 0) {
+      if (absl::Status s = storage::DeleteCheckpoint(r.dir); !s.ok()) {
+        std::cerr << "coordinator: retention: " << s.message() << "\n";
+      }
+      continue;
+    }
+    auto store = storage::OpenCheckpointStore(r.dir);
+    auto refs = store.ok() ? (*store)->List() : store.status();
+    if (!refs.ok()) {
+      std::cerr << "coordinator: retention: " << refs.status().message() << "\n";
+      continue;
+    }
+    for (const storage::CheckpointRef& ref : *refs) {
+      if (ref.step >= r.sweep_before || r.catalogued.count(ref.step) ||
+          (r.keep_every > 0 && ref.step % r.keep_every == 0)) {
+        continue;
+      }
+      if (absl::Status s = (*store)->Delete(ref.dir); !s.ok()) {
+        std::cerr << "coordinator: retention: " << s.message() << "\n";
+      }
+    }
   }
 }
 
@@ -2421,7 +2489,7 @@ void Coordinator::ResumeStoreIfFull() {
 
 void Coordinator::Tick() {
   ResumeStoreIfFull();
-  std::vector<std::string> deletes;
+  std::vector<Removal> deletes;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Txn txn;

@@ -36,6 +36,9 @@ struct SweepCell;
 struct CoordinatorOptions {
   std::string data_dir;      // RocksDB (state/) and job logs (logs/)
   std::string storage_root;  // checkpoints and datasets; client paths must stay inside it
+  // Where job checkpoints go instead of <storage_root>/jobs: "s3://bucket/prefix" (an object
+  // store; credentials and endpoint from the environment, storage/checkpoint_store.h).
+  std::string checkpoint_store;
   int heartbeat_interval_ms = 1000;
   int lost_after_ms = 10000;  // a worker silent this long is lost and its jobs rescheduled
   // How long an agent's ranks keep running without reaching the coordinator: the coordinator
@@ -177,6 +180,15 @@ class Coordinator {
  private:
   // One change of the state: the RocksDB batches and the prior values of everything it touched,
   // so that a failed write leaves memory as it was (transitions are persisted, then in effect).
+  // What retention removes once its decision is on disk, without the lock: one step, or (on an
+  // object store, where listing under the lock would wait on the network) the steps of a job's
+  // checkpoint root older than `sweep_before` that neither the catalogue nor keep_every keeps.
+  struct Removal {
+    std::string dir;
+    int64_t sweep_before = -1;
+    int64_t keep_every = 0;
+    std::set<int64_t> catalogued;
+  };
   struct Txn {
     StateStore::Batch batch;     // synced: state transitions
     StateStore::Batch progress;  // not synced: progress, log offsets
@@ -185,9 +197,9 @@ class Coordinator {
     std::map<std::string, std::optional<v1::CheckpointEntry>> checkpoints;
     std::map<std::string, std::optional<std::string>> credentials;
     std::map<std::string, int64_t> event_counts;
-    std::vector<std::string> deletes;  // checkpoint directories to remove once committed
-    std::vector<JobState> ended;       // terminal states reached, counted once committed
-    bool no_space = false;             // a job log or series append found the disk full
+    std::vector<Removal> deletes;  // checkpoints to remove once committed
+    std::vector<JobState> ended;   // terminal states reached, counted once committed
+    bool no_space = false;         // a job log or series append found the disk full
   };
   enum class Failure { kJob, kInfra, kBadInput };
   struct PlannedJob;  // one (cell, seed) of a sweep, validated before anything is stored
@@ -305,7 +317,12 @@ class Coordinator {
   void ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r);
   void ApplyRetention(Txn& txn, const std::string& job_id);
   std::vector<std::string> PinnedBy(const std::string& checkpoint_id) const;
-  void DeleteDirectories(std::vector<std::string> dirs);
+  void DeleteDirectories(std::vector<Removal> removals);
+  // <storage root>/jobs/<id>/checkpoints, or on an object store
+  // <store>/jobs/<id>-<submit ms>/checkpoints (nothing there to set aside: an id used before, in
+  // an earlier coordinator state, never meets its old steps).
+  std::string CheckpointDirFor(const std::string& id, int64_t now) const;
+  bool RemoteCheckpoints() const { return !options_.checkpoint_store.empty(); }
 
   CoordinatorOptions options_;
   std::unique_ptr<StateStore> store_;
@@ -336,7 +353,7 @@ class Coordinator {
   // After a restart nothing is placed until every live worker has reported what it runs (or
   // been declared lost), so an old attempt still running is known before a new one starts.
   std::set<std::string> heard_since_start_;
-  std::vector<std::string> pending_deletes_;  // retention: directories to remove (no lock held)
+  std::vector<Removal> pending_deletes_;  // retention: checkpoints to remove (no lock held)
 
   std::condition_variable wake_;
   bool stop_ = false;

@@ -15,6 +15,7 @@
 #include "coordinator/agent_service.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/http_api.h"
+#include "storage/checkpoint_store.h"
 
 namespace loom::coordinator {
 namespace {
@@ -22,6 +23,9 @@ namespace {
 constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --data-dir DIR          RocksDB state and job logs (required)
   --storage-root DIR      checkpoints and datasets live here (default DATA_DIR/storage)
+  --checkpoint-store URL  job checkpoints in an S3-compatible object store instead,
+                          s3://bucket/prefix (endpoint, region and credentials from the
+                          environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...; docs/storage.md)
   --bind ADDR             listen address of both listeners (default 127.0.0.1)
   --port N                user REST API port (default 8470; 0 = any free port)
   --port-file F           write the bound user port here once listening
@@ -115,6 +119,7 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
   return CliArgs::Parse(argc, argv, 1,
                         {"data-dir",
                          "storage-root",
+                         "checkpoint-store",
                          "bind",
                          "port",
                          "port-file",
@@ -154,12 +159,33 @@ struct Settings {
   int64_t port = 0, agent_port = 0;
 };
 
+// --checkpoint-store: an s3:// URL, normalised, that this process can reach with its
+// environment (checked now: a coordinator that cannot delete what retention decides should not
+// start).
+absl::StatusOr<std::string> CheckpointStoreFlag(const CliArgs& args) {
+  if (!args.Has("checkpoint-store")) return std::string();
+  const std::string url = args.Get("checkpoint-store");
+  if (!storage::IsRemoteLocation(url)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--checkpoint-store '", url, "': an s3://bucket/prefix URL (POSIX: --storage-root)"));
+  }
+  LOOM_ASSIGN_OR_RETURN(auto store, storage::OpenCheckpointStore(url));
+  if (auto listed = store->List(); !listed.ok()) {
+    return absl::Status(listed.status().code(),
+                        absl::StrCat("--checkpoint-store: ", listed.status().message()));
+  }
+  std::string root = store->root();
+  while (!root.empty() && root.back() == '/') root.pop_back();
+  return root;
+}
+
 absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   Settings settings;
   CoordinatorOptions& options = settings.coordinator;
   LOOM_ASSIGN_OR_RETURN(options.data_dir, args.Require("data-dir"));
   options.storage_root =
       args.Get("storage-root", (std::filesystem::path(options.data_dir) / "storage").string());
+  LOOM_ASSIGN_OR_RETURN(options.checkpoint_store, CheckpointStoreFlag(args));
   LOOM_ASSIGN_OR_RETURN(int64_t hb, args.GetInt("heartbeat-ms", 1000, 50, 600000));
   LOOM_ASSIGN_OR_RETURN(int64_t lost, args.GetInt("lost-after-ms", 10000, 200, 86400000));
   LOOM_ASSIGN_OR_RETURN(int64_t lease, args.GetInt("lease-ms", 90000, 200, 86400000));

@@ -15,6 +15,7 @@
 #include "base/status_macros.h"
 #include "data/task_spec.h"
 #include "loom/spec.h"
+#include "storage/checkpoint_store.h"
 
 namespace fs = std::filesystem;
 
@@ -152,11 +153,9 @@ absl::StatusOr<v1::JobSpec> ResolveSubmittedSpec(const v1::SubmitJobRequest& req
   v1::JobSpec unresolved = request.spec();
   unresolved.mutable_checkpoint()->set_dir("jobs/pending/checkpoints");
   if (TakesModelFromCheckpoint(request) && !model_checkpoint_dir.empty()) {
-    std::ifstream in(fs::path(model_checkpoint_dir) / "manifest.json");
-    std::stringstream text;
-    text << in.rdbuf();
-    if (in) {
-      if (absl::Status s = FillModelFromManifest(&unresolved, text.str(), "init_from manifest");
+    auto text = storage::ReadManifestText(model_checkpoint_dir);
+    if (text.ok()) {
+      if (absl::Status s = FillModelFromManifest(&unresolved, *text, "init_from manifest");
           !s.ok()) {
         return absl::InvalidArgumentError(absl::StrCat("spec.", s.message()));
       }

@@ -6,6 +6,7 @@ set(LOOM_FUZZERS
     set_overrides:loom_spec
     safetensors:loom_storage
     checkpoint_manifest:loom_storage,loom_spec
+    s3_xml:loom_s3
     tokenizer_json:loom_data
     sentencepiece_model:loom_tokenizer
     trainer_events:loom_events

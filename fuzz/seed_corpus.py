@@ -109,6 +109,19 @@ def manifests():
     put("checkpoint_manifest", "missing-field", json.dumps({"format_version": 1, "step": 1}))
 
 
+def s3_xml():
+    put("s3_xml", "listing", '<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult '
+        'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>ckpt</Name><Prefix>jobs/</Prefix>'
+        '<IsTruncated>true</IsTruncated><NextContinuationToken>t1</NextContinuationToken><Contents>'
+        '<Key>jobs/a/step-00000001/manifest.json</Key><Size>812</Size><ETag>"e1"</ETag></Contents>'
+        '<CommonPrefixes><Prefix>jobs/b/</Prefix></CommonPrefixes></ListBucketResult>')
+    put("s3_xml", "upload-id", "<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>k</Key>"
+        "<UploadId>u-1</UploadId></InitiateMultipartUploadResult>")
+    put("s3_xml", "error", '<?xml version="1.0"?><Error><Code>SlowDown</Code>'
+        "<Message>Reduce your request rate.</Message></Error>")
+    put("s3_xml", "dtd", '<!DOCTYPE a [<!ENTITY b "c">]><Error><Code>&b;</Code></Error>')
+
+
 def tiny_tokenizer():
     vocab, nxt = {}, 256
     for b in range(256):
@@ -307,6 +320,6 @@ def rest():
 
 
 if __name__ == "__main__":
-    for f in [job_specs, overrides, safetensors, manifests, tokenizers, sentencepiece, events, hf,
+    for f in [job_specs, overrides, safetensors, manifests, s3_xml, tokenizers, sentencepiece, events, hf,
               chat, token_index, serve, rest]:
         f()

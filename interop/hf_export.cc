@@ -18,6 +18,7 @@
 #include "interop/hf_model.h"
 #include "loom/spec.h"
 #include "storage/checkpoint.h"
+#include "storage/checkpoint_store.h"
 #include "storage/safetensors.h"
 
 namespace loom::interop {
@@ -28,11 +29,13 @@ namespace {
 
 constexpr char kModelPrefix[] = "model.";
 
+// A step, or a root's newest intact step; a path or an s3:// URL.
 absl::StatusOr<storage::LoadedCheckpoint> LoadAny(const std::string& where) {
-  if (fs::exists(fs::path(where) / "manifest.json")) return storage::LoadCheckpoint(where);
-  if (!fs::is_directory(where))
+  if (!storage::IsRemoteLocation(where) && !fs::exists(fs::path(where) / "manifest.json") &&
+      !fs::is_directory(where)) {
     return absl::NotFoundError(absl::StrCat("checkpoint: '", where, "' is not a directory"));
-  return storage::LoadLatestCheckpoint(where, nullptr);
+  }
+  return storage::LoadCheckpointAt(where, nullptr);
 }
 
 absl::StatusOr<v1::JobSpec> RecordedSpec(const storage::LoadedCheckpoint& c) {

@@ -126,6 +126,7 @@ class S3CheckpointStore : public CheckpointStore {
         cache_(std::move(cache)) {}
   const std::string& root() const override { return root_; }
   bool remote() const override { return true; }
+  int64_t request_retries() const override { return client_.retries(); }
   absl::StatusOr<std::vector<CheckpointRef>> List() override;
   absl::StatusOr<LoadedCheckpoint> Load(const std::string& dir) override;
   absl::StatusOr<int> CleanIncomplete() override;
@@ -371,6 +372,15 @@ absl::StatusOr<LoadedCheckpoint> LoadCheckpointAt(const std::string& where,
   }
   if (fs::exists(fs::path(where) / kManifestFile)) return LoadCheckpoint(where);
   return LoadLatestCheckpoint(where, skipped);
+}
+
+bool IsRemoteLocation(const std::string& where) { return IsS3Url(where); }
+
+absl::StatusOr<std::string> ReadManifestText(const std::string& dir) {
+  if (!IsS3Url(dir)) return ReadLocalFile((fs::path(dir) / kManifestFile).string());
+  LOOM_ASSIGN_OR_RETURN(S3Location step, ParseS3Url(dir));
+  LOOM_ASSIGN_OR_RETURN(S3Options options, S3OptionsFromEnvironment());
+  return S3Client(options).GetString(step.bucket, step.Key(kManifestFile), kMaxManifestBytes);
 }
 
 absl::Status DeleteCheckpoint(const std::string& dir) {

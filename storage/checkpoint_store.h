@@ -29,6 +29,8 @@ class CheckpointStore {
   // The root as given: a path or "s3://bucket/prefix".
   virtual const std::string& root() const = 0;
   virtual bool remote() const = 0;
+  // Requests to the store retried so far (5xx, SlowDown, timeouts, dropped connections).
+  virtual int64_t request_retries() const { return 0; }
   // Committed checkpoints (with a manifest), oldest first; `dir` is a path or an s3:// URL.
   virtual absl::StatusOr<std::vector<CheckpointRef>> List() = 0;
   // Loads and verifies the checkpoint at `dir` (one of List's, or a step given by a user).
@@ -61,6 +63,13 @@ std::string LocalCacheDir();
 // ones appended to `skipped`). What --resume, --init-from, export-hf and loom-serve accept.
 absl::StatusOr<LoadedCheckpoint> LoadCheckpointAt(const std::string& where,
                                                   std::vector<absl::Status>* skipped);
+
+// "s3://..." (no I/O).
+bool IsRemoteLocation(const std::string& where);
+
+// The manifest.json text of the step at `dir` (a path or an s3:// URL), for the coordinator's
+// eval jobs that take their model from a checkpoint.
+absl::StatusOr<std::string> ReadManifestText(const std::string& dir);
 
 // Deletes the step at `dir`, wherever it lives (the coordinator's retention).
 absl::Status DeleteCheckpoint(const std::string& dir);

@@ -87,6 +87,17 @@ def check_static(src, tmp, bin_dir):
             sel = d["spec"]["selector"]["matchLabels"]
             assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items(), d["metadata"]["name"]
     check_workloads(src, [d for d in docs if d["kind"] in ("StatefulSet", "DaemonSet")])
+    # Its object-store variant: no shared claim; the store's settings from a Secret, on both.
+    with open(os.path.join(src, "deploy", "kubernetes", "loom-object-store.yaml")) as f:
+        s3_docs = [d for d in yaml.safe_load_all(f) if d]
+    assert "PersistentVolumeClaim" not in {d["kind"] for d in s3_docs}
+    for d in s3_docs:
+        if d["kind"] in ("StatefulSet", "DaemonSet"):
+            c = d["spec"]["template"]["spec"]["containers"][0]
+            assert {"secretRef": {"name": "loom-s3"}} in c.get("envFrom", []), d["metadata"]["name"]
+    sts3 = next(d for d in s3_docs if d["kind"] == "StatefulSet")
+    assert "--checkpoint-store" in sts3["spec"]["template"]["spec"]["containers"][0]["args"]
+    check_workloads(src, [d for d in s3_docs if d["kind"] in ("StatefulSet", "DaemonSet")])
     # Slurm.
     script = os.path.join(src, "deploy", "slurm", "loom-workers.sbatch")
     run(["bash", "-n", script])

@@ -66,6 +66,7 @@ class S3Server:
         self.bad_signatures = []
         self.slowdowns = 0      # answer this many next requests 503 SlowDown
         self.drop_puts = 0      # drop the connection of this many next PUTs, mid-body
+        self.put_delay = 0.0    # seconds each PUT waits before it is forwarded (a slow store)
         self.start_backend()
         self.proxy = _Proxy(("127.0.0.1", 0), _Handler)
         self.proxy.owner = self
@@ -129,6 +130,9 @@ class S3Server:
 class _Proxy(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
 
+    def handle_error(self, request, client_address):
+        pass  # a client that hung up (a killed trainer, a dropped connection): nothing to report
+
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -161,6 +165,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(2)
             return
+        if self.command == "PUT" and s3.put_delay > 0:
+            time.sleep(s3.put_delay)
         try:
             c = http.client.HTTPConnection("127.0.0.1", s3.backend_port, timeout=60)
             forward = {k: v for k, v in self.headers.items() if k.lower() != "host"}

@@ -288,7 +288,14 @@ std::vector<std::pair<std::string, std::string>> Agent::RankEnvironment(
       {"LOOM_JOB_ID", as.job_id()},
       {"LOOM_WORKER_NAME", options_.name},
       {"LOOM_ATTEMPT", std::to_string(as.attempt())},
-      {"LOOM_LEASE_FILE", a.lease_path}};
+      {"LOOM_LEASE_FILE", a.lease_path},
+      // Object-store checkpoints are committed here first, then uploaded (per job: a step
+      // staged by one attempt is never mixed with another job's).
+      {"LOOM_STAGING_DIR", (fs::path(options_.work_dir) / "staging" / as.job_id()).string()}};
+  // Downloads (checkpoints on an object store) are cached per node unless the node says where.
+  if (std::getenv("LOOM_CACHE_DIR") == nullptr) {
+    env.emplace_back("LOOM_CACHE_DIR", (fs::path(options_.work_dir) / "cache").string());
+  }
   if (!place.visible_devices.empty()) {
     env.emplace_back("CUDA_VISIBLE_DEVICES", place.visible_devices);
     env.emplace_back("LOOM_GPU_STATS_FILE", GpuStatsPath(a.dir, place.rank));  // ExportGpuSeries
@@ -500,6 +507,13 @@ void Agent::ApplyEvent(Attempt& a, const v1::TrainerEvent& e, int64_t now) {
       registry_.Observe("loom_train_checkpoint_write_seconds", c.seconds(), labels);
       registry_.Increment("loom_train_checkpoint_bytes_total", static_cast<double>(c.bytes()),
                           labels);
+      if (c.upload_seconds() > 0) {  // an object store's step (storage/checkpoint_uploader.h)
+        registry_.Observe("loom_train_checkpoint_upload_seconds", c.upload_seconds(), labels);
+        registry_.Observe("loom_train_checkpoint_upload_wait_seconds", c.upload_wait_seconds(),
+                          labels);
+        registry_.Increment("loom_train_checkpoint_upload_retries_total",
+                            static_cast<double>(c.upload_retries()), labels);
+      }
       return;
     }
     case v1::TrainerEvent::kCheckpointSkipped: {

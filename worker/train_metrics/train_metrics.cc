@@ -30,6 +30,14 @@ void DeclareTrainMetrics(metrics::Registry& r) {
   r.DeclareHistogram("loom_train_checkpoint_write_seconds",
                      "Wall time to write and commit a checkpoint.",
                      {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});
+  r.DeclareHistogram("loom_train_checkpoint_upload_seconds",
+                     "Wall time from a staged checkpoint to its manifest in the object store.",
+                     {0.1, 0.5, 1, 5, 10, 60, 300, 1800});
+  r.DeclareHistogram("loom_train_checkpoint_upload_wait_seconds",
+                     "Wall time a checkpoint waited for the previous upload to finish.",
+                     {0.001, 0.01, 0.1, 1, 5, 10, 60, 300});
+  r.DeclareCounter("loom_train_checkpoint_upload_retries_total",
+                   "Requests to the object store and whole checkpoint uploads tried again.");
   r.DeclareHistogram("loom_train_checkpoint_load_seconds",
                      "Wall time to load and verify a checkpoint.",
                      {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300});

@@ -12,6 +12,7 @@
 #include "base/status_macros.h"
 #include "loom/spec.h"
 #include "storage/checkpoint.h"
+#include "storage/checkpoint_store.h"
 #include "worker/trainer/job_tokenizer.h"
 #include "worker/trainer/plugin_factory.h"
 #include "worker/trainer/tensor_io.h"
@@ -19,12 +20,14 @@
 namespace loom::trainer {
 namespace {
 
+// A step, or a root's newest intact step; a path or an s3:// URL.
 absl::StatusOr<storage::LoadedCheckpoint> LoadAny(const std::string& where) {
-  if (std::filesystem::exists(std::filesystem::path(where) / "manifest.json"))
-    return storage::LoadCheckpoint(where);
-  if (!std::filesystem::is_directory(where))
+  if (!storage::IsRemoteLocation(where) &&
+      !std::filesystem::exists(std::filesystem::path(where) / "manifest.json") &&
+      !std::filesystem::is_directory(where)) {
     return absl::NotFoundError(absl::StrCat("checkpoint: ", where, " is not a directory"));
-  return storage::LoadLatestCheckpoint(where, nullptr);
+  }
+  return storage::LoadCheckpointAt(where, nullptr);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "loom/proto_json.h"
 #include "loom/spec.h"
@@ -51,14 +52,46 @@ Checkpointer::Checkpointer(const v1::JobSpec& spec, CheckpointedState state, Com
       model_hash_(ModelHash(spec)),
       spec_hash_(SpecHash(spec)) {}
 
+absl::Status Checkpointer::OpenStore() {
+  const std::string& dir = spec_.checkpoint().dir();
+  LOOM_ASSIGN_OR_RETURN(store_, storage::OpenCheckpointStore(dir));
+  if (!store_->remote()) return absl::OkStatus();
+  if (options_.zero) {
+    return absl::InvalidArgumentError(
+        "checkpoint.dir: an s3:// store with zero: true (ZeRO-1 shards on every rank) is not "
+        "supported yet; use a shared POSIX directory, or zero: false");
+  }
+  if (comm_->rank() != 0) return absl::OkStatus();
+  storage::CheckpointUploader::Hooks hooks;
+  hooks.before_commit = [] {
+    RequireLease("before a checkpoint commit");
+    return absl::OkStatus();
+  };
+  if (options_.apply_retention) {
+    hooks.after_upload = [this] {
+      (void)store_->ApplyRetention(spec_.checkpoint().keep_last(), spec_.checkpoint().keep_every());
+    };
+  }
+  uploader_ = std::make_unique<storage::CheckpointUploader>(store_.get(), std::move(hooks));
+  return absl::OkStatus();
+}
+
+std::string Checkpointer::StagingRoot() const {
+  const char* staging = std::getenv("LOOM_STAGING_DIR");
+  if (staging != nullptr && *staging != '\0') return staging;
+  return (fs::path(storage::LocalCacheDir()) / "staging" / spec_hash_).string();
+}
+
 absl::Status Checkpointer::Start(const StartFrom& from) {
   const std::string& dir = spec_.checkpoint().dir();
+  if (!dir.empty()) LOOM_RETURN_IF_ERROR(OpenStore());
   if (!dir.empty() && comm_->rank() == 0) {
-    LOOM_ASSIGN_OR_RETURN(int removed, storage::CleanIncomplete(dir));
+    LOOM_ASSIGN_OR_RETURN(int removed, store_->CleanIncomplete());
     if (removed > 0) {
       reporter_->Log(
           absl::StrCat("checkpoint: removed ", removed, " incomplete checkpoint(s) in ", dir));
     }
+    if (store_->remote()) DropStagedBefore(std::numeric_limits<int64_t>::max());
   }
   if (!from.resume.empty() && !from.init_from.empty()) {
     return absl::InvalidArgumentError("--resume and --init-from are exclusive");
@@ -89,15 +122,10 @@ void Checkpointer::ReportStart(const StartFrom& from) {
 
 absl::Status Checkpointer::Restore(const std::string& where, bool weights_only) {
   const auto start = Clock::now();
-  absl::StatusOr<storage::LoadedCheckpoint> loaded;
-  if (fs::exists(fs::path(where) / "manifest.json")) {
-    loaded = storage::LoadCheckpoint(where);
-  } else {
-    std::vector<absl::Status> skipped;
-    loaded = storage::LoadLatestCheckpoint(where, &skipped);
-    for (const absl::Status& s : skipped) {
-      reporter_->Log(absl::StrCat("checkpoint: skipping a damaged checkpoint: ", s.message()));
-    }
+  std::vector<absl::Status> skipped;
+  absl::StatusOr<storage::LoadedCheckpoint> loaded = storage::LoadCheckpointAt(where, &skipped);
+  for (const absl::Status& s : skipped) {
+    reporter_->Log(absl::StrCat("checkpoint: skipping a damaged checkpoint: ", s.message()));
   }
   if (!loaded.ok()) {
     return absl::Status(
@@ -112,16 +140,24 @@ absl::Status Checkpointer::Restore(const std::string& where, bool weights_only) 
 // marks it. None at all: a fresh start (or --init-from).
 absl::Status Checkpointer::RestoreNewestIntact(const std::string& root,
                                                const std::string& init_from) {
-  LOOM_ASSIGN_OR_RETURN(std::vector<storage::CheckpointRef> refs, storage::ListCheckpoints(root));
+  std::unique_ptr<storage::CheckpointStore> other;
+  storage::CheckpointStore* store = store_.get();
+  if (store == nullptr || store->root() != root) {
+    LOOM_ASSIGN_OR_RETURN(other, storage::OpenCheckpointStore(root));
+    store = other.get();
+  }
+  LOOM_ASSIGN_OR_RETURN(std::vector<storage::CheckpointRef> refs, store->List());
   for (auto it = refs.rbegin(); it != refs.rend(); ++it) {
     const auto start = Clock::now();
-    absl::StatusOr<storage::LoadedCheckpoint> loaded = storage::LoadCheckpoint(it->dir);
+    absl::StatusOr<storage::LoadedCheckpoint> loaded = store->Load(it->dir);
     absl::Status s = loaded.ok() ? Apply(*loaded, false, start) : loaded.status();
     if (s.ok()) {
       resumed_ = {it->step, it->dir, ""};
       return absl::OkStatus();
     }
     if (absl::IsInvalidArgument(s)) return s;  // the spec does not fit its own checkpoints
+    // The store failing (unreachable, credentials) is no reason to pass over a checkpoint.
+    if (absl::IsUnavailable(s) || absl::IsPermissionDenied(s)) return s;
     reporter_->Log(absl::StrCat("checkpoint: skipping ", it->dir, ": ", s.message()));
     skipped_.push_back({it->step, it->dir, std::string(s.message())});
   }
@@ -229,8 +265,9 @@ absl::Status Checkpointer::Save() {
   last_saved_ = state_.progress->step;
   last_save_time_ = std::chrono::steady_clock::now();
   if (comm_->rank() == 0) {
-    reporter_->Log(
-        absl::StrCat("checkpoint: step ", last_saved_, " committed to ", last_checkpoint_));
+    reporter_->Log(absl::StrCat("checkpoint: step ", last_saved_,
+                                uploader_ ? " staged, uploading to " : " committed to ",
+                                last_checkpoint_));
   }
   return absl::OkStatus();
 }
@@ -276,7 +313,8 @@ absl::StatusOr<std::string> Checkpointer::Write() {
   if (options_.zero && rank != 0) LOOM_RETURN_IF_ERROR(comm_->Barrier());  // directory created
   LOOM_ASSIGN_OR_RETURN(
       storage::CheckpointWriter writer,
-      storage::CheckpointWriter::Begin(spec_.checkpoint().dir(), step, world, token, rank == 0));
+      storage::CheckpointWriter::Begin(uploader_ ? StagingRoot() : spec_.checkpoint().dir(), step,
+                                       world, token, rank == 0));
   if (options_.zero && rank == 0) LOOM_RETURN_IF_ERROR(comm_->Barrier());
   if (absl::Status s = writer.WriteShard(rank, writable.items, {{"format", "pt"}}); !s.ok()) {
     if (rank == 0) writer.Abort();
@@ -294,15 +332,63 @@ absl::StatusOr<std::string> Checkpointer::Write() {
     writer.Abort();
     return dir.status();
   }
+  uint64_t bytes = 0;
+  for (const auto& item : writable.items) bytes += item.size_bytes;
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (uploader_ != nullptr) return Stage(step, *dir, seconds, bytes);
   if (options_.apply_retention) {
     LOOM_RETURN_IF_ERROR(storage::ApplyRetention(
         spec_.checkpoint().dir(), spec_.checkpoint().keep_last(), spec_.checkpoint().keep_every()));
   }
-  uint64_t bytes = 0;
-  for (const auto& item : writable.items) bytes += item.size_bytes;
-  reporter_->Checkpoint(step, *dir, std::chrono::duration<double>(Clock::now() - start).count(),
-                        bytes);
+  reporter_->Checkpoint(step, *dir, seconds, bytes);
   return *dir;
+}
+
+// A step committed to the staging directory goes to the uploader; the previous upload is
+// finished by then, so every older staged step can go.
+absl::StatusOr<std::string> Checkpointer::Stage(int64_t step, const std::string& local_dir,
+                                                double seconds, uint64_t bytes) {
+  const double waited = uploader_->Submit(step, local_dir, bytes);
+  LOOM_RETURN_IF_ERROR(Poll());
+  staged_[step] = {seconds, waited};
+  DropStagedBefore(step);
+  return store_->root() + "/" + storage::CheckpointDirName(step);
+}
+
+void Checkpointer::DropStagedBefore(int64_t step) {
+  auto staged = storage::ListCheckpoints(StagingRoot());
+  if (!staged.ok()) return;
+  for (const storage::CheckpointRef& ref : *staged) {
+    if (ref.step < step) (void)storage::DeleteCheckpoint(ref.dir);
+  }
+  (void)storage::CleanIncomplete(StagingRoot());
+}
+
+absl::Status Checkpointer::Poll() {
+  if (uploader_ == nullptr) return absl::OkStatus();
+  for (const std::string& note : uploader_->TakeNotes()) reporter_->Log(note);
+  for (const storage::CheckpointUploader::Finished& f : uploader_->TakeFinished()) {
+    const Staged staged = staged_[f.step];
+    staged_.erase(f.step);
+    if (!f.status.ok()) {
+      return absl::Status(f.status.code(), absl::StrCat("checkpoint upload of step ", f.step, ": ",
+                                                        f.status.message()));
+    }
+    const StepReporter::UploadTimes times{f.seconds, staged.wait_seconds,
+                                          f.retries + f.request_retries};
+    reporter_->Checkpoint(f.step, f.where, staged.write_seconds, f.bytes, &times);
+    reporter_->Log(
+        absl::StrFormat("checkpoint: step %d uploaded to %s (%.2f s; %d retried "
+                        "request(s), %d retried upload(s))",
+                        f.step, f.where, f.seconds, f.request_retries, f.retries));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpointer::Flush() {
+  if (uploader_ == nullptr) return absl::OkStatus();
+  uploader_->Wait();
+  return Poll();
 }
 
 }  // namespace loom::trainer

@@ -21,6 +21,8 @@
 #include "absl/status/statusor.h"
 #include "loom/v1/job.pb.h"
 #include "storage/checkpoint.h"
+#include "storage/checkpoint_store.h"
+#include "storage/checkpoint_uploader.h"
 #include "worker/trainer/adamw.h"
 #include "worker/trainer/batch_source.h"
 #include "worker/trainer/distributed.h"
@@ -80,8 +82,17 @@ class Checkpointer {
   // its own clock: the trainer lets rank 0's answer decide for all.
   bool DueByTime() const;
   // Writes and commits a checkpoint at the current step (rank 0, or every rank with ZeRO-1), then
-  // waits for every rank so none runs ahead of a checkpoint it might be restarted from.
+  // waits for every rank so none runs ahead of a checkpoint it might be restarted from. On an
+  // object store the step is committed to the local staging directory and handed to the
+  // uploader (after the previous upload, whose wait is measured); Poll reports it once its
+  // manifest is in the store.
   absl::Status Save();
+  // Reports uploads finished since the last call (events, metrics, log); an upload given up
+  // (credentials, a missing bucket) is the run's error. Every step calls it.
+  absl::Status Poll();
+  // Waits for the upload in flight, then Poll: before a run ends, so that its last checkpoint
+  // is in the store when the process exits.
+  absl::Status Flush();
   bool SavedAtCurrentStep() const { return last_saved_ == state_.progress->step; }
   const std::string& last_checkpoint() const { return last_checkpoint_; }
 
@@ -98,6 +109,17 @@ class Checkpointer {
                                   std::map<std::string, torch::Tensor>& optim_tensors,
                                   const torch::Tensor* torch_rng, const char* what);
   absl::StatusOr<std::string> Write();
+  absl::Status OpenStore();
+  // Where steps are committed before their upload: $LOOM_STAGING_DIR (the agent's, per job), or
+  // the cache directory's staging/<spec hash>.
+  std::string StagingRoot() const;
+  void DropStagedBefore(int64_t step);
+  absl::StatusOr<std::string> Stage(int64_t step, const std::string& local_dir, double seconds,
+                                    uint64_t bytes);
+  struct Staged {
+    double write_seconds = 0, wait_seconds = 0;
+  };
+  std::map<int64_t, Staged> staged_;  // steps handed to the uploader, not yet reported
   storage::Manifest ManifestNow() const;
 
   const v1::JobSpec& spec_;
@@ -109,6 +131,8 @@ class Checkpointer {
   int64_t last_saved_ = -1;
   std::chrono::steady_clock::time_point last_save_time_ = std::chrono::steady_clock::now();
   std::string last_checkpoint_;
+  std::unique_ptr<storage::CheckpointStore> store_;        // checkpoint.dir's
+  std::unique_ptr<storage::CheckpointUploader> uploader_;  // remote stores, on the writing rank
   std::vector<Note> skipped_;  // --resume-if-any: damaged checkpoints passed over
   Note resumed_;               // and the one restored ("" dir: none)
 };

@@ -27,6 +27,7 @@
 #include "loom/proto_json.h"
 #include "loom/spec_overrides.h"
 #include "storage/checkpoint.h"
+#include "storage/checkpoint_store.h"
 #include "storage/confined_files.h"
 #include "worker/trainer/corpus.h"
 #include "worker/trainer/devices.h"
@@ -186,6 +187,20 @@ absl::Status FillEvalModelFromCheckpoint(const CliArgs& args, v1::JobSpec* spec)
     return absl::OkStatus();
   }
   std::string dir = args.Get("init-from");
+  if (storage::IsRemoteLocation(dir)) {
+    auto text = storage::ReadManifestText(dir);
+    if (absl::IsNotFound(text.status())) {  // a root: its newest step
+      LOOM_ASSIGN_OR_RETURN(auto store, storage::OpenCheckpointStore(dir));
+      LOOM_ASSIGN_OR_RETURN(auto refs, store->List());
+      if (refs.empty())
+        return absl::NotFoundError(absl::StrCat("--init-from: no checkpoint in ", dir));
+      text = storage::ReadManifestText(refs.back().dir);
+    }
+    if (!text.ok())
+      return absl::Status(text.status().code(),
+                          absl::StrCat("--init-from: ", text.status().message()));
+    return FillModelFromManifest(spec, *text, dir);
+  }
   if (!std::filesystem::exists(std::filesystem::path(dir) / "manifest.json")) {
     LOOM_ASSIGN_OR_RETURN(auto refs, storage::ListCheckpoints(dir));
     if (refs.empty())

@@ -130,8 +130,8 @@ void StepReporter::Eval(const EvalResult& r, int64_t step, const EvalWhere& wher
   Event(e);
 }
 
-void StepReporter::Checkpoint(int64_t step, const std::string& dir, double seconds,
-                              uint64_t bytes) {
+void StepReporter::Checkpoint(int64_t step, const std::string& dir, double seconds, uint64_t bytes,
+                              const UploadTimes* upload) {
   registry_.Observe("loom_train_checkpoint_write_seconds", seconds, labels_);
   registry_.Increment("loom_train_checkpoint_bytes_total", static_cast<double>(bytes), labels_);
   v1::TrainerEvent e;
@@ -139,6 +139,15 @@ void StepReporter::Checkpoint(int64_t step, const std::string& dir, double secon
   e.mutable_checkpoint()->set_dir(dir);
   e.mutable_checkpoint()->set_seconds(seconds);
   e.mutable_checkpoint()->set_bytes(bytes);
+  if (upload != nullptr) {
+    registry_.Observe("loom_train_checkpoint_upload_seconds", upload->seconds, labels_);
+    registry_.Observe("loom_train_checkpoint_upload_wait_seconds", upload->wait_seconds, labels_);
+    registry_.Increment("loom_train_checkpoint_upload_retries_total",
+                        static_cast<double>(upload->retries), labels_);
+    e.mutable_checkpoint()->set_upload_seconds(upload->seconds);
+    e.mutable_checkpoint()->set_upload_wait_seconds(upload->wait_seconds);
+    e.mutable_checkpoint()->set_upload_retries(upload->retries);
+  }
   Event(e);
 }
 

@@ -54,7 +54,13 @@ class StepReporter {
   // A finished optimizer step: gauges, the step event, a console line every metrics.log_every.
   void Step(const StepRecord& r, int64_t tokens_seen, int64_t tokens_per_step);
   void Eval(const EvalResult& r, int64_t step, const EvalWhere& where);
-  void Checkpoint(int64_t step, const std::string& dir, double seconds, uint64_t bytes);
+  // A checkpoint committed (on an object store: uploaded, with its upload's times).
+  struct UploadTimes {
+    double seconds = 0, wait_seconds = 0;
+    int64_t retries = 0;  // requests and whole uploads tried again
+  };
+  void Checkpoint(int64_t step, const std::string& dir, double seconds, uint64_t bytes,
+                  const UploadTimes* upload = nullptr);
   void Event(const v1::TrainerEvent& event);  // written as one line of metrics.jsonl
   void Log(const std::string& line);          // a console line (above the bar)
   // The run's first step and its total, for the console's ETA and bar.

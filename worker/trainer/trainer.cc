@@ -402,7 +402,7 @@ absl::Status Trainer::AfterStep(TrainSummary* summary, bool checkpoint_now) {
     Validate(summary);
   }
   if (checkpointer_->Due(step) || checkpoint_now) LOOM_RETURN_IF_ERROR(checkpointer_->Save());
-  return absl::OkStatus();
+  return checkpointer_->Poll();  // uploads finished meanwhile (object stores)
 }
 
 absl::Status Trainer::StopOnRequest() {
@@ -410,6 +410,7 @@ absl::Status Trainer::StopOnRequest() {
   if (checkpoints && !checkpointer_->SavedAtCurrentStep()) {
     LOOM_RETURN_IF_ERROR(checkpointer_->Save());
   }
+  LOOM_RETURN_IF_ERROR(checkpointer_->Flush());  // in the store before the process exits
   return absl::CancelledError(absl::StrCat(
       "stopped at step ", progress_.step, " on request (SIGTERM)",
       checkpoints ? absl::StrCat("; checkpoint ", checkpointer_->last_checkpoint(), " written")
@@ -424,6 +425,7 @@ absl::Status Trainer::FinishRun(TrainSummary* summary) {
   if (checkpointer_->enabled() && !checkpointer_->SavedAtCurrentStep()) {
     LOOM_RETURN_IF_ERROR(checkpointer_->Save());
   }
+  LOOM_RETURN_IF_ERROR(checkpointer_->Flush());
   summary->last_checkpoint = checkpointer_->last_checkpoint();
   summary->final_step = step;
   if (spec_.kind() == "sft" && spec_.reasoning_eval().when() == "end" && step >= spec_.steps()) {

@@ -1,0 +1,116 @@
+#include "storage/checkpoint_uploader.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+
+namespace loom::storage {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Failures of the store or the network, which a later try may not meet.
+bool Transient(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s) || absl::IsAborted(s) ||
+         absl::IsResourceExhausted(s) || absl::IsInternal(s);
+}
+
+}  // namespace
+
+CheckpointUploader::CheckpointUploader(CheckpointStore* store, Hooks hooks)
+    : store_(store), hooks_(std::move(hooks)), thread_([this] { Loop(); }) {}
+
+CheckpointUploader::~CheckpointUploader() {
+  Wait();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+double CheckpointUploader::Submit(int64_t step, std::string local_dir, uint64_t bytes) {
+  const double waited = Wait();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = Job{step, std::move(local_dir), bytes, Clock::now()};
+  }
+  cv_.notify_all();
+  return waited;
+}
+
+double CheckpointUploader::Wait() {
+  const auto start = Clock::now();
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] { return !job_.has_value(); });
+  return Since(start);
+}
+
+std::vector<CheckpointUploader::Finished> CheckpointUploader::TakeFinished() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(finished_, {});
+}
+
+std::vector<std::string> CheckpointUploader::TakeNotes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(notes_, {});
+}
+
+void CheckpointUploader::Loop() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || job_.has_value(); });
+      if (!job_.has_value()) return;  // stopping, nothing in flight
+      job = *job_;
+    }
+    Finished done = Upload(job);
+    if (done.status.ok() && hooks_.after_upload) hooks_.after_upload();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      finished_.push_back(std::move(done));
+      job_.reset();
+    }
+    cv_.notify_all();
+  }
+}
+
+CheckpointUploader::Finished CheckpointUploader::Upload(const Job& job) {
+  Finished out;
+  out.step = job.step;
+  out.bytes = job.bytes;
+  const int64_t retried_before = store_->request_retries();
+  double backoff = 1;
+  for (;;) {
+    auto where = store_->Upload(job.local_dir, hooks_.before_commit);
+    if (where.ok()) {
+      out.where = *where;
+      break;
+    }
+    if (!Transient(where.status())) {
+      out.status = where.status();
+      break;
+    }
+    ++out.retries;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      notes_.push_back(absl::StrCat("checkpoint: upload of step ", job.step, " failed (",
+                                    where.status().message(), "); trying again in ", backoff,
+                                    " s"));
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(backoff));
+    backoff = std::min(backoff * 2, hooks_.max_backoff_s);
+  }
+  out.seconds = Since(job.submitted);
+  out.request_retries = store_->request_retries() - retried_before;
+  return out;
+}
+
+}  // namespace loom::storage
