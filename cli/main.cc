@@ -39,6 +39,7 @@
 #include "loom/spec_overrides.h"
 #include "loom/v1/control.pb.h"
 #include "metrics/prometheus.h"
+#include "storage/checkpoint_store.h"
 
 namespace fs = std::filesystem;
 
@@ -432,6 +433,7 @@ class Cli {
   }
 
   absl::Status Checkpoints(const CliArgs& args) {
+    if (args.Has("store")) return StoreCheckpoints(args.Get("store"));
     std::string path = "/v1/checkpoints?page_size=500";
     if (args.Has("job")) path += "&job=" + args.Get("job");
     LOOM_ASSIGN_OR_RETURN(
@@ -453,9 +455,20 @@ class Cli {
     return absl::OkStatus();
   }
 
-  // The directory of a checkpoint: a directory as given, or a catalogue id (job-000002.150, or
-  // the older job-000002/150) looked up in the coordinator's catalogue.
+  // The committed steps under a checkpoint root, read from the store itself (a directory or
+  // s3://; no coordinator needed).
+  absl::Status StoreCheckpoints(const std::string& root) {
+    LOOM_ASSIGN_OR_RETURN(auto store, storage::OpenCheckpointStore(root));
+    LOOM_ASSIGN_OR_RETURN(std::vector<storage::CheckpointRef> refs, store->List());
+    std::cout << absl::StrFormat("%8s %s\n", "STEP", "PATH");
+    for (const auto& r : refs) std::cout << absl::StrFormat("%8d %s\n", r.step, r.dir);
+    return absl::OkStatus();
+  }
+
+  // The directory of a checkpoint: a directory or an s3:// URL as given, or a catalogue id
+  // (job-000002.150, or the older job-000002/150) looked up in the coordinator's catalogue.
   absl::StatusOr<std::string> CheckpointPath(const std::string& ref) {
+    if (storage::IsRemoteLocation(ref)) return ref;
     if (fs::is_directory(ref)) return fs::absolute(ref).string();
     std::string id = ref;
     std::replace(id.begin(), id.end(), '/', '.');
@@ -1035,7 +1048,9 @@ void AddJobCommands(CommandLine& line, Commands& c) {
   C::Switch(c.logs, "-f,--follow", "stream until the job ends");
   C::Flags(c.plot, {{"file", "PNG", "the PNG to write (default JOB.png)"}});
   c.checkpoints = line.Command("checkpoints", "the checkpoint catalogue with lineage");
-  C::Flags(c.checkpoints, {{"job", "JOB", "only this job's checkpoints"}});
+  C::Flags(c.checkpoints,
+           {{"job", "JOB", "only this job's checkpoints"},
+            {"store", "ROOT", "the steps under a checkpoint root or s3:// URL itself"}});
   c.workers = line.Command("workers", "registered workers and their slots");
 }
 

@@ -44,6 +44,14 @@ absl::Status ResolveInsideRoot(const std::string& root, const std::string& field
                                const std::string& value,
                                const std::function<void(std::string)>& set) {
   if (value.empty()) return absl::OkStatus();
+  if (storage::IsRemoteLocation(value)) {  // a dataset in the object store, read by the ranks
+    if (field != "spec.data.path")
+      return FieldError(field, "must be a path under the storage root");
+    if (absl::Status s = storage::CheckRemoteLocation(value); !s.ok()) {
+      return FieldError(field, std::string(s.message()));
+    }
+    return absl::OkStatus();
+  }
   LOOM_ASSIGN_OR_RETURN(std::string path, InsideStorageRoot(root, field, value));
   set(std::move(path));
   return absl::OkStatus();

@@ -14,8 +14,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/json_integer.h"
+#include "base/status_macros.h"
+#include "storage/checkpoint_store.h"
 #include "storage/confined_files.h"
 #include "storage/crc32c.h"
+#include "storage/object_cache.h"
 #include "storage/safetensors.h"
 
 namespace loom::data {
@@ -116,8 +119,11 @@ absl::StatusOr<TokenIndex> TokenShardWriter::Finish() {
 }
 
 absl::StatusOr<TokenIndex> ReadTokenIndex(const std::string& dir) {
-  const std::string path = (fs::path(dir) / kIndex).string();
-  auto text = storage::ReadConfinedFile(path, 256 << 20);
+  const bool remote = storage::IsRemoteLocation(dir);
+  const std::string path =
+      remote ? absl::StrCat(dir, "/", kIndex) : (fs::path(dir) / kIndex).string();
+  auto text = remote ? storage::ReadRemoteObject(path, 256 << 20)
+                     : storage::ReadConfinedFile(path, 256 << 20);
   if (absl::IsNotFound(text.status()))
     return absl::NotFoundError(
         absl::StrCat(path, ": missing (not a loom-data dataset, or never finished)"));
@@ -171,9 +177,16 @@ absl::StatusOr<std::shared_ptr<TokenShards>> TokenShards::Open(const std::string
   t->index_ = std::move(*index);
   t->width_ = t->index_.dtype == "uint16" ? 2 : 4;
   uint64_t first = 0;
+  // A dataset in an object store: each shard fetched into the node's cache (by its CRC-32C, so
+  // a second run or another job reads it from local disk), verified on the way in.
+  const bool remote = storage::IsRemoteLocation(dir);
   for (const ShardEntry& e : t->index_.shards) {
-    const std::string path = (fs::path(dir) / e.file).string();
-    auto opened = storage::OpenForRead(path);
+    std::string path = (fs::path(dir) / e.file).string();
+    if (remote) {
+      LOOM_ASSIGN_OR_RETURN(path, storage::FetchVerified(absl::StrCat(dir, "/", e.file), e.crc32c,
+                                                         e.tokens * t->width_));
+    }
+    auto opened = remote ? storage::OpenCachedForRead(path) : storage::OpenForRead(path);
     if (absl::IsNotFound(opened.status()))
       return absl::DataLossError(absl::StrCat("shard ", path, ": missing"));
     if (!opened.ok()) return opened.status();
@@ -200,7 +213,9 @@ absl::StatusOr<std::shared_ptr<TokenShards>> TokenShards::Open(const std::string
     }
     ::close(fd);
     t->maps_.push_back(m);
-    if (verify_checksums && storage::Crc32cHex(storage::Crc32c(m.data, m.bytes)) != e.crc32c) {
+    // (A fetched shard was checked on its way into the cache.)
+    if (verify_checksums && !remote &&
+        storage::Crc32cHex(storage::Crc32c(m.data, m.bytes)) != e.crc32c) {
       return absl::DataLossError(absl::StrCat("shard ", path, ": checksum differs from the index"));
     }
     first += e.tokens;

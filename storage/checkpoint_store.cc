@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "storage/crc32c.h"
+#include "storage/object_cache.h"
 #include "storage/s3/s3_client.h"
 
 namespace loom::storage {
@@ -33,23 +34,6 @@ absl::StatusOr<std::string> ReadLocalFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read"));
   return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-// A file's CRC-32C, read in blocks (shards can be many GB).
-absl::StatusOr<std::string> FileCrc32c(const std::string& path, uint64_t* size) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read"));
-  std::string block(4 << 20, '\0');
-  uint32_t crc = 0;
-  *size = 0;
-  while (in) {
-    in.read(block.data(), block.size());
-    const auto n = static_cast<size_t>(in.gcount());
-    crc = Crc32c(block.data(), n, crc);
-    *size += n;
-  }
-  if (in.bad()) return absl::DataLossError(absl::StrCat(path, ": read error"));
-  return Crc32cHex(crc);
 }
 
 // A shard's file name from a manifest (hostile input): one plain name, never a path.
@@ -119,11 +103,8 @@ absl::StatusOr<std::string> PosixCheckpointStore::Upload(
 
 class S3CheckpointStore : public CheckpointStore {
  public:
-  S3CheckpointStore(std::string root, S3Location loc, S3Options options, std::string cache)
-      : root_(std::move(root)),
-        loc_(std::move(loc)),
-        client_(std::move(options)),
-        cache_(std::move(cache)) {}
+  S3CheckpointStore(std::string root, S3Location loc, S3Options options)
+      : root_(std::move(root)), loc_(std::move(loc)), client_(std::move(options)) {}
   const std::string& root() const override { return root_; }
   bool remote() const override { return true; }
   int64_t request_retries() const override { return client_.retries(); }
@@ -138,12 +119,10 @@ class S3CheckpointStore : public CheckpointStore {
   // The objects under the root, by step directory name ("step-00000100" → keys).
   absl::StatusOr<std::map<std::string, std::vector<std::string>>> StepObjects();
   absl::StatusOr<SafetensorsFile> FetchShard(const S3Location& step, const ShardInfo& info);
-  void TrimCache();
 
   std::string root_;
   S3Location loc_;
   S3Client client_;
-  std::string cache_;
 };
 
 absl::StatusOr<std::map<std::string, std::vector<std::string>>> S3CheckpointStore::StepObjects() {
@@ -175,35 +154,14 @@ absl::StatusOr<std::vector<CheckpointRef>> S3CheckpointStore::List() {
 absl::StatusOr<SafetensorsFile> S3CheckpointStore::FetchShard(const S3Location& step,
                                                               const ShardInfo& info) {
   const std::string url = step.Url(info.file);
-  const fs::path objects = fs::path(cache_) / "objects";
-  const fs::path cached = objects / absl::StrCat(info.crc32c, "-", info.bytes);
-  std::error_code ec;
-  if (fs::exists(cached, ec)) {
-    auto bytes = ReadLocalFile(cached.string());
-    if (bytes.ok()) {
-      auto parsed = VerifyShard(std::move(*bytes), info, cached.string());
-      if (parsed.ok()) {
-        fs::last_write_time(cached, fs::file_time_type::clock::now(), ec);  // for TrimCache
-        return parsed;
-      }
-    }
-    fs::remove(cached, ec);  // damaged in the cache: fetch it again
+  auto path = FetchVerified(url, info.crc32c, info.bytes);
+  if (absl::IsDataLoss(path.status())) {
+    return absl::DataLossError(absl::StrCat("shard ", path.status().message()));
   }
-  fs::create_directories(objects, ec);
-  const fs::path part =
-      objects / absl::StrCat(".fetch-", cached.filename().string(), "-", ::getpid(), "-",
-                             std::hash<std::thread::id>()(std::this_thread::get_id()));
-  absl::Status got = client_.GetFile(step.bucket, step.Key(info.file), part.string());
-  if (absl::IsNotFound(got)) return absl::DataLossError(absl::StrCat("shard ", url, ": missing"));
-  if (!got.ok()) return got;
-  auto bytes = ReadLocalFile(part.string());
-  if (!bytes.ok()) return bytes.status();
-  auto parsed = VerifyShard(std::move(*bytes), info, url);
-  if (parsed.ok()) {
-    fs::rename(part, cached, ec);
-  } else {
-    fs::remove(part, ec);
-  }
+  if (!path.ok()) return path.status();
+  LOOM_ASSIGN_OR_RETURN(std::string bytes, ReadLocalFile(*path));
+  auto parsed = SafetensorsFile::Parse(std::move(bytes), url);
+  if (!parsed.ok()) return absl::DataLossError(std::string(parsed.status().message()));
   return parsed;
 }
 
@@ -224,29 +182,8 @@ absl::StatusOr<LoadedCheckpoint> S3CheckpointStore::Load(const std::string& dir)
     loaded.shards.push_back(std::move(shard));
   }
   loaded.manifest = std::move(manifest);
-  TrimCache();
+  TrimObjectCache();
   return loaded;
-}
-
-// The cache stays under $LOOM_CACHE_MAX_GB (default 20): least recently used shards go first.
-void S3CheckpointStore::TrimCache() {
-  int64_t max_gb = 20;
-  if (!absl::SimpleAtoi(Env("LOOM_CACHE_MAX_GB"), &max_gb) || max_gb < 0) max_gb = 20;
-  const uint64_t budget = static_cast<uint64_t>(max_gb) << 30;
-  std::vector<std::pair<fs::file_time_type, fs::path>> files;
-  uint64_t total = 0;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(fs::path(cache_) / "objects", ec)) {
-    if (!e.is_regular_file(ec) || e.path().filename().string()[0] == '.') continue;
-    total += e.file_size(ec);
-    files.emplace_back(e.last_write_time(ec), e.path());
-  }
-  std::sort(files.begin(), files.end());
-  for (const auto& [when, path] : files) {
-    if (total <= budget) break;
-    const uint64_t size = fs::file_size(path, ec);
-    if (fs::remove(path, ec)) total -= size;
-  }
 }
 
 absl::StatusOr<int> S3CheckpointStore::CleanIncomplete() {
@@ -340,8 +277,7 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> OpenCheckpointStore(const std::
   if (!IsS3Url(root)) return std::make_unique<PosixCheckpointStore>(root);
   LOOM_ASSIGN_OR_RETURN(S3Location loc, ParseS3Url(root));
   LOOM_ASSIGN_OR_RETURN(S3Options options, S3OptionsFromEnvironment());
-  return std::make_unique<S3CheckpointStore>(root, std::move(loc), std::move(options),
-                                             LocalCacheDir());
+  return std::make_unique<S3CheckpointStore>(root, std::move(loc), std::move(options));
 }
 
 namespace {
@@ -375,6 +311,8 @@ absl::StatusOr<LoadedCheckpoint> LoadCheckpointAt(const std::string& where,
 }
 
 bool IsRemoteLocation(const std::string& where) { return IsS3Url(where); }
+
+absl::Status CheckRemoteLocation(const std::string& url) { return ParseS3Url(url).status(); }
 
 absl::StatusOr<std::string> ReadManifestText(const std::string& dir) {
   if (!IsS3Url(dir)) return ReadLocalFile((fs::path(dir) / kManifestFile).string());

@@ -66,6 +66,8 @@ absl::StatusOr<LoadedCheckpoint> LoadCheckpointAt(const std::string& where,
 
 // "s3://..." (no I/O).
 bool IsRemoteLocation(const std::string& where);
+// InvalidArgument, saying why, when `url` is no well-formed s3://bucket/key.
+absl::Status CheckRemoteLocation(const std::string& url);
 
 // The manifest.json text of the step at `dir` (a path or an s3:// URL), for the coordinator's
 // eval jobs that take their model from a checkpoint.

@@ -17,7 +17,10 @@ from the one before, and ends with final weights bitwise equal to an uninterrupt
 retention deletes whole steps and never a pinned one. A POSIX checkpoint uploaded with
 `aws s3 cp` is accepted by loom-train --init-from (a step or its root). A staging directory
 on a full filesystem fails the save with the reason and leaves nothing in the store (skipped,
-with the reason, where a tmpfs cannot be mounted).
+with the reason, where a tmpfs cannot be mounted). A packed dataset copied up with the AWS CLI
+trains through the node's cache (content-addressed by CRC-32C: a second run fetches nothing, a
+damaged cached copy is fetched again, a shard damaged in the store is refused by name), also as
+a service job's data.path.
 """
 import argparse
 import json
@@ -215,6 +218,19 @@ def test_retention_pins(box, reference):
     print(f"ok: keep_last 1 left steps {want} of {reference} in the store ({pinned} pinned by {child})")
 
 
+def test_job_on_stored_dataset(box):
+    """A service job whose data.path is in the store: accepted at submit, trained by the rank."""
+    body = spec(10, 0)
+    body["spec"]["data"] = {"source": "shards", "path": "s3://ckpt/datasets/words"}
+    job = box.submit(body)
+    done = box.api.wait_end_progressing(job)
+    assert done["state"] == "succeeded", done
+    status, _, text = box.api.request("POST", "/v1/jobs", {**body, "spec": {**body["spec"], "data": {
+        "source": "shards", "path": "s3://ckpt/../etc"}}})
+    assert status == 400 and "spec.data.path" in text, (status, text)
+    print(f"ok: {job} trained on the dataset in the store; a malformed s3:// path is refused (400)")
+
+
 def test_init_from_aws_upload(args, s3, tmp):
     """A POSIX checkpoint copied up with aws s3 cp starts a run (a step, and its root)."""
     local = os.path.join(tmp, "posix")
@@ -227,14 +243,73 @@ def test_init_from_aws_upload(args, s3, tmp):
         r = run(base + ["--init-from", where], env)
         out = r.stdout + r.stderr
         assert r.returncode == 0 and "init-from: weights of s3://ckpt/manual/step-00000004" in out, out[-3000:]
+    # The same references for the catalogue-free listing, export-hf and the model loader that
+    # loom-serve shares with generate.
+    r = run([args.loom, "checkpoints", "--store", "s3://ckpt/manual"], env)
+    assert r.returncode == 0 and "s3://ckpt/manual/step-00000004" in r.stdout, r.stdout + r.stderr
+    hf = os.path.join(tmp, "hf")
+    r = run([args.loom_train, "export-hf", "--checkpoint", "s3://ckpt/manual/step-00000004", "--out", hf], env)
+    assert r.returncode == 0 and os.path.exists(os.path.join(hf, "config.json")), r.stdout[-2000:] + r.stderr[-2000:]
+    r = run([args.loom_train, "generate", "--checkpoint", "s3://ckpt/manual", "--prompt", "ab",
+             "--max-new-tokens", "2", "--greedy"], env)
+    assert r.returncode == 0 and "tokens" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     # The trainer's own checkpoints to a bucket it may not use: a clear error, at once.
     t0 = time.time()
     r = run(base + ["--checkpoint-dir", "s3://ckpt/denied"], s3.env(AWS_ACCESS_KEY_ID="NOT-A-KEY"))
     assert r.returncode != 0 and "InvalidAccessKeyId" in r.stderr + r.stdout and "s3://ckpt/" in r.stderr + r.stdout, \
         r.stdout[-2000:] + r.stderr[-2000:]
     assert time.time() - t0 < 30
-    print("ok: an aws s3 cp upload of a POSIX checkpoint starts a run through --init-from (step and root); "
+    print("ok: an aws s3 cp upload of a POSIX checkpoint starts a run through --init-from (step and root), "
+          "is listed by loom checkpoints --store, exported by export-hf and generates; "
           "wrong credentials stop loom-train at once")
+
+
+def test_dataset_from_store(args, s3, tmp):
+    """Token shards read from the store through the node's cache, keyed by CRC-32C."""
+    text = os.path.join(tmp, "corpus.jsonl")
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    with open(text, "w") as f:
+        for i in range(3000):
+            f.write(json.dumps({"text": " ".join(words[(i * 7 + k * 3) % 8] for k in range(12)) + "."}) + "\n")
+    ds = os.path.join(tmp, "ds")
+    r = run([args.loom_data, "pack", "--output", ds, "--input", text, "--format", "jsonl",
+             "--shard-tokens", "100000"], os.environ)
+    assert r.returncode == 0, r.stdout + r.stderr
+    index = json.load(open(os.path.join(ds, "index.json")))
+    s3.aws("s3", "cp", "--recursive", ds, "s3://ckpt/datasets/words")
+    cache = os.path.join(tmp, "data-cache")
+    env = s3.env(OMP_NUM_THREADS="1", LOOM_CACHE_DIR=cache)
+    argv = train_argv(args) + ["--set", "data.source=shards", "--set", "data.path=s3://ckpt/datasets/words"]
+
+    def shard_gets():
+        return [p for m, p in s3.requests if m == "GET" and p.startswith("/ckpt/datasets/words/shard-")]
+
+    before = len(shard_gets())
+    r = run(argv, env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len(shard_gets()) - before == len(index["shards"]) >= 2, shard_gets()
+    cached = sorted(os.listdir(os.path.join(cache, "objects")))
+    width = 2 if index["dtype"] == "uint16" else 4
+    assert cached == sorted(f"{e['crc32c']}-{e['tokens'] * width}" for e in index["shards"]), cached
+    # Again: every shard from the cache; a damaged cached copy is fetched anew.
+    with open(os.path.join(cache, "objects", cached[0]), "r+b") as f:
+        f.write(b"\xff\xff")
+    before = len(shard_gets())
+    r = run(argv, env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len(shard_gets()) - before == 1, shard_gets()[before:]
+    # Damaged in the store (and not cached): refused, naming the object.
+    shutil.rmtree(cache)
+    path = s3.object_file("datasets/words/" + index["shards"][1]["file"])
+    with open(path, "r+b") as f:
+        f.write(b"\xff\xff")
+    r = run(argv, env)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "s3://ckpt/datasets/words/" + index["shards"][1]["file"] in out, out[-2000:]
+    s3.aws("s3", "cp", os.path.join(ds, index["shards"][1]["file"]),
+           "s3://ckpt/datasets/words/" + index["shards"][1]["file"])
+    print(f"ok: a dataset of {len(index['shards'])} shards trained from the store; a second run read "
+          f"them from the cache (one damaged copy fetched again); a shard damaged in the store refused by name")
 
 
 def test_staging_disk_full(args, s3, tmp):
@@ -258,7 +333,7 @@ def test_staging_disk_full(args, s3, tmp):
 
 def main():
     ap = argparse.ArgumentParser()
-    for flag in ("loom", "loom-store", "loom-train", "source-dir"):
+    for flag in ("loom", "loom-store", "loom-train", "loom-data", "source-dir"):
         ap.add_argument("--" + flag, required=True)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="loom-object-store-")
@@ -268,9 +343,11 @@ def main():
         test_client(args, s3, tmp)
         test_init_from_aws_upload(args, s3, tmp)
         test_staging_disk_full(args, s3, tmp)
+        test_dataset_from_store(args, s3, tmp)
         box = Box(args, s3, tmp)
         reference = test_job(box)
         test_retention_pins(box, reference)
+        test_job_on_stored_dataset(box)
         box.up.send_signal(signal.SIGINT)
         out, _ = box.up.communicate(timeout=60)
         assert box.up.returncode == 0, out[-3000:]

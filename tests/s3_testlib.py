@@ -54,8 +54,8 @@ def check_signature(method, path, headers, body):
 class S3Server:
     """s3rver on a free port with one bucket, behind the checking proxy at `endpoint`."""
 
-    def __init__(self, source_dir, tmp, bucket="ckpt"):
-        self.bin, self.bucket = s3rver_bin(source_dir), bucket
+    def __init__(self, source_dir, tmp, bucket="ckpt", nice=0):
+        self.bin, self.bucket, self.nice = s3rver_bin(source_dir), bucket, nice
         self.data = os.path.join(tmp, "s3rver-data")
         os.makedirs(self.data, exist_ok=True)
         self.backend_port = free_port()
@@ -75,7 +75,7 @@ class S3Server:
 
     def start_backend(self):
         self.proc = subprocess.Popen(
-            ["node", self.bin, "-d", self.data, "-a", "127.0.0.1", "-p", str(self.backend_port),
+            ["nice", "-n", str(self.nice), "node", self.bin, "-d", self.data, "-a", "127.0.0.1", "-p", str(self.backend_port),
              "--configure-bucket", self.bucket, "--no-vhost-buckets"],
             stdout=self.log, stderr=self.log, start_new_session=True)
         wait_for("s3rver", self._backend_up, timeout=30)

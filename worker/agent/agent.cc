@@ -762,7 +762,13 @@ void Agent::Acknowledge(const v1::HeartbeatRequest& sent,
       attempts_.erase(it);
       bool other = false;
       for (const auto& [k, a] : attempts_) other |= a.job_id == job;
-      if (!other) registry_.RemoveWhere(metrics::kJobLabel, job);  // keep cardinality bounded
+      if (!other) {
+        registry_.RemoveWhere(metrics::kJobLabel, job);  // keep cardinality bounded
+        // Steps staged for an object store: uploaded by now, or lost with the attempt (its
+        // next attempt resumes from the store and empties the directory anyway).
+        std::error_code ec;
+        fs::remove_all(fs::path(options_.work_dir) / "staging" / job, ec);
+      }
     }
   }
   for (const auto& as : resp.assignments()) {
