@@ -354,6 +354,7 @@ void Coordinator::RebuildUsageLocked() {
 }
 
 void Coordinator::Start() {
+  remote_remover_ = std::thread([this] { RemoveRemotely(); });
   loop_ = std::thread([this] {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
@@ -374,6 +375,25 @@ void Coordinator::Stop() {
   }
   wake_.notify_all();
   if (loop_.joinable()) loop_.join();
+  {
+    std::lock_guard<std::mutex> lock(remote_mu_);
+    remote_stop_ = true;  // what is still queued is swept with its job's next retention
+  }
+  remote_cv_.notify_all();
+  if (remote_remover_.joinable()) remote_remover_.join();
+}
+
+void Coordinator::RemoveRemotely() {
+  for (;;) {
+    std::vector<Removal> batch;
+    {
+      std::unique_lock<std::mutex> lock(remote_mu_);
+      remote_cv_.wait(lock, [this] { return remote_stop_ || !remote_removals_.empty(); });
+      if (remote_stop_) return;
+      batch.swap(remote_removals_);
+    }
+    DeleteDirectories(std::move(batch));
+  }
 }
 
 void Coordinator::Save(Txn& txn, const v1::Job& job) {
@@ -2507,6 +2527,21 @@ void Coordinator::Tick() {
     std::lock_guard<std::mutex> lock(mutex_);
     pending_deletes_.insert(pending_deletes_.end(), deletes.begin(), deletes.end());
     return;
+  }
+  std::vector<Removal> remote;
+  for (auto it = deletes.begin(); it != deletes.end();) {
+    if (storage::IsRemoteLocation(it->dir)) {
+      remote.push_back(std::move(*it));
+      it = deletes.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (!remote.empty()) {
+    std::lock_guard<std::mutex> lock(remote_mu_);
+    remote_removals_.insert(remote_removals_.end(), std::make_move_iterator(remote.begin()),
+                            std::make_move_iterator(remote.end()));
+    remote_cv_.notify_all();
   }
   DeleteDirectories(std::move(deletes));  // retention, without holding the lock
 }

@@ -358,6 +358,14 @@ class Coordinator {
   std::condition_variable wake_;
   bool stop_ = false;
   std::thread loop_;
+  // Deletions in an object store run on a thread of their own: a store that is down (each
+  // request retried for seconds) must not stall the tick's scheduling and loss detection.
+  void RemoveRemotely();
+  std::mutex remote_mu_;
+  std::condition_variable remote_cv_;
+  std::vector<Removal> remote_removals_;
+  bool remote_stop_ = false;
+  std::thread remote_remover_;
   // When the background loop last ran (steady clock): a longer gap is the coordinator's own
   // outage, not its workers' silence (ForgiveOwnOutage).
   std::chrono::steady_clock::time_point last_tick_{};

@@ -200,8 +200,8 @@ absl::StatusOr<int> S3CheckpointStore::CleanIncomplete() {
 
 absl::Status S3CheckpointStore::Delete(const std::string& dir) {
   LOOM_ASSIGN_OR_RETURN(S3Location step, ParseS3Url(dir));
-  if (step.bucket != loc_.bucket || !absl::StartsWith(step.prefix, loc_.prefix) ||
-      !StepOfDirName(fs::path(step.prefix).filename().string())) {
+  const std::string name = fs::path(step.prefix).filename().string();
+  if (step.bucket != loc_.bucket || step.prefix != loc_.Key(name) || !StepOfDirName(name)) {
     return absl::InvalidArgumentError(absl::StrCat(dir, ": not a step under ", root_));
   }
   // Uncommitted first: a crash mid-way leaves shards without a manifest, which nothing reads.

@@ -30,8 +30,10 @@ bool Transient(const absl::Status& s) {
 CheckpointUploader::CheckpointUploader(CheckpointStore* store, Hooks hooks)
     : store_(store), hooks_(std::move(hooks)), thread_([this] { Loop(); }) {}
 
+// Reached after Flush on every normal path (nothing in flight). On an error path an upload may
+// still be retrying against a store that is down: it gets its current try, no more, so that a
+// failed run's process exits.
 CheckpointUploader::~CheckpointUploader() {
-  Wait();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -107,13 +109,14 @@ CheckpointUploader::Finished CheckpointUploader::Upload(const Job& job) {
       break;
     }
     ++out.retries;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      notes_.push_back(absl::StrCat("checkpoint: upload of step ", job.step, " failed (",
-                                    where.status().message(), "); trying again in ", backoff,
-                                    " s"));
+    std::unique_lock<std::mutex> lock(mu_);
+    notes_.push_back(absl::StrCat("checkpoint: upload of step ", job.step, " failed (",
+                                  where.status().message(), "); trying again in ", backoff, " s"));
+    if (cv_.wait_for(lock, std::chrono::duration<double>(backoff), [this] { return stop_; })) {
+      out.status = absl::CancelledError(absl::StrCat(
+          "upload of step ", job.step, " abandoned at exit: ", where.status().message()));
+      break;
     }
-    std::this_thread::sleep_for(std::chrono::duration<double>(backoff));
     backoff = std::min(backoff * 2, hooks_.max_backoff_s);
   }
   out.seconds = Since(job.submitted);

@@ -84,8 +84,35 @@ def test_client(args, s3, tmp):
         assert r.returncode != 0 and code in r.stderr and "s3://ckpt/" in r.stderr, r.stderr
         assert len(s3.requests) - before == 1, f"wrong {name}: {len(s3.requests) - before} requests"
     s3.bad_signatures.clear()  # the wrong secret's, on purpose
+    # Parts that never arrive: the upload fails after its retries and is aborted in the store.
+    s3.drop_puts = 100
+    r = run([args.loom_store, "put", big, "s3://ckpt/client/dropped.bin"], s3.env(LOOM_S3_PART_MB="5",
+            LOOM_S3_MAX_ATTEMPTS="2"))
+    s3.drop_puts = 0
+    assert r.returncode != 0 and "dropped.bin" in r.stderr, r.stderr
+    aborts = [p for m, p in s3.requests if m == "DELETE" and p.startswith("/ckpt/client/dropped.bin?uploadId=")]
+    assert aborts, "no AbortMultipartUpload after the failed upload"
+    # (s3rver implements neither AbortMultipartUpload nor ListMultipartUploads: what can be
+    # checked is that the abort was sent and that no object came of the upload.)
+    assert "client/dropped.bin" not in s3.keys("client/"), s3.keys("client/")
+    # Virtual-host addressing: http://ckpt.s3.localhost:PORT/key (curl resolves *.localhost).
+    vhost = s3.env(AWS_ENDPOINT_URL=s3.endpoint.replace("127.0.0.1", "s3.localhost"), LOOM_S3_ADDRESSING="virtual")
+    r = run([args.loom_store, "ls", "s3://ckpt/client"], vhost)
+    assert r.returncode == 0 and "client/big.bin" in r.stdout, r.stdout + r.stderr
+    assert s3.hosts[-1].startswith("ckpt.s3.localhost:"), s3.hosts[-1]
+    # TLS with a private CA: trusted through AWS_CA_BUNDLE, refused at once without it.
+    endpoint, ca = s3.start_tls_server(tmp)
+    r = run([args.loom_store, "put", os.path.join(tmp, "back.bin"), "s3://ckpt/tls.bin"],
+            s3.env(AWS_ENDPOINT_URL=endpoint, AWS_CA_BUNDLE=ca))
+    assert r.returncode == 0, r.stderr
+    t0 = time.time()
+    r = run([args.loom_store, "ls", "s3://ckpt/"], s3.env(AWS_ENDPOINT_URL=endpoint))
+    assert r.returncode != 0 and "certificate" in r.stderr and "attempts" not in r.stderr, r.stderr
+    assert time.time() - t0 < 10
     print("ok: multipart upload (5 parts) read back by aws s3 cp; SlowDown storm absorbed; "
-          "wrong key id and wrong secret: one request each, the store's code and the bucket named")
+          "wrong key id and wrong secret: one request each, the store's code and the bucket named; "
+          "an upload whose parts never arrive is aborted; virtual-host addressing; TLS trusted "
+          "through AWS_CA_BUNDLE and refused without it")
 
 
 class Box:
@@ -104,7 +131,13 @@ class Box:
         token = os.path.join(tmp, "up", "tokens", "user-token")
         wait_for("loom up's token", lambda: os.path.exists(token) and os.path.getsize(token) > 0, timeout=60)
         self.api = Api(self.port, open(token).read().strip())
-        wait_for("loom up's worker", lambda: any(w["state"] == "alive" for w in self.api.workers()), timeout=60)
+        wait_for("loom up's worker", self.worker_alive, timeout=90)
+
+    def worker_alive(self):
+        try:  # the token is written before the coordinator listens (it lists the store first)
+            return any(w["state"] == "alive" for w in self.api.workers())
+        except OSError:
+            return False
 
     def submit(self, body):
         status, parsed, text = self.api.request("POST", "/v1/jobs", body)
@@ -189,6 +222,20 @@ def test_job(box):
     assert damaged and damaged[-1].get("damaged"), damaged
     a, b = box.tensors(job, steps), box.tensors(reference, steps)
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), "final weights differ"
+    # The commit point last: no request changed a step's shards while its manifest existed (a
+    # rerun of a step deletes the manifest first), and every step got one.
+    for step in range(interval, steps + 1, interval):
+        prefix = f"/ckpt/{box.root(job)}/step-{step:08d}/"
+        present, committed_once = False, False
+        for m, p in box.s3.requests:
+            if not p.startswith(prefix):
+                continue
+            if p.startswith(prefix + "manifest.json"):
+                present = m == "PUT" or (present and m != "DELETE")
+                committed_once |= m == "PUT"
+            elif m in ("PUT", "POST"):
+                assert not present, f"step {step}: {m} {p} while its manifest was in the store"
+        assert committed_once, f"step {step} was never committed"
     # What the store holds is exactly what the catalogue calls available: whole steps.
     for j_id in (reference, job):
         in_store = box.steps_in_store(j_id)

@@ -63,6 +63,7 @@ class S3Server:
         self.log = open(os.path.join(tmp, "s3rver.log"), "ab")
         self.lock = threading.Lock()
         self.requests = []      # (method, path) of every request the proxy saw
+        self.hosts = []         # and its Host header
         self.bad_signatures = []
         self.slowdowns = 0      # answer this many next requests 503 SlowDown
         self.drop_puts = 0      # drop the connection of this many next PUTs, mid-body
@@ -88,6 +89,31 @@ class S3Server:
             return True
         except OSError:
             return False
+
+    def start_tls_server(self, tmp):
+        """A second s3rver over TLS (a certificate of a CA made here), direct, for the CA-file
+        checks; returns (endpoint, ca_file)."""
+        ca_key, ca, key, csr, cert = (os.path.join(tmp, n) for n in ("ca.key", "ca.pem", "tls.key", "tls.csr", "tls.pem"))
+        ext = os.path.join(tmp, "san.cnf")
+        with open(ext, "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        for argv in (["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
+                      "-days", "2", "-subj", "/CN=loom-test-ca"],
+                     ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
+                      "-subj", "/CN=127.0.0.1"],
+                     ["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+                      "-out", cert, "-days", "2", "-extfile", ext]):
+            subprocess.run(argv, check=True, capture_output=True)
+        port = free_port()
+        self.tls_proc = subprocess.Popen(
+            ["node", self.bin, "-d", os.path.join(tmp, "s3rver-tls"), "-a", "127.0.0.1", "-p", str(port),
+             "--configure-bucket", self.bucket, "--no-vhost-buckets", "--key", key, "--cert", cert],
+            stdout=self.log, stderr=self.log, start_new_session=True)
+        os.makedirs(os.path.join(tmp, "s3rver-tls"), exist_ok=True)
+        wait_for("s3rver over TLS", lambda: subprocess.run(
+            ["openssl", "s_client", "-connect", "127.0.0.1:%d" % port], input="", capture_output=True,
+            text=True, timeout=10).returncode == 0, timeout=30)
+        return "https://127.0.0.1:%d" % port, ca
 
     def kill_backend(self):
         if self.proc and self.proc.poll() is None:
@@ -123,6 +149,10 @@ class S3Server:
     def close(self):
         self.proxy.shutdown()
         self.kill_backend()
+        tls = getattr(self, "tls_proc", None)
+        if tls and tls.poll() is None:
+            os.killpg(tls.pid, signal.SIGKILL)
+            tls.wait(timeout=30)
         if self.bad_signatures:
             raise AssertionError("requests with a wrong signature: %s" % self.bad_signatures[:3])
 
@@ -147,6 +177,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         headers = {k.lower(): v for k, v in self.headers.items()}
         with s3.lock:
             s3.requests.append((self.command, self.path))
+            s3.hosts.append(headers.get("host", ""))
             slowdown = s3.slowdowns > 0
             s3.slowdowns -= 1 if slowdown else 0
             drop = self.command == "PUT" and s3.drop_puts > 0
@@ -167,11 +198,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if self.command == "PUT" and s3.put_delay > 0:
             time.sleep(s3.put_delay)
+        # Virtual-host style (<bucket>.s3.localhost): s3rver is told the bucket in the path.
+        path = self.path
+        if headers.get("host", "").startswith(s3.bucket + "."):
+            path = "/" + s3.bucket + path
         try:
             c = http.client.HTTPConnection("127.0.0.1", s3.backend_port, timeout=60)
             forward = {k: v for k, v in self.headers.items() if k.lower() != "host"}
             forward["Host"] = "127.0.0.1:%d" % s3.backend_port
-            c.request(self.command, self.path, body=body, headers=forward)
+            c.request(self.command, path, body=body, headers=forward)
             r = c.getresponse()
             data = r.read()
         except OSError:

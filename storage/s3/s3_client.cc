@@ -188,6 +188,7 @@ bool Retryable(const Outcome& o) {
 }
 
 absl::StatusCode CodeOf(const Outcome& o) {
+  if (o.curl == CURLE_FILESIZE_EXCEEDED) return absl::StatusCode::kOutOfRange;
   if (o.curl != CURLE_OK) return absl::StatusCode::kUnavailable;
   switch (o.response.status) {
     case 401:
@@ -219,10 +220,14 @@ std::string Describe(const Outcome& o) {
   return out;
 }
 
-int64_t EnvInt(const char* name, int64_t fallback) {
+absl::StatusOr<int64_t> EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
   int64_t out = 0;
-  return v != nullptr && absl::SimpleAtoi(v, &out) ? out : fallback;
+  if (!absl::SimpleAtoi(v, &out)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": '", v, "' is not a whole number"));
+  }
+  return out;
 }
 
 std::string Env(const char* name) {
@@ -335,13 +340,18 @@ absl::StatusOr<S3Options> S3OptionsFromEnvironment() {
     return absl::InvalidArgumentError("LOOM_S3_ADDRESSING: 'path' or 'virtual'");
   }
   o.path_style = addressing.empty() ? !o.endpoint.empty() : addressing == "path";
-  o.part_bytes = EnvInt("LOOM_S3_PART_MB", o.part_bytes >> 20) << 20;
-  if (o.part_bytes < kMinPart) return absl::InvalidArgumentError("LOOM_S3_PART_MB: at least 5");
-  o.parallel_parts = static_cast<int>(EnvInt("LOOM_S3_PARALLEL_PARTS", o.parallel_parts));
-  o.max_attempts = static_cast<int>(EnvInt("LOOM_S3_MAX_ATTEMPTS", o.max_attempts));
-  if (o.parallel_parts < 1 || o.parallel_parts > 64)
+  LOOM_ASSIGN_OR_RETURN(int64_t part_mb, EnvInt("LOOM_S3_PART_MB", o.part_bytes >> 20));
+  LOOM_ASSIGN_OR_RETURN(int64_t parallel, EnvInt("LOOM_S3_PARALLEL_PARTS", o.parallel_parts));
+  LOOM_ASSIGN_OR_RETURN(int64_t attempts, EnvInt("LOOM_S3_MAX_ATTEMPTS", o.max_attempts));
+  if (part_mb < 5 || part_mb > 5120)
+    return absl::InvalidArgumentError("LOOM_S3_PART_MB: 5 to 5120");
+  if (parallel < 1 || parallel > 64)
     return absl::InvalidArgumentError("LOOM_S3_PARALLEL_PARTS: 1 to 64");
-  if (o.max_attempts < 1) return absl::InvalidArgumentError("LOOM_S3_MAX_ATTEMPTS: at least 1");
+  if (attempts < 1 || attempts > 100)
+    return absl::InvalidArgumentError("LOOM_S3_MAX_ATTEMPTS: 1 to 100");
+  o.part_bytes = part_mb << 20;
+  o.parallel_parts = static_cast<int>(parallel);
+  o.max_attempts = static_cast<int>(attempts);
   return o;
 }
 
@@ -632,7 +642,7 @@ absl::StatusOr<std::string> S3Client::GetString(const std::string& bucket, const
   r.key = key;
   r.max_body = max_bytes;
   auto answer = Call(r);
-  if (!answer.ok() && absl::StrContains(answer.status().message(), "Maximum file size")) {
+  if (absl::IsOutOfRange(answer.status())) {
     return absl::OutOfRangeError(
         absl::StrCat("s3://", bucket, "/", key, ": larger than ", max_bytes, " bytes"));
   }
@@ -697,7 +707,11 @@ absl::Status S3Client::Delete(const std::string& bucket, const std::string& key)
   r.bucket = bucket;
   r.key = key;
   auto answer = Call(r);
-  if (absl::IsNotFound(answer.status())) return absl::OkStatus();
+  // Gone already is deleted; a missing bucket is not.
+  if (absl::IsNotFound(answer.status()) &&
+      !absl::StrContains(answer.status().message(), "NoSuchBucket")) {
+    return absl::OkStatus();
+  }
   return answer.status();
 }
 
