@@ -300,6 +300,8 @@ absl::StatusOr<std::vector<CheckpointRef>> ListCheckpoints(const std::string& ro
 
 std::optional<int64_t> StepOfDirName(const std::string& name) { return StepOf(name); }
 
+std::string ShardFileName(int rank, int world) { return ShardName(rank, world); }
+
 absl::StatusOr<SafetensorsFile> VerifyShard(std::string bytes, const ShardInfo& info,
                                             const std::string& where) {
   if (bytes.size() != info.bytes) {

@@ -55,6 +55,8 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
 
 // "step-00000100"
 std::string CheckpointDirName(int64_t step);
+// "shard-00001-of-00004.safetensors"
+std::string ShardFileName(int rank, int world);
 // "step-00000100" -> 100; nullopt for any other name.
 std::optional<int64_t> StepOfDirName(const std::string& name);
 inline constexpr char kManifestFile[] = "manifest.json";
@@ -96,6 +98,13 @@ class CheckpointWriter {
 
   // Removes the temporary directory (on error paths).
   void Abort();
+
+  // What WriteShard or AdoptShard recorded for `rank` (size, CRC-32C); NotFound before.
+  absl::StatusOr<ShardInfo> shard(int rank) const {
+    auto it = shards_.find(rank);
+    if (it == shards_.end()) return absl::NotFoundError("no shard written for that rank");
+    return it->second;
+  }
 
   const std::string& temp_dir() const { return temp_dir_; }
 

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -114,8 +115,19 @@ class S3CheckpointStore : public CheckpointStore {
   absl::Status Delete(const std::string& dir) override;
   absl::StatusOr<std::string> Upload(const std::string& local_dir,
                                      const std::function<absl::Status()>& before_commit) override;
+  absl::Status Uncommit(int64_t step) override {
+    return client_.Delete(loc_.bucket, StepKey(step, kManifestFile));
+  }
+  absl::Status UploadShard(int64_t step, const std::string& local_file,
+                           const ShardInfo& info) override;
+  absl::StatusOr<std::string> CommitManifest(
+      const Manifest& manifest, const std::function<bool()>& give_up,
+      const std::function<absl::Status()>& before_commit) override;
 
  private:
+  std::string StepKey(int64_t step, const std::string& file) const {
+    return loc_.Key(absl::StrCat(CheckpointDirName(step), "/", file));
+  }
   // The objects under the root, by step directory name ("step-00000100" → keys).
   absl::StatusOr<std::map<std::string, std::vector<std::string>>> StepObjects();
   absl::StatusOr<SafetensorsFile> FetchShard(const S3Location& step, const ShardInfo& info);
@@ -242,7 +254,54 @@ absl::StatusOr<std::string> S3CheckpointStore::Upload(
   return step.Url();
 }
 
+absl::Status S3CheckpointStore::UploadShard(int64_t step, const std::string& local_file,
+                                            const ShardInfo& info) {
+  LOOM_RETURN_IF_ERROR(CheckShardName(info, local_file));
+  uint64_t size = 0;
+  LOOM_ASSIGN_OR_RETURN(std::string crc, FileCrc32c(local_file, &size));
+  if (crc != info.crc32c || size != info.bytes) {
+    return absl::DataLossError(absl::StrCat("shard ", local_file, ": checksum ", crc, " and size ",
+                                            size, " differ from what was recorded"));
+  }
+  return client_.PutFile(loc_.bucket, StepKey(step, info.file), local_file);
+}
+
+absl::StatusOr<std::string> S3CheckpointStore::CommitManifest(
+    const Manifest& manifest, const std::function<bool()>& give_up,
+    const std::function<absl::Status()>& before_commit) {
+  for (const ShardInfo& s : manifest.shards) {
+    LOOM_RETURN_IF_ERROR(CheckShardName(s, "manifest"));
+    double wait = 0.2;
+    for (;;) {  // the other ranks' uploads
+      LOOM_ASSIGN_OR_RETURN(auto head, client_.Head(loc_.bucket, StepKey(manifest.step, s.file)));
+      if (head && head->size == s.bytes) break;
+      if (give_up && give_up()) {
+        return absl::CancelledError(absl::StrCat("step ", manifest.step, ": gave up waiting for ",
+                                                 s.file, " of rank ", s.rank));
+      }
+      std::this_thread::sleep_for(std::chrono::duration<double>(wait));
+      wait = std::min(wait * 2, 2.0);
+    }
+  }
+  if (before_commit) LOOM_RETURN_IF_ERROR(before_commit());
+  LOOM_RETURN_IF_ERROR(client_.PutString(loc_.bucket, StepKey(manifest.step, kManifestFile),
+                                         ManifestToJson(manifest)));
+  return loc_.Url(CheckpointDirName(manifest.step));
+}
+
 }  // namespace
+
+absl::Status CheckpointStore::Uncommit(int64_t) {
+  return absl::UnimplementedError("sharded uploads: object stores only");
+}
+absl::Status CheckpointStore::UploadShard(int64_t, const std::string&, const ShardInfo&) {
+  return absl::UnimplementedError("sharded uploads: object stores only");
+}
+absl::StatusOr<std::string> CheckpointStore::CommitManifest(const Manifest&,
+                                                            const std::function<bool()>&,
+                                                            const std::function<absl::Status()>&) {
+  return absl::UnimplementedError("sharded uploads: object stores only");
+}
 
 absl::StatusOr<LoadedCheckpoint> CheckpointStore::LoadLatest(std::vector<absl::Status>* skipped) {
   LOOM_ASSIGN_OR_RETURN(std::vector<CheckpointRef> refs, List());

@@ -45,6 +45,18 @@ class CheckpointStore {
   virtual absl::StatusOr<std::string> Upload(
       const std::string& local_dir, const std::function<absl::Status()>& before_commit = {}) = 0;
 
+  // Sharded commits (ZeRO-1: every rank writes its own shard, on its own node). Uncommit
+  // deletes the step's manifest (before any shard of a rerun changes); each rank puts its
+  // shard with UploadShard; CommitManifest (rank 0) waits until every shard the manifest lists
+  // is in the store with its size, runs before_commit and puts the manifest. give_up() ends
+  // the wait (Cancelled). Object stores only.
+  virtual absl::Status Uncommit(int64_t step);
+  virtual absl::Status UploadShard(int64_t step, const std::string& local_file,
+                                   const ShardInfo& info);
+  virtual absl::StatusOr<std::string> CommitManifest(
+      const Manifest& manifest, const std::function<bool()>& give_up,
+      const std::function<absl::Status()>& before_commit);
+
   // The newest checkpoint that verifies; the error of each newer one is appended to `skipped`.
   absl::StatusOr<LoadedCheckpoint> LoadLatest(std::vector<absl::Status>* skipped);
   // Keeps the newest keep_last (at least 1) and every keep_every-th (0: none); deletes the rest.

@@ -43,13 +43,35 @@ CheckpointUploader::~CheckpointUploader() {
 }
 
 double CheckpointUploader::Submit(int64_t step, std::string local_dir, uint64_t bytes) {
+  return Start(Job{step, std::move(local_dir), bytes, {}, std::nullopt, std::nullopt});
+}
+
+double CheckpointUploader::SubmitShard(int64_t step, std::string local_dir, ShardInfo shard,
+                                       std::optional<Manifest> commit, uint64_t bytes) {
+  return Start(Job{step, std::move(local_dir), bytes, {}, std::move(shard), std::move(commit)});
+}
+
+double CheckpointUploader::Start(Job job) {
   const double waited = Wait();
+  job.submitted = Clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    job_ = Job{step, std::move(local_dir), bytes, Clock::now()};
+    job_ = std::move(job);
   }
   cv_.notify_all();
   return waited;
+}
+
+absl::StatusOr<std::string> CheckpointUploader::TryOnce(const Job& job) {
+  if (!job.shard) return store_->Upload(job.local_dir, hooks_.before_commit);
+  const std::string file = job.local_dir + "/" + ShardFileName(0, 1);
+  if (absl::Status s = store_->UploadShard(job.step, file, *job.shard); !s.ok()) return s;
+  if (!job.commit) return std::string();
+  auto give_up = [this] {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stop_;
+  };
+  return store_->CommitManifest(*job.commit, give_up, hooks_.before_commit);
 }
 
 double CheckpointUploader::Wait() {
@@ -99,7 +121,7 @@ CheckpointUploader::Finished CheckpointUploader::Upload(const Job& job) {
   const int64_t retried_before = store_->request_retries();
   double backoff = 1;
   for (;;) {
-    auto where = store_->Upload(job.local_dir, hooks_.before_commit);
+    auto where = TryOnce(job);
     if (where.ok()) {
       out.where = *where;
       break;

@@ -47,6 +47,11 @@ class CheckpointUploader {
   // Waits for the upload in flight, then starts uploading `local_dir`; returns the seconds
   // waited.
   double Submit(int64_t step, std::string local_dir, uint64_t bytes);
+  // ZeRO-1: this rank's shard, committed locally as the one shard of `local_dir`, goes up as
+  // `shard` of the step; with `commit` (rank 0), that manifest follows once every rank's shard
+  // is in the store (CheckpointStore::CommitManifest). Returns the seconds waited.
+  double SubmitShard(int64_t step, std::string local_dir, ShardInfo shard,
+                     std::optional<Manifest> commit, uint64_t bytes);
   // Waits until nothing is in flight; returns the seconds waited.
   double Wait();
   // Uploads finished (or given up) since the last call, and lines for the log.
@@ -59,9 +64,13 @@ class CheckpointUploader {
     std::string local_dir;
     uint64_t bytes;
     std::chrono::steady_clock::time_point submitted;
+    std::optional<ShardInfo> shard;  // ZeRO-1: this rank's shard only
+    std::optional<Manifest> commit;  // and, on rank 0, the manifest after all of them
   };
   void Loop();
+  double Start(Job job);
   Finished Upload(const Job& job);
+  absl::StatusOr<std::string> TryOnce(const Job& job);
 
   CheckpointStore* store_;
   Hooks hooks_;

@@ -33,19 +33,20 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import Api, free_port, loom_trainers, safetensors_raw, stop_all, wait_for  # noqa: E402
+from loom_testlib import (Api, free_port, loom_trainers, read_port_file, safetensors_raw,  # noqa: E402
+                          stop_all, wait_for)
 from s3_testlib import S3Server  # noqa: E402
 
 PROCS = []
 STORE = "s3://ckpt/loom"
 
 
-def spec(steps, interval, keep_last=3, seed=7):
+def spec(steps, interval, keep_last=3, seed=7, world=1, zero=0):
     return {"spec": {"preset": "micro", "steps": steps, "micro_batch": 4, "seq_len": 32, "threads": 1,
                      "seed": seed, "data": {"corpus_bytes": 65536}, "eval": {"batches": 1, "interval": 0},
                      "checkpoint": {"interval": interval, "keep_last": keep_last},
-                     "metrics": {"log_every": 1}},
-            "world_size": 1}
+                     "metrics": {"log_every": 1}, "zero_stage": zero, "dist_timeout_seconds": 30},
+            "world_size": world}
 
 
 def train_argv(args):
@@ -159,11 +160,12 @@ class Box:
             out.setdefault(int(step_dir.split("-")[1]), []).append(name)
         return out
 
-    def tensors(self, job_id, step):
-        """Rank 0's shard of the step, fetched with the AWS CLI."""
+    def tensors(self, job_id, step, rank=0):
+        """A rank's shard of the step, fetched with the AWS CLI."""
         local = os.path.join(self.tmp, f"{job_id}-{step}")
-        self.s3.aws("s3", "cp", "--recursive", f"s3://ckpt/{self.root(job_id)}/step-{step:08d}", local)
-        shard = [f for f in os.listdir(local) if f.startswith("shard-00000-of-")]
+        if not os.path.isdir(local):
+            self.s3.aws("s3", "cp", "--recursive", f"s3://ckpt/{self.root(job_id)}/step-{step:08d}", local)
+        shard = [f for f in os.listdir(local) if f.startswith(f"shard-{rank:05d}-of-")]
         return safetensors_raw(os.path.join(local, shard[0]))
 
 
@@ -248,6 +250,34 @@ def test_job(box):
           f"after kill -9, resumed from {newest - interval} and matched {reference} bitwise; "
           f"the store holds exactly the catalogued steps {committed(box, job)}")
     return reference
+
+
+def test_zero_job(box):
+    """ZeRO-1 on the store: each rank uploads its own shard, rank 0 commits the manifest after
+    both; kill -9 of rank 1, and the resumed job matches an uninterrupted one bitwise."""
+    steps, interval = 100, 10
+    box.s3.put_delay = 0.4  # uploads pace training, so the kill lands mid-run
+    reference = box.submit(spec(steps, interval, world=2, zero=1))
+    assert box.api.wait_end_progressing(reference)["state"] == "succeeded"
+    job = box.submit(spec(steps, interval, world=2, zero=1))
+    box.api.wait(job, lambda j: 20 in [int(e["step"]) for e in box.api.catalogue(job)], "step 20 in the store",
+                 timeout=180)
+    rank1 = [t for t in loom_trainers(box.tmp) if t["job"] == job and t["rank"] == 1]
+    assert rank1, loom_trainers(box.tmp)
+    os.kill(rank1[0]["pid"], signal.SIGKILL)
+    done = box.api.wait_end_progressing(job)
+    box.s3.put_delay = 0
+    assert done["state"] == "succeeded" and done["attempt"] >= 2, done
+    resumed = done["history"][-1].get("resumed_from", "")
+    assert resumed.startswith(STORE) and int(resumed.rsplit("step-", 1)[1]) < steps, done["history"]
+    manifest = json.loads(box.s3.aws("s3", "cp", f"s3://ckpt/{box.root(job)}/step-{steps:08d}/manifest.json", "-").stdout)
+    assert [sh["file"] for sh in manifest["shards"]] == ["shard-00000-of-00002.safetensors",
+                                                          "shard-00001-of-00002.safetensors"], manifest["shards"]
+    for rank in (0, 1):
+        a, b = box.tensors(job, steps, rank), box.tensors(reference, steps, rank)
+        assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), f"rank {rank}'s shard differs"
+    print(f"ok: ZeRO-1 on the store: {job} lost rank 1 to kill -9, resumed from {resumed.rsplit('/', 1)[-1]} "
+          f"and its two shards matched {reference}'s bitwise")
 
 
 def test_retention_pins(box, reference):
@@ -359,6 +389,28 @@ def test_dataset_from_store(args, s3, tmp):
           f"them from the cache (one damaged copy fetched again); a shard damaged in the store refused by name")
 
 
+def test_serve_from_store(args, s3, tmp):
+    """loom serve on a checkpoint in the store: one completion."""
+    token_file, port_file = os.path.join(tmp, "serve-token"), os.path.join(tmp, "serve.port")
+    with open(token_file, "w") as f:
+        f.write("serve-token-0123456789abcdef\n")
+    os.chmod(token_file, 0o600)
+    log = open(os.path.join(tmp, "serve.log"), "w")
+    p = subprocess.Popen([args.loom, "serve", "--port", "0", "--port-file", port_file, "--threads", "1",
+                          "--token-file", token_file, "--checkpoint", "s3://ckpt/manual/step-00000004"],
+                         env=s3.env(OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+    PROCS.append(p)
+    port = wait_for("loom serve to listen", lambda: p.poll() is None and read_port_file(port_file)
+                    or (p.poll() is not None and -1), timeout=120)
+    assert port != -1, open(os.path.join(tmp, "serve.log")).read()
+    status, parsed, text = Api(port, "serve-token-0123456789abcdef").request(
+        "POST", "/v1/completions", {"prompt": "ab", "max_tokens": 2})
+    assert status == 200 and parsed["choices"][0]["text"] is not None, (status, text)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=30) == 0
+    print("ok: loom serve answered a completion from a checkpoint in the store")
+
+
 def test_staging_disk_full(args, s3, tmp):
     """The staging directory full: the save fails with the reason; nothing reaches the store."""
     staging = os.path.join(tmp, "staging-full")
@@ -389,11 +441,13 @@ def main():
     try:
         test_client(args, s3, tmp)
         test_init_from_aws_upload(args, s3, tmp)
+        test_serve_from_store(args, s3, tmp)
         test_staging_disk_full(args, s3, tmp)
         test_dataset_from_store(args, s3, tmp)
         box = Box(args, s3, tmp)
         reference = test_job(box)
         test_retention_pins(box, reference)
+        test_zero_job(box)
         test_job_on_stored_dataset(box)
         box.up.send_signal(signal.SIGINT)
         out, _ = box.up.communicate(timeout=60)

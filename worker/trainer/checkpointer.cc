@@ -56,12 +56,8 @@ absl::Status Checkpointer::OpenStore() {
   const std::string& dir = spec_.checkpoint().dir();
   LOOM_ASSIGN_OR_RETURN(store_, storage::OpenCheckpointStore(dir));
   if (!store_->remote()) return absl::OkStatus();
-  if (options_.zero) {
-    return absl::InvalidArgumentError(
-        "checkpoint.dir: an s3:// store with zero: true (ZeRO-1 shards on every rank) is not "
-        "supported yet; use a shared POSIX directory, or zero: false");
-  }
-  if (comm_->rank() != 0) return absl::OkStatus();
+  // ZeRO-1: every rank uploads its own shard; otherwise rank 0 alone writes.
+  if (comm_->rank() != 0 && !options_.zero) return absl::OkStatus();
   storage::CheckpointUploader::Hooks hooks;
   hooks.before_commit = [] {
     RequireLease("before a checkpoint commit");
@@ -78,8 +74,12 @@ absl::Status Checkpointer::OpenStore() {
 
 std::string Checkpointer::StagingRoot() const {
   const char* staging = std::getenv("LOOM_STAGING_DIR");
-  if (staging != nullptr && *staging != '\0') return staging;
-  return (fs::path(storage::LocalCacheDir()) / "staging" / spec_hash_).string();
+  fs::path root = staging != nullptr && *staging != '\0'
+                      ? fs::path(staging)
+                      : fs::path(storage::LocalCacheDir()) / "staging" / spec_hash_;
+  // ZeRO-1 ranks of one job on one node stage apart.
+  if (options_.zero) root /= absl::StrCat("rank-", comm_->rank());
+  return root.string();
 }
 
 absl::Status Checkpointer::Start(const StartFrom& from) {
@@ -310,6 +310,7 @@ absl::StatusOr<std::string> Checkpointer::Write() {
   const char* attempt = std::getenv("LOOM_ATTEMPT");
   const std::string token =
       absl::StrCat("run", spec_hash_, attempt ? "-a" : "", attempt ? attempt : "");
+  if (options_.zero && uploader_ != nullptr) return WriteShardRemote(step, writable, token, start);
   if (options_.zero && rank != 0) LOOM_RETURN_IF_ERROR(comm_->Barrier());  // directory created
   LOOM_ASSIGN_OR_RETURN(
       storage::CheckpointWriter writer,
@@ -344,6 +345,79 @@ absl::StatusOr<std::string> Checkpointer::Write() {
   return *dir;
 }
 
+// ZeRO-1 on an object store, where no directory is shared: each rank commits its shard as a
+// one-shard local checkpoint in its own staging directory and uploads it; the ranks exchange
+// their shards' sizes and CRC-32Cs, and rank 0 commits the manifest once every shard is in the
+// store (CheckpointStore::CommitManifest). Returns the step's URL on rank 0, "" elsewhere.
+absl::StatusOr<std::string> Checkpointer::WriteShardRemote(int64_t step,
+                                                           const WritableTensors& writable,
+                                                           const std::string& token,
+                                                           Clock::time_point start) {
+  const int rank = comm_->rank(), world = comm_->world_size();
+  // A rerun of a step stops existing before any rank's shard of it changes (the exchange
+  // below orders every upload after this).
+  if (rank == 0) LOOM_RETURN_IF_ERROR(store_->Uncommit(step));
+  LOOM_ASSIGN_OR_RETURN(storage::CheckpointWriter writer,
+                        storage::CheckpointWriter::Begin(StagingRoot(), step, 1, token));
+  if (absl::Status s = writer.WriteShard(0, writable.items, {{"format", "pt"}}); !s.ok()) {
+    writer.Abort();
+    return s;
+  }
+  auto dir = writer.Commit(ManifestNow());
+  if (!dir.ok()) {
+    writer.Abort();
+    return dir.status();
+  }
+  LOOM_ASSIGN_OR_RETURN(storage::ShardInfo mine, writer.shard(0));
+  mine.rank = rank;
+  mine.file = storage::ShardFileName(rank, world);
+  LOOM_ASSIGN_OR_RETURN(std::vector<storage::ShardInfo> all, ExchangeShards(mine));
+  std::optional<storage::Manifest> commit;
+  if (rank == 0) {
+    commit = ManifestNow();
+    commit->step = step;
+    commit->world_size = world;
+    commit->shards = all;
+    commit->created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  std::chrono::system_clock::now().time_since_epoch())
+                                  .count();
+  }
+  uint64_t bytes = 0;
+  for (const auto& item : writable.items) bytes += item.size_bytes;
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const double waited = uploader_->SubmitShard(step, *dir, mine, std::move(commit), bytes);
+  LOOM_RETURN_IF_ERROR(Poll());
+  staged_[step] = {seconds, waited};
+  DropStagedBefore(step);
+  return rank == 0 ? store_->root() + "/" + storage::CheckpointDirName(step) : std::string();
+}
+
+// Every rank's shard size and CRC-32C, from every rank (one broadcast each, as float64: exact
+// for both).
+absl::StatusOr<std::vector<storage::ShardInfo>> Checkpointer::ExchangeShards(
+    const storage::ShardInfo& mine) {
+  std::vector<storage::ShardInfo> all;
+  for (int r = 0; r < comm_->world_size(); ++r) {
+    torch::Tensor t = torch::zeros({2}, torch::dtype(torch::kFloat64).device(options_.device));
+    if (r == comm_->rank()) {
+      uint32_t crc = 0;
+      if (!absl::SimpleHexAtoi(mine.crc32c, &crc)) return absl::InternalError("shard checksum");
+      t = torch::tensor({static_cast<double>(mine.bytes), static_cast<double>(crc)},
+                        torch::dtype(torch::kFloat64))
+              .to(options_.device);
+    }
+    LOOM_RETURN_IF_ERROR(comm_->Broadcast({t}, r));
+    const torch::Tensor cpu = t.cpu();
+    storage::ShardInfo info;
+    info.rank = r;
+    info.file = storage::ShardFileName(r, comm_->world_size());
+    info.bytes = static_cast<uint64_t>(cpu[0].item<double>());
+    info.crc32c = absl::StrFormat("%08x", static_cast<uint32_t>(cpu[1].item<double>()));
+    all.push_back(info);
+  }
+  return all;
+}
+
 // A step committed to the staging directory goes to the uploader; the previous upload is
 // finished by then, so every older staged step can go.
 absl::StatusOr<std::string> Checkpointer::Stage(int64_t step, const std::string& local_dir,
@@ -374,6 +448,7 @@ absl::Status Checkpointer::Poll() {
       return absl::Status(f.status.code(), absl::StrCat("checkpoint upload of step ", f.step, ": ",
                                                         f.status.message()));
     }
+    if (comm_->rank() != 0) continue;  // ZeRO-1: rank 0 reports the committed step
     const StepReporter::UploadTimes times{f.seconds, staged.wait_seconds,
                                           f.retries + f.request_retries};
     reporter_->Checkpoint(f.step, f.where, staged.write_seconds, f.bytes, &times);

@@ -30,6 +30,7 @@
 #include "worker/trainer/loss_scaler.h"
 #include "worker/trainer/model.h"
 #include "worker/trainer/step_reporter.h"
+#include "worker/trainer/tensor_io.h"
 
 namespace loom::trainer {
 
@@ -116,6 +117,10 @@ class Checkpointer {
   void DropStagedBefore(int64_t step);
   absl::StatusOr<std::string> Stage(int64_t step, const std::string& local_dir, double seconds,
                                     uint64_t bytes);
+  absl::StatusOr<std::string> WriteShardRemote(int64_t step, const WritableTensors& writable,
+                                               const std::string& token,
+                                               std::chrono::steady_clock::time_point start);
+  absl::StatusOr<std::vector<storage::ShardInfo>> ExchangeShards(const storage::ShardInfo& mine);
   struct Staged {
     double write_seconds = 0, wait_seconds = 0;
   };
