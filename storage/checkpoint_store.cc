@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/read_file.h"
 #include "base/status_macros.h"
 #include "storage/crc32c.h"
 #include "storage/object_cache.h"
@@ -29,12 +30,6 @@ constexpr uint64_t kMaxManifestBytes = 64 << 20;
 std::string Env(const char* name) {
   const char* v = std::getenv(name);
   return v == nullptr ? "" : v;
-}
-
-absl::StatusOr<std::string> ReadLocalFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read"));
-  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 // A shard's file name from a manifest (hostile input): one plain name, never a path.
@@ -75,7 +70,7 @@ class PosixCheckpointStore : public CheckpointStore {
 absl::StatusOr<std::string> PosixCheckpointStore::Upload(
     const std::string& local_dir, const std::function<absl::Status()>& before_commit) {
   const std::string manifest_path = (fs::path(local_dir) / kManifestFile).string();
-  LOOM_ASSIGN_OR_RETURN(std::string text, ReadLocalFile(manifest_path));
+  LOOM_ASSIGN_OR_RETURN(std::string text, ReadNonEmptyFile(manifest_path, "checkpoint manifest"));
   LOOM_ASSIGN_OR_RETURN(Manifest m, ManifestFromJson(text, manifest_path));
   LOOM_ASSIGN_OR_RETURN(CheckpointWriter w,
                         CheckpointWriter::Begin(root_, m.step, m.world_size, "upload"));
@@ -171,7 +166,7 @@ absl::StatusOr<SafetensorsFile> S3CheckpointStore::FetchShard(const S3Location& 
     return absl::DataLossError(absl::StrCat("shard ", path.status().message()));
   }
   if (!path.ok()) return path.status();
-  LOOM_ASSIGN_OR_RETURN(std::string bytes, ReadLocalFile(*path));
+  LOOM_ASSIGN_OR_RETURN(std::string bytes, ReadNonEmptyFile(*path, "cached shard"));
   auto parsed = SafetensorsFile::Parse(std::move(bytes), url);
   if (!parsed.ok()) return absl::DataLossError(std::string(parsed.status().message()));
   return parsed;
@@ -227,7 +222,7 @@ absl::Status S3CheckpointStore::Delete(const std::string& dir) {
 absl::StatusOr<std::string> S3CheckpointStore::Upload(
     const std::string& local_dir, const std::function<absl::Status()>& before_commit) {
   const std::string manifest_path = (fs::path(local_dir) / kManifestFile).string();
-  LOOM_ASSIGN_OR_RETURN(std::string text, ReadLocalFile(manifest_path));
+  LOOM_ASSIGN_OR_RETURN(std::string text, ReadNonEmptyFile(manifest_path, "checkpoint manifest"));
   LOOM_ASSIGN_OR_RETURN(Manifest m, ManifestFromJson(text, manifest_path));
   const std::string name = CheckpointDirName(m.step);
   S3Location step{loc_.bucket, loc_.Key(name)};
@@ -374,7 +369,8 @@ bool IsRemoteLocation(const std::string& where) { return IsS3Url(where); }
 absl::Status CheckRemoteLocation(const std::string& url) { return ParseS3Url(url).status(); }
 
 absl::StatusOr<std::string> ReadManifestText(const std::string& dir) {
-  if (!IsS3Url(dir)) return ReadLocalFile((fs::path(dir) / kManifestFile).string());
+  if (!IsS3Url(dir))
+    return ReadNonEmptyFile((fs::path(dir) / kManifestFile).string(), "checkpoint manifest");
   LOOM_ASSIGN_OR_RETURN(S3Location step, ParseS3Url(dir));
   LOOM_ASSIGN_OR_RETURN(S3Options options, S3OptionsFromEnvironment());
   return S3Client(options).GetString(step.bucket, step.Key(kManifestFile), kMaxManifestBytes);

@@ -45,6 +45,15 @@ def step_losses(jsonl):
     return out
 
 
+def write_word_corpus(path, documents=3000):
+    """JSONL documents of twelve words from eight in a fixed rotation: a corpus a micro model
+    learns within tens of steps (for `loom-data pack`)."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    with open(path, "w") as f:
+        for i in range(documents):
+            f.write(json.dumps({"text": " ".join(words[(i * 7 + k * 3) % 8] for k in range(12)) + "."}) + "\n")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loom_testlib import (Api, free_port, loom_trainers, read_port_file, safetensors_raw,  # noqa: E402
-                          stop_all, wait_for)
+                          stop_all, wait_for, write_word_corpus)
 from s3_testlib import S3Server  # noqa: E402
 
 PROCS = []
@@ -344,10 +344,7 @@ def test_init_from_aws_upload(args, s3, tmp):
 def test_dataset_from_store(args, s3, tmp):
     """Token shards read from the store through the node's cache, keyed by CRC-32C."""
     text = os.path.join(tmp, "corpus.jsonl")
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    with open(text, "w") as f:
-        for i in range(3000):
-            f.write(json.dumps({"text": " ".join(words[(i * 7 + k * 3) % 8] for k in range(12)) + "."}) + "\n")
+    write_word_corpus(text)
     ds = os.path.join(tmp, "ds")
     r = run([args.loom_data, "pack", "--output", ds, "--input", text, "--format", "jsonl",
              "--shard-tokens", "100000"], os.environ)

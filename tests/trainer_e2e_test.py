@@ -15,7 +15,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import kill_all, safetensors_raw, shard_path, step_losses  # noqa: E402
+from loom_testlib import kill_all, safetensors_raw, shard_path, step_losses, write_word_corpus  # noqa: E402
 
 PROCS = []
 
@@ -150,10 +150,7 @@ def test_init_from_and_bad_inputs(loom, tmp):
 
 def test_train_on_packed_shards(loom, loom_data, tmp):
     text = os.path.join(tmp, "corpus.jsonl")
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    with open(text, "w") as f:
-        for i in range(3000):
-            f.write(json.dumps({"text": " ".join(words[(i * 7 + k * 3) % 8] for k in range(12)) + "."}) + "\n")
+    write_word_corpus(text)
     ds = os.path.join(tmp, "ds")
     p = subprocess.run([loom_data, "pack", "--output", ds, "--input", text, "--format", "jsonl",
                         "--shard-tokens", "50000"], capture_output=True, text=True, timeout=120)
