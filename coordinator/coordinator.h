@@ -20,8 +20,11 @@
 
 #include "absl/status/statusor.h"
 #include "coordinator/clock.h"
+#include "coordinator/ids.h"
+#include "coordinator/job_table.h"
 #include "coordinator/log_syncer.h"
 #include "coordinator/paging.h"
+#include "coordinator/records.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/state_store.h"
 #include "coordinator/states.h"
@@ -64,21 +67,6 @@ struct CoordinatorOptions {
   // Every time the coordinator reads (heartbeat silence, fencing, queue ages, event times).
   std::shared_ptr<Clock> clock = std::make_shared<SystemClock>();
 };
-
-bool IsValidId(const std::string& id);
-
-// Who asks for a change: a user may change their own jobs and sweeps, an admin anyone's.
-struct Caller {
-  std::string user;
-  bool admin = false;
-};
-
-// Checkpoint ids are "<job id>.<step>" (job-000001.150): one path segment, so a URL can hold
-// one. The older "<job id>/<step>" is still accepted wherever an id is given (init_from) and
-// state written with it is migrated when the coordinator opens it.
-std::string CheckpointId(const std::string& job_id, int64_t step);
-// The canonical form of either spelling; InvalidArgument (naming `field`) otherwise.
-absl::StatusOr<std::string> CanonicalCheckpointId(const std::string& id, const std::string& field);
 
 class Coordinator {
  public:
@@ -178,8 +166,7 @@ class Coordinator {
   void Tick();
 
  private:
-  // One change of the state: the RocksDB batches and the prior values of everything it touched,
-  // so that a failed write leaves memory as it was (transitions are persisted, then in effect).
+  using Txn = JobTable::Txn;
   // What retention removes once its decision is on disk, without the lock: one step, or (on an
   // object store, where listing under the lock would wait on the network) the steps of a job's
   // checkpoint root older than `sweep_before` that neither the catalogue nor keep_every keeps.
@@ -188,18 +175,6 @@ class Coordinator {
     int64_t sweep_before = -1;
     int64_t keep_every = 0;
     std::set<int64_t> catalogued;
-  };
-  struct Txn {
-    StateStore::Batch batch;     // synced: state transitions
-    StateStore::Batch progress;  // not synced: progress, log offsets
-    std::map<std::string, std::optional<v1::Job>> jobs;
-    std::map<std::string, std::optional<v1::Worker>> workers;
-    std::map<std::string, std::optional<v1::CheckpointEntry>> checkpoints;
-    std::map<std::string, std::optional<std::string>> credentials;
-    std::map<std::string, int64_t> event_counts;
-    std::vector<Removal> deletes;  // checkpoints to remove once committed
-    std::vector<JobState> ended;   // terminal states reached, counted once committed
-    bool no_space = false;         // a job log or series append found the disk full
   };
   enum class Failure { kJob, kInfra, kBadInput };
   struct PlannedJob;  // one (cell, seed) of a sweep, validated before anything is stored
@@ -212,8 +187,7 @@ class Coordinator {
   int64_t SteadyMs() const { return options_.clock->SteadyMs(); }
   // When the worker was last heard, on the steady clock (0: never since this process started).
   int64_t HeardAt(const std::string& worker) const;
-  absl::Status Load();
-  absl::Status MigrateCheckpointIds();
+  void Load();
   absl::StatusOr<v1::JobSpec> ResolveSubmission(const v1::SubmitJobRequest& request);
   absl::StatusOr<std::vector<PlannedJob>> PlanSweepJobs(const v1::SweepSpec& spec,
                                                         const std::vector<SweepCell>& cells);
@@ -237,17 +211,6 @@ class Coordinator {
   absl::StatusOr<std::vector<std::string>> AddReportMergeLocked(
       const std::vector<std::string>& merge, v1::Sweep& sweep,
       std::map<std::string, v1::Job>& jobs) const;
-  void Save(Txn& txn, const v1::Job& job);
-  void Save(Txn& txn, const std::string& worker_id);
-  void SaveCheckpoint(Txn& txn, const std::string& id);
-  void SaveCredential(Txn& txn, const std::string& worker_id);
-  // Writes both batches (the state batch fsynced unless !sync: the caller then waits for
-  // StateStore::SyncLogThrough after releasing the lock); on failure restores memory.
-  absl::Status Commit(Txn& txn, bool sync = true);
-  void Rollback(Txn& txn);  // restores what the change touched, writes nothing
-  // An event of the job; `state` is the state entered, nullopt for an event that changes none.
-  void AddEvent(Txn& txn, v1::Job& job, std::optional<JobState> state, const std::string& reason);
-  void SetState(Txn& txn, v1::Job& job, JobState state, const std::string& reason);
   void FailAttempt(Txn& txn, v1::Job& job, const std::string& reason, Failure kind,
                    int64_t not_before_ms = 0);
   // Fails every active attempt with ranks on the worker that it has not finished.
@@ -284,7 +247,6 @@ class Coordinator {
   void IndexPlacementsLocked();
   absl::StatusOr<std::string> RegisteringIdLocked(Txn& txn, const v1::RegisterWorkerRequest& r);
   std::string IssueCredential(Txn& txn, const std::string& worker_id);
-  void RevokeCredential(Txn& txn, const std::string& worker_id);
   int UsedSlots(const std::string& worker_id) const;
   bool OldAttemptRunning(const v1::Job& job) const;
   void ScheduleLocked(Txn& txn);
@@ -316,8 +278,10 @@ class Coordinator {
   void CatalogueCheckpoint(Txn& txn, v1::Job& job, int64_t step, const std::string& path);
   void ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r);
   void ApplyRetention(Txn& txn, const std::string& job_id);
+  void Remove(Txn& txn, Removal removal);
   std::vector<std::string> PinnedBy(const std::string& checkpoint_id) const;
   void DeleteDirectories(std::vector<Removal> removals);
+  void CarryOutRemovals(std::vector<Removal> removals);
   // <storage root>/jobs/<id>/checkpoints, or on an object store
   // <store>/jobs/<id>-<submit ms>/checkpoints (nothing there to set aside: an id used before, in
   // an earlier coordinator state, never meets its old steps).
@@ -325,28 +289,15 @@ class Coordinator {
   bool RemoteCheckpoints() const { return !options_.checkpoint_store.empty(); }
 
   CoordinatorOptions options_;
-  std::unique_ptr<StateStore> store_;
   metrics::Registry registry_{"coordinator"};
-  std::unique_ptr<LogSyncer> log_syncer_;  // after store_ and registry_: gone before them
+  std::unique_ptr<JobTable> table_;        // after registry_: gone before it
+  std::unique_ptr<LogSyncer> log_syncer_;  // after table_ and registry_: gone before them
 
-  std::mutex mutex_;
-  std::map<std::string, v1::Job> jobs_;
-  std::map<std::string, int64_t> event_counts_;
-  std::map<std::string, v1::Worker> workers_;
-  std::map<std::string, v1::CheckpointEntry> checkpoints_;
-  // IdempotencyKey(user, request_id) -> job id; "sweep:" + IdempotencyKey(...) -> sweep id.
-  std::map<std::string, std::string> request_ids_;
-  std::map<std::string, v1::Sweep> sweeps_;
-  std::map<std::string, v1::Quota> quotas_;  // "<kind>/<name>" -> quota (used not kept)
+  std::mutex mutex_;  // guards table_ and everything below but the remote removals
   // Fair share's decayed usage: rebuilt from the jobs' attempt histories at load, advanced by
   // each pass with what the users held since the one before.
   UsageLedger usage_;
   std::map<std::string, int> last_held_;
-  int64_t next_sweep_ = 1;
-  std::map<std::string, std::string> credentials_;       // worker id -> credential
-  std::map<std::string, std::string> credential_owner_;  // credential -> worker id
-  int64_t next_job_ = 1;
-  std::map<std::string, int64_t> log_offsets_;  // "<job>/<attempt>/<worker>" -> bytes received
   std::map<std::string, std::string> waiting_reason_;  // not persisted: recomputed each pass
   // Per worker: attempts its last heartbeat reported as still running -> ranks running there.
   std::map<std::string, RunningAttempts> reported_running_;
@@ -370,12 +321,9 @@ class Coordinator {
   // outage, not its workers' silence (ForgiveOwnOutage).
   std::chrono::steady_clock::time_point last_tick_{};
   bool holding_loss_detection_ = false;  // AllWorkersSilent held at the last tick
-  // The last write to the data directory (state, job logs) found it full; the next one that
-  // succeeds clears it. The loom_coordinator_storage_full gauge.
-  bool disk_full_ = false;
-  int64_t last_resume_try_ms_ = 0;     // steady; the tick thread only
-  int64_t last_resume_report_ms_ = 0;  // steady: when a failed resume was last logged
-  int64_t hold_ended_ms_ = 0;          // steady: when a worker was heard after such a hold
+  int64_t last_resume_try_ms_ = 0;       // steady; the tick thread only
+  int64_t last_resume_report_ms_ = 0;    // steady: when a failed resume was last logged
+  int64_t hold_ended_ms_ = 0;            // steady: when a worker was heard after such a hold
   // Liveness and fencing on the steady clock (clock.h): an NTP step moves neither. The wall-clock
   // twins (Worker.last_heartbeat_ms, Job.not_before_ms) are what is shown and stored.
   std::map<std::string, int64_t> heard_steady_;  // worker id -> last heartbeat
