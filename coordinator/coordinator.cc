@@ -19,7 +19,8 @@ namespace loom::coordinator {
 
 namespace {
 
-// The coordinator's metric families, each series that must exist from the first scrape at 0.
+// The coordinator's metric families, each series that must exist from the first scrape at 0
+// (the state core declares its own: JobTable::Open).
 void DeclareMetrics(metrics::Registry& r) {
   r.DeclareGauge("loom_coordinator_jobs", "Jobs by state");
   r.DeclareGauge("loom_coordinator_workers", "Workers by state");
@@ -29,12 +30,6 @@ void DeclareMetrics(metrics::Registry& r) {
   r.DeclareCounter("loom_coordinator_job_restarts_total", "Failed attempts requeued");
   r.DeclareCounter("loom_coordinator_preemptions_total",
                    "Attempts stopped for a higher-priority job and requeued");
-  r.DeclareCounter("loom_coordinator_jobs_ended_total",
-                   "Jobs that reached a terminal state (succeeded, failed, cancelled)");
-  // At 0 from the start, so increase() sees the first failure (a series born at 1 has none).
-  for (JobState s : {JobState::kSucceeded, JobState::kFailed, JobState::kCancelled}) {
-    r.Increment("loom_coordinator_jobs_ended_total", 0, {{"state", std::string(JobStateName(s))}});
-  }
   r.DeclareCounter("loom_coordinator_workers_lost_total", "Workers marked lost");
   r.DeclareCounter("loom_coordinator_outages_forgiven_total",
                    "Pauses of the coordinator itself not counted against its workers' silence");
@@ -47,15 +42,13 @@ void DeclareMetrics(metrics::Registry& r) {
                  "nothing is stored (submissions get 507) until there is room again");
   r.Set("loom_coordinator_storage_full", 0);
   r.DeclareCounter("loom_coordinator_http_requests_total", "HTTP requests by route and status");
-  r.DeclareCounter("loom_coordinator_store_errors_total", "Failed RocksDB writes");
   r.DeclareCounter("loom_coordinator_log_syncs_total",
                    "fsyncs of the RocksDB log that heartbeats' state changes waited for (each "
                    "covers every heartbeat written before it: a group commit)");
   // Label-less counters start at 0, so rate() and increase() see them from the first scrape.
   for (const char* c :
        {"loom_coordinator_jobs_submitted_total", "loom_coordinator_job_restarts_total",
-        "loom_coordinator_workers_lost_total", "loom_coordinator_store_errors_total",
-        "loom_coordinator_log_syncs_total"}) {
+        "loom_coordinator_workers_lost_total", "loom_coordinator_log_syncs_total"}) {
     r.Increment(c, 0);
   }
   r.DeclareGauge("loom_coordinator_queue_depth", "Jobs waiting in the queue");

@@ -9,10 +9,27 @@
 
 namespace loom::coordinator {
 
+namespace {
+
+// Its metric families, each series at 0 from the first scrape, so increase() sees the first
+// failure (a series born at 1 has none).
+void DeclareMetrics(metrics::Registry& r) {
+  r.DeclareCounter("loom_coordinator_jobs_ended_total",
+                   "Jobs that reached a terminal state (succeeded, failed, cancelled)");
+  for (JobState s : {JobState::kSucceeded, JobState::kFailed, JobState::kCancelled}) {
+    r.Increment("loom_coordinator_jobs_ended_total", 0, {{"state", std::string(JobStateName(s))}});
+  }
+  r.DeclareCounter("loom_coordinator_store_errors_total", "Failed RocksDB writes");
+  r.Increment("loom_coordinator_store_errors_total", 0);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<JobTable>> JobTable::Open(const std::string& state_dir,
                                                          std::shared_ptr<Clock> clock,
                                                          metrics::Registry& registry) {
   std::unique_ptr<JobTable> t(new JobTable(std::move(clock), registry));
+  DeclareMetrics(registry);
   LOOM_ASSIGN_OR_RETURN(t->store_, StateStore::Open(state_dir));
   LOOM_RETURN_IF_ERROR(t->Load());
   LOOM_RETURN_IF_ERROR(t->DigestClearCredentials());
