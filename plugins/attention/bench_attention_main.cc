@@ -27,7 +27,7 @@
 #include "plugins/attention/common/attention_common.h"
 #include "plugins/attention/iha/cuda/iha_cuda.h"
 #include "plugins/attention/iha/iha_core.h"
-#include "plugins/attention/iha/iha_fused.h"
+#include "plugins/attention/kernels/fused_attention.h"
 
 #ifdef LOOM_TORCH_HAS_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -37,8 +37,8 @@
 
 namespace {
 
-using loom::attention::iha::Mask;
-using loom::attention::iha::Options;
+using loom::attention::kernels::Mask;
+using loom::attention::kernels::Options;
 
 // Counts live and peak bytes of every CPU tensor allocation: the measured memory.
 class TrackingAllocator final : public c10::Allocator {
@@ -315,7 +315,7 @@ class AttentionBench {
   int64_t h_, d_, b_;
   int reps_;
   int64_t naive_max_;
-  loom::attention::iha::FusedOptions tiles_;
+  loom::attention::kernels::FusedOptions tiles_;
   double ceiling_ = 0;
   // The group being measured, and what its rows are compared with.
   GroupInputs g_;
@@ -363,7 +363,8 @@ AttentionBench::Variant AttentionBench::Mha(int64_t window) const {
   o.mask = causal_ ? Mask::kInterleaved : Mask::kNone;
   o.window = window;
   return [this, o] {
-    return loom::attention::iha::FusedHeadAttention(g_.q, g_.k, g_.v, torch::Tensor(), o, tiles_);
+    return loom::attention::kernels::FusedHeadAttention(g_.q, g_.k, g_.v, torch::Tensor(), o,
+                                                        tiles_);
   };
 }
 

@@ -336,27 +336,6 @@ double ProjectedAttention::ProjectionFlopsPerToken() const {
   return 2.0 * 4.0 * static_cast<double>(d_model_) * static_cast<double>(n_heads_ * head_dim_);
 }
 
-torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta) {
-  TORCH_CHECK(x.dim() == 4, "ApplyRope: x must be [B, H, L, d], got ", x.sizes());
-  const int64_t d = x.size(3);
-  TORCH_CHECK(d % 2 == 0, "ApplyRope: head width must be even, got ", d);
-  const int64_t half = d / 2;
-  auto f64 = torch::TensorOptions().dtype(torch::kFloat64).device(x.device());
-  torch::Tensor inv_freq =
-      torch::pow(theta, -torch::arange(0, half, f64) * 2.0 / static_cast<double>(d));
-  torch::Tensor pos = positions.to(f64);
-  if (pos.dim() == 1) pos = pos.unsqueeze(0);  // [1, L]
-  TORCH_CHECK(pos.dim() == 2 && pos.size(1) == x.size(2),
-              "ApplyRope: positions must be [L] or [B, L] with L = ", x.size(2), ", got ",
-              positions.sizes());
-  torch::Tensor angles = pos.unsqueeze(-1) * inv_freq;                // [B|1, L, half]
-  torch::Tensor cos = angles.cos().unsqueeze(1).to(x.scalar_type());  // [B|1, 1, L, half]
-  torch::Tensor sin = angles.sin().unsqueeze(1).to(x.scalar_type());
-  torch::Tensor x1 = x.narrow(3, 0, half);
-  torch::Tensor x2 = x.narrow(3, half, half);
-  return torch::cat({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, 3);
-}
-
 torch::Tensor AllowedMask(int64_t length, bool causal, int64_t window,
                           const torch::Device& device) {
   auto idx = torch::arange(length, torch::TensorOptions().dtype(torch::kInt64).device(device));
@@ -398,17 +377,6 @@ torch::Tensor WithSegments(const torch::Tensor& allowed, const torch::Tensor& se
   if (expand > 1) s = s.repeat_interleave(expand, 1);  // expanded index s -> token s / P
   torch::Tensor same = (s.unsqueeze(2) == s.unsqueeze(1)).unsqueeze(1);  // [B, 1, L', L']
   return allowed.defined() ? same & allowed : same;
-}
-
-torch::Tensor CheckedPositions(const torch::Tensor& positions, int64_t batch, int64_t length,
-                               const torch::Device& device) {
-  TORCH_CHECK(positions.defined(), "attention: positions are required when RoPE is on");
-  torch::Tensor p = positions.to(device, torch::kInt64);
-  if (p.dim() == 1) p = p.unsqueeze(0);
-  TORCH_CHECK(p.dim() == 2 && (p.size(0) == 1 || p.size(0) == batch) && p.size(1) == length,
-              "attention: positions must be [N] or [B, N] with B = ", batch, ", N = ", length,
-              ", got ", positions.sizes());
-  return p;
 }
 
 }  // namespace loom::attention

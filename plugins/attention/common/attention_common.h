@@ -1,6 +1,7 @@
 // Pieces every attention plugin shares: option parsing with field-naming errors, spec checks,
-// rotary embeddings, mask construction, the materialising scaled-dot-product reference and the
-// FLOP bookkeeping. Depends on LibTorch only, so plugins build on a bare GPU machine.
+// rotary embeddings (kernels/rope.h), mask construction, the materialising scaled-dot-product
+// reference and the FLOP bookkeeping. Depends on LibTorch only, so plugins build on a bare GPU
+// machine.
 #ifndef LOOM_PLUGINS_ATTENTION_COMMON_ATTENTION_COMMON_H_
 #define LOOM_PLUGINS_ATTENTION_COMMON_ATTENTION_COMMON_H_
 
@@ -14,6 +15,7 @@
 #include <tuple>
 
 #include "loom/attention_plugin.h"
+#include "plugins/attention/kernels/rope.h"
 
 namespace loom::attention {
 
@@ -140,11 +142,6 @@ class ProjectedAttention : public AttentionLayer {
 // Checks the fields every plugin relies on; throws InvalidAttentionSpec naming the field.
 void ValidateSpec(const LoomAttentionSpecV1& spec, const std::string& plugin);
 
-// Rotary position embedding, rotate-half pairing (dimension i pairs with i + d/2), frequency
-// theta^(-2i/d). x: [B, H, L, d] with d even; positions: [L] or [B, L], any numeric dtype
-// (fractional positions are allowed). Angles are computed in float64.
-torch::Tensor ApplyRope(const torch::Tensor& x, const torch::Tensor& positions, double theta);
-
 // Bool [Lq, Lk] mask of allowed (query, key) pairs by sequence index (not by position id):
 // causal keeps k <= q; window > 0 keeps |q - k| < window. Queries and keys share one index space.
 torch::Tensor AllowedMask(int64_t length, bool causal, int64_t window, const torch::Device& device);
@@ -158,7 +155,6 @@ torch::Tensor ReferenceAttention(const torch::Tensor& q, const torch::Tensor& k,
 // Mean number of keys a query attends to in a sequence of `length` tokens.
 double AverageAttendedKeys(int64_t length, bool causal, int64_t window);
 
-// Positions as int64 [B or 1, N] on `device`, checked against the input shape.
 // The layer's mask (bool [L, L] or undefined) with packed-sequence segments applied: `expand`
 // positions per token (IHA's P pseudo-tokens share their token's segment). Returns `allowed`
 // unchanged without segments, else bool [B, 1, L·expand, L·expand].
@@ -166,8 +162,9 @@ torch::Tensor WithSegments(const torch::Tensor& allowed, const torch::Tensor& se
                            int64_t batch, int64_t length, int64_t expand,
                            const torch::Device& device);
 
-torch::Tensor CheckedPositions(const torch::Tensor& positions, int64_t batch, int64_t length,
-                               const torch::Device& device);
+// Rotary position embedding and the positions it checks: the shared kernels' (kernels/rope.h).
+using kernels::ApplyRope;
+using kernels::CheckedPositions;
 
 }  // namespace loom::attention
 

@@ -7,7 +7,7 @@
 #include "cpu_kernels/linear_cpu.h"
 #include "plugins/attention/common/attention_common.h"
 #include "plugins/attention/iha/cuda/iha_cuda.h"
-#include "plugins/attention/iha/iha_fused.h"
+#include "plugins/attention/kernels/rope.h"
 
 namespace loom::attention::iha {
 
@@ -159,25 +159,22 @@ torch::Tensor IhaAttention::ForwardCached(const torch::Tensor& x, const Attentio
     CheckCacheContinues("iha cache", cache->keys.size(0), cache->segments.defined(), b,
                         seg.defined());
   }
-  auto rotate = [&](const torch::Tensor& mixed, const torch::Tensor& token_pos) {
-    return rope ? ApplyRope(mixed, ExpandedPositions(token_pos, p, options_.rope_phase),
-                            options_.rope_theta)
-                : mixed;
-  };
   auto cat = [&](const torch::Tensor& old, const torch::Tensor& now, int64_t dim) {
     return start > 0 && old.defined() ? torch::cat({old, now}, dim) : now;
   };
-  torch::Tensor qi = rotate(MixAndInterleave(q, alpha_q), pos);  // [B, H, T·P, d]
-  torch::Tensor keys, values, all_pos;                           // as stored after this call
-  torch::Tensor ki, vi;                                          // pseudo keys / values attended
+  torch::Tensor qi =
+      kernels::RotatePseudoTokens(MixAndInterleave(q, alpha_q), pos, options_);  // [B, H, T·P, d]
+  torch::Tensor keys, values, all_pos;  // as stored after this call
+  torch::Tensor ki, vi;                 // pseudo keys / values attended
   if (cache_heads_) {
     keys = cat(cache->keys, k, 1);
     values = cat(cache->values, v, 1);
     if (rope) all_pos = cat(cache->positions, pos, 1);
-    ki = rotate(MixAndInterleave(keys, alpha_k), all_pos);
+    ki = kernels::RotatePseudoTokens(MixAndInterleave(keys, alpha_k), all_pos, options_);
     vi = MixAndInterleave(values, alpha_v);
   } else {
-    keys = ki = cat(cache->keys, rotate(MixAndInterleave(k, alpha_k), pos), 2);
+    keys = ki = cat(cache->keys,
+                    kernels::RotatePseudoTokens(MixAndInterleave(k, alpha_k), pos, options_), 2);
     values = vi = cat(cache->values, MixAndInterleave(v, alpha_v), 2);
   }
   torch::Tensor all_seg = seg.defined() ? cat(cache->segments, seg, 1) : seg;

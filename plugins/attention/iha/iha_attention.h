@@ -6,10 +6,10 @@
 // interleaved; none for encoders), rope_phase (interleaved | token), init (near_mha | identity |
 // random), init_noise (default 0.02), score (softmax | linear), scale (default 1/sqrt(d)),
 // kernel (auto | reference | fused | cuda | stock; auto = the CUDA kernels, cuda/iha_cuda.h,
-// for CUDA tensors they support, the fused kernel, iha_fused.h, for CPU tensors (faster at
-// every measured N·P), and the reference path otherwise;
-// stock = at::scaled_dot_product_attention on the expanded sequence, a baseline),
-// kv_cache (pseudo | heads: what incremental decoding caches, see IhaCache).
+// for CUDA tensors they support, the fused kernel, kernels/fused_attention.h, for CPU tensors
+// (faster at every measured N·P), and the reference path otherwise; stock =
+// at::scaled_dot_product_attention on the expanded sequence, a baseline), kv_cache (pseudo | heads:
+// what incremental decoding caches, see IhaCache).
 #ifndef LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
 #define LOOM_PLUGINS_ATTENTION_IHA_IHA_ATTENTION_H_
 

@@ -1,10 +1,11 @@
 #include "plugins/attention/iha/iha_core.h"
 
 #include <cmath>
-#include <stdexcept>
+#include <tuple>
 
 #include "plugins/attention/common/attention_common.h"
 #include "plugins/attention/iha/collapse_cpu.h"
+#include "plugins/attention/kernels/rope.h"
 
 namespace loom::attention::iha {
 namespace {
@@ -26,39 +27,14 @@ torch::Tensor Scores(const torch::Tensor& q, const torch::Tensor& k, const torch
                      const torch::Tensor& alpha_k, const torch::Tensor& positions,
                      const Options& o) {
   CheckShapes(q, k, alpha_q, alpha_k, o);
-  const int64_t n = q.size(1);
   torch::Tensor qi = MixAndInterleave(q, alpha_q);  // [B, H, NP, dk]
   torch::Tensor ki = MixAndInterleave(k, alpha_k);
-  if (o.rope_theta > 0) {
-    torch::Tensor pos = CheckedPositions(positions, q.size(0), n, q.device());
-    torch::Tensor expanded = ExpandedPositions(pos, o.p, o.rope_phase);
-    qi = ApplyRope(qi, expanded, o.rope_theta);
-    ki = ApplyRope(ki, expanded, o.rope_theta);
-  }
+  std::tie(qi, ki) = kernels::RotatePseudoQueriesKeys(qi, ki, positions, o);
   const double scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   return torch::matmul(qi, ki.transpose(-2, -1)) * scale;  // [B, H, NP, NP]
 }
 
 }  // namespace
-
-Mask ParseMask(const std::string& name) {
-  if (name == "interleaved") return Mask::kInterleaved;
-  if (name == "block") return Mask::kBlock;
-  if (name == "none") return Mask::kNone;
-  throw std::invalid_argument("iha: unknown mask '" + name + "'");
-}
-
-RopePhase ParseRopePhase(const std::string& name) {
-  if (name == "interleaved") return RopePhase::kInterleaved;
-  if (name == "token") return RopePhase::kToken;
-  throw std::invalid_argument("iha: unknown rope_phase '" + name + "'");
-}
-
-Score ParseScore(const std::string& name) {
-  if (name == "softmax") return Score::kSoftmax;
-  if (name == "linear") return Score::kLinear;
-  throw std::invalid_argument("iha: unknown score '" + name + "'");
-}
 
 torch::Tensor MixAndInterleave(const torch::Tensor& x, const torch::Tensor& alpha) {
   const int64_t b = x.size(0), n = x.size(1), h = x.size(2), d = x.size(3), p = alpha.size(2);
@@ -99,17 +75,6 @@ double AverageAttendedKeys(int64_t n, int64_t p, Mask mask, int64_t window) {
     total += static_cast<double>(hi - lo + 1);
   }
   return total / static_cast<double>(len);
-}
-
-torch::Tensor ExpandedPositions(const torch::Tensor& positions, int64_t p, RopePhase phase) {
-  torch::Tensor pos = positions.dim() == 1 ? positions.unsqueeze(0) : positions;  // [B|1, N]
-  const int64_t rows = pos.size(0), n = pos.size(1);
-  auto opts = torch::TensorOptions().dtype(torch::kInt64).device(pos.device());
-  torch::Tensor j = torch::arange(p, opts);
-  torch::Tensor base = pos.to(torch::kInt64).unsqueeze(-1);  // [B|1, N, 1]
-  torch::Tensor expanded =
-      phase == RopePhase::kInterleaved ? base * p + j : base.expand({rows, n, p});
-  return expanded.reshape({rows, n * p});
 }
 
 torch::Tensor AttentionWeights(const torch::Tensor& q, const torch::Tensor& k,
@@ -159,6 +124,15 @@ torch::Tensor Forward(const torch::Tensor& q, const torch::Tensor& k, const torc
                       const torch::Tensor& alpha_v, const torch::Tensor& collapse,
                       const torch::Tensor& positions, const Options& o) {
   return Collapse(PseudoOutputs(q, k, v, alpha_q, alpha_k, alpha_v, positions, o), collapse);
+}
+
+torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& alpha_q, const torch::Tensor& alpha_k,
+                           const torch::Tensor& alpha_v, const torch::Tensor& collapse,
+                           const torch::Tensor& positions, const Options& options,
+                           const FusedOptions& fused) {
+  return Collapse(FusedPseudoOutputs(q, k, v, alpha_q, alpha_k, alpha_v, positions, options, fused),
+                  collapse);
 }
 
 }  // namespace loom::attention::iha

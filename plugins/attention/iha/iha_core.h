@@ -16,41 +16,21 @@
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <string>
 #include <utility>
+
+#include "plugins/attention/kernels/attention_options.h"
+#include "plugins/attention/kernels/fused_attention.h"
 
 namespace loom::attention::iha {
 
-enum class Mask {
-  kInterleaved,  // s' <= s on the expanded sequence (a stock causal call on N·P positions)
-  kBlock,        // token-level causality n' <= n; a token's P pseudo-tokens all see each other
-  kNone,         // bidirectional (encoders)
-};
-enum class RopePhase {
-  kInterleaved,  // pseudo-token (n, j) rotates at position pos(n)·P + j (the paper's choice)
-  kToken,        // every pseudo-token of token n rotates at pos(n)
-};
-enum class Score {
-  kSoftmax,  // softmax(q·k · scale) over allowed keys
-  kLinear,   // (q·k · scale) over allowed keys, no normalisation (theory constructions)
-};
-
-struct Options {
-  int64_t p = 1;  // pseudo-heads per head
-  Mask mask = Mask::kInterleaved;
-  int64_t window = 0;     // tokens; > 0 keeps |s - s'| < window·P on the expanded sequence
-  double rope_theta = 0;  // > 0: RoPE on pseudo queries and keys, after mixing
-  RopePhase rope_phase = RopePhase::kInterleaved;
-  Score score = Score::kSoftmax;
-  double scale = 0;  // <= 0: 1/sqrt(dk)
-  // Per call, not configuration: packed-sequence segment ids [B, N] (AttentionInputs.segments);
-  // a pseudo-token attends only within its token's segment. Undefined: one sequence per row.
-  torch::Tensor segments;
-};
-
-Mask ParseMask(const std::string& name);            // "interleaved" | "block" | "none"
-RopePhase ParseRopePhase(const std::string& name);  // "interleaved" | "token"
-Score ParseScore(const std::string& name);          // "softmax" | "linear"
+// IHA's options are the shared kernels' (kernels/attention_options.h).
+using kernels::Mask;
+using kernels::Options;
+using kernels::ParseMask;
+using kernels::ParseRopePhase;
+using kernels::ParseScore;
+using kernels::RopePhase;
+using kernels::Score;
 
 // x: [B, N, H, d], alpha: [H, H, P] -> pseudo-heads interleaved per head: [B, H, N·P, d], with
 // row s = n·P + j holding sum_m alpha[m, h, j] · x[b, n, m, :].
@@ -68,9 +48,6 @@ torch::Tensor AllowedBetween(const torch::Tensor& s, const torch::Tensor& t, int
 // Mean number of pseudo-keys one pseudo-query attends to (exact, for FLOP accounting).
 double AverageAttendedKeys(int64_t n, int64_t p, Mask mask, int64_t window);
 
-// Expanded RoPE positions [B|1, N·P] from token positions [N] or [B, N].
-torch::Tensor ExpandedPositions(const torch::Tensor& positions, int64_t p, RopePhase phase);
-
 // Attention probabilities (softmax) or coefficients (linear) per head: [B, H, N·P, N·P].
 // q, k: [B, N, H, dk]; positions as for Forward.
 torch::Tensor AttentionWeights(const torch::Tensor& q, const torch::Tensor& k,
@@ -84,6 +61,17 @@ torch::Tensor Forward(const torch::Tensor& q, const torch::Tensor& k, const torc
                       const torch::Tensor& alpha_q, const torch::Tensor& alpha_k,
                       const torch::Tensor& alpha_v, const torch::Tensor& collapse,
                       const torch::Tensor& positions, const Options& options);
+
+// IHA on the shared fused kernel (kernels/fused_attention.h): its pseudo outputs
+// (FusedPseudoOutputs, same contract as PseudoOutputs) and FusedForward, those with the collapse
+// (the module's path when the fused kernel is selected).
+using kernels::FusedOptions;
+using kernels::FusedPseudoOutputs;
+torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& alpha_q, const torch::Tensor& alpha_k,
+                           const torch::Tensor& alpha_v, const torch::Tensor& collapse,
+                           const torch::Tensor& positions, const Options& options,
+                           const FusedOptions& fused = {});
 
 // The pseudo outputs before the collapse: [B, N, H, P, dv].
 torch::Tensor PseudoOutputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -1,14 +1,14 @@
-// The fused IHA kernel (iha_fused.h) against the float64 reference path (iha_core.h, itself
-// checked against the paper's loops and finite differences in iha_attention_test): forward and
-// the gradients of q, k, v and the three alpha tensors, across mask × window × RoPE phase × P ×
-// odd N × tile size × score. The output is poisoned with NaN before each run, so an element the
-// kernel forgets to write fails the comparison. Tolerance: 1e-10 absolute (float64).
-#include "plugins/attention/iha/iha_fused.h"
-
+// The fused kernel (kernels/fused_attention.h) at IHA shapes against the float64 reference path
+// (iha_core.h, itself checked against the paper's loops and finite differences in
+// iha_attention_test): forward and the gradients of q, k, v and the three alpha tensors, across
+// mask × window × RoPE phase × P × odd N × tile size × score. The output is poisoned with NaN
+// before each run, so an element the kernel forgets to write fails the comparison. Tolerance: 1e-10
+// absolute (float64).
 #include <gtest/gtest.h>
 
 #include "cpu_kernels/thread_count_for_test.h"
 #include "plugins/attention/iha/iha_core.h"
+#include "plugins/attention/kernels/fused_attention.h"
 
 namespace loom::attention::iha {
 namespace {

@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "plugins/attention/common/attention_common.h"
-#include "plugins/attention/iha/iha_fused.h"
+#include "plugins/attention/kernels/fused_attention.h"
 
 namespace loom::attention {
 
@@ -40,14 +40,14 @@ torch::Tensor MultiHeadAttention::forward(const torch::Tensor& x, const Attentio
   if (kernel == "stock") return Output(Stock(q, k, v, inputs));
   if (kernel == "reference") return Output(Reference(q, k, v, inputs));
   TORCH_CHECK(x.is_cpu(), plugin_, ": options.kernel: 'fused' runs on CPU tensors only");
-  iha::Options o;  // P = 1 and no mixing: the flash kernel as multi-head attention
-  o.mask = causal_ ? iha::Mask::kInterleaved : iha::Mask::kNone;
+  kernels::Options o;  // P = 1 and no mixing: the flash kernel as multi-head attention
+  o.mask = causal_ ? kernels::Mask::kInterleaved : kernels::Mask::kNone;
   o.window = window_;
   o.segments = inputs.segments;
   o.rope_theta = rope_theta_;
   // [B, H, N, d] -> [B, N, H, d] views; the kernel reads them in place.
-  torch::Tensor heads = iha::FusedHeadAttention(q.transpose(1, 2), k.transpose(1, 2),
-                                                v.transpose(1, 2), inputs.positions, o);
+  torch::Tensor heads = kernels::FusedHeadAttention(q.transpose(1, 2), k.transpose(1, 2),
+                                                    v.transpose(1, 2), inputs.positions, o);
   return Output(heads.transpose(1, 2));
 }
 

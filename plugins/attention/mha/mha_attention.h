@@ -1,8 +1,9 @@
 // Multi-head attention (Vaswani et al. 2017) with optional sliding window: the `mha` (global)
 // and `local` plugins, and the baseline every other attention plugin is measured against.
 //
-// Option kernel (parity with iha): auto | reference | fused | stock. fused = the flash kernel
-// the IHA plugin uses, at P = 1 without mixing (iha_fused.h: FusedHeadAttention; CPU only);
+// Option kernel (parity with iha): auto | reference | fused | stock. fused = the shared flash
+// kernel the IHA plugin uses, at P = 1 without mixing (kernels/fused_attention.h:
+// FusedHeadAttention; CPU only);
 // reference = the materialising softmax(q kᵀ) v (ReferenceAttention), what fused is tested
 // against; stock = at::scaled_dot_product_attention (LibTorch 2.x only); auto = fused for CPU
 // tensors, stock for others where LibTorch has it, else reference.

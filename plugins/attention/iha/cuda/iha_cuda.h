@@ -1,9 +1,9 @@
 // CUDA kernels for Interleaved Head Attention (FlashAttention-style; iha_cuda_tiles.h holds the
 // block programs, iha_cuda_kernels.cu the kernels) behind the same contract as
-// FusedPseudoOutputs (iha_fused.h), plus a "stock" baseline on at::scaled_dot_product_attention.
-// This header and iha_cuda_glue.cc are the only parts that know LibTorch; they compile whether
-// or not LibTorch has CUDA and whether or not the .cu was built (then the kernels report why
-// they cannot run, and callers take the reference path).
+// FusedPseudoOutputs (kernels/fused_attention.h), plus a "stock" baseline on
+// at::scaled_dot_product_attention. This header and iha_cuda_glue.cc are the only parts that know
+// LibTorch; they compile whether or not LibTorch has CUDA and whether or not the .cu was built
+// (then the kernels report why they cannot run, and callers take the reference path).
 #ifndef LOOM_PLUGINS_ATTENTION_IHA_CUDA_IHA_CUDA_H_
 #define LOOM_PLUGINS_ATTENTION_IHA_CUDA_IHA_CUDA_H_
 

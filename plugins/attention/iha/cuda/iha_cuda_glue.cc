@@ -3,13 +3,15 @@
 // stock SDPA baseline.
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "loom/torch_compat.h"
 #include "plugins/attention/common/attention_common.h"
 #include "plugins/attention/iha/cuda/iha_cuda.h"
 #include "plugins/attention/iha/cuda/iha_cuda_tiles.h"
-#include "plugins/attention/iha/kernel_autograd.h"
+#include "plugins/attention/kernels/kernel_autograd.h"
+#include "plugins/attention/kernels/rope.h"
 
 // LOOM_TORCH_HAS_CUDA: the build system found a LibTorch with CUDA (TORCH_CUDA_LIBRARIES; ATen's
 // own AT_CUDA_ENABLED() is gone from current LibTorch). LOOM_IHA_HAVE_CUDA_KERNELS: the .cu was
@@ -219,7 +221,8 @@ class IhaCudaFunction : public torch::autograd::Function<IhaCudaFunction> {
                         Tensor alpha_q, Tensor alpha_k, Tensor alpha_v, Tensor cos, Tensor sin,
                         Tensor segments, int64_t mask, int64_t window, int64_t p, double scale,
                         int64_t tile, bool poison, bool emulate) {
-    const Options o = KernelOptions(p, mask, window, static_cast<int64_t>(Score::kSoftmax), scale);
+    const Options o =
+        kernels::KernelOptions(p, mask, window, static_cast<int64_t>(Score::kSoftmax), scale);
     Call c = MakeCall(q, kk, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, o);
     const int64_t b = q.size(0), n = q.size(1), h = q.size(2), dv = v.size(3);
     Tensor out = torch::empty({b, n, h, p, dv}, q.options());
@@ -232,7 +235,7 @@ class IhaCudaFunction : public torch::autograd::Function<IhaCudaFunction> {
     c.params.lse = lse.data_ptr<float>();
     RunForward(c, tile, emulate);
     ctx->save_for_backward({q, kk, v, alpha_q, alpha_k, alpha_v, cos, sin, segments, out, lse});
-    SaveKernelOptions(ctx, o);
+    kernels::SaveKernelOptions(ctx, o);
     ctx->saved_data["tile"] = tile;
     ctx->saved_data["poison"] = poison;
     ctx->saved_data["emulate"] = emulate;
@@ -243,14 +246,14 @@ class IhaCudaFunction : public torch::autograd::Function<IhaCudaFunction> {
                                                  torch::autograd::variable_list grads) {
     auto s = ctx->get_saved_variables();
     const Tensor &q = s[0], &kk = s[1], &v = s[2], &out = s[9], &lse = s[10];
-    const Options o = SavedKernelOptions(ctx);
+    const Options o = kernels::SavedKernelOptions(ctx);
     const bool poison = ctx->saved_data["poison"].toBool();
     const bool emulate = ctx->saved_data["emulate"].toBool();
     Call c = MakeCall(q, kk, v, s[3], s[4], s[5], s[6], s[7], s[8], o);
     const int64_t b = q.size(0), n = q.size(1), h = q.size(2), dk = q.size(3), dv = v.size(3),
                   p = o.p;
     Tensor go = grads[0].to(torch::kFloat32).contiguous();  // [B, N, H, P, dv]
-    Tensor delta = PseudoRowDelta(go, out, torch::kFloat32);
+    Tensor delta = kernels::PseudoRowDelta(go, out, torch::kFloat32);
     auto f32 = q.options().dtype(torch::kFloat32);
     Tensor dq = torch::empty({b, h, n * p, dk}, f32), dkp = torch::empty({b, h, n * p, dk}, f32),
            dvp = torch::empty({b, h, n * p, dv}, f32);
@@ -268,9 +271,10 @@ class IhaCudaFunction : public torch::autograd::Function<IhaCudaFunction> {
     auto [gq, gaq] = UnmixPseudoGradient(q, s[3], dq);
     auto [gk, gak] = UnmixPseudoGradient(kk, s[4], dkp);
     auto [gv, gav] = UnmixPseudoGradient(v, s[5], dvp);
-    return LeadingGrads({gq.to(q.scalar_type()), gk.to(kk.scalar_type()), gv.to(v.scalar_type()),
-                         gaq.to(s[3].options()), gak.to(s[4].options()), gav.to(s[5].options())},
-                        kInputs);
+    return kernels::LeadingGrads(
+        {gq.to(q.scalar_type()), gk.to(kk.scalar_type()), gv.to(v.scalar_type()),
+         gaq.to(s[3].options()), gak.to(s[4].options()), gav.to(s[5].options())},
+        kInputs);
   }
 };
 
@@ -309,12 +313,12 @@ torch::Tensor CudaPseudoOutputs(const torch::Tensor& q, const torch::Tensor& kk,
   const std::string reason =
       cuda.emulate ? InputsReason(q, kk, v, o) : CudaKernelUnsupportedReason(q, kk, v, o);
   TORCH_CHECK(reason.empty(), "iha cuda kernels: ", reason);
-  CheckKernelInputs(q, kk, v, alpha_q, alpha_k, alpha_v, o);
+  kernels::CheckKernelInputs(q, kk, v, alpha_q, alpha_k, alpha_v, o);
   TORCH_CHECK(cuda.tile == 0 || cuda.tile == 16 || cuda.tile == 32 || cuda.tile == 64,
               "iha cuda: tile must be 0, 16, 32 or 64");
   const double scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  auto [cos, sin] = ExpandedRopeTables(q, positions, o, torch::kFloat32);
-  torch::Tensor segments = KernelSegments(o, q.size(0), q.size(1), q.device());
+  auto [cos, sin] = kernels::ExpandedRopeTables(q, positions, o, torch::kFloat32);
+  torch::Tensor segments = kernels::KernelSegments(o, q.size(0), q.size(1), q.device());
   return IhaCudaFunction::apply(q, kk, v, alpha_q, alpha_k, alpha_v, cos, sin, segments,
                                 static_cast<int64_t>(o.mask), o.window, o.p, scale, cuda.tile,
                                 cuda.poison_output, cuda.emulate);
@@ -347,12 +351,7 @@ torch::Tensor StockSdpaPseudoOutputs(const torch::Tensor& q, const torch::Tensor
   Tensor qi = MixAndInterleave(q, alpha_q);  // [B, H, N·P, dk]
   Tensor ki = MixAndInterleave(kk, alpha_k);
   Tensor vi = MixAndInterleave(v, alpha_v);
-  if (o.rope_theta > 0) {
-    Tensor expanded =
-        ExpandedPositions(CheckedPositions(positions, b, n, q.device()), o.p, o.rope_phase);
-    qi = ApplyRope(qi, expanded, o.rope_theta);
-    ki = ApplyRope(ki, expanded, o.rope_theta);
-  }
+  std::tie(qi, ki) = kernels::RotatePseudoQueriesKeys(qi, ki, positions, o);
   // SDPA scales by 1/sqrt(dk) (LibTorch 2.0 has no scale argument): fold a custom scale into q.
   if (o.scale > 0) qi = qi * (o.scale * std::sqrt(static_cast<double>(dk)));
   c10::optional<Tensor> mask;

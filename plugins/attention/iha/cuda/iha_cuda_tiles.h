@@ -222,7 +222,8 @@ LOOM_HD inline void IhaMixRow(const IhaCudaParams& pr, const void* x_raw, int64_
   }
 }
 
-// In place: rotate-half RoPE of row s (forward: x·R; backward: g·Rᵀ).
+// In place: rotate-half RoPE of row s (forward: x·R; backward: g·Rᵀ). The one RoPE on the GPU:
+// the device twin of RotateHalfRows, on the tables of ExpandedRopeTables (kernels/rope.h).
 LOOM_HD inline void IhaRope(const IhaCudaParams& pr, int64_t bi, int64_t s, float* x,
                             bool backward) {
   if (pr.cos == nullptr) return;

@@ -1,31 +1,26 @@
-// The plumbing the fast IHA kernels share between LibTorch and their tile code: input checks,
-// RoPE tables and segment ids in the kernels' layout, and what their autograd functions keep for
-// the backward pass. Used by the fused CPU kernel (iha_fused.cc) and the CUDA glue
-// (cuda/iha_cuda_glue.cc); the reference path (iha_core.h) needs none of it.
-#ifndef LOOM_PLUGINS_ATTENTION_IHA_KERNEL_AUTOGRAD_H_
-#define LOOM_PLUGINS_ATTENTION_IHA_KERNEL_AUTOGRAD_H_
+// The plumbing the fast attention kernels share between LibTorch and their tile code: input
+// checks and segment ids in the kernels' layout (their RoPE tables: rope.h), and what their
+// autograd functions keep for the backward pass. Used by the fused CPU kernel
+// (fused_attention.cc) and the IHA CUDA glue (iha/cuda/iha_cuda_glue.cc); the reference path
+// (iha/iha_core.h) needs none of it.
+#ifndef LOOM_PLUGINS_ATTENTION_KERNELS_KERNEL_AUTOGRAD_H_
+#define LOOM_PLUGINS_ATTENTION_KERNELS_KERNEL_AUTOGRAD_H_
 
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <utility>
 
-#include "plugins/attention/iha/iha_core.h"
+#include "plugins/attention/kernels/attention_options.h"
 
-namespace loom::attention::iha {
+namespace loom::attention::kernels {
 
-// What the fused kernels (CPU, iha_fused.h; CUDA, cuda/iha_cuda.h) take besides q, k, v:
-// CheckKernelInputs validates the shapes (TORCH_CHECK); ExpandedRopeTables gives cos and sin
-// [B|1, N·P, d/2] by expanded index in `type` on q's device (empty [0] tensors without RoPE);
-// KernelSegments gives options.segments as contiguous int64 [B|1, N] on `device` (empty [0]
-// without).
+// What the fused kernels (CPU, fused_attention.h; CUDA, iha/cuda/iha_cuda.h) take besides q,
+// k, v and the RoPE tables (rope.h: ExpandedRopeTables): CheckKernelInputs validates the shapes
+// (TORCH_CHECK); KernelSegments gives options.segments as contiguous int64 [B|1, N] on `device`
+// (empty [0] without).
 void CheckKernelInputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const torch::Tensor& alpha_q, const torch::Tensor& alpha_k,
                        const torch::Tensor& alpha_v, const Options& options);
-std::pair<torch::Tensor, torch::Tensor> ExpandedRopeTables(const torch::Tensor& q,
-                                                           const torch::Tensor& positions,
-                                                           const Options& options,
-                                                           torch::ScalarType type);
 torch::Tensor KernelSegments(const Options& options, int64_t batch, int64_t length,
                              const torch::Device& device);
 
@@ -42,6 +37,6 @@ torch::autograd::variable_list LeadingGrads(torch::autograd::variable_list grads
 torch::Tensor PseudoRowDelta(const torch::Tensor& grad_out, const torch::Tensor& out,
                              torch::ScalarType type);
 
-}  // namespace loom::attention::iha
+}  // namespace loom::attention::kernels
 
-#endif  // LOOM_PLUGINS_ATTENTION_IHA_KERNEL_AUTOGRAD_H_
+#endif  // LOOM_PLUGINS_ATTENTION_KERNELS_KERNEL_AUTOGRAD_H_

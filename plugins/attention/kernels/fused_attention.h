@@ -1,5 +1,7 @@
-// Fused IHA attention for CPU tensors (FlashAttention-style) that never materialises the
-// P-times expanded Q/K/V of the whole sequence nor the (N·P)×(N·P) scores.
+// Fused attention for CPU tensors (FlashAttention-style): IHA's pseudo-heads (P ≥ 1, mixed from
+// the H heads) and, at P = 1 without mixing, multi-head attention (FusedHeadAttention: the `mha`
+// and `local` plugins). It never materialises the P-times expanded Q/K/V of the whole sequence
+// nor the (N·P)×(N·P) scores.
 //
 // Work is split into tiles of T tokens (T·P pseudo-tokens). For one batch row, head and query
 // tile, the tile's pseudo-queries are mixed from the original H heads (Σ_m alpha[m, h, j]·q[m]),
@@ -18,20 +20,20 @@
 // the gradients of q, k, v and the alpha tensors.
 //
 // Within a tile the pseudo-tokens are token-major (row i·P + j is token n0 + i, pseudo j: the
-// expanded index s = n·P + j of the reference, iha_core.h).
+// expanded index s = n·P + j of the IHA reference, iha/iha_core.h).
 // Dtypes: float32 and float64 compute in their own precision; bfloat16 and float16 inputs are
 // mixed into float32 tiles (fp32 accumulate) and the outputs rounded back.
 // Extra memory: O(T·P·(T·P + d)) scratch per thread; the forward keeps only the output and the
 // log-sum-exp; the backward holds the three pseudo gradients and the heads-major upstream
 // gradient, each [B, H, N·P, d]: O(N·P·d) in all, never O((N·P)²).
-#ifndef LOOM_PLUGINS_ATTENTION_IHA_IHA_FUSED_H_
-#define LOOM_PLUGINS_ATTENTION_IHA_IHA_FUSED_H_
+#ifndef LOOM_PLUGINS_ATTENTION_KERNELS_FUSED_ATTENTION_H_
+#define LOOM_PLUGINS_ATTENTION_KERNELS_FUSED_ATTENTION_H_
 
 #include <torch/torch.h>
 
-#include "plugins/attention/iha/iha_core.h"
+#include "plugins/attention/kernels/attention_options.h"
 
-namespace loom::attention::iha {
+namespace loom::attention::kernels {
 
 struct FusedOptions {
   int64_t tile_tokens = 0;  // tokens per tile; 0 = DefaultTileTokens(P, window)
@@ -50,20 +52,14 @@ int64_t DefaultTileTokens(int64_t p, int64_t window);
 // windows (their small tiles' GEMMs batched), one tile otherwise.
 int64_t DefaultBlockTokens(int64_t p, int64_t window, int64_t tile);
 
-// Same contract as PseudoOutputs (iha_core.h): [B, N, H, P, dv], differentiable with respect to
-// q, k, v and the three alpha tensors. CPU tensors only (float64, float32, bfloat16, float16).
+// Same contract as the IHA reference's PseudoOutputs (iha/iha_core.h): [B, N, H, P, dv],
+// differentiable with respect to q, k, v and the three alpha tensors. CPU tensors only (float64,
+// float32, bfloat16, float16).
 torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, const torch::Tensor& alpha_q,
                                  const torch::Tensor& alpha_k, const torch::Tensor& alpha_v,
                                  const torch::Tensor& positions, const Options& options,
                                  const FusedOptions& fused = {});
-
-// Forward with the collapse (the module's path when the fused kernel is selected).
-torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                           const torch::Tensor& alpha_q, const torch::Tensor& alpha_k,
-                           const torch::Tensor& alpha_v, const torch::Tensor& collapse,
-                           const torch::Tensor& positions, const Options& options,
-                           const FusedOptions& fused = {});
 
 // Multi-head attention on the same kernel (P = 1, no mixing: the `mha` and `local` plugins'
 // fused path): q, k [B, N, H, dk], v [B, N, H, dv], each with a contiguous last dimension (a
@@ -76,6 +72,6 @@ torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, const torch::Tensor& positions,
                                  const Options& options, const FusedOptions& fused = {});
 
-}  // namespace loom::attention::iha
+}  // namespace loom::attention::kernels
 
-#endif  // LOOM_PLUGINS_ATTENTION_IHA_IHA_FUSED_H_
+#endif  // LOOM_PLUGINS_ATTENTION_KERNELS_FUSED_ATTENTION_H_

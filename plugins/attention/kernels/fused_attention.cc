@@ -1,4 +1,4 @@
-#include "plugins/attention/iha/iha_fused.h"
+#include "plugins/attention/kernels/fused_attention.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "base/blas_core.h"
-#include "plugins/attention/common/attention_common.h"
-#include "plugins/attention/iha/kernel_autograd.h"
+#include "plugins/attention/kernels/kernel_autograd.h"
+#include "plugins/attention/kernels/rope.h"
 
 // The Fortran BLAS GEMMs, weak: Debian's LibTorch calls them from libblas (OpenBLAS), so they
 // are in the process whenever LibTorch is; where they are not (LibTorch with a statically linked
@@ -30,7 +30,7 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
             const double* beta, double* c, const int* ldc) __attribute__((weak));
 }
 
-namespace loom::attention::iha {
+namespace loom::attention::kernels {
 namespace {
 
 using torch::Tensor;
@@ -335,18 +335,8 @@ struct Kernel {
   // RoPE on count rows starting at expanded index s0 (inverse: the transposed rotation, for
   // gradients).
   void Rotate(T* rows, int64_t bi, int64_t s0, int64_t count, bool inverse) const {
-    const int64_t half = dk / 2;
-    const T sign = inverse ? T(-1) : T(1);
-    for (int64_t r = 0; r < count; ++r) {
-      const T* c = cos + bi * rope_stride + (s0 + r) * half;
-      const T* sn = sin + bi * rope_stride + (s0 + r) * half;
-      T* x = rows + r * dk;
-      for (int64_t i = 0; i < half; ++i) {
-        const T x1 = x[i], x2 = x[i + half], s = sign * sn[i];
-        x[i] = x1 * c[i] - x2 * s;
-        x[i + half] = x2 * c[i] + x1 * s;
-      }
-    }
+    const int64_t at = bi * rope_stride + s0 * (dk / 2);
+    RotateHalfRows(rows, cos + at, sin + at, count, dk, inverse);
   }
 
   // Pseudo-queries (rotated, scaled), pseudo-keys (rotated) and pseudo-values of one tile.
@@ -930,15 +920,6 @@ torch::Tensor FusedPseudoOutputs(const torch::Tensor& q, const torch::Tensor& k,
                                        BlockTokens(fused, o, tile), fused.poison_output);
 }
 
-torch::Tensor FusedForward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                           const torch::Tensor& alpha_q, const torch::Tensor& alpha_k,
-                           const torch::Tensor& alpha_v, const torch::Tensor& collapse,
-                           const torch::Tensor& positions, const Options& options,
-                           const FusedOptions& fused) {
-  return Collapse(FusedPseudoOutputs(q, k, v, alpha_q, alpha_k, alpha_v, positions, options, fused),
-                  collapse);
-}
-
 torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
                                  const torch::Tensor& v, const torch::Tensor& positions,
                                  const Options& o, const FusedOptions& fused) {
@@ -964,4 +945,4 @@ torch::Tensor FusedHeadAttention(const torch::Tensor& q, const torch::Tensor& k,
       .squeeze(3);
 }
 
-}  // namespace loom::attention::iha
+}  // namespace loom::attention::kernels

@@ -1,8 +1,6 @@
-#include "plugins/attention/iha/kernel_autograd.h"
+#include "plugins/attention/kernels/kernel_autograd.h"
 
-#include "plugins/attention/common/attention_common.h"
-
-namespace loom::attention::iha {
+namespace loom::attention::kernels {
 
 void CheckKernelInputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const torch::Tensor& alpha_q, const torch::Tensor& alpha_k,
@@ -17,25 +15,6 @@ void CheckKernelInputs(const torch::Tensor& q, const torch::Tensor& k, const tor
                 "iha: alpha must be [H, H, P] = [", h, ", ", h, ", ", o.p, "], got ", a->sizes());
   }
   TORCH_CHECK(o.p >= 1 && o.window >= 0, "iha: bad p or window");
-}
-
-std::pair<torch::Tensor, torch::Tensor> ExpandedRopeTables(const torch::Tensor& q,
-                                                           const torch::Tensor& positions,
-                                                           const Options& o,
-                                                           torch::ScalarType type) {
-  auto opts = torch::TensorOptions().dtype(type).device(q.device());
-  if (o.rope_theta <= 0) return {torch::empty({0}, opts), torch::empty({0}, opts)};
-  torch::NoGradGuard no_grad;
-  const int64_t d = q.size(3);
-  TORCH_CHECK(d % 2 == 0, "iha: RoPE needs an even head width, got ", d);
-  torch::Tensor pos = CheckedPositions(positions, q.size(0), q.size(1), q.device());
-  // Angles in float64 whatever the table type: positions up to N·P lose no phase.
-  torch::Tensor expanded = ExpandedPositions(pos, o.p, o.rope_phase).to(torch::kFloat64);
-  auto f64 = opts.dtype(torch::kFloat64);
-  torch::Tensor inv_freq =
-      torch::pow(o.rope_theta, -torch::arange(0, d / 2, f64) * 2.0 / static_cast<double>(d));
-  torch::Tensor angles = expanded.unsqueeze(-1) * inv_freq;  // [B|1, N·P, d/2]
-  return {angles.cos().to(type).contiguous(), angles.sin().to(type).contiguous()};
 }
 
 torch::Tensor KernelSegments(const Options& o, int64_t batch, int64_t length,
@@ -90,4 +69,4 @@ torch::Tensor PseudoRowDelta(const torch::Tensor& grad_out, const torch::Tensor&
       .contiguous();
 }
 
-}  // namespace loom::attention::iha
+}  // namespace loom::attention::kernels
