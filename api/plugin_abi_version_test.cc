@@ -5,11 +5,11 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
 
+#include "base/read_file.h"
 #include "loom/plugin_abi.h"
 
 namespace {
@@ -64,11 +64,9 @@ TEST(PluginAbiVersion, HeadersMatchRecordedDigest) {
   std::stringstream list(paths);
   std::string path;
   while (std::getline(list, path, ':')) {
-    std::ifstream in(path);
-    ASSERT_TRUE(in) << "cannot read " << path;
-    std::stringstream s;
-    s << in.rdbuf();
-    all += Normalise(s.str());
+    absl::StatusOr<std::string> text = loom::ReadFile(path, "ABI header");
+    ASSERT_TRUE(text.ok()) << text.status();
+    all += Normalise(*text);
   }
   const std::string digest = Fnv1a64Hex(all);
   auto it = kDigests.find(LOOM_PLUGIN_ABI_VERSION);

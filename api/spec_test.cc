@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "storage/checkpoint.h"
+
 namespace loom {
 namespace {
 
@@ -222,14 +224,17 @@ TEST(JobSpec, EvalJobsAndReasoningEvalDefaults) {
   ASSERT_TRUE(math.ok()) << math.status();
   EXPECT_EQ(math->reasoning_eval().answer_style(), "math");
   // The model of an eval job can come from a checkpoint manifest's recorded spec.
+  storage::Manifest manifest;
+  manifest.shards = {{0, storage::ShardFileName(0, 1), 8, "0123abcd"}};
+  manifest.state = {{"spec", R"({"model": {"d_model": 64}})"}};
   v1::JobSpec spec;
   spec.set_kind("eval");
-  ASSERT_TRUE(
-      FillModelFromManifest(&spec, R"({"state": {"spec": "{\"model\": {\"d_model\": 64}}"}})", "m")
-          .ok());
+  ASSERT_TRUE(FillModelFromManifest(&spec, storage::ManifestToJson(manifest), "m").ok());
   EXPECT_EQ(spec.model().d_model(), 64);
+  manifest.state.clear();
   v1::JobSpec other;
   other.set_kind("eval");
+  EXPECT_FALSE(FillModelFromManifest(&other, storage::ManifestToJson(manifest), "m").ok());
   EXPECT_FALSE(FillModelFromManifest(&other, R"({"state": {}})", "m").ok());
 }
 

@@ -10,7 +10,7 @@
 namespace loom::cli {
 
 // The file's text as JSON: YAML (a name ending in .yaml or .yml) converted by YamlToJson
-// (loom/spec.h), anything else as it is. NotFound when it cannot be opened.
+// (loom/spec.h), anything else as it is. NotFound when it cannot be opened (base/read_file.h).
 absl::StatusOr<std::string> ReadJsonOrYamlFile(const std::string& file);
 
 }  // namespace loom::cli

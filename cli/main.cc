@@ -30,6 +30,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/cli_args.h"
+#include "base/random_token.h"
+#include "base/read_file.h"
 #include "base/status_macros.h"
 #include "cli/input_files.h"
 #include "cli/output.h"
@@ -71,16 +73,6 @@ std::string LocalToken(const std::string& url) {
   std::string token;
   std::getline(in, token);
   return std::string(absl::StripAsciiWhitespace(token));
-}
-
-// 32 random bytes as hex: the tokens `loom up` generates.
-std::string RandomToken() {
-  std::ifstream in("/dev/urandom", std::ios::binary);
-  unsigned char bytes[32] = {};
-  in.read(reinterpret_cast<char*>(bytes), sizeof(bytes));
-  std::string out;
-  for (unsigned char b : bytes) absl::StrAppendFormat(&out, "%02x", b);
-  return out;
 }
 
 // Creates (or replaces) a file readable by this user only.
@@ -685,13 +677,13 @@ UpLayout PrepareUpLayout(const CliArgs& args) {
 // user token. --users adds a shared box's other users ("user token [admin]" lines, checked by
 // the coordinator as it reads them).
 absl::StatusOr<std::string> WriteUpTokens(const UpLayout& l, const CliArgs& args) {
-  const std::string user_token = RandomToken(), enrolment_token = RandomToken();
+  LOOM_ASSIGN_OR_RETURN(const std::string user_token, RandomHexToken());
+  LOOM_ASSIGN_OR_RETURN(const std::string enrolment_token, RandomHexToken());
   std::string users = absl::StrCat("local ", user_token, " admin\n");
   if (args.Has("users")) {
-    std::ifstream in(args.Get("users"));
-    if (!in)
-      return absl::InvalidArgumentError(absl::StrCat("--users: cannot read ", args.Get("users")));
-    users.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    absl::StatusOr<std::string> more = ReadFile(args.Get("users"), "--users");
+    if (!more.ok()) return absl::InvalidArgumentError(more.status().message());
+    users += *more;
     if (users.back() != '\n') users += '\n';
   }
   LOOM_RETURN_IF_ERROR(WritePrivateFile(l.users_file(), users));

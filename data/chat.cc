@@ -119,12 +119,6 @@ absl::StatusOr<std::vector<Conversation>> ReadChatJsonl(const std::string& path,
   return out;
 }
 
-std::vector<uint32_t> EncodeBytes(std::string_view text) {
-  std::vector<uint32_t> out(text.size());
-  for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
-  return out;
-}
-
 namespace {
 
 void Append(EncodedChat& e, uint32_t token, bool scored) {

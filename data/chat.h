@@ -80,9 +80,6 @@ struct ChatTemplate {
 ChatTemplate ChatTemplateFor(
     int64_t base_vocab, const std::function<std::optional<uint32_t>(std::string_view)>& token_id);
 
-// Byte-level text encoder (ids 0..255), the default tokenizer.
-std::vector<uint32_t> EncodeBytes(std::string_view text);
-
 // `turn_starts` (optional): where each turn's marker or header begins in the tokens.
 EncodedChat EncodeChat(const Conversation& c, const ChatTemplate& t, const TextEncoder& encode,
                        std::vector<size_t>* turn_starts = nullptr);

@@ -8,8 +8,15 @@
 #include <optional>
 #include <set>
 
+#include "data/tokenizer.h"
+
 namespace loom::data {
 namespace {
+
+// Byte-level ids, as the default tokenizer encodes text.
+std::vector<uint32_t> EncodeBytes(std::string_view text) {
+  return MakeByteTokenizer()->Encode(text);
+}
 
 TEST(ChatTest, ParsesBothFormats) {
   auto ot = ParseChatLine(

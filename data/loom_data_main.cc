@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/cli_args.h"
+#include "base/read_file.h"
 #include "base/status_macros.h"
 #include "data/bpe_tokenizer.h"
 #include "data/chat.h"
@@ -155,12 +156,12 @@ struct PackInput {
 // (jsonl; malformed lines fail or, with --on-error skip, are counted in *skipped).
 absl::Status PackFile(const std::string& path, const PackInput& in, DocumentPacker& packer,
                       int64_t* skipped) {
+  if (in.format == "text") {
+    LOOM_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "--input"));
+    return packer.Add(std::move(text));
+  }
   std::ifstream file(path, std::ios::binary);
   if (!file) return absl::NotFoundError(absl::StrCat("--input: cannot open '", path, "'"));
-  if (in.format == "text") {
-    return packer.Add(
-        std::string((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>()));
-  }
   std::string line;
   int64_t number = 0;
   while (std::getline(file, line)) {

@@ -1,5 +1,7 @@
 // A safetensors file (checkpoint shards, imported Hugging Face weights): parse and validate; what
 // parses must serialise back to a file that parses to the same tensors and metadata.
+#include <functional>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -15,9 +17,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const auto& t : file->tensors()) {
     const std::string_view bytes = file->Data(t);
     LOOM_FUZZ_CHECK(bytes.size() == t.end - t.begin, t.name);
+    const int64_t elements =
+        std::accumulate(t.shape.begin(), t.shape.end(), int64_t{1}, std::multiplies<int64_t>());
     LOOM_FUZZ_CHECK(
-        bytes.size() == static_cast<size_t>(t.NumElements()) * loom::storage::DTypeSize(t.dtype),
-        t.name);
+        bytes.size() == static_cast<size_t>(elements) * loom::storage::DTypeSize(t.dtype), t.name);
     LOOM_FUZZ_CHECK(file->Find(t.name) != nullptr, t.name);
     tensors.push_back({t.name, t.dtype, t.shape, bytes.data(), bytes.size()});
   }

@@ -29,15 +29,6 @@ namespace {
 
 constexpr char kModelPrefix[] = "model.";
 
-// A step, or a root's newest intact step; a path or an s3:// URL.
-absl::StatusOr<storage::LoadedCheckpoint> LoadAny(const std::string& where) {
-  if (!storage::IsRemoteLocation(where) && !fs::exists(fs::path(where) / "manifest.json") &&
-      !fs::is_directory(where)) {
-    return absl::NotFoundError(absl::StrCat("checkpoint: '", where, "' is not a directory"));
-  }
-  return storage::LoadCheckpointAt(where, nullptr);
-}
-
 absl::StatusOr<v1::JobSpec> RecordedSpec(const storage::LoadedCheckpoint& c) {
   auto it = c.manifest.state.find("spec");
   if (it == c.manifest.state.end())
@@ -316,7 +307,8 @@ absl::Status PrepareOutput(const std::string& dir) {
 }  // namespace
 
 absl::StatusOr<ExportSummary> ExportHuggingFace(const ExportOptions& options) {
-  LOOM_ASSIGN_OR_RETURN(storage::LoadedCheckpoint loaded, LoadAny(options.checkpoint));
+  LOOM_ASSIGN_OR_RETURN(storage::LoadedCheckpoint loaded,
+                        storage::LoadNamedCheckpoint(options.checkpoint));
   LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, RecordedSpec(loaded));
   LOOM_ASSIGN_OR_RETURN(v1::ModelConfig model, ResolveModelConfig(spec.model()));
   *spec.mutable_model() = model;

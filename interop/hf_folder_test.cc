@@ -11,10 +11,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/read_file.h"
 #include "interop/hf_model.h"
 #include "loom/spec.h"
 #include "storage/checkpoint.h"
@@ -103,10 +103,7 @@ class HfFolderTest : public ::testing::Test {
   }
 
   static Json ReadJson(const fs::path& p) {
-    std::ifstream in(p);
-    std::stringstream s;
-    s << in.rdbuf();
-    return Json::parse(s.str());
+    return Json::parse(ReadFile(p.string(), "test").value());
   }
 
   fs::path root_;
@@ -209,11 +206,10 @@ TEST_F(HfFolderTest, HybridIhaModelExportsWithItsModelingFileAndShards) {
   EXPECT_EQ(config["loom_layers"][0]["mask"], "interleaved");
   EXPECT_EQ(config["loom_layers"][0]["rope_phase"], "token");
   EXPECT_EQ(config["loom_layers"][2]["kind"], "mha");
-  std::ifstream py(root_ / "hf" / "modeling_loom_iha.py");
-  std::stringstream text;
-  text << py.rdbuf();
-  EXPECT_EQ(text.str(), std::string(ModelingLoomIhaPy()));
-  EXPECT_NE(text.str().find("class LoomIhaForCausalLM"), std::string::npos);
+  const std::string text =
+      ReadFile((root_ / "hf" / "modeling_loom_iha.py").string(), "modeling file").value();
+  EXPECT_EQ(text, std::string(ModelingLoomIhaPy()));
+  EXPECT_NE(text.find("class LoomIhaForCausalLM"), std::string::npos);
 
   auto imported = ImportHuggingFace({(root_ / "hf").string(), (root_ / "back").string()});
   ASSERT_TRUE(imported.ok()) << imported.status();

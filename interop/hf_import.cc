@@ -4,14 +4,13 @@
 
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/json_integer.h"
+#include "base/read_file.h"
 #include "base/status_macros.h"
 #include "interop/hf_folder.h"
 #include "interop/hf_model.h"
@@ -33,10 +32,7 @@ absl::StatusOr<std::string> ReadSmallFile(const fs::path& path, uint64_t limit) 
   if (size > limit)
     return absl::InvalidArgumentError(
         absl::StrCat(path.string(), ": ", size, " bytes (limit ", limit, ")"));
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  return ReadFile(path.string(), "Hugging Face folder");
 }
 
 absl::Status ConfigError(const std::string& field, const std::string& what) {

@@ -10,7 +10,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -60,11 +59,6 @@ std::optional<int64_t> StepOf(const std::string& name) {
   return step;
 }
 
-// Through the confining root (confined_files.h): checkpoints given as init_from are job input.
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  return ReadConfinedFile(path, std::numeric_limits<uint64_t>::max());
-}
-
 }  // namespace
 
 std::string CheckpointDirName(int64_t step) {
@@ -90,6 +84,19 @@ std::string ManifestToJson(const Manifest& m) {
             {"state", m.state},
             {"shards", shards}};
   return j.dump(2) + "\n";
+}
+
+absl::Status CheckShardInfo(const ShardInfo& s, const std::string& where) {
+  if (s.file.empty() || s.file == "." || s.file.find('/') != std::string::npos ||
+      s.file.find("..") != std::string::npos) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": shard file name '", s.file, "' is not a plain name"));
+  }
+  if (!IsCrc32cHex(s.crc32c)) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": shard '", s.file, "' has checksum '", s.crc32c, "', no CRC-32C"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::string& source) {
@@ -130,10 +137,7 @@ absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::st
             [](const ShardInfo& a, const ShardInfo& b) { return a.rank < b.rank; });
   for (int r = 0; r < m.world_size; ++r) {
     if (m.shards[r].rank != r) return bad(absl::StrCat("manifest has no shard for rank ", r));
-    if (m.shards[r].file.find('/') != std::string::npos ||
-        m.shards[r].file.find("..") != std::string::npos) {
-      return bad(absl::StrCat("shard file name '", m.shards[r].file, "' is not a plain name"));
-    }
+    if (absl::Status s = CheckShardInfo(m.shards[r], source); !s.ok()) return s;
   }
   return m;
 }
@@ -198,7 +202,7 @@ absl::Status CheckpointWriter::AdoptShard(int rank) {
   info.rank = rank;
   info.file = ShardName(rank, world_size_);
   const std::string path = (fs::path(temp_dir_) / info.file).string();
-  auto bytes = ReadWholeFile(path);
+  auto bytes = ReadConfinedFile(path);
   if (!bytes.ok())
     return absl::DataLossError(
         absl::StrCat("shard ", path, ": missing (rank ", rank, " did not write it)"));
@@ -318,9 +322,11 @@ absl::StatusOr<SafetensorsFile> VerifyShard(std::string bytes, const ShardInfo& 
   return parsed;
 }
 
+// Reads go through the confining root (confined_files.h): checkpoints given as init_from are job
+// input.
 absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const std::string& dir) {
   const std::string manifest_path = (fs::path(dir) / kManifest).string();
-  auto text = ReadWholeFile(manifest_path);
+  auto text = ReadConfinedFile(manifest_path);
   if (!text.ok()) {
     return absl::NotFoundError(absl::StrCat(dir, ": no manifest (checkpoint never committed)"));
   }
@@ -330,7 +336,7 @@ absl::StatusOr<LoadedCheckpoint> LoadCheckpoint(const std::string& dir) {
   loaded.dir = dir;
   for (const ShardInfo& info : manifest->shards) {
     const std::string path = (fs::path(dir) / info.file).string();
-    auto bytes = ReadWholeFile(path);
+    auto bytes = ReadConfinedFile(path);
     if (!bytes.ok()) return absl::DataLossError(absl::StrCat("shard ", path, ": missing"));
     auto parsed = VerifyShard(std::move(*bytes), info, path);
     if (!parsed.ok()) return parsed.status();

@@ -51,7 +51,13 @@ struct Manifest {
 };
 
 std::string ManifestToJson(const Manifest& m);
+// The one parser of manifest.json: every field present and exact, a shard per rank, each
+// passing CheckShardInfo. DataLoss naming `source` otherwise.
 absl::StatusOr<Manifest> ManifestFromJson(const std::string& text, const std::string& source);
+// A shard entry from outside this process (a manifest read back, the sizes and CRC-32Cs other
+// ranks sent): a plain file name, never a path, and a CRC-32C as Crc32cHex writes it. DataLoss
+// naming `where` otherwise.
+absl::Status CheckShardInfo(const ShardInfo& s, const std::string& where);
 
 // "step-00000100"
 std::string CheckpointDirName(int64_t step);

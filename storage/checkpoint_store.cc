@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -14,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/env.h"
 #include "base/read_file.h"
 #include "base/status_macros.h"
 #include "storage/crc32c.h"
@@ -26,21 +26,6 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr uint64_t kMaxManifestBytes = 64 << 20;
-
-std::string Env(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? "" : v;
-}
-
-// A shard's file name from a manifest (hostile input): one plain name, never a path.
-absl::Status CheckShardName(const ShardInfo& s, const std::string& where) {
-  if (s.file.empty() || s.file == "." || s.file == ".." || s.file.find('/') != std::string::npos ||
-      s.crc32c.size() != 8 || s.crc32c.find_first_not_of("0123456789abcdef") != std::string::npos) {
-    return absl::DataLossError(absl::StrCat(where, ": manifest names shard '", s.file, "' (crc '",
-                                            s.crc32c, "'): not a plain file name with a CRC-32C"));
-  }
-  return absl::OkStatus();
-}
 
 class PosixCheckpointStore : public CheckpointStore {
  public:
@@ -75,7 +60,6 @@ absl::StatusOr<std::string> PosixCheckpointStore::Upload(
   LOOM_ASSIGN_OR_RETURN(CheckpointWriter w,
                         CheckpointWriter::Begin(root_, m.step, m.world_size, "upload"));
   for (const ShardInfo& s : m.shards) {
-    LOOM_RETURN_IF_ERROR(CheckShardName(s, local_dir));
     std::error_code ec;
     fs::copy_file(fs::path(local_dir) / s.file, fs::path(w.temp_dir()) / s.file,
                   fs::copy_options::overwrite_existing, ec);
@@ -184,7 +168,6 @@ absl::StatusOr<LoadedCheckpoint> S3CheckpointStore::Load(const std::string& dir)
   LoadedCheckpoint loaded;
   loaded.dir = dir;
   for (const ShardInfo& info : manifest.shards) {
-    LOOM_RETURN_IF_ERROR(CheckShardName(info, manifest_url));
     LOOM_ASSIGN_OR_RETURN(SafetensorsFile shard, FetchShard(step, info));
     loaded.shards.push_back(std::move(shard));
   }
@@ -229,7 +212,6 @@ absl::StatusOr<std::string> S3CheckpointStore::Upload(
   // The local copy is checked before it leaves: the store must never hold a shard that the
   // manifest would reject.
   for (const ShardInfo& s : m.shards) {
-    LOOM_RETURN_IF_ERROR(CheckShardName(s, manifest_path));
     uint64_t size = 0;
     const std::string path = (fs::path(local_dir) / s.file).string();
     LOOM_ASSIGN_OR_RETURN(std::string crc, FileCrc32c(path, &size));
@@ -251,7 +233,7 @@ absl::StatusOr<std::string> S3CheckpointStore::Upload(
 
 absl::Status S3CheckpointStore::UploadShard(int64_t step, const std::string& local_file,
                                             const ShardInfo& info) {
-  LOOM_RETURN_IF_ERROR(CheckShardName(info, local_file));
+  LOOM_RETURN_IF_ERROR(CheckShardInfo(info, local_file));
   uint64_t size = 0;
   LOOM_ASSIGN_OR_RETURN(std::string crc, FileCrc32c(local_file, &size));
   if (crc != info.crc32c || size != info.bytes) {
@@ -265,7 +247,7 @@ absl::StatusOr<std::string> S3CheckpointStore::CommitManifest(
     const Manifest& manifest, const std::function<bool()>& give_up,
     const std::function<absl::Status()>& before_commit) {
   for (const ShardInfo& s : manifest.shards) {
-    LOOM_RETURN_IF_ERROR(CheckShardName(s, "manifest"));
+    LOOM_RETURN_IF_ERROR(CheckShardInfo(s, "manifest"));  // the other ranks' sizes and CRCs
     double wait = 0.2;
     for (;;) {  // the other ranks' uploads
       LOOM_ASSIGN_OR_RETURN(auto head, client_.Head(loc_.bucket, StepKey(manifest.step, s.file)));
@@ -321,9 +303,11 @@ absl::Status CheckpointStore::ApplyRetention(int keep_last, int64_t keep_every) 
 }
 
 std::string LocalCacheDir() {
-  if (!Env("LOOM_CACHE_DIR").empty()) return Env("LOOM_CACHE_DIR");
-  if (!Env("XDG_CACHE_HOME").empty()) return (fs::path(Env("XDG_CACHE_HOME")) / "loom").string();
-  if (!Env("HOME").empty()) return (fs::path(Env("HOME")) / ".cache" / "loom").string();
+  if (!EnvOrEmpty("LOOM_CACHE_DIR").empty()) return EnvOrEmpty("LOOM_CACHE_DIR");
+  if (!EnvOrEmpty("XDG_CACHE_HOME").empty())
+    return (fs::path(EnvOrEmpty("XDG_CACHE_HOME")) / "loom").string();
+  if (!EnvOrEmpty("HOME").empty())
+    return (fs::path(EnvOrEmpty("HOME")) / ".cache" / "loom").string();
   return absl::StrCat("/tmp/loom-cache-", ::getuid());
 }
 
@@ -362,6 +346,13 @@ absl::StatusOr<LoadedCheckpoint> LoadCheckpointAt(const std::string& where,
   }
   if (fs::exists(fs::path(where) / kManifestFile)) return LoadCheckpoint(where);
   return LoadLatestCheckpoint(where, skipped);
+}
+
+absl::StatusOr<LoadedCheckpoint> LoadNamedCheckpoint(const std::string& where) {
+  if (!IsS3Url(where) && !fs::exists(fs::path(where) / kManifestFile) && !fs::is_directory(where)) {
+    return absl::NotFoundError(absl::StrCat("checkpoint: '", where, "' is not a directory"));
+  }
+  return LoadCheckpointAt(where, nullptr);
 }
 
 bool IsRemoteLocation(const std::string& where) { return IsS3Url(where); }

@@ -75,6 +75,9 @@ std::string LocalCacheDir();
 // ones appended to `skipped`). What --resume, --init-from, export-hf and loom-serve accept.
 absl::StatusOr<LoadedCheckpoint> LoadCheckpointAt(const std::string& where,
                                                   std::vector<absl::Status>* skipped);
+// LoadCheckpointAt for a checkpoint a user names (export-hf, loom-serve, generate): NotFound
+// "checkpoint: '<where>' is not a directory" when a local `where` is neither a step nor a root.
+absl::StatusOr<LoadedCheckpoint> LoadNamedCheckpoint(const std::string& where);
 
 // "s3://..." (no I/O).
 bool IsRemoteLocation(const std::string& where);

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <istream>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -54,7 +55,8 @@ const std::string& ConfinedRoot();
 absl::StatusOr<UniqueFd> OpenForRead(const std::string& path, bool directory = false);
 
 // The whole file, through OpenForRead; InvalidArgument when it is larger than `limit` bytes.
-absl::StatusOr<std::string> ReadConfinedFile(const std::string& path, uint64_t limit);
+absl::StatusOr<std::string> ReadConfinedFile(const std::string& path,
+                                             uint64_t limit = std::numeric_limits<uint64_t>::max());
 
 // A confined file as a stream (line readers of large JSONL files).
 absl::StatusOr<std::unique_ptr<std::istream>> OpenConfinedStream(const std::string& path);

@@ -54,4 +54,8 @@ std::string Crc32cHex(uint32_t crc) {
   return buf;
 }
 
+bool IsCrc32cHex(std::string_view text) {
+  return text.size() == 8 && text.find_first_not_of("0123456789abcdef") == std::string_view::npos;
+}
+
 }  // namespace loom::storage

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace loom::storage {
 
@@ -14,6 +15,8 @@ uint32_t Crc32c(const void* data, size_t size, uint32_t crc = 0);
 
 // Eight lowercase hex digits.
 std::string Crc32cHex(uint32_t crc);
+// Whether `text` is what Crc32cHex writes (a manifest's or an index's checksum, hostile input).
+bool IsCrc32cHex(std::string_view text);
 
 }  // namespace loom::storage
 

@@ -58,7 +58,7 @@ absl::StatusOr<std::string> ReadRemoteObject(const std::string& url, uint64_t ma
 
 absl::StatusOr<std::string> FetchVerified(const std::string& url, const std::string& crc32c,
                                           uint64_t bytes) {
-  if (crc32c.size() != 8 || crc32c.find_first_not_of("0123456789abcdef") != std::string::npos) {
+  if (!IsCrc32cHex(crc32c)) {  // it names the cached file
     return absl::DataLossError(absl::StrCat(url, ": checksum '", crc32c, "' is no CRC-32C"));
   }
   const fs::path cached = ObjectsDir() / absl::StrCat(crc32c, "-", bytes);

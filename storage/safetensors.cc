@@ -99,12 +99,6 @@ size_t DTypeSize(DType dtype) {
   return 0;
 }
 
-int64_t TensorInfo::NumElements() const {
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  return n;
-}
-
 namespace {
 
 // The error messages below name what is wrong; Parse prefixes the source.
@@ -260,7 +254,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::string bytes, std::s
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
-  auto bytes = ReadConfinedFile(path, std::numeric_limits<uint64_t>::max());
+  auto bytes = ReadConfinedFile(path);
   if (!bytes.ok()) return bytes.status();
   return Parse(*std::move(bytes), path);
 }

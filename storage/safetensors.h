@@ -43,7 +43,6 @@ struct TensorInfo {
   std::vector<int64_t> shape;
   uint64_t begin = 0;  // byte offsets into the data section
   uint64_t end = 0;
-  int64_t NumElements() const;
 };
 
 // A parsed file held in memory. Tensor data are views into `bytes`.

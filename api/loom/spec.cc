@@ -8,13 +8,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/read_file.h"
 #include "base/status_macros.h"
+#include "storage/checkpoint.h"
 
 namespace loom {
 namespace {
@@ -268,11 +268,7 @@ absl::StatusOr<std::string> YamlToJson(const std::string& yaml, const std::strin
 }
 
 absl::StatusOr<v1::JobSpec> ReadJobSpecFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("--spec: cannot open '", path, "'"));
-  std::stringstream text;
-  text << in.rdbuf();
-  std::string json = text.str();
+  LOOM_ASSIGN_OR_RETURN(std::string json, ReadFile(path, "--spec"));
   const bool yaml = absl::EndsWith(path, ".yaml") || absl::EndsWith(path, ".yml");
   if (yaml) {
     LOOM_ASSIGN_OR_RETURN(json, YamlToJson(json, path));
@@ -706,16 +702,15 @@ absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifes
                                    const std::string& source) {
   if (spec->kind() != "eval" || spec->has_model() || !spec->preset().empty())
     return absl::OkStatus();
-  const nlohmann::json m =
-      nlohmann::json::parse(manifest_json, nullptr, /*allow_exceptions=*/false);
-  if (!m.is_object() || !m.contains("state") || !m["state"].is_object() ||
-      !m["state"].contains("spec") || !m["state"]["spec"].is_string()) {
+  absl::StatusOr<storage::Manifest> m = storage::ManifestFromJson(manifest_json, source);
+  if (!m.ok()) return absl::InvalidArgumentError(absl::StrCat("model: ", m.status().message()));
+  const auto recorded_spec = m->state.find("spec");
+  if (recorded_spec == m->state.end()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model: ", source, " records no job spec to take the model from; give model or preset"));
   }
   v1::JobSpec recorded;
-  LOOM_RETURN_IF_ERROR(
-      ParseJsonMessage(m["state"]["spec"].get<std::string>(), source + " (spec)", &recorded));
+  LOOM_RETURN_IF_ERROR(ParseJsonMessage(recorded_spec->second, source + " (spec)", &recorded));
   *spec->mutable_model() = recorded.model();
   return absl::OkStatus();
 }

@@ -52,8 +52,8 @@ absl::StatusOr<std::string> YamlToJson(const std::string& yaml, const std::strin
 absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& spec);
 
 // Eval jobs may leave `model` out: it is taken from the job spec a checkpoint recorded in its
-// manifest (the text of manifest.json; `source` names it in errors). Does nothing when the spec
-// is not an eval job or has a model.
+// manifest (the text of manifest.json, parsed by storage::ManifestFromJson; `source` names it in
+// errors). Does nothing when the spec is not an eval job or has a model.
 absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifest_json,
                                    const std::string& source);
 

@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/env.h"
 #include "base/status_macros.h"
 
 namespace loom::storage {
@@ -52,7 +53,6 @@ namespace fs = std::filesystem;
 
 constexpr char kEmptySha256[] = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 constexpr int kMaxParts = 10000;       // S3's limit
-constexpr int64_t kMinPart = 5 << 20;  // S3's smallest part but the last
 constexpr int kMultipartRestarts = 3;  // a store that forgot the upload (NoSuchUpload)
 
 bool Unreserved(char c) {
@@ -230,21 +230,16 @@ absl::StatusOr<int64_t> EnvInt(const char* name, int64_t fallback) {
   return out;
 }
 
-std::string Env(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? "" : v;
-}
-
 absl::Status ReadCredentialsFile(S3Options& o) {
-  std::string path = Env("AWS_SHARED_CREDENTIALS_FILE");
+  std::string path = EnvOrEmpty("AWS_SHARED_CREDENTIALS_FILE");
   if (path.empty()) {
-    const std::string home = Env("HOME");
+    const std::string home = EnvOrEmpty("HOME");
     if (home.empty()) return absl::OkStatus();
     path = (fs::path(home) / ".aws" / "credentials").string();
   }
   std::error_code ec;
   if (!fs::exists(path, ec)) return absl::OkStatus();
-  std::string profile = Env("AWS_PROFILE");
+  std::string profile = EnvOrEmpty("AWS_PROFILE");
   if (profile.empty()) profile = "default";
   boost::property_tree::ptree ini;
   try {
@@ -312,30 +307,30 @@ absl::StatusOr<S3Location> ParseS3Url(absl::string_view url) {
 
 absl::StatusOr<S3Options> S3OptionsFromEnvironment() {
   S3Options o;
-  o.access_key = Env("AWS_ACCESS_KEY_ID");
-  o.secret_key = Env("AWS_SECRET_ACCESS_KEY");
-  o.session_token = Env("AWS_SESSION_TOKEN");
+  o.access_key = EnvOrEmpty("AWS_ACCESS_KEY_ID");
+  o.secret_key = EnvOrEmpty("AWS_SECRET_ACCESS_KEY");
+  o.session_token = EnvOrEmpty("AWS_SESSION_TOKEN");
   if (o.access_key.empty() != o.secret_key.empty()) {
     return absl::InvalidArgumentError(
         "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: set both or neither");
   }
   if (o.access_key.empty()) LOOM_RETURN_IF_ERROR(ReadCredentialsFile(o));
   for (const char* name : {"AWS_REGION", "AWS_DEFAULT_REGION"}) {
-    if (!Env(name).empty()) {
-      o.region = Env(name);
+    if (!EnvOrEmpty(name).empty()) {
+      o.region = EnvOrEmpty(name);
       break;
     }
   }
-  o.endpoint = Env("AWS_ENDPOINT_URL_S3");
-  if (o.endpoint.empty()) o.endpoint = Env("AWS_ENDPOINT_URL");
+  o.endpoint = EnvOrEmpty("AWS_ENDPOINT_URL_S3");
+  if (o.endpoint.empty()) o.endpoint = EnvOrEmpty("AWS_ENDPOINT_URL");
   while (absl::EndsWith(o.endpoint, "/")) o.endpoint.pop_back();
   if (!o.endpoint.empty() && !absl::StartsWith(o.endpoint, "http://") &&
       !absl::StartsWith(o.endpoint, "https://")) {
     return absl::InvalidArgumentError(
         absl::StrCat("AWS_ENDPOINT_URL '", o.endpoint, "': must start with http:// or https://"));
   }
-  o.ca_file = Env("AWS_CA_BUNDLE");
-  const std::string addressing = Env("LOOM_S3_ADDRESSING");
+  o.ca_file = EnvOrEmpty("AWS_CA_BUNDLE");
+  const std::string addressing = EnvOrEmpty("LOOM_S3_ADDRESSING");
   if (!addressing.empty() && addressing != "path" && addressing != "virtual") {
     return absl::InvalidArgumentError("LOOM_S3_ADDRESSING: 'path' or 'virtual'");
   }

@@ -18,13 +18,6 @@ AdamW::AdamW(const std::vector<std::pair<std::string, torch::Tensor>>& named_par
   }
 }
 
-bool AdamW::Decays(const std::string& name) const {
-  for (const Slot& s : slots_) {
-    if (s.name == name) return s.decay;
-  }
-  return false;
-}
-
 void AdamW::Step(double lr) {
   torch::NoGradGuard no_grad;
   ++step_;

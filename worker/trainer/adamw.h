@@ -38,7 +38,6 @@ class AdamW {
   // gradient are left alone).
   void Step(double lr);
   int64_t step() const { return step_; }
-  bool Decays(const std::string& name) const;
 
   // "<name>.exp_avg" and "<name>.exp_avg_sq" for every parameter this optimizer owns.
   NamedTensors StateTensors() const;

@@ -42,8 +42,15 @@ TEST(AdamW, MatchesTorchAdamW) {
     EXPECT_LT((b - b_ref).abs().max().item<double>(), 1e-12) << step;
   }
   EXPECT_EQ(ours.step(), 6);
-  EXPECT_TRUE(ours.Decays("w"));
-  EXPECT_FALSE(ours.Decays("b"));
+  // Decay on the matrix w, not on the vector b: with zero gradients and fresh moments one step
+  // only scales w by (1 - lr·wd).
+  AdamW fresh({{"w", w}, {"b", b}}, {0.9, 0.95, 1e-8, 0.1});
+  w.mutable_grad() = torch::zeros_like(w);
+  b.mutable_grad() = torch::zeros_like(b);
+  const torch::Tensor w_before = w.detach().clone(), b_before = b.detach().clone();
+  fresh.Step(0.5);
+  EXPECT_TRUE(torch::allclose(w, w_before * (1 - 0.5 * 0.1), 1e-12, 0));
+  EXPECT_TRUE(torch::equal(b, b_before));
 }
 
 // One copy of a small MLP trained to memorise one fixed batch with the chosen update path; returns

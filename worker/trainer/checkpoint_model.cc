@@ -3,7 +3,6 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <cmath>
-#include <filesystem>
 #include <limits>
 #include <map>
 
@@ -18,25 +17,11 @@
 #include "worker/trainer/tensor_io.h"
 
 namespace loom::trainer {
-namespace {
-
-// A step, or a root's newest intact step; a path or an s3:// URL.
-absl::StatusOr<storage::LoadedCheckpoint> LoadAny(const std::string& where) {
-  if (!storage::IsRemoteLocation(where) &&
-      !std::filesystem::exists(std::filesystem::path(where) / "manifest.json") &&
-      !std::filesystem::is_directory(where)) {
-    return absl::NotFoundError(absl::StrCat("checkpoint: ", where, " is not a directory"));
-  }
-  return storage::LoadCheckpointAt(where, nullptr);
-}
-
-}  // namespace
-
 absl::StatusOr<CheckpointModel> LoadCheckpointModel(const std::string& where,
                                                     const PluginLoader& loader,
                                                     const torch::Device& device,
                                                     torch::ScalarType dtype) {
-  LOOM_ASSIGN_OR_RETURN(storage::LoadedCheckpoint loaded, LoadAny(where));
+  LOOM_ASSIGN_OR_RETURN(storage::LoadedCheckpoint loaded, storage::LoadNamedCheckpoint(where));
   CheckpointModel out;
   out.dir = loaded.dir;
   out.step = loaded.manifest.step;

@@ -45,12 +45,6 @@ std::string GenerateCorpus(uint64_t seed, size_t min_bytes) {
   return text;
 }
 
-std::vector<int64_t> ByteTokens(const std::string& text) {
-  std::vector<int64_t> out(text.size());
-  for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
-  return out;
-}
-
 std::pair<torch::Tensor, torch::Tensor> SampleWindows(const TokenStream& tokens, int64_t batch,
                                                       int64_t seq_len, std::mt19937_64& rng) {
   if (tokens.size() < seq_len + 1)

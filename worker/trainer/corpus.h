@@ -16,9 +16,6 @@ namespace loom::trainer {
 
 std::string GenerateCorpus(uint64_t seed, size_t min_bytes);
 
-// Byte-level tokens (vocabulary 256).
-std::vector<int64_t> ByteTokens(const std::string& text);
-
 // A read-only token sequence the samplers draw windows from.
 class TokenStream {
  public:

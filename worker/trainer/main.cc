@@ -11,16 +11,15 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/cli_args.h"
 #include "base/cpu_process.h"
+#include "base/read_file.h"
 #include "base/status_macros.h"
 #include "interop/hf_folder.h"
 #include "loom/exit_codes.h"
@@ -87,14 +86,6 @@ commands:
   devices     report CPU threads and CUDA devices
 common flags: --plugin-dir DIR[:DIR...] (default: $LOOM_PLUGIN_PATH, then <exe>/../lib/loom/plugins)
 )";
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot open '", path, "'"));
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 // Loads plugins from --plugin-dir or the default search path (LoadPluginDirectories).
 absl::Status LoadPlugins(const CliArgs& args, PluginLoader& loader, bool verbose) {

@@ -7,11 +7,17 @@
 #include <cstdlib>
 
 #include "data/chat.h"
+#include "data/tokenizer.h"
 #include "loom/spec.h"
 #include "worker/trainer/plugin_factory.h"
 
 namespace loom::trainer {
 namespace {
+
+// Byte-level ids, as the default tokenizer encodes text.
+std::vector<uint32_t> EncodeBytes(std::string_view text) {
+  return data::MakeByteTokenizer()->Encode(text);
+}
 
 class SftPluginTest : public ::testing::Test {
  protected:
@@ -70,16 +76,16 @@ TEST_F(SftPluginTest, LossMasksAndTemplate) {
   SftObjectivePtr all = Make("{}");
   ASSERT_TRUE(all);
   EXPECT_EQ(all->VocabSize(), 260);
-  const EncodedConversation e = all->Encode(TwoTurns(), data::EncodeBytes);
+  const EncodedConversation e = all->Encode(TwoTurns(), EncodeBytes);
   ASSERT_EQ(e.tokens.size(), e.loss_mask.size());
   EXPECT_EQ(Scored(e), "yo|4|");  // both answers and their <|end|>, nothing else
   SftObjectivePtr last = Make(R"({"loss": "last_assistant"})");
-  EXPECT_EQ(Scored(last->Encode(TwoTurns(), data::EncodeBytes)), "4|");
+  EXPECT_EQ(Scored(last->Encode(TwoTurns(), EncodeBytes)), "4|");
   // Same tokens either way: the option changes targets only.
-  EXPECT_EQ(last->Encode(TwoTurns(), data::EncodeBytes).tokens, e.tokens);
+  EXPECT_EQ(last->Encode(TwoTurns(), EncodeBytes).tokens, e.tokens);
 
   SftObjectivePtr system = Make(R"({"system_prompt": "be brief"})");
-  const auto prompt = system->Prompt(TwoTurns(), data::EncodeBytes);
+  const auto prompt = system->Prompt(TwoTurns(), EncodeBytes);
   EXPECT_EQ(prompt.front(), 256u);  // <|system|>
   EXPECT_EQ(prompt.back(), 258u);   // ends with <|assistant|>: the model answers next
   const auto stops = all->StopTokens();
@@ -88,7 +94,7 @@ TEST_F(SftPluginTest, LossMasksAndTemplate) {
 
 TEST_F(SftPluginTest, TruncationPolicies) {
   SftObjectivePtr head = Make("{}"), drop = Make(R"({"truncate": "drop"})");
-  EncodedConversation e = head->Encode(TwoTurns(), data::EncodeBytes);
+  EncodedConversation e = head->Encode(TwoTurns(), EncodeBytes);
   const int64_t n = static_cast<int64_t>(e.tokens.size());
   EncodedConversation cut = e;
   ASSERT_TRUE(head->Truncate(&cut, n - 2));  // keeps the first n - 2 tokens

@@ -13,6 +13,7 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "data/tokenizer.h"
 #include "loom/spec.h"
 #include "storage/checkpoint.h"
 #include "worker/trainer/corpus.h"
@@ -20,6 +21,11 @@
 
 namespace loom::trainer {
 namespace {
+
+// Byte-level ids, as the default tokenizer encodes text.
+std::vector<uint32_t> EncodeBytes(std::string_view text) {
+  return data::MakeByteTokenizer()->Encode(text);
+}
 
 class TrainerTest : public ::testing::Test {
  protected:
@@ -576,8 +582,7 @@ TEST(ChatSampler, ScoresOnlyAssistantTokensAndRestartsPositions) {
   data::Conversation a{{{data::Role::kUser, "q1"}, {data::Role::kAssistant, "a1"}}};
   data::Conversation b{{{data::Role::kUser, "q22"}, {data::Role::kAssistant, "b"}}};
   auto rows = std::make_shared<const std::vector<data::PackedRow>>(data::Pack(
-      {data::EncodeChat(a, chat, data::EncodeBytes), data::EncodeChat(b, chat, data::EncodeBytes)},
-      17, 0));
+      {data::EncodeChat(a, chat, EncodeBytes), data::EncodeChat(b, chat, EncodeBytes)}, 17, 0));
   ASSERT_EQ(rows->size(), 1u);
   ChatSampler sampler(rows, 1);
   TrainBatch batch = sampler.Next(2);
@@ -608,7 +613,7 @@ TEST(ChatSampler, PromptPositionsCannotChangeTheLoss) {
   data::ChatTemplate chat;
   data::Conversation a{{{data::Role::kUser, "what?"}, {data::Role::kAssistant, "this"}}};
   auto rows = std::make_shared<const std::vector<data::PackedRow>>(
-      data::Pack({data::EncodeChat(a, chat, data::EncodeBytes)}, 14, 0));
+      data::Pack({data::EncodeChat(a, chat, EncodeBytes)}, 14, 0));
   ChatSampler sampler(rows, 3);
   TrainBatch batch = sampler.Next(1);
   torch::manual_seed(2);
@@ -651,7 +656,8 @@ TEST(Corpus, DeterministicBySeed) {
 }
 
 TEST(WindowSampler, StateRestoresTheCursor) {
-  auto tokens = std::make_shared<VectorTokenStream>(ByteTokens(GenerateCorpus(1, 4096)));
+  const std::vector<uint32_t> ids = EncodeBytes(GenerateCorpus(1, 4096));
+  auto tokens = std::make_shared<VectorTokenStream>(std::vector<int64_t>(ids.begin(), ids.end()));
   WindowSampler a(tokens, 16, 7);
   a.Next(2);
   const std::string state = a.State();
