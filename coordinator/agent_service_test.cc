@@ -20,6 +20,7 @@
 #include <sstream>
 #include <thread>
 
+#include "base/read_file.h"
 #include "loom/v1/agent.grpc.pb.h"
 
 namespace fs = std::filesystem;
@@ -284,10 +285,7 @@ TEST_F(AgentServiceTest, AStalledCallIsDroppedWithinTheBoundWhileOthersAreServed
 }
 
 std::string ReadFile(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
+  return loom::ReadFile(p.string(), "test file").value_or("");
 }
 
 // A CA, a server certificate for 127.0.0.1 and a client certificate signed by it, and a client

@@ -174,7 +174,7 @@ class Coordinator {
     std::string dir;
     int64_t sweep_before = -1;
     int64_t keep_every = 0;
-    std::set<int64_t> catalogued;
+    std::set<int64_t> catalogued = {};
   };
   enum class Failure { kJob, kInfra, kBadInput };
   struct PlannedJob;  // one (cell, seed) of a sweep, validated before anything is stored
@@ -246,7 +246,6 @@ class Coordinator {
                                                         uint64_t* written);
   void IndexPlacementsLocked();
   absl::StatusOr<std::string> RegisteringIdLocked(Txn& txn, const v1::RegisterWorkerRequest& r);
-  std::string IssueCredential(Txn& txn, const std::string& worker_id);
   int UsedSlots(const std::string& worker_id) const;
   bool OldAttemptRunning(const v1::Job& job) const;
   void ScheduleLocked(Txn& txn);

@@ -129,16 +129,11 @@ absl::StatusOr<std::string> Coordinator::RegisteringIdLocked(
   return id;
 }
 
-// A fresh heartbeat credential for the worker; the one it had stops working.
-std::string Coordinator::IssueCredential(Txn& txn, const std::string& worker_id) {
-  const std::string credential = NewCredential();
-  table_->SetCredential(txn, worker_id, CredentialDigest(credential));
-  return credential;  // the only copy in clear: the agent's
-}
-
 absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
     const v1::RegisterWorkerRequest& request) {
   LOOM_RETURN_IF_ERROR(CheckRegisterRequest(request));
+  // Drawn before anything changes: the only copy in clear is the agent's.
+  LOOM_ASSIGN_OR_RETURN(const std::string credential, NewCredential());
   std::lock_guard<std::mutex> lock(mutex_);
   Txn txn;
   LOOM_ASSIGN_OR_RETURN(const std::string id, RegisteringIdLocked(txn, request));
@@ -156,7 +151,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Coordinator::Register(
   w.set_last_heartbeat_ms(now);
   heard_steady_[id] = SteadyMs();
   txn.batch.PutWorker(w);
-  const std::string credential = IssueCredential(txn, id);
+  table_->SetCredential(txn, id, CredentialDigest(credential));  // the old one stops working
   LOOM_RETURN_IF_ERROR(table_->Commit(txn));
   heard_since_start_.insert(id);
   wake_.notify_all();

@@ -3,26 +3,13 @@
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
 
-#include <fstream>
-#include <random>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/random_token.h"
 
 namespace loom::coordinator {
 
-std::string NewCredential() {
-  std::ifstream in("/dev/urandom", std::ios::binary);
-  unsigned char bytes[32] = {};
-  in.read(reinterpret_cast<char*>(bytes), sizeof(bytes));
-  if (!in) {  // no /dev/urandom: std::random_device is the kernel's generator on Linux too
-    std::random_device rd;
-    for (auto& b : bytes) b = static_cast<unsigned char>(rd());
-  }
-  std::string out;
-  for (unsigned char b : bytes) absl::StrAppendFormat(&out, "%02x", b);
-  return out;
-}
+absl::StatusOr<std::string> NewCredential() { return RandomHexToken(32); }
 
 std::string CredentialDigest(const std::string& credential) {
   unsigned char digest[SHA256_DIGEST_LENGTH];

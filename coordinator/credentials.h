@@ -6,14 +6,15 @@
 
 #include <string>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace loom::coordinator {
 
 inline constexpr absl::string_view kCredentialDigestPrefix = "sha256:";
 
-// A fresh credential: 64 hex digits.
-std::string NewCredential();
+// A fresh credential: 64 hex digits from OpenSSL's CSPRNG (base/random_token.h).
+absl::StatusOr<std::string> NewCredential();
 // "sha256:<64 hex digits>".
 std::string CredentialDigest(const std::string& credential);
 // Compared in constant time.
