@@ -390,7 +390,7 @@ class LoomIhaMLP(nn.Module):
 
 
 class LoomIhaRotaryEmbedding(nn.Module):
-    """Rotary position embedding as Loom's ApplyRope (attention_common.cc): rotate-half pairing
+    """Rotary position embedding as Loom's ApplyRope (plugins/attention/kernels/rope.cc): rotate-half pairing
     (dimension i with i + d/2), frequencies theta^(-2i/d), angles pos * freq computed in
     float64, then cos / sin cast to x's dtype. No parameters."""
 
