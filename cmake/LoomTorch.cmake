@@ -46,11 +46,12 @@ elseif(TORCH_INSTALL_PREFIX STREQUAL "/usr")
                  "training will be slow (docs/building.md)")
 endif()
 
-# OpenMP for CPU kernels that run on LibTorch's own thread pool (plugins/attention/kernels/fused_attention.cc):
-# loom_openmp_sources(FILES...) compiles them with OpenMP (without the shared precompiled
-# header, which is built without it) and loom_openmp links the OpenMP runtime LibTorch uses, so a
-# process has one pool: Debian's LibTorch uses the system libgomp; PyTorch's wheels bundle a
-# renamed copy in torch.libs/, which is linked instead when present.
+# OpenMP for CPU kernels that run on LibTorch's own thread pool
+# (plugins/attention/kernels/fused_attention.cc): loom_openmp_sources(FILES...) compiles them
+# with OpenMP (without the shared precompiled header, which is built without it) and loom_openmp
+# links the OpenMP runtime LibTorch uses, so a process has one pool: Debian's LibTorch uses the
+# system libgomp; PyTorch's wheels bundle a renamed copy in torch.libs/, which is linked instead
+# when present.
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 add_library(loom_openmp INTERFACE)
 file(GLOB _loom_bundled_gomp "${TORCH_INSTALL_PREFIX}/../torch.libs/libgomp*.so*")

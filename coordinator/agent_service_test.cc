@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "base/read_file.h"
+#include "base/test_directory.h"
 #include "loom/v1/agent.grpc.pb.h"
 
 namespace fs = std::filesystem;
@@ -33,10 +34,7 @@ constexpr char kUserToken[] = "user-token-0123456789abcdef";
 class AgentServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("loom-agent-service-test-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    dir_ = FreshTestDirectory("loom-agent-service-test");
     CoordinatorOptions options;
     options.data_dir = (dir_ / "data").string();
     options.storage_root = (dir_ / "storage").string();

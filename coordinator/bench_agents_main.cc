@@ -176,17 +176,80 @@ double Percentile(std::vector<double>& v, double p) {
   return v[i];
 }
 
-absl::Status Run(int argc, char** argv) {
+struct Settings {
+  int64_t agents = 512, threads = 32, seconds = 10, checkpoint_every = 0;
+  double rate = 0;  // heartbeats/s over all threads; 0 = as fast as they go
+  bool running = false;
+};
+
+absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
       CliArgs args,
       CliArgs::Parse(argc, argv, 1, {"agents", "threads", "seconds", "rate", "checkpoint-every"},
                      {"running"}));
-  LOOM_ASSIGN_OR_RETURN(int64_t n_agents, args.GetInt("agents", 512, 1, 100000));
-  LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 32, 1, 1024));
-  LOOM_ASSIGN_OR_RETURN(int64_t seconds, args.GetInt("seconds", 10, 1, 3600));
-  LOOM_ASSIGN_OR_RETURN(double rate, args.GetDouble("rate", 0, 0, 1e7));
-  const bool running = args.Has("running");
-  LOOM_ASSIGN_OR_RETURN(int64_t checkpoint_every, args.GetInt("checkpoint-every", 0, 0, 1000000));
+  Settings s;
+  LOOM_ASSIGN_OR_RETURN(s.agents, args.GetInt("agents", 512, 1, 100000));
+  LOOM_ASSIGN_OR_RETURN(s.threads, args.GetInt("threads", 32, 1, 1024));
+  LOOM_ASSIGN_OR_RETURN(s.seconds, args.GetInt("seconds", 10, 1, 3600));
+  LOOM_ASSIGN_OR_RETURN(s.rate, args.GetDouble("rate", 0, 0, 1e7));
+  s.running = args.Has("running");
+  LOOM_ASSIGN_OR_RETURN(s.checkpoint_every, args.GetInt("checkpoint-every", 0, 0, 1000000));
+  return s;
+}
+
+// Every client thread's heartbeats until `end`, merged.
+Result DriveAll(const std::string& target, std::vector<Agent>& agents, const Settings& s,
+                SteadyClock::time_point end) {
+  std::vector<Result> results(static_cast<size_t>(s.threads));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < s.threads; ++t) {
+    pool.emplace_back([&, t] {
+      results[static_cast<size_t>(t)] =
+          Drive(target, agents, t, static_cast<int>(s.threads), end,
+                s.rate / static_cast<double>(s.threads), static_cast<int>(s.checkpoint_every));
+    });
+  }
+  for (auto& t : pool) t.join();
+  Result all;
+  for (Result& r : results) {
+    all.latencies_ms.insert(all.latencies_ms.end(), r.latencies_ms.begin(), r.latencies_ms.end());
+    all.failures += r.failures;
+  }
+  return all;
+}
+
+// The rate, latencies and log fsyncs, against the target.
+void PrintReport(Result& all, const Settings& s, const std::string& metrics) {
+  const double per_second =
+      static_cast<double>(all.latencies_ms.size()) / static_cast<double>(s.seconds);
+  const double p50 = Percentile(all.latencies_ms, 0.50), p99 = Percentile(all.latencies_ms, 0.99);
+  if (s.checkpoint_every > 0) {
+    std::printf("a checkpoint (fsynced) every %lld heartbeats of an agent\n",
+                static_cast<long long>(s.checkpoint_every));
+  }
+  std::printf("agents %lld%s, client threads %lld, %lld s, target rate %s\n",
+              static_cast<long long>(s.agents), s.running ? " (each reporting a running job)" : "",
+              static_cast<long long>(s.threads), static_cast<long long>(s.seconds),
+              s.rate > 0 ? absl::StrCat(s.rate, "/s").c_str() : "max");
+  std::printf("heartbeats/s %.0f (failures %lld); latency p50 %.2f ms, p99 %.2f ms\n", per_second,
+              static_cast<long long>(all.failures), p50, p99);
+  const size_t at = metrics.find("\nloom_coordinator_log_syncs_total ");
+  if (at != std::string::npos) {
+    const double syncs = std::strtod(metrics.c_str() + at + 34, nullptr);
+    std::printf("log fsyncs waited for: %.0f", syncs);
+    if (s.checkpoint_every > 0 && syncs > 0) {
+      std::printf(", %.1f checkpoint heartbeats each", per_second * static_cast<double>(s.seconds) /
+                                                           static_cast<double>(s.checkpoint_every) /
+                                                           syncs);
+    }
+    std::printf("\n");
+  }
+  std::printf("against the target (>= 5000/s, p99 < 50 ms): rate x%.2f, p99 x%.2f\n",
+              per_second / 5000.0, p99 / 50.0);
+}
+
+absl::Status Run(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(const Settings settings, ParseSettings(argc, argv));
   const fs::path dir = fs::temp_directory_path() / absl::StrCat("loom-bench-agents-", ::getpid());
   fs::remove_all(dir);
   CoordinatorOptions options;
@@ -203,53 +266,13 @@ absl::Status Run(int argc, char** argv) {
   const std::string target = absl::StrCat("127.0.0.1:", server->port());
   auto registrar =
       v1::Agent::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
-  LOOM_ASSIGN_OR_RETURN(std::vector<Agent> agents,
-                        RegisterAgents(*registrar, static_cast<int>(n_agents), running ? 1 : 8));
-  if (running) LOOM_RETURN_IF_ERROR(PlaceJobs(*coordinator, agents));
-
-  const auto end = SteadyClock::now() + std::chrono::seconds(seconds);
-  std::vector<Result> results(static_cast<size_t>(threads));
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      results[static_cast<size_t>(t)] =
-          Drive(target, agents, t, static_cast<int>(threads), end,
-                rate / static_cast<double>(threads), static_cast<int>(checkpoint_every));
-    });
-  }
-  for (auto& t : pool) t.join();
-  Result all;
-  for (Result& r : results) {
-    all.latencies_ms.insert(all.latencies_ms.end(), r.latencies_ms.begin(), r.latencies_ms.end());
-    all.failures += r.failures;
-  }
-  const double per_second =
-      static_cast<double>(all.latencies_ms.size()) / static_cast<double>(seconds);
-  const double p50 = Percentile(all.latencies_ms, 0.50), p99 = Percentile(all.latencies_ms, 0.99);
-  if (checkpoint_every > 0) {
-    std::printf("a checkpoint (fsynced) every %lld heartbeats of an agent\n",
-                static_cast<long long>(checkpoint_every));
-  }
-  std::printf("agents %lld%s, client threads %lld, %lld s, target rate %s\n",
-              static_cast<long long>(n_agents), running ? " (each reporting a running job)" : "",
-              static_cast<long long>(threads), static_cast<long long>(seconds),
-              rate > 0 ? absl::StrCat(rate, "/s").c_str() : "max");
-  std::printf("heartbeats/s %.0f (failures %lld); latency p50 %.2f ms, p99 %.2f ms\n", per_second,
-              static_cast<long long>(all.failures), p50, p99);
-  const std::string metrics = coordinator->RenderMetrics();
-  const size_t at = metrics.find("\nloom_coordinator_log_syncs_total ");
-  if (at != std::string::npos) {
-    const double syncs = std::strtod(metrics.c_str() + at + 34, nullptr);
-    std::printf("log fsyncs waited for: %.0f", syncs);
-    if (checkpoint_every > 0 && syncs > 0) {
-      std::printf(", %.1f checkpoint heartbeats each", per_second * static_cast<double>(seconds) /
-                                                           static_cast<double>(checkpoint_every) /
-                                                           syncs);
-    }
-    std::printf("\n");
-  }
-  std::printf("against the target (>= 5000/s, p99 < 50 ms): rate x%.2f, p99 x%.2f\n",
-              per_second / 5000.0, p99 / 50.0);
+  LOOM_ASSIGN_OR_RETURN(
+      std::vector<Agent> agents,
+      RegisterAgents(*registrar, static_cast<int>(settings.agents), settings.running ? 1 : 8));
+  if (settings.running) LOOM_RETURN_IF_ERROR(PlaceJobs(*coordinator, agents));
+  Result all = DriveAll(target, agents, settings,
+                        SteadyClock::now() + std::chrono::seconds(settings.seconds));
+  PrintReport(all, settings, coordinator->RenderMetrics());
   server->Shutdown(std::chrono::milliseconds(1000));
   server.reset();
   coordinator.reset();

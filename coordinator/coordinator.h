@@ -189,6 +189,9 @@ class Coordinator {
   int64_t HeardAt(const std::string& worker) const;
   void Load();
   absl::StatusOr<v1::JobSpec> ResolveSubmission(const v1::SubmitJobRequest& request);
+  // The job or sweep, mutex_ held: InvalidArgument for a malformed id, NotFound when unknown.
+  absl::StatusOr<v1::Job*> FindJobLocked(const std::string& id);
+  absl::StatusOr<const v1::Sweep*> FindSweepLocked(const std::string& id) const;
   absl::StatusOr<std::vector<PlannedJob>> PlanSweepJobs(const v1::SweepSpec& spec,
                                                         const std::vector<SweepCell>& cells);
 

@@ -1,6 +1,5 @@
 // Jobs: submission, listing, cancellation and updates, their logs and curves, and the end of an
 // attempt (failed, preempted, requeued).
-#include <google/protobuf/util/message_differencer.h>
 
 #include <filesystem>
 #include <optional>
@@ -125,12 +124,9 @@ absl::StatusOr<v1::SubmitJobResponse> Coordinator::Submit(const v1::SubmitJobReq
   if (!request.request_id().empty()) {
     if (const std::string earlier = table_->RequestId(key); !earlier.empty()) {
       auto job = table_->jobs().find(earlier);
-      if (job != table_->jobs().end() &&
-          !google::protobuf::util::MessageDifferencer::Equals(job->second.request(), request)) {
-        return absl::AlreadyExistsError(
-            absl::StrCat("request_id: already used for ", earlier,
-                         " with a different request (a retry must repeat the request exactly)"));
-      }
+      LOOM_RETURN_IF_ERROR(
+          CheckRetry(job == table_->jobs().end() ? nullptr : &job->second.request(), request,
+                     earlier, "request"));
       v1::SubmitJobResponse r;
       r.set_id(earlier);
       r.set_created(false);
@@ -215,13 +211,18 @@ absl::StatusOr<v1::ListJobsResponse> Coordinator::ListJobs(const JobFilter& f, i
   return out;
 }
 
-absl::StatusOr<v1::Job> Coordinator::GetJob(const std::string& id) {
+absl::StatusOr<v1::Job*> Coordinator::FindJobLocked(const std::string& id) {
   if (!IsValidId(id)) return absl::InvalidArgumentError("job id: malformed");
-  std::lock_guard<std::mutex> lock(mutex_);
   auto it = table_->jobs().find(id);
   if (it == table_->jobs().end())
     return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
-  v1::Job job = it->second;
+  return &it->second;
+}
+
+absl::StatusOr<v1::Job> Coordinator::GetJob(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  LOOM_ASSIGN_OR_RETURN(const v1::Job* found, FindJobLocked(id));
+  v1::Job job = *found;
   auto w = waiting_reason_.find(id);
   if (JobStateOf(job) == JobState::kQueued && w != waiting_reason_.end()) job.set_reason(w->second);
   LOOM_ASSIGN_OR_RETURN(std::vector<v1::JobEvent> events, table_->store().Events(id));
@@ -230,12 +231,9 @@ absl::StatusOr<v1::Job> Coordinator::GetJob(const std::string& id) {
 }
 
 absl::StatusOr<v1::Job> Coordinator::Cancel(const std::string& id, const Caller& caller) {
-  if (!IsValidId(id)) return absl::InvalidArgumentError("job id: malformed");
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = table_->jobs().find(id);
-  if (it == table_->jobs().end())
-    return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
-  v1::Job& job = it->second;
+  LOOM_ASSIGN_OR_RETURN(v1::Job * found, FindJobLocked(id));
+  v1::Job& job = *found;
   LOOM_RETURN_IF_ERROR(MayChange(caller, "job", id, job.submitted_by()));
   const std::string& user = caller.user;
   if (IsTerminal(job)) {
@@ -273,10 +271,8 @@ absl::StatusOr<v1::Job> Coordinator::UpdateJob(const std::string& id, const v1::
   if (!IsValidId(id)) return absl::InvalidArgumentError("job id: malformed");
   LOOM_RETURN_IF_ERROR(CheckJobUpdate(u));
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = table_->jobs().find(id);
-  if (it == table_->jobs().end())
-    return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
-  v1::Job& job = it->second;
+  LOOM_ASSIGN_OR_RETURN(v1::Job * found, FindJobLocked(id));
+  v1::Job& job = *found;
   LOOM_RETURN_IF_ERROR(MayChange(caller, "job", id, job.submitted_by()));
   if (u.has_priority() && IsTerminal(job)) {
     return absl::FailedPreconditionError(
@@ -394,10 +390,8 @@ absl::StatusOr<Coordinator::LogChunk> Coordinator::ReadLog(const std::string& id
   bool terminal = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = table_->jobs().find(id);
-    if (it == table_->jobs().end())
-      return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
-    terminal = IsTerminal(it->second);
+    LOOM_ASSIGN_OR_RETURN(const v1::Job* job, FindJobLocked(id));
+    terminal = IsTerminal(*job);
   }
   FileBytes read = ReadFileBytes(JobLogPath(options_.data_dir, id), offset, max);
   LogChunk chunk;
@@ -417,10 +411,8 @@ absl::StatusOr<v1::JobMetricsResponse> Coordinator::JobMetrics(const std::string
   out.set_job_id(id);
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = table_->jobs().find(id);
-    if (it == table_->jobs().end())
-      return absl::NotFoundError(absl::StrCat("job '", id, "' not found"));
-    *out.mutable_evals() = it->second.evals();
+    LOOM_ASSIGN_OR_RETURN(const v1::Job* job, FindJobLocked(id));
+    *out.mutable_evals() = job->evals();
   }
   for (v1::AttemptSeries& s : ReadStepSeries(JobSeriesPath(options_.data_dir, id), max_points)) {
     *out.add_series() = std::move(s);

@@ -110,6 +110,50 @@ void Coordinator::AppendSteps(Txn& txn, const v1::AttemptReport& report,
   });
 }
 
+namespace {
+
+// The step points of a report: bounded in number, offset and values.
+absl::Status CheckReportedSteps(const v1::AttemptReport& r) {
+  if (r.steps_size() > Coordinator::kMaxStepsPerReport || r.steps_offset() < 0 ||
+      r.steps_offset() > (int64_t{1} << 40)) {
+    return FieldError("attempts.steps", absl::StrCat("at most ", Coordinator::kMaxStepsPerReport,
+                                                     " points per report, from an offset >= 0"));
+  }
+  for (const auto& p : r.steps()) {
+    if (p.step() < 0 || p.step() > (int64_t{1} << 40) || p.time_ms() < 0) {
+      return FieldError("attempts.steps",
+                        absl::StrCat("step ", p.step(), " or time ", p.time_ms(), " out of range"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Every checkpoint a report names (written, skipped, resumed from) is the step's directory in
+// the job's own checkpoint directory `dir`.
+absl::Status CheckReportedCheckpoints(const v1::AttemptReport& r, const std::string& dir) {
+  auto check_path = [&](int64_t step, const std::string& path, const char* field) {
+    const std::string want = (fs::path(dir) / storage::CheckpointDirName(step)).string();
+    if (step < 0 || path != want) {
+      return FieldError(field, absl::StrCat("checkpoint path '", path.substr(0, 200),
+                                            "' is not the job's checkpoint directory for step ",
+                                            step, " (", want, ")"));
+    }
+    return absl::OkStatus();
+  };
+  for (const auto& c : r.checkpoints()) {
+    LOOM_RETURN_IF_ERROR(check_path(c.step(), c.path(), "attempts.checkpoints"));
+  }
+  for (const auto& s : r.skipped()) {
+    LOOM_RETURN_IF_ERROR(check_path(s.step(), s.path(), "attempts.skipped"));
+  }
+  if (r.resumed().restored() && !r.resumed().path().empty()) {
+    LOOM_RETURN_IF_ERROR(check_path(r.resumed().step(), r.resumed().path(), "attempts.resumed"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 // A report is refused whole (nothing applied) when it names an attempt the worker was not given
 // or a checkpoint outside the job's own directory: a forged or broken agent changes nothing.
 absl::Status Coordinator::ValidateReport(const v1::AttemptReport& r,
@@ -132,36 +176,8 @@ absl::Status Coordinator::ValidateReport(const v1::AttemptReport& r,
     return absl::PermissionDeniedError(absl::StrCat("attempt ", r.attempt(), " of job ", job.id(),
                                                     " was not placed on worker ", worker_id));
   }
-  auto check_path = [&](int64_t step, const std::string& path, const char* field) {
-    const std::string want =
-        (fs::path(CheckpointDir(job)) / storage::CheckpointDirName(step)).string();
-    if (step < 0 || path != want) {
-      return FieldError(field, absl::StrCat("checkpoint path '", path.substr(0, 200),
-                                            "' is not the job's checkpoint directory for step ",
-                                            step, " (", want, ")"));
-    }
-    return absl::OkStatus();
-  };
-  if (r.steps_size() > kMaxStepsPerReport || r.steps_offset() < 0 ||
-      r.steps_offset() > (int64_t{1} << 40)) {
-    return FieldError("attempts.steps", absl::StrCat("at most ", kMaxStepsPerReport,
-                                                     " points per report, from an offset >= 0"));
-  }
-  for (const auto& p : r.steps()) {
-    if (p.step() < 0 || p.step() > (int64_t{1} << 40) || p.time_ms() < 0) {
-      return FieldError("attempts.steps",
-                        absl::StrCat("step ", p.step(), " or time ", p.time_ms(), " out of range"));
-    }
-  }
-  for (const auto& c : r.checkpoints()) {
-    LOOM_RETURN_IF_ERROR(check_path(c.step(), c.path(), "attempts.checkpoints"));
-  }
-  for (const auto& s : r.skipped()) {
-    LOOM_RETURN_IF_ERROR(check_path(s.step(), s.path(), "attempts.skipped"));
-  }
-  if (r.resumed().restored() && !r.resumed().path().empty()) {
-    LOOM_RETURN_IF_ERROR(check_path(r.resumed().step(), r.resumed().path(), "attempts.resumed"));
-  }
+  LOOM_RETURN_IF_ERROR(CheckReportedSteps(r));
+  LOOM_RETURN_IF_ERROR(CheckReportedCheckpoints(r, CheckpointDir(job)));
   if (const v1::Placement* p = PlacementOf(job, worker_id);
       p != nullptr && r.attempt() == job.attempt()) {
     for (const auto& rank : r.ranks()) {

@@ -1,5 +1,4 @@
 // Sweeps: creation as ordinary jobs in one commit, listing, cancellation and reports.
-#include <google/protobuf/util/message_differencer.h>
 
 #include <map>
 #include <optional>
@@ -58,12 +57,8 @@ absl::StatusOr<v1::CreateSweepResponse> Coordinator::RepeatedSweepLocked(
     const std::string& key, const v1::SweepSpec& spec) {
   const std::string earlier = table_->RequestId(key);
   auto sweep = table_->sweeps().find(earlier);
-  if (sweep != table_->sweeps().end() &&
-      !google::protobuf::util::MessageDifferencer::Equals(sweep->second.spec(), spec)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("request_id: already used for ", earlier,
-                     " with a different sweep (a retry must repeat the request exactly)"));
-  }
+  LOOM_RETURN_IF_ERROR(CheckRetry(sweep == table_->sweeps().end() ? nullptr : &sweep->second.spec(),
+                                  spec, earlier, "sweep"));
   v1::CreateSweepResponse r;
   r.set_id(earlier);
   r.set_created(false);
@@ -154,13 +149,18 @@ v1::Sweep Coordinator::SweepWithStates(const v1::Sweep& sweep) const {
   return out;
 }
 
-absl::StatusOr<v1::Sweep> Coordinator::GetSweep(const std::string& id) {
+absl::StatusOr<const v1::Sweep*> Coordinator::FindSweepLocked(const std::string& id) const {
   if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
-  std::lock_guard<std::mutex> lock(mutex_);
   auto it = table_->sweeps().find(id);
   if (it == table_->sweeps().end())
     return absl::NotFoundError(absl::StrCat("sweep '", id, "' not found"));
-  return SweepWithStates(it->second);
+  return &it->second;
+}
+
+absl::StatusOr<v1::Sweep> Coordinator::GetSweep(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  LOOM_ASSIGN_OR_RETURN(const v1::Sweep* sweep, FindSweepLocked(id));
+  return SweepWithStates(*sweep);
 }
 
 absl::StatusOr<v1::ListSweepsResponse> Coordinator::ListSweeps(int page_size,
@@ -190,15 +190,12 @@ absl::StatusOr<v1::ListSweepsResponse> Coordinator::ListSweeps(int page_size,
 }
 
 absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const Caller& caller) {
-  if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = table_->sweeps().find(id);
-  if (it == table_->sweeps().end())
-    return absl::NotFoundError(absl::StrCat("sweep '", id, "' not found"));
-  LOOM_RETURN_IF_ERROR(MayChange(caller, "sweep", id, it->second.submitted_by()));
+  LOOM_ASSIGN_OR_RETURN(const v1::Sweep* sweep, FindSweepLocked(id));
+  LOOM_RETURN_IF_ERROR(MayChange(caller, "sweep", id, sweep->submitted_by()));
   const std::string& user = caller.user;
   Txn txn;
-  for (const v1::SweepJob& sj : it->second.jobs()) {
+  for (const v1::SweepJob& sj : sweep->jobs()) {
     auto job = table_->jobs().find(sj.job_id());
     if (job == table_->jobs().end() || IsTerminal(job->second)) continue;
     table_->Save(txn, job->second);
@@ -208,7 +205,7 @@ absl::StatusOr<v1::Sweep> Coordinator::CancelSweep(const std::string& id, const 
   }
   LOOM_RETURN_IF_ERROR(table_->Commit(txn));
   wake_.notify_all();
-  return SweepWithStates(it->second);
+  return SweepWithStates(*sweep);
 }
 
 absl::StatusOr<std::string> Coordinator::AddReportBaselineLocked(
@@ -386,10 +383,8 @@ absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
   std::vector<std::string> merge_warnings;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = table_->sweeps().find(id);
-    if (it == table_->sweeps().end())
-      return absl::NotFoundError(absl::StrCat("sweep '", id, "' not found"));
-    sweep = it->second;
+    LOOM_ASSIGN_OR_RETURN(const v1::Sweep* found, FindSweepLocked(id));
+    sweep = *found;
     for (const v1::SweepJob& sj : sweep.jobs()) {
       auto job = table_->jobs().find(sj.job_id());
       if (job != table_->jobs().end()) jobs[sj.job_id()] = job->second;

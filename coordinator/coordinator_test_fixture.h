@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "base/read_file.h"
+#include "base/test_directory.h"
 #include "coordinator/clock.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/http_api.h"
@@ -31,10 +32,7 @@ namespace loom::coordinator {
 class CoordinatorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("loom-coordinator-test-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    dir_ = FreshTestDirectory("loom-coordinator-test");
     options_.data_dir = (dir_ / "data").string();
     options_.storage_root = (dir_ / "storage").string();
     options_.lost_after_ms = 60000;

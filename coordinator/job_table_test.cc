@@ -5,10 +5,10 @@
 #include "coordinator/job_table.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <filesystem>
 
+#include "base/test_directory.h"
 #include "coordinator/credentials.h"
 
 namespace fs = std::filesystem;
@@ -19,10 +19,7 @@ namespace {
 class JobTableTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("loom-job-table-test-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    dir_ = FreshTestDirectory("loom-job-table-test");
     Reopen();
   }
   void TearDown() override {

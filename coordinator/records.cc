@@ -1,5 +1,7 @@
 #include "coordinator/records.h"
 
+#include <google/protobuf/util/message_differencer.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +11,17 @@ namespace loom::coordinator {
 std::string IdempotencyKey(absl::string_view kind, const std::string& user,
                            const std::string& request_id) {
   return absl::StrCat(kind, user, "\x1f", request_id);
+}
+
+absl::Status CheckRetry(const google::protobuf::Message* stored,
+                        const google::protobuf::Message& retry, const std::string& earlier,
+                        absl::string_view what) {
+  if (stored == nullptr || google::protobuf::util::MessageDifferencer::Equals(*stored, retry)) {
+    return absl::OkStatus();
+  }
+  return absl::AlreadyExistsError(absl::StrCat("request_id: already used for ", earlier,
+                                               " with a different ", what,
+                                               " (a retry must repeat the request exactly)"));
 }
 
 const v1::Placement* PlacementOf(const v1::Job& job, const std::string& worker_id) {

@@ -22,6 +22,11 @@ struct Caller {
 // and one user's key never reveals or returns another's job.
 std::string IdempotencyKey(absl::string_view kind, const std::string& user,
                            const std::string& request_id);
+// A retry under an idempotency key already used for `earlier`: refused unless it repeats the
+// stored request exactly (`stored` null: nothing is left to compare). `what`: "request", "sweep".
+absl::Status CheckRetry(const google::protobuf::Message* stored,
+                        const google::protobuf::Message& retry, const std::string& earlier,
+                        absl::string_view what);
 // The job's placement on the worker, or null.
 const v1::Placement* PlacementOf(const v1::Job& job, const std::string& worker_id);
 bool Contains(const google::protobuf::RepeatedPtrField<std::string>& list, const std::string& s);

@@ -265,17 +265,11 @@ absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& 
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
-  if (!spec.has_base() || !spec.base().has_spec()) return FieldError("base.spec", "is required");
-  if (spec.seeds().empty()) return FieldError("seeds", "at least one seed");
-  std::set<uint64_t> seeds(spec.seeds().begin(), spec.seeds().end());
-  if (seeds.size() != static_cast<size_t>(spec.seeds_size())) {
-    return FieldError("seeds", "each seed at most once");
-  }
-  LOOM_RETURN_IF_ERROR(
-      CheckMetricAndSelect(spec.metric(), spec.select(), spec.length(), spec.threshold()));
-  // The grid's combinations: paths sorted (a protobuf map iterates in no fixed order), values in
-  // their order.
+namespace {
+
+// The grid's combinations: paths sorted (a protobuf map iterates in no fixed order), values in
+// their order.
+absl::StatusOr<std::vector<SweepCell>> GridCells(const v1::SweepSpec& spec) {
   const std::map<std::string, google::protobuf::ListValue> sorted_grid(spec.grid().begin(),
                                                                        spec.grid().end());
   std::vector<SweepCell> grid = {SweepCell{}};
@@ -292,6 +286,37 @@ absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
     grid = std::move(next);
     if (grid.size() > kMaxSweepJobs) return FieldError("grid", "too many combinations");
   }
+  return grid;
+}
+
+// A listed cell `l` crossed with grid cell `g`: its settings, and a name from the listed cell's
+// and the grid's settings ("base" for the base spec alone).
+SweepCell CrossCell(const SweepCell& l, const SweepCell& g) {
+  SweepCell c = l;
+  c.set.insert(c.set.end(), g.set.begin(), g.set.end());
+  std::vector<std::string> parts;
+  for (const auto& [path, v] : g.set) parts.push_back(absl::StrCat(path, "=", ValueText(v)));
+  if (c.name.empty() && parts.empty()) {
+    for (const auto& [path, v] : c.set) parts.push_back(absl::StrCat(path, "=", ValueText(v)));
+  }
+  c.name = absl::StrJoin({c.name, absl::StrJoin(parts, ",")},
+                         c.name.empty() || parts.empty() ? "" : ",");
+  if (c.name.empty()) c.name = "base";
+  return c;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
+  if (!spec.has_base() || !spec.base().has_spec()) return FieldError("base.spec", "is required");
+  if (spec.seeds().empty()) return FieldError("seeds", "at least one seed");
+  std::set<uint64_t> seeds(spec.seeds().begin(), spec.seeds().end());
+  if (seeds.size() != static_cast<size_t>(spec.seeds_size())) {
+    return FieldError("seeds", "each seed at most once");
+  }
+  LOOM_RETURN_IF_ERROR(
+      CheckMetricAndSelect(spec.metric(), spec.select(), spec.length(), spec.threshold()));
+  LOOM_ASSIGN_OR_RETURN(const std::vector<SweepCell> grid, GridCells(spec));
   std::vector<SweepCell> listed;
   for (int i = 0; i < spec.cells_size(); ++i) {
     SweepCell c;
@@ -304,16 +329,7 @@ absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
   std::set<std::string> names;
   for (const SweepCell& l : listed) {
     for (const SweepCell& g : grid) {
-      SweepCell c = l;
-      c.set.insert(c.set.end(), g.set.begin(), g.set.end());
-      std::vector<std::string> parts;
-      for (const auto& [path, v] : g.set) parts.push_back(absl::StrCat(path, "=", ValueText(v)));
-      if (c.name.empty() && parts.empty()) {
-        for (const auto& [path, v] : c.set) parts.push_back(absl::StrCat(path, "=", ValueText(v)));
-      }
-      c.name = absl::StrJoin({c.name, absl::StrJoin(parts, ",")},
-                             c.name.empty() || parts.empty() ? "" : ",");
-      if (c.name.empty()) c.name = "base";
+      SweepCell c = CrossCell(l, g);
       if (c.name.size() > 200)
         return FieldError("cells", absl::StrCat("cell name too long: ", c.name.substr(0, 60)));
       if (!names.insert(c.name).second) {
