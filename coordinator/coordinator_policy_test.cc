@@ -6,16 +6,9 @@ namespace loom::coordinator {
 namespace {
 
 TEST_F(CoordinatorTest, LostWorkerFailsItsAttemptAndTheJobMoves) {
-  options_.lost_after_ms = 300;
-  options_.lease_ms = 150;
-  options_.term_grace_ms = 400;
-  Reopen();
-  const std::string w1 = RegisterWorker("a", 1);
-  const std::string id = Submit(MicroJob(1));
-  c_->Tick();
-  ASSERT_EQ(Job(id).placement(0).worker_id(), w1);
-  Beat(w1, id, 1, {{0, -1}}, {10}, 30000);
-  const std::string w2 = RegisterWorker("b", 1);
+  OneOfTwo placed;
+  ASSERT_NO_FATAL_FAILURE(PlaceOnOneOfTwo(/*lease_ms=*/150, &placed));
+  const std::string &w1 = placed.w1, &w2 = placed.w2, &id = placed.id;
   // w2 keeps beating, w1 goes silent: lost after 300 ms, but the job is fenced for the
   // termination grace (w1's ranks stop themselves when their lease runs out).
   const int64_t silent = clock_->NowMs();

@@ -232,17 +232,10 @@ TEST_F(CoordinatorTest, AttemptLifecycleRestartsFromTheNewestCheckpoint) {
 // placed again only once the ranks' lease has certainly run out (last heartbeat + lease) and the
 // termination grace after it.
 TEST_F(CoordinatorTest, ALostWorkersJobWaitsForItsLeaseToLapse) {
-  options_.lost_after_ms = 300;
-  options_.lease_ms = 2000;
-  options_.term_grace_ms = 400;
-  Reopen();
-  const std::string w1 = RegisterWorker("a", 1);
-  const std::string id = Submit(MicroJob(1));
-  c_->Tick();
-  ASSERT_EQ(Job(id).placement(0).worker_id(), w1);
-  Beat(w1, id, 1, {{0, -1}}, {10}, 30000);
-  const int64_t last_heard = clock_->NowMs();
-  const std::string w2 = RegisterWorker("b", 1);
+  OneOfTwo placed;
+  ASSERT_NO_FATAL_FAILURE(PlaceOnOneOfTwo(/*lease_ms=*/2000, &placed));
+  const std::string &w2 = placed.w2, &id = placed.id;
+  const int64_t last_heard = clock_->NowMs();  // w1's last beat: registering w2 takes no time
   while (Job(id).state() != "queued") {
     ASSERT_LT(clock_->NowMs() - last_heard, 3000);
     clock_->Advance(50);

@@ -72,6 +72,23 @@ class CoordinatorTest : public ::testing::Test {
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? s->worker_id() : "";
   }
+  // Workers "a" and "b" (a slot each) and a 1-rank job placed on "a", heard at step 10: loss
+  // after 300 ms of silence, the ranks' lease `lease_ms`, a 400 ms termination grace.
+  struct OneOfTwo {
+    std::string w1, w2, id;
+  };
+  void PlaceOnOneOfTwo(int lease_ms, OneOfTwo* out) {
+    options_.lost_after_ms = 300;
+    options_.lease_ms = lease_ms;
+    options_.term_grace_ms = 400;
+    Reopen();
+    out->w1 = RegisterWorker("a", 1);
+    out->id = Submit(MicroJob(1));
+    c_->Tick();
+    ASSERT_EQ(Job(out->id).placement(0).worker_id(), out->w1);
+    Beat(out->w1, out->id, 1, {{0, -1}}, {10}, 30000);
+    out->w2 = RegisterWorker("b", 1);
+  }
   // The state of worker `id` ("?" when it is not listed).
   std::string WorkerState(const std::string& id) {
     const absl::StatusOr<v1::ListWorkersResponse> list = c_->ListWorkers();

@@ -542,6 +542,25 @@ class Service:
                     sys.stderr.write(f"--- {name} (tail) ---\n" + f.read()[-4000:] + "\n")
 
 
+def stop_loom_up(up):
+    """Stops a `loom up` as Ctrl-C does (SIGINT) and returns its output; it must exit 0."""
+    up.send_signal(signal.SIGINT)
+    out, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, out[-3000:]
+    return out
+
+
+def dump_loom_up(up):
+    """After a failure: stops a `loom up` still running and prints the end of its output."""
+    if up is None or up.poll() is not None:
+        return
+    up.send_signal(signal.SIGINT)
+    try:
+        print(up.communicate(timeout=30)[0][-6000:])
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def stop_all(procs, root=None):
     """SIGCONT (stopped ones cannot die of SIGTERM), SIGTERM, a grace period, then SIGKILL every
     process still running; then any trainer left under root."""

@@ -33,8 +33,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import (Api, free_port, loom_trainers, read_port_file, safetensors_raw,  # noqa: E402
-                          stop_all, wait_for, write_word_corpus)
+from loom_testlib import (Api, dump_loom_up, free_port, loom_trainers, read_port_file, safetensors_raw,  # noqa: E402
+                          stop_all, stop_loom_up, wait_for, write_word_corpus)
 from s3_testlib import S3Server  # noqa: E402
 
 PROCS = []
@@ -446,16 +446,9 @@ def main():
         test_retention_pins(box, reference)
         test_zero_job(box)
         test_job_on_stored_dataset(box)
-        box.up.send_signal(signal.SIGINT)
-        out, _ = box.up.communicate(timeout=60)
-        assert box.up.returncode == 0, out[-3000:]
+        stop_loom_up(box.up)
     except BaseException:
-        if box is not None and box.up.poll() is None:
-            box.up.send_signal(signal.SIGINT)
-            try:
-                print(box.up.communicate(timeout=30)[0][-6000:])
-            except subprocess.TimeoutExpired:
-                pass
+        dump_loom_up(box and box.up)
         raise
     finally:
         stop_all(PROCS, tmp)

@@ -12,16 +12,15 @@ final weights bitwise equal to an uninterrupted run of the same spec. Every proc
 exit.
 """
 import argparse
-import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import Api, final_tensors, free_port, stop_all, wait_for  # noqa: E402
+from loom_testlib import (Api, dump_loom_up, final_tensors, free_port, stop_all, stop_loom_up,  # noqa: E402
+                         wait_for)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -171,16 +170,10 @@ def main():
         box = Box(args, tmp)
         test_cancel_and_quota(box)
         test_preemption(box)
-        box.up.send_signal(signal.SIGINT)
-        out, _ = box.up.communicate(timeout=60)
-        assert box.up.returncode == 0 and "loom up: stopped" in out, out[-3000:]
+        out = stop_loom_up(box.up)
+        assert "loom up: stopped" in out, out[-3000:]
     except BaseException:
-        if box is not None and box.up.poll() is None:
-            box.up.send_signal(signal.SIGINT)
-            try:
-                print(box.up.communicate(timeout=30)[0][-6000:])
-            except subprocess.TimeoutExpired:
-                pass
+        dump_loom_up(box and box.up)
         raise
     finally:
         stop_all(PROCS, tmp)
