@@ -92,12 +92,15 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
         absl::StrCat("cannot create '", state.string(), "' (mode 0700): ", ec.message()));
   }
   LOOM_ASSIGN_OR_RETURN(c->table_, JobTable::Open(state.string(), c->options_.clock, c->registry_));
+  c->retention_ = std::make_unique<Retention>(*c->table_, c->options_.storage_root,
+                                              c->options_.checkpoint_store);
   // A finished child no longer pins its parent's checkpoint.
-  c->table_->set_on_terminal([raw = c.get()](JobTable::Txn& txn, const v1::Job& job) {
-    if (!job.request().init_from().empty()) {
-      raw->ApplyRetention(txn, ParentJob(job.request().init_from()));
-    }
-  });
+  c->table_->set_on_terminal(
+      [retention = c->retention_.get()](JobTable::Txn& txn, const v1::Job& job) {
+        if (!job.request().init_from().empty()) {
+          retention->Apply(txn, ParentJob(job.request().init_from()));
+        }
+      });
   c->Load();
   DeclareMetrics(c->registry_);
   c->log_syncer_ = std::make_unique<LogSyncer>(c->table_->store(), c->registry_);
@@ -126,17 +129,11 @@ void Coordinator::Load() {
   }
   IndexPlacementsLocked();
   RebuildUsageLocked();
-  // Retention decided before a crash but not carried out yet.
-  for (const auto& [id, c] : table_->checkpoints()) {
-    std::error_code ec;
-    // (On an object store a step whose deletion a crash interrupted waits for its job's next
-    // sweep: a HEAD per deleted checkpoint at every start would grow without bound.)
-    if (c.deleted() && fs::exists(c.path(), ec)) pending_deletes_.push_back({c.path()});
-  }
+  retention_->Recover();  // decided before a crash, not carried out yet
 }
 
 void Coordinator::Start() {
-  remote_remover_ = std::thread([this] { RemoveRemotely(); });
+  retention_->Start();
   loop_ = std::thread([this] {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
@@ -157,12 +154,7 @@ void Coordinator::Stop() {
   }
   wake_.notify_all();
   if (loop_.joinable()) loop_.join();
-  {
-    std::lock_guard<std::mutex> lock(remote_mu_);
-    remote_stop_ = true;  // what is still queued is swept with its job's next retention
-  }
-  remote_cv_.notify_all();
-  if (remote_remover_.joinable()) remote_remover_.join();
+  if (retention_) retention_->Stop();
 }
 
 // A full data directory: try to resume the store, at most once a second.
@@ -180,7 +172,6 @@ void Coordinator::ResumeStoreIfFull() {
 
 void Coordinator::Tick() {
   ResumeStoreIfFull();
-  std::vector<Removal> deletes;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Txn txn;
@@ -191,9 +182,8 @@ void Coordinator::Tick() {
     registry_.Set("loom_coordinator_storage_full",
                   table_->storage_full() || table_->store().Full() ? 1 : 0);
     IndexPlacementsLocked();
-    deletes.swap(pending_deletes_);
   }
-  CarryOutRemovals(std::move(deletes));
+  retention_->CarryOut();  // without the lock
 }
 
 std::string Coordinator::RenderMetrics() {

@@ -25,6 +25,7 @@
 #include "coordinator/log_syncer.h"
 #include "coordinator/paging.h"
 #include "coordinator/records.h"
+#include "coordinator/retention.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/state_store.h"
 #include "coordinator/states.h"
@@ -167,15 +168,6 @@ class Coordinator {
 
  private:
   using Txn = JobTable::Txn;
-  // What retention removes once its decision is on disk, without the lock: one step, or (on an
-  // object store, where listing under the lock would wait on the network) the steps of a job's
-  // checkpoint root older than `sweep_before` that neither the catalogue nor keep_every keeps.
-  struct Removal {
-    std::string dir;
-    int64_t sweep_before = -1;
-    int64_t keep_every = 0;
-    std::set<int64_t> catalogued = {};
-  };
   enum class Failure { kJob, kInfra, kBadInput };
   struct PlannedJob;  // one (cell, seed) of a sweep, validated before anything is stored
   // Attempts ("<job>", attempt) a worker reported as not finished -> its ranks running them.
@@ -279,11 +271,6 @@ class Coordinator {
                           const std::string& wid);
   void CatalogueCheckpoint(Txn& txn, v1::Job& job, int64_t step, const std::string& path);
   void ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r);
-  void ApplyRetention(Txn& txn, const std::string& job_id);
-  void Remove(Txn& txn, Removal removal);
-  std::vector<std::string> PinnedBy(const std::string& checkpoint_id) const;
-  void DeleteDirectories(std::vector<Removal> removals);
-  void CarryOutRemovals(std::vector<Removal> removals);
   // <storage root>/jobs/<id>/checkpoints, or on an object store
   // <store>/jobs/<id>-<submit ms>/checkpoints (nothing there to set aside: an id used before, in
   // an earlier coordinator state, never meets its old steps).
@@ -293,9 +280,10 @@ class Coordinator {
   CoordinatorOptions options_;
   metrics::Registry registry_{"coordinator"};
   std::unique_ptr<JobTable> table_;        // after registry_: gone before it
+  std::unique_ptr<Retention> retention_;   // after table_: gone (its thread joined) before it
   std::unique_ptr<LogSyncer> log_syncer_;  // after table_ and registry_: gone before them
 
-  std::mutex mutex_;  // guards table_ and everything below but the remote removals
+  std::mutex mutex_;  // guards table_, retention_'s decisions and everything below
   // Fair share's decayed usage: rebuilt from the jobs' attempt histories at load, advanced by
   // each pass with what the users held since the one before.
   UsageLedger usage_;
@@ -306,19 +294,10 @@ class Coordinator {
   // After a restart nothing is placed until every live worker has reported what it runs (or
   // been declared lost), so an old attempt still running is known before a new one starts.
   std::set<std::string> heard_since_start_;
-  std::vector<Removal> pending_deletes_;  // retention: checkpoints to remove (no lock held)
 
   std::condition_variable wake_;
   bool stop_ = false;
   std::thread loop_;
-  // Deletions in an object store run on a thread of their own: a store that is down (each
-  // request retried for seconds) must not stall the tick's scheduling and loss detection.
-  void RemoveRemotely();
-  std::mutex remote_mu_;
-  std::condition_variable remote_cv_;
-  std::vector<Removal> remote_removals_;
-  bool remote_stop_ = false;
-  std::thread remote_remover_;
   // When the background loop last ran (steady clock): a longer gap is the coordinator's own
   // outage, not its workers' silence (ForgiveOwnOutage).
   std::chrono::steady_clock::time_point last_tick_{};

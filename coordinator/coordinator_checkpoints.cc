@@ -1,5 +1,5 @@
-// The checkpoint catalogue: what attempts report and resume from, and retention (decided under
-// the lock, carried out after the commit without it).
+// The checkpoint catalogue: where a job's checkpoints go, what attempts report and resume from,
+// and what is listed (retention itself: retention.h).
 #include <algorithm>
 #include <filesystem>
 #include <iostream>
@@ -22,27 +22,6 @@
 namespace fs = std::filesystem;
 
 namespace loom::coordinator {
-
-void Coordinator::RemoveRemotely() {
-  for (;;) {
-    std::vector<Removal> batch;
-    {
-      std::unique_lock<std::mutex> lock(remote_mu_);
-      remote_cv_.wait(lock, [this] { return remote_stop_ || !remote_removals_.empty(); });
-      if (remote_stop_) return;
-      batch.swap(remote_removals_);
-    }
-    DeleteDirectories(std::move(batch));
-  }
-}
-
-std::vector<std::string> Coordinator::PinnedBy(const std::string& checkpoint_id) const {
-  std::vector<std::string> out;
-  for (const auto& [id, job] : table_->jobs()) {
-    if (!IsTerminal(job) && job.request().init_from() == checkpoint_id) out.push_back(id);
-  }
-  return out;
-}
 
 absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
     const std::string& job_id, int page_size, const std::string& page_token,
@@ -83,7 +62,7 @@ absl::StatusOr<v1::ListCheckpointsResponse> Coordinator::ListCheckpoints(
                      (storage::IsRemoteLocation(c->path())
                           ? c->damaged().empty()
                           : fs::exists(fs::path(c->path()) / "manifest.json", ec)));
-    for (const std::string& j : PinnedBy(c->id())) e->add_pinned_by(j);
+    for (const std::string& j : retention_->PinnedBy(c->id())) e->add_pinned_by(j);
   }
   return out;
 }
@@ -174,102 +153,11 @@ void Coordinator::ApplyResumeReport(Txn& txn, v1::Job& job, const v1::AttemptRep
   txn.batch.PutJob(job);
 }
 
-// The job's spec.checkpoint.keep_last newest intact checkpoints and every keep_every-th stay;
-// so does any checkpoint a non-terminal job starts from (init_from). The rest are marked
-// deleted now (no new job can pin them) and removed from disk after the commit.
-// Removed from disk once the retention decision is committed.
-void Coordinator::Remove(Txn& txn, Removal removal) {
-  txn.on_commit.push_back([this, r = std::move(removal)] { pending_deletes_.push_back(r); });
-}
-
-void Coordinator::ApplyRetention(Txn& txn, const std::string& job_id) {
-  auto jit = table_->jobs().find(job_id);
-  if (jit == table_->jobs().end()) return;
-  const v1::CheckpointConfig& cfg = jit->second.spec().checkpoint();
-  const int keep_last = cfg.keep_last() > 0 ? cfg.keep_last() : 3;
-  std::vector<v1::CheckpointEntry*> intact;
-  for (const std::string& cid : jit->second.checkpoints()) {
-    auto it = table_->checkpoints().find(cid);
-    if (it != table_->checkpoints().end() && !it->second.deleted() &&
-        it->second.damaged().empty()) {
-      intact.push_back(&it->second);
-    }
-  }
-  std::sort(intact.begin(), intact.end(),
-            [](const auto* a, const auto* b) { return a->step() < b->step(); });
-  std::set<std::string> keep;
-  const size_t first_kept =
-      intact.size() > static_cast<size_t>(keep_last) ? intact.size() - keep_last : 0;
-  for (size_t i = first_kept; i < intact.size(); ++i) keep.insert(intact[i]->id());
-  for (const std::string& cid : jit->second.checkpoints()) {
-    auto it = table_->checkpoints().find(cid);
-    if (it == table_->checkpoints().end() || it->second.deleted() || keep.count(cid)) continue;
-    v1::CheckpointEntry& e = it->second;
-    if (cfg.keep_every() > 0 && e.step() % cfg.keep_every() == 0) continue;
-    if (!PinnedBy(cid).empty()) continue;
-    const std::string jobs_root = RemoteCheckpoints()
-                                      ? options_.checkpoint_store + "/jobs/"
-                                      : (fs::path(options_.storage_root) / "jobs").string() + "/";
-    if (!absl::StartsWith(e.path(), jobs_root)) continue;  // never delete outside jobs/
-    table_->SaveCheckpoint(txn, cid);
-    e.set_deleted(true);
-    txn.batch.PutCheckpoint(e);
-    Remove(txn, {e.path()});
-  }
-  // Steps a fenced attempt committed but never reported, older than what is kept: garbage.
-  if (intact.empty()) return;
-  const int64_t oldest_kept = intact[first_kept]->step();
-  if (RemoteCheckpoints()) {
-    Removal sweep{cfg.dir(), oldest_kept, cfg.keep_every(), {}};
-    for (const std::string& cid : jit->second.checkpoints()) {
-      auto it = table_->checkpoints().find(cid);
-      if (it != table_->checkpoints().end() && !it->second.deleted())
-        sweep.catalogued.insert(it->second.step());
-    }
-    Remove(txn, std::move(sweep));
-    return;
-  }
-  auto on_disk = storage::ListCheckpoints(cfg.dir());
-  if (!on_disk.ok()) return;
-  for (const storage::CheckpointRef& ref : *on_disk) {
-    if (ref.step < oldest_kept && !table_->checkpoints().count(CheckpointId(job_id, ref.step)) &&
-        (cfg.keep_every() == 0 || ref.step % cfg.keep_every() != 0)) {
-      Remove(txn, {ref.dir});
-    }
-  }
-}
-
 std::string Coordinator::CheckpointDirFor(const std::string& id, int64_t now) const {
   if (!RemoteCheckpoints()) {
     return (fs::path(options_.storage_root) / "jobs" / id / "checkpoints").string();
   }
   return absl::StrCat(options_.checkpoint_store, "/jobs/", id, "-", now, "/checkpoints");
-}
-
-void Coordinator::DeleteDirectories(std::vector<Removal> removals) {
-  for (const Removal& r : removals) {
-    if (r.sweep_before < 0) {
-      if (absl::Status s = storage::DeleteCheckpoint(r.dir); !s.ok()) {
-        std::cerr << "coordinator: retention: " << s.message() << "\n";
-      }
-      continue;
-    }
-    auto store = storage::OpenCheckpointStore(r.dir);
-    auto refs = store.ok() ? (*store)->List() : store.status();
-    if (!refs.ok()) {
-      std::cerr << "coordinator: retention: " << refs.status().message() << "\n";
-      continue;
-    }
-    for (const storage::CheckpointRef& ref : *refs) {
-      if (ref.step >= r.sweep_before || r.catalogued.count(ref.step) ||
-          (r.keep_every > 0 && ref.step % r.keep_every == 0)) {
-        continue;
-      }
-      if (absl::Status s = (*store)->Delete(ref.dir); !s.ok()) {
-        std::cerr << "coordinator: retention: " << s.message() << "\n";
-      }
-    }
-  }
 }
 
 const v1::CheckpointEntry* Coordinator::NewestIntactCheckpoint(const v1::Job& job) const {
@@ -282,34 +170,6 @@ const v1::CheckpointEntry* Coordinator::NewestIntactCheckpoint(const v1::Job& jo
     }
   }
   return newest;
-}
-
-// Retention's removals, once their decision is on disk, without the lock: local directories here,
-// an object store's on the remote remover's thread.
-void Coordinator::CarryOutRemovals(std::vector<Removal> deletes) {
-  // A heartbeat's retention decision may still wait for its group commit: no directory goes
-  // before the decision to delete it is on disk.
-  if (!deletes.empty() && !table_->store().SyncLogThrough(table_->store().LastSequence()).ok()) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    pending_deletes_.insert(pending_deletes_.end(), deletes.begin(), deletes.end());
-    return;
-  }
-  std::vector<Removal> remote;
-  for (auto it = deletes.begin(); it != deletes.end();) {
-    if (storage::IsRemoteLocation(it->dir)) {
-      remote.push_back(std::move(*it));
-      it = deletes.erase(it);
-    } else {
-      ++it;
-    }
-  }
-  if (!remote.empty()) {
-    std::lock_guard<std::mutex> lock(remote_mu_);
-    remote_removals_.insert(remote_removals_.end(), std::make_move_iterator(remote.begin()),
-                            std::make_move_iterator(remote.end()));
-    remote_cv_.notify_all();
-  }
-  DeleteDirectories(std::move(deletes));  // retention, without holding the lock
 }
 
 }  // namespace loom::coordinator

@@ -298,7 +298,7 @@ absl::StatusOr<v1::Job> Coordinator::UpdateJob(const std::string& id, const v1::
   txn.batch.PutJob(job);
   table_->AddEvent(txn, job, std::nullopt,
                    absl::StrCat(absl::StrJoin(changed, ", "), " by ", caller.user));
-  if (u.has_keep_last() || u.has_keep_every()) ApplyRetention(txn, id);
+  if (u.has_keep_last() || u.has_keep_every()) retention_->Apply(txn, id);
   LOOM_RETURN_IF_ERROR(table_->Commit(txn));
   wake_.notify_all();  // a raised priority may place it, or let it preempt
   return table_->jobs()[id];

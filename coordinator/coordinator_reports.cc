@@ -285,7 +285,7 @@ void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r
   ApplyResumeReport(txn, job, r);
   const size_t before = job.checkpoints_size();
   for (const auto& c : r.checkpoints()) CatalogueCheckpoint(txn, job, c.step(), c.path());
-  if (static_cast<size_t>(job.checkpoints_size()) != before) ApplyRetention(txn, job.id());
+  if (static_cast<size_t>(job.checkpoints_size()) != before) retention_->Apply(txn, job.id());
   RecordEvals(txn, job, r);
   const RankFailures failed = FailedRanks(r, wid);
   if (!failed.text.empty() && job.preempt_requested()) {
