@@ -2,14 +2,11 @@
 // and what is listed (retention itself: retention.h).
 #include <algorithm>
 #include <filesystem>
-#include <iostream>
 #include <map>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
