@@ -91,19 +91,6 @@ absl::Status WritePrivateFile(const std::string& path, const std::string& text) 
   return absl::OkStatus();
 }
 
-// A query parameter's value, percent-encoded (RFC 3986: all but unreserved characters).
-std::string QueryValue(const std::string& value) {
-  std::string out;
-  for (unsigned char c : value) {
-    if (std::isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      absl::StrAppendFormat(&out, "%%%02X", c);
-    }
-  }
-  return out;
-}
-
 std::string FormatTime(int64_t ms) {
   if (ms <= 0) return "-";
   return absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(ms), absl::LocalTimeZone());
@@ -309,7 +296,7 @@ class Cli {
       std::string path = "/v1/jobs?page_size=500";
       for (const char* filter : {"state", "label", "user"}) {
         if (args.Has(filter))
-          absl::StrAppend(&path, "&", filter, "=", QueryValue(args.Get(filter)));
+          absl::StrAppend(&path, "&", filter, "=", client::QueryValue(args.Get(filter)));
       }
       if (!token.empty()) absl::StrAppend(&path, "&page_token=", token);
       v1::ListJobsResponse page;
@@ -601,8 +588,8 @@ class Cli {
       }
       return absl::OkStatus();
     }
-    const std::string path =
-        absl::StrCat("/v1/quotas/", QueryValue(words.at(0)), "/", QueryValue(words.at(1)));
+    const std::string path = absl::StrCat("/v1/quotas/", client::QueryValue(words.at(0)), "/",
+                                          client::QueryValue(words.at(1)));
     if (action == "delete") {
       LOOM_RETURN_IF_ERROR(client_->Call("DELETE", path, nullptr, nullptr));
       std::cout << "removed the quota of " << words[0] << " " << words[1] << "\n";

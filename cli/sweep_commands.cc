@@ -225,26 +225,14 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
   return absl::OkStatus();
 }
 
-// A query parameter's value, percent-encoded (a cell name holds '=', ',', '[' and spaces).
-std::string QueryValue(const std::string& value) {
-  std::string out;
-  for (unsigned char ch : value) {
-    if (std::isalnum(ch) || ch == '_' || ch == '.' || ch == '-' || ch == '~') {
-      out += static_cast<char>(ch);
-    } else {
-      absl::StrAppend(&out, absl::StrFormat("%%%02X", ch));
-    }
-  }
-  return out;
-}
-
 absl::Status Report(client::RestClient& client, const std::string& id, const CliArgs& args,
                     Output output) {
   v1::SweepReport r;
   std::string query;
   for (const char* name : {"metric", "select", "length", "threshold", "baseline", "merge"}) {
     if (args.Has(name)) {
-      absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=", QueryValue(args.Get(name)));
+      absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=",
+                      client::QueryValue(args.Get(name)));
     }
   }
   LOOM_RETURN_IF_ERROR(

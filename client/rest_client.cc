@@ -4,11 +4,13 @@
 #include <httplib.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "loom/proto_json.h"
 #include "loom/spec.h"
 
@@ -16,6 +18,18 @@ namespace loom::client {
 
 std::string MessageToJson(const google::protobuf::Message& m, bool pretty, bool with_defaults) {
   return MessageToJsonText(m, pretty, with_defaults);
+}
+
+std::string QueryValue(const std::string& value) {
+  std::string out;
+  for (unsigned char c : value) {
+    if (std::isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      absl::StrAppendFormat(&out, "%%%02X", c);
+    }
+  }
+  return out;
 }
 
 std::string ErrorMessage(const std::string& body) {

@@ -80,6 +80,9 @@ inline constexpr char kHttpStatusPayload[] = "type.loom.dev/http-status";
 // with_defaults: also fields at their default values (0, "", false), as the coordinator prints.
 std::string MessageToJson(const google::protobuf::Message& m, bool pretty = false,
                           bool with_defaults = false);
+// A query parameter's value, percent-encoded (RFC 3986: all but unreserved characters; a sweep
+// cell's name holds '=', ',', '[' and spaces).
+std::string QueryValue(const std::string& value);
 // The "error" field of an error body, or the body itself.
 std::string ErrorMessage(const std::string& body);
 absl::Status StatusFromHttp(int status, const std::string& body);

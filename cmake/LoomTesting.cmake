@@ -14,12 +14,75 @@ if(NOT GTest_FOUND)
 endif()
 include(GoogleTest)
 
-function(loom_test name)
-  cmake_parse_arguments(T "TORCH" "TIMEOUT;COST" "SOURCES;LIBS;LABELS;ENV" ${ARGN})
-  add_executable(${name} ${T_SOURCES})
-  target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
-  if(T_TORCH)
+# loom_test_binary(NAME [TORCH] [LIBS ...]): one test executable shared by the loom_test(...
+# BINARY NAME) entries of a folder. Each LibTorch test file costs ~11 s to compile, mostly the
+# LibTorch templates and inline functions it instantiates; compiled together (a unity build) ten
+# of them cost about what three did alone. Every entry keeps its own ctest name, labels,
+# timeout, environment and process: it runs the binary with a filter on its own suites.
+function(loom_test_binary name)
+  cmake_parse_arguments(B "TORCH" "" "LIBS" ${ARGN})
+  add_executable(${name})
+  target_link_libraries(${name} PRIVATE ${B_LIBS} GTest::gtest GTest::gtest_main)
+  if(B_TORCH)
     loom_use_torch(${name})
+  endif()
+  set_target_properties(${name} PROPERTIES UNITY_BUILD ${LOOM_UNITY_BUILD} UNITY_BUILD_BATCH_SIZE 0)
+  # Once the folder has added its entries: a test of the binary that no entry's filter selects
+  # (a suite the filter's parse missed) fails this check instead of never running.
+  # (EVAL: a deferred call's arguments are expanded when it runs, where ${name} is not set.)
+  cmake_language(EVAL CODE "cmake_language(DEFER CALL loom_test_binary_coverage [[${name}]])")
+endfunction()
+
+function(loom_test_binary_coverage binary)
+  get_property(_all GLOBAL PROPERTY LOOM_TEST_FILTERS_${binary})
+  add_test(NAME ${binary}_runs_every_test COMMAND sh -c
+           "! \"$0\" --gtest_list_tests --gtest_filter=\"-$1\" | grep '^  '"
+           $<TARGET_FILE:${binary}> "${_all}")
+  set_tests_properties(${binary}_runs_every_test PROPERTIES LABELS unit TIMEOUT 60)
+endfunction()
+
+# The --gtest_filter selecting the suites SOURCES define (TEST, TEST_F, TEST_P; a suite's
+# parameterised instances are Prefix/Suite). Two entries of one binary may not share a suite.
+function(loom_test_filter out binary entry)
+  set(_patterns)
+  foreach(_src ${ARGN})
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${_src})  # new suites
+    file(STRINGS ${CMAKE_CURRENT_SOURCE_DIR}/${_src} _lines REGEX "^TEST(_F|_P)?\\(")
+    foreach(_line ${_lines})
+      string(REGEX REPLACE "^TEST(_F|_P)?\\( *([A-Za-z0-9_]+).*" "\\2" _suite "${_line}")
+      get_property(_owner GLOBAL PROPERTY LOOM_TEST_SUITE_${binary}_${_suite})
+      if(_owner AND NOT _owner STREQUAL entry)
+        message(FATAL_ERROR "${binary}: suite ${_suite} in both ${_owner} and ${entry}")
+      endif()
+      set_property(GLOBAL PROPERTY LOOM_TEST_SUITE_${binary}_${_suite} ${entry})
+      list(APPEND _patterns "${_suite}.*" "*/${_suite}.*")
+    endforeach()
+  endforeach()
+  list(REMOVE_DUPLICATES _patterns)
+  if(NOT _patterns)
+    message(FATAL_ERROR "${binary}: no TEST in ${ARGN}")
+  endif()
+  list(JOIN _patterns ":" _filter)
+  set_property(GLOBAL APPEND_STRING PROPERTY LOOM_TEST_FILTERS_${binary} "${_filter}:")
+  set(${out} ${_filter} PARENT_SCOPE)
+endfunction()
+
+# loom_test(NAME [TORCH] [BINARY B] SOURCES ... LIBS ... LABELS ... TIMEOUT s COST s ENV ...):
+# one ctest entry; its own executable NAME, or a filter on the shared binary B.
+function(loom_test name)
+  cmake_parse_arguments(T "TORCH" "TIMEOUT;COST;BINARY" "SOURCES;LIBS;LABELS;ENV" ${ARGN})
+  if(T_BINARY)
+    target_sources(${T_BINARY} PRIVATE ${T_SOURCES})
+    target_link_libraries(${T_BINARY} PRIVATE ${T_LIBS})
+    loom_test_filter(_filter ${T_BINARY} ${name} ${T_SOURCES})
+    add_test(NAME ${name} COMMAND ${T_BINARY} --gtest_filter=${_filter})
+  else()
+    add_executable(${name} ${T_SOURCES})
+    target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
+    if(T_TORCH)
+      loom_use_torch(${name})
+    endif()
+    add_test(NAME ${name} COMMAND ${name})
   endif()
   if(NOT T_LABELS)
     set(T_LABELS unit)
@@ -27,7 +90,6 @@ function(loom_test name)
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
-  add_test(NAME ${name} COMMAND ${name})
   set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
                        ENVIRONMENT "OMP_NUM_THREADS=1;LOOM_PLUGIN_PATH=${LOOM_PLUGIN_OUTPUT_DIR};LOOM_SOURCE_DIR=${PROJECT_SOURCE_DIR};${T_ENV}")
   # COST (seconds, measured): a fresh clone has no timings, and ctest -j starts costly tests first.

@@ -7,11 +7,7 @@ namespace {
 
 class ByteTokenizer : public Tokenizer {
  public:
-  std::vector<uint32_t> Encode(std::string_view text) const override {
-    std::vector<uint32_t> out(text.size());
-    for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
-    return out;
-  }
+  std::vector<uint32_t> Encode(std::string_view text) const override { return EncodeBytes(text); }
   std::string Decode(const std::vector<uint32_t>& ids) const override {
     std::string out;
     for (uint32_t id : ids) out.push_back(static_cast<char>(id & 0xff));
@@ -25,5 +21,11 @@ class ByteTokenizer : public Tokenizer {
 }  // namespace
 
 std::unique_ptr<Tokenizer> MakeByteTokenizer() { return std::make_unique<ByteTokenizer>(); }
+
+std::vector<uint32_t> EncodeBytes(std::string_view text) {
+  std::vector<uint32_t> out(text.size());
+  for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
+  return out;
+}
 
 }  // namespace loom::data

@@ -13,11 +13,6 @@
 namespace loom::data {
 namespace {
 
-// Byte-level ids, as the default tokenizer encodes text.
-std::vector<uint32_t> EncodeBytes(std::string_view text) {
-  return MakeByteTokenizer()->Encode(text);
-}
-
 TEST(ChatTest, ParsesBothFormats) {
   auto ot = ParseChatLine(
       R"({"system": "Think.", "conversations": [{"from": "user", "value": "2+2?"}, {"from": "assistant", "value": "4"}]})",

@@ -25,6 +25,8 @@ class Tokenizer {
 
 // The byte-level tokenizer (in loom_data: usable without libsentencepiece).
 std::unique_ptr<Tokenizer> MakeByteTokenizer();
+// Its encoding as a function (one id per byte), for callers that take an encoder.
+std::vector<uint32_t> EncodeBytes(std::string_view text);
 
 // kind "byte" (model ignored), "sentencepiece" (model = path of a .model file), "bpe" (model =
 // a Hugging Face tokenizer.json; bpe_tokenizer.h) or the path of a tokenizer.json itself.

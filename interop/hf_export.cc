@@ -1,5 +1,4 @@
 // loom-train export-hf: a Loom checkpoint as a Hugging Face model folder (hf_folder.h).
-#include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -23,24 +22,11 @@
 
 namespace loom::interop {
 namespace fs = std::filesystem;
-using Json = nlohmann::ordered_json;
+using OrderedJson = nlohmann::ordered_json;
 
 namespace {
 
 constexpr char kModelPrefix[] = "model.";
-
-absl::StatusOr<v1::JobSpec> RecordedSpec(const storage::LoadedCheckpoint& c) {
-  auto it = c.manifest.state.find("spec");
-  if (it == c.manifest.state.end())
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint: ", c.dir, " records no job spec (written by an old Loom)"));
-  v1::JobSpec spec;
-  google::protobuf::util::JsonParseOptions parse;
-  parse.ignore_unknown_fields = true;
-  if (!google::protobuf::util::JsonStringToMessage(it->second, &spec, parse).ok())
-    return absl::DataLossError(absl::StrCat("checkpoint: ", c.dir, ": unreadable job spec"));
-  return spec;
-}
 
 // Llama for all-global SwiGLU stacks with RoPE, Mistral for all-local ones with one window and
 // no biases (its attention has none); everything else needs Loom's own modeling file.
@@ -57,10 +43,10 @@ std::string ChooseArchitecture(const v1::ModelConfig& m,
   return "LoomIhaForCausalLM";
 }
 
-Json LayersJson(const std::vector<LayerAttention>& layers) {
-  Json out = Json::array();
+OrderedJson LayersJson(const std::vector<LayerAttention>& layers) {
+  OrderedJson out = OrderedJson::array();
   for (const LayerAttention& l : layers) {
-    Json j = {{"kind", l.kind}, {"window", l.window}};
+    OrderedJson j = {{"kind", l.kind}, {"window", l.window}};
     if (l.kind == "iha") {
       j["p"] = l.p;
       j["mask"] = l.mask;
@@ -73,10 +59,10 @@ Json LayersJson(const std::vector<LayerAttention>& layers) {
   return out;
 }
 
-Json ConfigJson(const std::string& arch, const v1::ModelConfig& m,
-                const std::vector<LayerAttention>& layers, int64_t eos) {
-  Json c;
-  c["architectures"] = Json::array({arch});
+OrderedJson ConfigJson(const std::string& arch, const v1::ModelConfig& m,
+                       const std::vector<LayerAttention>& layers, int64_t eos) {
+  OrderedJson c;
+  c["architectures"] = OrderedJson::array({arch});
   c["model_type"] = arch == "LlamaForCausalLM"     ? "llama"
                     : arch == "MistralForCausalLM" ? "mistral"
                                                    : "loom_iha";
@@ -180,14 +166,14 @@ absl::Status WriteWeights(const fs::path& out, const std::vector<NamedTensor>& t
   summary->tensors = static_cast<int64_t>(tensors.size());
   if (shards.size() == 1)
     return storage::Write((out / "model.safetensors").string(), shards[0], metadata);
-  Json weight_map = Json::object();
+  OrderedJson weight_map = OrderedJson::object();
   for (size_t i = 0; i < shards.size(); ++i) {
     const std::string file =
         absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1, shards.size());
     LOOM_RETURN_IF_ERROR(storage::Write((out / file).string(), shards[i], metadata));
     for (const auto& t : shards[i]) weight_map[t.name] = file;
   }
-  Json index = {{"metadata", {{"total_size", summary->bytes}}}, {"weight_map", weight_map}};
+  OrderedJson index = {{"metadata", {{"total_size", summary->bytes}}}, {"weight_map", weight_map}};
   return WriteText(out / "model.safetensors.index.json", index.dump(2) + "\n");
 }
 
@@ -217,9 +203,9 @@ std::string ByteChar(int b) {
 // bytes (id = byte value) and no merges; ids past 255 (an SFT model's role tokens) are named
 // <|loom_reserved_ID|>.
 std::string ByteTokenizerJson(int64_t vocab_size) {
-  Json vocab = Json::object();
+  OrderedJson vocab = OrderedJson::object();
   for (int b = 0; b < 256; ++b) vocab[ByteChar(b)] = b;
-  Json added = Json::array();
+  OrderedJson added = OrderedJson::array();
   for (int64_t id = 256; id < vocab_size; ++id) {
     added.push_back({{"id", id},
                      {"content", absl::StrCat("<|loom_reserved_", id, "|>")},
@@ -229,29 +215,29 @@ std::string ByteTokenizerJson(int64_t vocab_size) {
                      {"normalized", false},
                      {"special", true}});
   }
-  Json byte_level = {{"type", "ByteLevel"},
-                     {"add_prefix_space", false},
-                     {"trim_offsets", false},
-                     {"use_regex", true}};
-  Json t = {{"version", "1.0"},
-            {"truncation", nullptr},
-            {"padding", nullptr},
-            {"added_tokens", added},
-            {"normalizer", nullptr},
-            {"pre_tokenizer", byte_level},
-            {"post_processor", nullptr},
-            {"decoder", byte_level},
-            {"model",
-             {{"type", "BPE"},
-              {"dropout", nullptr},
-              {"unk_token", nullptr},
-              {"continuing_subword_prefix", nullptr},
-              {"end_of_word_suffix", nullptr},
-              {"fuse_unk", false},
-              {"byte_fallback", false},
-              {"ignore_merges", false},
-              {"vocab", vocab},
-              {"merges", Json::array()}}}};
+  OrderedJson byte_level = {{"type", "ByteLevel"},
+                            {"add_prefix_space", false},
+                            {"trim_offsets", false},
+                            {"use_regex", true}};
+  OrderedJson t = {{"version", "1.0"},
+                   {"truncation", nullptr},
+                   {"padding", nullptr},
+                   {"added_tokens", added},
+                   {"normalizer", nullptr},
+                   {"pre_tokenizer", byte_level},
+                   {"post_processor", nullptr},
+                   {"decoder", byte_level},
+                   {"model",
+                    {{"type", "BPE"},
+                     {"dropout", nullptr},
+                     {"unk_token", nullptr},
+                     {"continuing_subword_prefix", nullptr},
+                     {"end_of_word_suffix", nullptr},
+                     {"fuse_unk", false},
+                     {"byte_fallback", false},
+                     {"ignore_merges", false},
+                     {"vocab", vocab},
+                     {"merges", OrderedJson::array()}}}};
   return t.dump() + "\n";
 }
 
@@ -268,9 +254,9 @@ absl::StatusOr<std::pair<std::string, int64_t>> WriteTokenizer(const fs::path& o
       return std::make_pair(absl::StrCat("none (", shards.status().message(), ")"), int64_t{-1});
     described = (*shards)->index().tokenizer;
   }
-  Json config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
-                 {"model_max_length", spec.model().max_seq_len()},
-                 {"clean_up_tokenization_spaces", false}};
+  OrderedJson config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                        {"model_max_length", spec.model().max_seq_len()},
+                        {"clean_up_tokenization_spaces", false}};
   if (described == "byte") {
     LOOM_RETURN_IF_ERROR(
         WriteText(out / "tokenizer.json", ByteTokenizerJson(spec.model().vocab_size())));
@@ -309,7 +295,7 @@ absl::Status PrepareOutput(const std::string& dir) {
 absl::StatusOr<ExportSummary> ExportHuggingFace(const ExportOptions& options) {
   LOOM_ASSIGN_OR_RETURN(storage::LoadedCheckpoint loaded,
                         storage::LoadNamedCheckpoint(options.checkpoint));
-  LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, RecordedSpec(loaded));
+  LOOM_ASSIGN_OR_RETURN(v1::JobSpec spec, RecordedSpec(loaded.manifest.state, loaded.dir));
   LOOM_ASSIGN_OR_RETURN(v1::ModelConfig model, ResolveModelConfig(spec.model()));
   *spec.mutable_model() = model;
   LOOM_ASSIGN_OR_RETURN(std::vector<LayerAttention> layers, ResolveLayers(model));
@@ -324,13 +310,13 @@ absl::StatusOr<ExportSummary> ExportHuggingFace(const ExportOptions& options) {
   LOOM_RETURN_IF_ERROR(
       WriteWeights(out, tensors, std::max<uint64_t>(1, options.max_shard_bytes), &summary));
   LOOM_ASSIGN_OR_RETURN(auto tokenizer, WriteTokenizer(out, spec));
-  Json config = ConfigJson(summary.architecture, model, layers, tokenizer.second);
+  OrderedJson config = ConfigJson(summary.architecture, model, layers, tokenizer.second);
   config["loom"] = {{"checkpoint", loaded.dir},
                     {"step", loaded.manifest.step},
                     {"spec_hash", loaded.manifest.spec_hash},
                     {"tokenizer", tokenizer.first}};
   LOOM_RETURN_IF_ERROR(WriteText(out / "config.json", config.dump(2) + "\n"));
-  Json generation = {{"_from_model_config", true}, {"max_length", model.max_seq_len()}};
+  OrderedJson generation = {{"_from_model_config", true}, {"max_length", model.max_seq_len()}};
   if (tokenizer.second >= 0) generation["eos_token_id"] = tokenizer.second;
   LOOM_RETURN_IF_ERROR(WriteText(out / "generation_config.json", generation.dump(2) + "\n"));
   if (summary.architecture == "LoomIhaForCausalLM")

@@ -698,20 +698,35 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   return j;
 }
 
+absl::StatusOr<v1::JobSpec> RecordedSpec(const std::map<std::string, std::string>& state,
+                                         const std::string& dir) {
+  auto it = state.find("spec");
+  if (it == state.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint: ", dir, " records no job spec (written by an old Loom)"));
+  }
+  v1::JobSpec spec;
+  google::protobuf::util::JsonParseOptions parse;
+  parse.ignore_unknown_fields = true;
+  if (!google::protobuf::util::JsonStringToMessage(it->second, &spec, parse).ok())
+    return absl::DataLossError(absl::StrCat("checkpoint: ", dir, ": unreadable job spec"));
+  return spec;
+}
+
 absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifest_json,
                                    const std::string& source) {
   if (spec->kind() != "eval" || spec->has_model() || !spec->preset().empty())
     return absl::OkStatus();
   absl::StatusOr<storage::Manifest> m = storage::ManifestFromJson(manifest_json, source);
   if (!m.ok()) return absl::InvalidArgumentError(absl::StrCat("model: ", m.status().message()));
-  const auto recorded_spec = m->state.find("spec");
-  if (recorded_spec == m->state.end()) {
+  if (!m->state.count("spec")) {
     return absl::InvalidArgumentError(absl::StrCat(
         "model: ", source, " records no job spec to take the model from; give model or preset"));
   }
-  v1::JobSpec recorded;
-  LOOM_RETURN_IF_ERROR(ParseJsonMessage(recorded_spec->second, source + " (spec)", &recorded));
-  *spec->mutable_model() = recorded.model();
+  absl::StatusOr<v1::JobSpec> recorded = RecordedSpec(m->state, source);
+  if (!recorded.ok())
+    return absl::InvalidArgumentError(absl::StrCat("model: ", recorded.status().message()));
+  *spec->mutable_model() = recorded->model();
   return absl::OkStatus();
 }
 

@@ -6,6 +6,7 @@
 
 #include <google/protobuf/struct.pb.h>
 
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +51,12 @@ absl::StatusOr<std::string> YamlToJson(const std::string& yaml, const std::strin
 // model and validates everything, including cross-field consistency (seq_len <= max_seq_len,
 // windows, vocabulary vs tokenizer, precision vs device).
 absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& spec);
+
+// The job spec a checkpoint recorded in its manifest's state ("spec": the JSON the trainer wrote;
+// fields a newer Loom added are ignored). FailedPrecondition when it records none (written by an
+// old Loom), DataLoss when it does not parse; `dir` names the checkpoint in both.
+absl::StatusOr<v1::JobSpec> RecordedSpec(const std::map<std::string, std::string>& state,
+                                         const std::string& dir);
 
 // Eval jobs may leave `model` out: it is taken from the job spec a checkpoint recorded in its
 // manifest (the text of manifest.json, parsed by storage::ManifestFromJson; `source` names it in

@@ -19,13 +19,13 @@ namespace {
 
 using Factory = std::function<std::shared_ptr<AttentionLayer>()>;
 
-struct Case {
+struct KvCacheCase {
   std::string name;
   Factory make;
 };
 
-std::vector<Case> Cases() {
-  std::vector<Case> cases;
+std::vector<KvCacheCase> KvCacheCases() {
+  std::vector<KvCacheCase> cases;
   cases.push_back({"mha", [] {
                      return std::make_shared<MultiHeadAttention>(TestSpec(16, 4, 4, true, 0, 100),
                                                                  "mha", false);
@@ -73,7 +73,7 @@ std::vector<Case> Cases() {
 torch::Tensor Arange(int64_t from, int64_t to) { return torch::arange(from, to, torch::kInt64); }
 
 TEST(KvCache, ChunkedDecodingEqualsFullForward) {
-  for (const Case& c : Cases()) {
+  for (const KvCacheCase& c : KvCacheCases()) {
     torch::manual_seed(5);
     auto layer = c.make();
     layer->to(torch::kFloat64);
@@ -100,7 +100,7 @@ TEST(KvCache, ChunkedDecodingEqualsFullForward) {
 }
 
 TEST(KvCache, LeftPaddedBatchEqualsEachRowAlone) {
-  for (const Case& c : Cases()) {
+  for (const KvCacheCase& c : KvCacheCases()) {
     torch::manual_seed(6);
     auto layer = c.make();
     layer->to(torch::kFloat64);
@@ -137,7 +137,7 @@ TEST(KvCache, LeftPaddedBatchEqualsEachRowAlone) {
 }
 
 TEST(KvCache, SlidingWindowsKeepTheCacheBounded) {
-  for (const Case& c : Cases()) {
+  for (const KvCacheCase& c : KvCacheCases()) {
     if (c.name.find("W=") == std::string::npos || c.name.find("W=0") != std::string::npos) continue;
     auto layer = c.make();
     layer->to(torch::kFloat64);

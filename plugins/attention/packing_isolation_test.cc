@@ -19,13 +19,13 @@ namespace {
 
 using Factory = std::function<std::shared_ptr<AttentionLayer>()>;
 
-struct Case {
+struct PackingCase {
   std::string name;
   Factory make;
 };
 
-std::vector<Case> Cases() {
-  std::vector<Case> cases;
+std::vector<PackingCase> PackingCases() {
+  std::vector<PackingCase> cases;
   cases.push_back({"mha", [] {
                      return std::make_shared<MultiHeadAttention>(TestSpec(16, 4, 4, true, 0, 100),
                                                                  "mha", false);
@@ -64,7 +64,7 @@ std::vector<Case> Cases() {
 }
 
 TEST(PackingIsolation, EveryPluginSeesOnlyItsOwnExample) {
-  for (const Case& c : Cases()) {
+  for (const PackingCase& c : PackingCases()) {
     torch::manual_seed(11);
     std::shared_ptr<AttentionLayer> layer = c.make();
     layer->to(torch::kFloat64);

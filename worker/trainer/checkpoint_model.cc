@@ -1,7 +1,5 @@
 #include "worker/trainer/checkpoint_model.h"
 
-#include <google/protobuf/util/json_util.h>
-
 #include <cmath>
 #include <limits>
 #include <map>
@@ -25,16 +23,7 @@ absl::StatusOr<CheckpointModel> LoadCheckpointModel(const std::string& where,
   CheckpointModel out;
   out.dir = loaded.dir;
   out.step = loaded.manifest.step;
-  auto spec_json = loaded.manifest.state.find("spec");
-  if (spec_json == loaded.manifest.state.end()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint: ", loaded.dir, " records no job spec (written by an old Loom)"));
-  }
-  google::protobuf::util::JsonParseOptions parse;
-  parse.ignore_unknown_fields = true;
-  if (!google::protobuf::util::JsonStringToMessage(spec_json->second, &out.spec, parse).ok()) {
-    return absl::DataLossError(absl::StrCat("checkpoint: ", loaded.dir, ": unreadable job spec"));
-  }
+  LOOM_ASSIGN_OR_RETURN(out.spec, RecordedSpec(loaded.manifest.state, loaded.dir));
   if (out.spec.model().mode() != "decoder") {
     return absl::FailedPreconditionError(
         absl::StrCat("checkpoint: ", loaded.dir, " holds an encoder (", out.spec.model().mode(),

@@ -14,11 +14,6 @@
 namespace loom::trainer {
 namespace {
 
-// Byte-level ids, as the default tokenizer encodes text.
-std::vector<uint32_t> EncodeBytes(std::string_view text) {
-  return data::MakeByteTokenizer()->Encode(text);
-}
-
 class SftPluginTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -76,16 +71,16 @@ TEST_F(SftPluginTest, LossMasksAndTemplate) {
   SftObjectivePtr all = Make("{}");
   ASSERT_TRUE(all);
   EXPECT_EQ(all->VocabSize(), 260);
-  const EncodedConversation e = all->Encode(TwoTurns(), EncodeBytes);
+  const EncodedConversation e = all->Encode(TwoTurns(), data::EncodeBytes);
   ASSERT_EQ(e.tokens.size(), e.loss_mask.size());
   EXPECT_EQ(Scored(e), "yo|4|");  // both answers and their <|end|>, nothing else
   SftObjectivePtr last = Make(R"({"loss": "last_assistant"})");
-  EXPECT_EQ(Scored(last->Encode(TwoTurns(), EncodeBytes)), "4|");
+  EXPECT_EQ(Scored(last->Encode(TwoTurns(), data::EncodeBytes)), "4|");
   // Same tokens either way: the option changes targets only.
-  EXPECT_EQ(last->Encode(TwoTurns(), EncodeBytes).tokens, e.tokens);
+  EXPECT_EQ(last->Encode(TwoTurns(), data::EncodeBytes).tokens, e.tokens);
 
   SftObjectivePtr system = Make(R"({"system_prompt": "be brief"})");
-  const auto prompt = system->Prompt(TwoTurns(), EncodeBytes);
+  const auto prompt = system->Prompt(TwoTurns(), data::EncodeBytes);
   EXPECT_EQ(prompt.front(), 256u);  // <|system|>
   EXPECT_EQ(prompt.back(), 258u);   // ends with <|assistant|>: the model answers next
   const auto stops = all->StopTokens();
@@ -94,7 +89,7 @@ TEST_F(SftPluginTest, LossMasksAndTemplate) {
 
 TEST_F(SftPluginTest, TruncationPolicies) {
   SftObjectivePtr head = Make("{}"), drop = Make(R"({"truncate": "drop"})");
-  EncodedConversation e = head->Encode(TwoTurns(), EncodeBytes);
+  EncodedConversation e = head->Encode(TwoTurns(), data::EncodeBytes);
   const int64_t n = static_cast<int64_t>(e.tokens.size());
   EncodedConversation cut = e;
   ASSERT_TRUE(head->Truncate(&cut, n - 2));  // keeps the first n - 2 tokens

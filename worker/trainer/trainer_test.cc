@@ -22,11 +22,6 @@
 namespace loom::trainer {
 namespace {
 
-// Byte-level ids, as the default tokenizer encodes text.
-std::vector<uint32_t> EncodeBytes(std::string_view text) {
-  return data::MakeByteTokenizer()->Encode(text);
-}
-
 class TrainerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -582,7 +577,8 @@ TEST(ChatSampler, ScoresOnlyAssistantTokensAndRestartsPositions) {
   data::Conversation a{{{data::Role::kUser, "q1"}, {data::Role::kAssistant, "a1"}}};
   data::Conversation b{{{data::Role::kUser, "q22"}, {data::Role::kAssistant, "b"}}};
   auto rows = std::make_shared<const std::vector<data::PackedRow>>(data::Pack(
-      {data::EncodeChat(a, chat, EncodeBytes), data::EncodeChat(b, chat, EncodeBytes)}, 17, 0));
+      {data::EncodeChat(a, chat, data::EncodeBytes), data::EncodeChat(b, chat, data::EncodeBytes)},
+      17, 0));
   ASSERT_EQ(rows->size(), 1u);
   ChatSampler sampler(rows, 1);
   TrainBatch batch = sampler.Next(2);
@@ -613,7 +609,7 @@ TEST(ChatSampler, PromptPositionsCannotChangeTheLoss) {
   data::ChatTemplate chat;
   data::Conversation a{{{data::Role::kUser, "what?"}, {data::Role::kAssistant, "this"}}};
   auto rows = std::make_shared<const std::vector<data::PackedRow>>(
-      data::Pack({data::EncodeChat(a, chat, EncodeBytes)}, 14, 0));
+      data::Pack({data::EncodeChat(a, chat, data::EncodeBytes)}, 14, 0));
   ChatSampler sampler(rows, 3);
   TrainBatch batch = sampler.Next(1);
   torch::manual_seed(2);
@@ -656,7 +652,7 @@ TEST(Corpus, DeterministicBySeed) {
 }
 
 TEST(WindowSampler, StateRestoresTheCursor) {
-  const std::vector<uint32_t> ids = EncodeBytes(GenerateCorpus(1, 4096));
+  const std::vector<uint32_t> ids = data::EncodeBytes(GenerateCorpus(1, 4096));
   auto tokens = std::make_shared<VectorTokenStream>(std::vector<int64_t>(ids.begin(), ids.end()));
   WindowSampler a(tokens, 16, 7);
   a.Next(2);

@@ -13,7 +13,7 @@
 namespace loom::attention::iha {
 namespace {
 
-struct Case {
+struct FusedCase {
   Mask mask;
   int64_t window;
   double rope;
@@ -25,7 +25,7 @@ struct Case {
   int64_t block = 0;  // FusedOptions::block_tokens (0: the default)
 };
 
-std::string Name(const Case& c) {
+std::string Name(const FusedCase& c) {
   return "mask=" + std::to_string(static_cast<int>(c.mask)) +
          " window=" + std::to_string(c.window) + " rope=" + std::to_string(c.rope) +
          " phase=" + std::to_string(static_cast<int>(c.phase)) + " p=" + std::to_string(c.p) +
@@ -34,7 +34,7 @@ std::string Name(const Case& c) {
          " block=" + std::to_string(c.block);
 }
 
-void ExpectMatchesReference(const Case& c, uint64_t seed) {
+void ExpectMatchesReference(const FusedCase& c, uint64_t seed) {
   torch::manual_seed(seed);
   const int64_t b = 2, h = 3, dk = 4, dv = 6;
   auto f64 = torch::TensorOptions().dtype(torch::kFloat64);

@@ -97,7 +97,7 @@ torch::Tensor LoopReference(MultiHeadAttention& m, const torch::Tensor& x,
   return y;
 }
 
-struct Case {
+struct MhaCase {
   int64_t d_model, heads, head_dim;
   bool causal;
   int64_t window;
@@ -105,13 +105,13 @@ struct Case {
 };
 
 TEST(MultiHeadAttention, MatchesLoopReference) {
-  const Case cases[] = {
+  const MhaCase cases[] = {
       {16, 4, 4, true, 0, 0},      {16, 4, 4, true, 0, 10000}, {16, 2, 6, true, 3, 500000},
       {12, 3, 4, false, 0, 10000}, {12, 3, 4, false, 2, 100},  {8, 1, 8, true, 1, 10000},
       {8, 2, 4, true, 64, 10000},
   };
   for (const std::string kernel : {"fused", "reference"}) {
-    for (const Case& c : cases) {
+    for (const MhaCase& c : cases) {
       auto spec = TestSpec(c.d_model, c.heads, c.head_dim, c.causal, c.window, c.theta);
       auto m = Make(spec, kernel);
       torch::manual_seed(3);

@@ -32,7 +32,7 @@
 namespace loom::attention::iha {
 namespace {
 
-struct Case {
+struct EmulationCase {
   Mask mask;
   int64_t window;
   double rope;
@@ -43,7 +43,7 @@ struct Case {
   bool segments;
 };
 
-std::string Name(const Case& c, torch::ScalarType t) {
+std::string Name(const EmulationCase& c, torch::ScalarType t) {
   return std::string(c10::toString(t)) + " mask=" + std::to_string(static_cast<int>(c.mask)) +
          " window=" + std::to_string(c.window) + " rope=" + std::to_string(c.rope) +
          " phase=" + std::to_string(static_cast<int>(c.phase)) + " p=" + std::to_string(c.p) +
@@ -53,7 +53,8 @@ std::string Name(const Case& c, torch::ScalarType t) {
 
 // Returns the worst relative error over the output and the six gradients (and fails the test
 // above `tol`).
-double ExpectMatchesReference(const Case& c, torch::ScalarType dtype, uint64_t seed, double tol) {
+double ExpectMatchesReference(const EmulationCase& c, torch::ScalarType dtype, uint64_t seed,
+                              double tol) {
   torch::manual_seed(seed);
   CudaKernelCheck check;
   check.n = c.n;
@@ -117,7 +118,7 @@ TEST(IhaCudaEmulationTest, BFloat16AndFloat16Inputs) {
     for (int64_t window : {0, 3}) {
       for (double rope : {0.0, 10000.0}) {
         for (bool segments : {false, true}) {
-          const Case c{mask, window, rope, RopePhase::kInterleaved, 2, 33, 16, segments};
+          const EmulationCase c{mask, window, rope, RopePhase::kInterleaved, 2, 33, 16, segments};
           worst_bf16 =
               std::max(worst_bf16, ExpectMatchesReference(c, torch::kBFloat16, seed++, 5e-2));
           worst_f16 = std::max(worst_f16, ExpectMatchesReference(c, torch::kFloat16, seed++, 1e-2));
