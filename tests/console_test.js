@@ -1,7 +1,9 @@
 // The web console in a real browser: Debian's headless Chromium driven by puppeteer-core against
 // a live `loom up` (coordinator + one worker, real training on the CPU). It logs in, finds the
 // demo job, checks that the loss chart holds exactly the points the trainer logged (read from
-// the page's chart data, compared with the trainer's JSONL), follows the log to its end, gets a
+// the page's chart data, compared with the trainer's JSONL) and that what a person sees holds
+// together (charts inside their panels at 1280 and 390 px, axis labels distinct, nothing added by
+// the refreshes), follows the log to its end, gets a
 // field error for an invalid spec next to its line, submits and cancels a job, fine-tunes from a
 // checkpoint and opens the lineage of the fine-tune. Screenshots of each page go to --out.
 //
@@ -92,6 +94,31 @@ async function shot(page, name, fullPage = false) {
   await page.screenshot({ path: path.join(out, `${name}.png`), fullPage });
 }
 const textOf = (page, sel) => page.$eval(sel, (el) => el.textContent);
+
+// What a person sees of a job page's charts: four of them, each canvas inside its panel.
+async function checkChartsFit(page, where) {
+  await page.waitForSelector('#chart-learning_rate canvas');
+  await sleep(300);  // a layout and its resize observations
+  const boxes = await page.$$eval('figure.chart', (figs) => figs.map((f) => {
+    const r = f.getBoundingClientRect(), c = f.querySelector('canvas')?.getBoundingClientRect();
+    return { id: f.id, panel: [r.left, r.right], canvas: c ? [c.left, c.right] : null };
+  }));
+  assert.equal(boxes.length, 4, `${where}: ${boxes.map((b) => b.id)}`);
+  for (const b of boxes) {
+    assert.ok(b.canvas && b.canvas[0] >= b.panel[0] - 0.5 && b.canvas[1] <= b.panel[1] + 0.5,
+      `${where}: ${b.id}'s canvas ${b.canvas} is not inside its panel ${b.panel}`);
+  }
+}
+
+// Every element of the page by tag, id and class, counted: a refresh must not add any.
+const elementCounts = (page) => page.$$eval('main *', (els) => {
+  const n = {};
+  for (const e of els) {
+    const key = `${e.tagName}${e.id ? `#${e.id}` : ''}.${[...e.classList].sort().join('.')}`;
+    n[key] = (n[key] || 0) + 1;
+  }
+  return n;
+});
 async function setEditor(page, text) {
   await page.$eval('#spec-editor', (el, v) => {
     el.value = v;
@@ -157,6 +184,7 @@ async function main() {
   // The job page: the log is followed while the job runs, to its last line.
   await page.click(`tr[data-job="${demoId}"] a`);
   await page.waitForSelector('#chart-loss');
+  await checkChartsFit(page, 'the running job at 1280x800');
   await waitFor('log lines', () => page.$eval('#log', (el) => /\[rank 0\]/.test(el.textContent)));
   const early = (await textOf(page, '#log')).length;
   await shot(page, 'job-running');
@@ -194,6 +222,21 @@ async function main() {
   const steps = [...new Set([...train.xs, ...evalLine.xs])].sort((a, b) => a - b);
   assert.deepEqual(uplotX, steps, 'uPlot was given every step');
   assert.match(await textOf(page, '#timeline'), /checkpoint at step 150/);
+  assert.doesNotMatch(await textOf(page, '#timeline'), /#-/, 'an event without an attempt shows none');
+  // Ten seconds (five refreshes) on the finished job's page change none of its elements; the
+  // resolved spec is there once; every chart's axis labels can be told apart.
+  const before = await elementCounts(page);
+  await sleep(10000);
+  assert.deepEqual(await elementCounts(page), before, 'the refreshes changed the page\'s elements');
+  assert.equal(await page.$$eval('details.spec', (els) => els.length), 1);
+  const ids = await page.$$eval('[id]', (els) => els.map((e) => e.id));
+  assert.equal(new Set(ids).size, ids.length, `ids repeated: ${ids}`);
+  const ticks = await page.evaluate(() => Object.fromEntries(Object.entries(window.loomConsole.charts)
+    .map(([name, c]) => [name, (c.ticks || []).filter(Boolean)])));
+  for (const [name, shown] of Object.entries(ticks)) {
+    assert.equal(new Set(shown).size, shown.length, `${name}: axis labels ${shown}`);
+  }
+  assert.ok(ticks.learning_rate.length >= 3, `learning-rate axis labels: ${ticks.learning_rate}`);
   await shot(page, 'job', true);
   console.log(`ok: chart = ${logged.length} logged steps, log followed to its end`);
 
@@ -312,6 +355,7 @@ async function main() {
   for (const [view, name] of [['#/jobs', 'phone-jobs'], [`#/jobs/${demoId}`, 'phone-job'], ['#/submit', 'phone-submit']]) {
     await page.goto(`${base}/${view}`);
     await page.waitForSelector('#page-title');
+    if (name === 'phone-job') await checkChartsFit(page, 'a job at 390 px');
     await sleep(800);
     const width = await page.evaluate(() => document.documentElement.scrollWidth);
     assert.ok(width <= 391, `${view} is ${width}px wide at phone width`);

@@ -53,11 +53,22 @@
 
   // ---- formatting ------------------------------------------------------------------------
   const num = (x) => (typeof x === 'number' ? x : Number(x)); // int64 arrives as a string
-  function fmt(x, digits = 4) {
+  function fmt(x, digits = 4, expDigits = 2) {
     const v = num(x);
     if (!Number.isFinite(v)) return x === undefined ? '' : String(x);
-    if (v !== 0 && (Math.abs(v) >= 1e5 || Math.abs(v) < 1e-3)) return v.toExponential(2);
+    if (v !== 0 && (Math.abs(v) >= 1e5 || Math.abs(v) < 1e-3)) return v.toExponential(expDigits);
     return String(Number(v.toPrecision(digits)));
+  }
+  // Axis tick labels with the fewest significant digits that write every tick exactly (0.25, not
+  // 0.3) and so tell them apart (two ticks of a learning-rate axis must not both read "0.001").
+  function tickLabels(splits) {
+    const scale = Math.max(...splits.map((v) => Math.abs(v || 0)));
+    for (let digits = 1; digits <= 8; digits++) {
+      const labels = splits.map((v) => (v == null ? '' : fmt(v, digits, digits - 1)));
+      const exact = splits.every((v, i) => v == null || Math.abs(Number(labels[i]) - v) <= 1e-9 * scale);
+      if (exact && new Set(labels.filter(Boolean)).size === labels.filter(Boolean).length) return labels;
+    }
+    return splits.map((v) => (v == null ? '' : String(v)));
   }
   function fmtTime(ms) {
     const v = num(ms);
@@ -234,6 +245,7 @@
     const id = decodeURIComponent(rawId);
     const head = h('div', { class: 'job-head' });
     const summary = h('dl', { class: 'summary' });
+    const spec = h('details', { class: 'spec' }, h('summary', {}, 'Resolved spec'), h('pre', { id: 'spec' }));
     const charts = h('div', { class: 'charts' });
     const evals = h('div');
     const reasoning = h('div');
@@ -241,7 +253,7 @@
     const log = h('pre', { id: 'log', class: 'log', tabindex: '0', 'aria-label': 'Job log' });
     const follow = h('input', { type: 'checkbox', id: 'follow', checked: true });
     const logStatus = h('span', { class: 'help', id: 'log-status' });
-    page(id, head, summary,
+    page(id, head, summary, spec,
       h('section', { 'aria-labelledby': 'h-curves' }, h('h2', { id: 'h-curves' }, 'Curves'), charts),
       h('section', { 'aria-labelledby': 'h-evals' }, h('h2', { id: 'h-evals' }, 'Evaluations'), evals, reasoning),
       h('section', { 'aria-labelledby': 'h-timeline' }, h('h2', { id: 'h-timeline' }, 'Timeline'), timeline),
@@ -249,15 +261,14 @@
         h('div', { class: 'log-controls' }, follow, h('label', { for: 'follow' }, 'Follow'), logStatus), log));
     const plots = new ChartSet(charts);
     onLeave(() => plots.destroy());
-    let specShown = false;
     every(POLL_MS, async () => {
       const [job, metrics] = await Promise.all([
         api('GET', `/v1/jobs/${encodeURIComponent(id)}`),
         api('GET', `/v1/jobs/${encodeURIComponent(id)}/metrics?max_points=2000`),
       ]);
       renderJobHead(head, job);
-      renderSummary(summary, job, !specShown);
-      specShown = true;
+      renderSummary(summary, job);
+      renderSpec(spec, job);
       plots.update(metrics);
       renderEvals(evals, reasoning, metrics.evals || []);
       renderTimeline(timeline, job);
@@ -281,7 +292,7 @@
   function labelsText(labels) {
     return Object.entries(labels || {}).sort().map(([k, v]) => `${k}=${v}`).join(', ');
   }
-  function renderSummary(dl, job, withSpec) {
+  function renderSummary(dl, job) {
     const p = job.progress || {};
     const rows = [
       ['Kind', job.spec?.kind || 'pretrain'], ['Submitted by', job.submitted_by],
@@ -299,12 +310,12 @@
       ['About', job.request?.description || '—'],
     ];
     const items = rows.map(([k, v]) => [h('dt', {}, k), h('dd', {}, v)]).flat();
-    const keep = dl.querySelector('details');
     dl.replaceChildren(...items);
-    if (withSpec || !keep) {
-      dl.after(h('details', { class: 'spec' }, h('summary', {}, 'Resolved spec'),
-        h('pre', { id: 'spec' }, jsyaml.dump(job.spec || {}, { noRefs: true, lineWidth: 100 }))));
-    }
+  }
+  function renderSpec(details, job) {
+    const text = jsyaml.dump(job.spec || {}, { noRefs: true, lineWidth: 100 });
+    const pre = details.querySelector('pre');
+    if (pre.textContent !== text) pre.textContent = text;  // keeps a reader's selection otherwise
   }
   function renderEvals(evals, reasoning, list) {
     const held = list.filter((e) => e.kind !== 'reasoning');
@@ -334,7 +345,7 @@
     }
     items.sort((a, b) => a.t - b.t);
     ol.replaceChildren(...items.map((i) => h('li', { class: `event event-${i.kind}` },
-      h('time', {}, fmtTime(i.t)), ' ', h('span', { class: 'attempt' }, `#${i.attempt || '-'}`), ' ',
+      h('time', {}, fmtTime(i.t)), ' ', i.attempt ? h('span', { class: 'attempt' }, `#${i.attempt}`) : null, ' ',
       i.state ? badge(i.state) : null, ' ', i.text)));
   }
   function checkpointJob(cid) { return String(cid).split(/[./]/)[0]; }
@@ -384,12 +395,22 @@
     constructor(root) {
       this.root = root;
       this.plots = {};
-      this.onResize = () => Object.values(this.plots).forEach((p) => p.plot.setSize(this.size(p.el)));
-      window.addEventListener('resize', this.onResize);
+      // Each chart follows its own panel: the grid reflows as charts are added, and a chart sized
+      // while it was alone in its row would keep the row's width and overlap its neighbour.
+      this.observer = new ResizeObserver((entries) => entries.forEach((e) => {
+        const p = Object.values(this.plots).find((q) => q.el === e.target);
+        const size = p?.plot && this.size(p.el);
+        if (size && size.width !== p.plot.width) p.plot.setSize(size);
+      }));
     }
-    size(el) { return { width: Math.max(260, el.clientWidth - 8), height: 220 }; }
+    // The panel's content width (its padding left out), so the canvas stays inside it.
+    size(el) {
+      const style = getComputedStyle(el);
+      const pad = parseFloat(style.paddingLeft) + parseFloat(style.paddingRight);
+      return { width: Math.max(120, Math.floor(el.clientWidth - pad)), height: 220 };
+    }
     destroy() {
-      window.removeEventListener('resize', this.onResize);
+      this.observer.disconnect();
       Object.values(this.plots).forEach((p) => p.plot.destroy());
       for (const k of Object.keys(exposed.charts)) delete exposed.charts[k];
     }
@@ -420,6 +441,7 @@
         details.addEventListener('toggle', () => details.open && this.fillTable(name));
         el.append(caption, details);
         this.root.append(el);
+        this.observer.observe(el);
         p = this.plots[name] = { el, details, plot: null, key: '' };
       }
       const key = lines.map((l) => l.label).join('|');
@@ -432,7 +454,7 @@
         if (p.plot) p.plot.destroy();
         const opts = {
           ...this.size(p.el), scales: { x: { time: false } }, legend: { live: true },
-          axes: [{ label: 'step' }, { size: 64 }],
+          axes: [{ label: 'step' }, { size: 64, values: (u, splits) => (p.ticks = tickLabels(splits)) }],
           series: [{ label: 'step' }, ...lines.map((l) => ({
             label: l.label, stroke: COLORS[(l.attempt - 1) % COLORS.length], width: l.dashed ? 1.5 : 1.25,
             dash: l.dashed ? [5, 4] : undefined, spanGaps: l.dashed,
@@ -443,7 +465,7 @@
         p.el.insertBefore(p.plot.root, p.details);
         p.key = key;
       }
-      exposed.charts[name] = { lines, data: p.plot.data };
+      exposed.charts[name] = { lines, data: p.plot.data, get ticks() { return p.ticks; } };
       if (p.details.open) this.fillTable(name);
     }
     fillTable(name) {
