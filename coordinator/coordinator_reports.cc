@@ -410,6 +410,9 @@ void Coordinator::HeartbeatThen(const v1::HeartbeatRequest& request, const std::
     std::lock_guard<std::mutex> lock(mutex_);
     response = HeartbeatLocked(request, worker, &written);
   }
+  // An attempt that ended freed its slots: schedule now, not at the next tick, so the agent's
+  // prompt follow-up heartbeat finds what waited for them (a sweep of short jobs).
+  if (response.ok() && response->forget_size() > 0) wake_.notify_all();
   if (!response.ok() || written == 0) return done(std::move(response));
   // Group commit: the state this heartbeat changed is in RocksDB's log (and in effect) already;
   // its answer waits until the log is on disk, and heartbeats that arrive meanwhile share that

@@ -36,6 +36,9 @@ namespace {
 constexpr size_t kStepsPerHeartbeat = 2000;
 // Deadline of each Register and Heartbeat call: a lost reply costs one beat, not a lease.
 constexpr int kCallTimeoutMs = 5000;
+// How soon after reporting an exited rank the agent asks for what the freed slots now run (the
+// coordinator schedules on that report at once); at most a third of a heartbeat.
+constexpr int64_t kFollowUpMs = 100;
 constexpr size_t kMaxPendingSteps = 200000;
 
 int64_t NowMs() {
@@ -822,12 +825,12 @@ absl::Status Agent::Run() {
   while (!stop_) {
     Poll();
     if (NowMs() >= loop.next_heartbeat) LOOM_RETURN_IF_ERROR(Beat(loop));
-    // A rank exited: report it at once, and ask again shortly after the coordinator's next
-    // scheduling pass (a quarter heartbeat), which places what waited for the freed slot.
+    // A rank exited: report it at once, and ask again shortly after: the report wakes the
+    // coordinator's scheduling pass, which places what waited for the freed slot.
     if (loop.registered && rank_exited_) {
       rank_exited_ = false;
       loop.next_heartbeat = 0;
-      loop.follow_up_at = NowMs() + heartbeat_ms_ / 3;
+      loop.follow_up_at = NowMs() + std::min<int64_t>(heartbeat_ms_ / 3, kFollowUpMs);
     } else if (loop.follow_up_at != 0 && NowMs() >= loop.follow_up_at) {
       loop.follow_up_at = 0;
       loop.next_heartbeat = std::min(loop.next_heartbeat, NowMs());
