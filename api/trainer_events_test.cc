@@ -44,6 +44,13 @@ TEST(TrainerEvents, RoundTripsEveryKind) {
   v1::TrainerEvent reasoning;
   reasoning.mutable_reasoning_eval()->set_task("arith");
   reasoning.mutable_reasoning_eval()->set_details("/tmp/r.json");
+  for (int i = 0; i < 3; ++i) {  // per-problem scores: repeated fields, as JSON arrays
+    reasoning.mutable_reasoning_eval()->add_problem_samples(4);
+    reasoning.mutable_reasoning_eval()->add_problem_correct(i);
+    reasoning.mutable_reasoning_eval()->add_problem_majority_correct(i == 2);
+  }
+  EXPECT_NE(TrainerEventLine(reasoning).find(R"("problem_correct":[0,1,2])"), std::string::npos)
+      << TrainerEventLine(reasoning);
   for (const v1::TrainerEvent& e : {step, eval, ckpt, skipped, resumed, reasoning}) {
     auto back = ParseTrainerEventLine(TrainerEventLine(e));
     ASSERT_TRUE(back.ok()) << back.status();

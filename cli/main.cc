@@ -36,6 +36,7 @@
 #include "cli/input_files.h"
 #include "cli/output.h"
 #include "cli/sweep_commands.h"
+#include "cli/webhook_commands.h"
 #include "client/rest_client.h"
 #include "loom/spec.h"
 #include "loom/spec_overrides.h"
@@ -951,6 +952,8 @@ struct Commands {
   std::vector<std::string> quota_words;  // admin quota set/delete: KIND NAME [SLOTS]
   double quota_weight = 0;               // admin quota set --weight
   CLI::App* quota = nullptr;
+  std::string webhook_arg;  // admin webhook add URL / delete ID
+  CLI::App* webhook = nullptr;
   std::vector<std::string> sets;  // submit --set PATH=VALUE, in order
   CLI::App *up = nullptr, *submit = nullptr, *list = nullptr, *status = nullptr, *logs = nullptr,
            *cancel = nullptr, *plot = nullptr, *checkpoints = nullptr, *workers = nullptr,
@@ -1055,6 +1058,27 @@ void AddServeCommand(CommandLine& line, Commands& c) {
   c.serve->get_option("--checkpoint")->required();
 }
 
+// loom admin webhook add URL --events E,... [--format slack] [--secret S] | list | delete ID
+void AddWebhookCommands(CLI::App* admin, Commands& c) {
+  c.webhook = admin->add_subcommand(
+      "webhook", "POSTs on job and sweep state changes (docs/control-plane.md, \"Webhooks\")");
+  c.webhook->require_subcommand(1);
+  c.webhook->fallthrough();
+  CLI::App* add = c.webhook->add_subcommand("add", "add one; prints its secret (only this once)");
+  add->add_option("url", c.webhook_arg, "http:// or https:// URL")->required();
+  CommandLine::Flags(add,
+                     {{"events", "E,...",
+                       "job.running, job.retrying, job.succeeded, job.failed, job.cancelled, "
+                       "sweep.finished, sweep.cancelled"},
+                      {"format", "FORMAT", "json (default) | slack: a {\"text\": ...} body"},
+                      {"secret", "S", "the HMAC-SHA256 key (default: 32 random bytes, printed)"}});
+  add->get_option("--events")->required();
+  c.webhook->add_subcommand("list", "every webhook (without secrets)");
+  c.webhook->add_subcommand("delete", "remove one and its deliveries not made yet: ID")
+      ->add_option("id", c.webhook_arg, "webhook id")
+      ->required();
+}
+
 void AddAdminCommands(CommandLine& line, Commands& c) {
   CLI::App* admin = line.Command("admin", "cluster settings (quotas: set by admins, read by all)");
   admin->require_subcommand(1);
@@ -1071,6 +1095,7 @@ void AddAdminCommands(CommandLine& line, Commands& c) {
       ->add_option("words", c.quota_words, "KIND NAME")
       ->expected(2)
       ->required();
+  AddWebhookCommands(admin, c);
 }
 
 void AddSweepCommands(CommandLine& line, Commands& c) {
@@ -1089,14 +1114,27 @@ void AddSweepCommands(CommandLine& line, Commands& c) {
   CLI::App* cancel = sweep->add_subcommand("cancel", "cancel a sweep and its jobs");
   CLI::App* report = sweep->add_subcommand(
       "report", "per cell mean, sd and 95% interval; paired differences against the baseline");
-  for (CLI::App* cmd : {status, cancel, report}) {
+  CLI::App* curves = sweep->add_subcommand(
+      "curves", "per cell the metric by step, and the paired differences by step (95% bands)");
+  for (CLI::App* cmd : {status, cancel, report, curves}) {
     cmd->add_option("sweep", c.sweep_arg, "sweep id")->required();
   }
   C::Flags(
+      curves,
+      {{"format", "FORMAT", "table | json | yaml | csv (default: table, or -o)"},
+       {"plot", "PNG", "also draw both (PNG)"},
+       {"metric", "METRIC",
+        "eval_loss | accuracy | exact_match | pass@1 | maj@k | answered (default: the sweep's)"},
+       {"baseline", "CELL", "as report's --baseline"},
+       {"merge", "SWEEPS", "as report's --merge"}});
+  C::Flags(
       report,
       {{"format", "FORMAT", "table | json | yaml | csv (default: table, or -o)"},
-       {"plot", "PNG", "also write metric vs step per cell (PNG)"},
-       {"metric", "METRIC", "eval_loss | accuracy | exact_match (default: the sweep's)"},
+       {"plot", "PNG",
+        "also draw the metric by step per cell and the paired differences by step, 95% bands "
+        "(PNG; as `loom sweep curves --plot`)"},
+       {"metric", "METRIC",
+        "eval_loss | accuracy | exact_match | pass@1 | maj@k | answered (default: the sweep's)"},
        {"select", "SELECTION", "final | best | test | reach | mean (default: the sweep's)"},
        {"threshold", "X", "select reach: the metric level to reach (steps until it)"},
        {"baseline", "CELL",
@@ -1158,6 +1196,11 @@ absl::Status RunCommand(const CommandLine& line, const Commands& c) {
     const CliArgs args = line.ArgsOf(cmd);
     LOOM_RETURN_IF_ERROR(cli.Init(args));
     return RunSweepCommand(cli.client(), cmd->get_name(), c.sweep_arg, args, cli.output());
+  }
+  for (CLI::App* cmd : c.webhook->get_subcommands()) {
+    const CliArgs args = line.ArgsOf(cmd);
+    LOOM_RETURN_IF_ERROR(cli.Init(args));
+    return RunWebhookCommand(cli.client(), cmd->get_name(), c.webhook_arg, args, cli.output());
   }
   for (CLI::App* cmd : c.quota->get_subcommands()) {
     LOOM_RETURN_IF_ERROR(cli.Init(line.ArgsOf(cmd)));

@@ -21,7 +21,6 @@
 #include "absl/strings/str_replace.h"
 #include "base/status_macros.h"
 #include "cli/input_files.h"
-#include "loom/job_curve.h"
 #include "loom/spec.h"
 #include "loom/v1/control.pb.h"
 
@@ -48,8 +47,9 @@ std::string Counts(const v1::Sweep& s) {
   return absl::StrJoin(parts, ", ");
 }
 
-// "sweep-000005 + sweep-000007": a merged report's title (no quotes: gnuplot's title too).
-std::string ReportedSweeps(const v1::SweepReport& r) {
+// "sweep-000005 + sweep-000007": a merged report's or curves' title (no quotes: gnuplot's too).
+template <typename ReportOrCurves>
+std::string ReportedSweeps(const ReportOrCurves& r) {
   if (r.merged_sweeps().empty()) return r.sweep_id();
   return absl::StrCat(r.sweep_id(), " + ", absl::StrJoin(r.merged_sweeps(), " + "));
 }
@@ -88,6 +88,24 @@ void PrintReachTable(const v1::SweepReport& r) {
   }
 }
 
+// Reasoning metrics: the same differences paired by problem (the uncertainty from the choice of
+// problems), where the cells' evaluations scored the same problems.
+void PrintProblemTable(const v1::SweepReport& r) {
+  bool any = false;
+  for (const auto& d : r.differences()) any |= d.problems() > 0;
+  if (!any) return;
+  std::cout << "\npaired by problem (per problem the cell minus the baseline, averaged over the "
+               "paired seeds; paired t over problems):\n";
+  std::cout << absl::StrFormat("%-40s %8s %10s %23s %8s\n", "cell", "problems", "mean diff",
+                               "95% CI (paired t)", "p");
+  for (const auto& d : r.differences()) {
+    if (d.problems() == 0) continue;
+    std::cout << absl::StrFormat("%-40s %8d %10.4f   [%9.4f, %9.4f] %8.4f\n",
+                                 d.cell().substr(0, 40), d.problems(), d.problem_mean(),
+                                 d.problem_t_low(), d.problem_t_high(), d.problem_p_value());
+  }
+}
+
 void PrintReportTable(const v1::SweepReport& r) {
   if (r.select() == "reach") return PrintReachTable(r);
   const std::string at = r.length() > 0 ? absl::StrCat(", at length ", r.length()) : "";
@@ -116,104 +134,109 @@ void PrintReportTable(const v1::SweepReport& r) {
                                  : d.p_value() < 0.05 ? "  significant"
                                                       : "  no significant difference");
   }
+  PrintProblemTable(r);
 }
 
 void PrintReportCsv(const v1::SweepReport& r) {
   // The last six columns are select reach's (empty otherwise).
+  // Then select reach's five, then the reasoning metrics' test over problems (empty otherwise).
   std::cout << "kind,cell,baseline,n,mean,sd,low,high,boot_low,boot_high,p_value,"
-               "censored,first,later,ties,unordered,sign_p_value\n";
+               "censored,first,later,ties,unordered,sign_p_value,"
+               "problems,problem_mean,problem_low,problem_high,problem_p_value\n";
   const bool reach = r.select() == "reach";
   for (const auto& c : r.cells()) {
-    std::cout << absl::StrFormat("cell,\"%s\",,%d,%.17g,%.17g,%.17g,%.17g,,,,%s,,,,,\n", c.cell(),
-                                 c.n(), c.mean(), c.sd(), c.ci_low(), c.ci_high(),
+    std::cout << absl::StrFormat("cell,\"%s\",,%d,%.17g,%.17g,%.17g,%.17g,,,,%s,,,,,,,,,,\n",
+                                 c.cell(), c.n(), c.mean(), c.sd(), c.ci_low(), c.ci_high(),
                                  reach ? absl::StrCat(c.censored()) : "");
   }
   for (const auto& d : r.differences()) {
     std::cout << absl::StrFormat(
-        "difference,\"%s\",\"%s\",%d,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g,%s\n", d.cell(),
+        "difference,\"%s\",\"%s\",%d,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g,%.17g,%s%s\n", d.cell(),
         d.baseline(), d.n(), d.mean(), d.sd(), d.t_low(), d.t_high(), d.boot_low(), d.boot_high(),
         d.p_value(),
         reach ? absl::StrFormat(",%d,%d,%d,%d,%.17g", d.first(), d.later(), d.ties(), d.unordered(),
                                 d.sign_p_value())
-              : ",,,,,");
+              : ",,,,,",
+        d.problems() == 0
+            ? ",,,,,"
+            : absl::StrFormat(",%d,%.17g,%.17g,%.17g,%.17g", d.problems(), d.problem_mean(),
+                              d.problem_t_low(), d.problem_t_high(), d.problem_p_value()));
   }
 }
 
-// Each reported cell's job ids: the sweep's own cells with the merged sweeps' jobs of the same
-// cell, and a baseline from another sweep.
-absl::StatusOr<std::vector<std::pair<std::string, std::vector<std::string>>>> CellJobs(
-    client::RestClient& client, const v1::Sweep& sweep, const v1::SweepReport& report) {
-  std::vector<v1::Sweep> merged = {sweep};
-  for (const std::string& id : report.merged_sweeps()) {
-    LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + id, nullptr, &merged.emplace_back()));
-  }
-  std::vector<std::pair<std::string, std::vector<std::string>>> out;
-  for (const std::string& cell : sweep.cells()) {
-    out.push_back({cell, {}});
-    for (const v1::Sweep& s : merged) {
-      for (const auto& sj : s.jobs()) {
-        if (sj.cell() == cell) out.back().second.push_back(sj.job_id());
-      }
+// "?metric=...&baseline=...&merge=..." of the flags given, of `names`.
+std::string QueryOf(const CliArgs& args, std::initializer_list<const char*> names) {
+  std::string query;
+  for (const char* name : names) {
+    if (args.Has(name)) {
+      absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=",
+                      client::QueryValue(args.Get(name)));
     }
   }
-  for (const v1::CellStats& c : report.cells()) {
-    if (c.sweep_id().empty()) continue;
-    v1::Sweep other;
-    LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + c.sweep_id(), nullptr, &other));
-    out.push_back({c.cell(), {}});
-    for (const auto& sj : other.jobs()) {
-      if (absl::StrCat(other.id(), "/", sj.cell()) == c.cell()) {
-        out.back().second.push_back(sj.job_id());
-      }
-    }
-  }
-  return out;
+  return query;
 }
 
-// Metric vs step per cell: the mean over the cell's finished seeds with a ±1 sd band (gnuplot).
-absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
-                       const v1::SweepReport& report, const std::string& out) {
-  LOOM_ASSIGN_OR_RETURN(const auto cells, CellJobs(client, sweep, report));
-  const fs::path dir = fs::temp_directory_path() / absl::StrCat("loom-sweep-plot-", ::getpid());
-  fs::create_directories(dir);
+absl::StatusOr<v1::SweepCurves> GetCurves(client::RestClient& client, const std::string& id,
+                                          const CliArgs& args) {
+  v1::SweepCurves curves;
+  LOOM_RETURN_IF_ERROR(client.Call(
+      "GET",
+      absl::StrCat("/v1/sweeps/", id, "/curves", QueryOf(args, {"metric", "baseline", "merge"})),
+      nullptr, &curves));
+  return curves;
+}
+
+// One gnuplot data file per curve (step mean low high) and the plot clauses that draw them:
+// each curve a line over its translucent band.
+template <typename Curve>
+std::string PlotClauses(const google::protobuf::RepeatedPtrField<Curve>& curves,
+                        const fs::path& dir, const std::string& prefix, int* points) {
   std::string plots;
-  int cell_index = 0, points = 0;
-  for (const auto& [cell, job_ids] : cells) {
-    std::map<int64_t, std::vector<double>> by_step;
-    for (const std::string& job_id : job_ids) {
-      v1::Job job;
-      LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/jobs/" + job_id, nullptr, &job));
-      for (const v1::EvalResult* e : JobCurve(job)) {  // a resumed attempt's replace earlier ones
-        if (!IsHeldOut(*e)) continue;
-        by_step[e->step()].push_back(report.metric() == "accuracy"      ? e->accuracy()
-                                     : report.metric() == "exact_match" ? e->exact_match()
-                                                                        : e->eval_loss());
-      }
-    }
-    const fs::path data = dir / absl::StrCat("cell-", cell_index, ".dat");
+  int index = 0;
+  for (const Curve& curve : curves) {
+    const fs::path data = dir / absl::StrCat(prefix, "-", index, ".dat");
     std::ofstream f(data);
-    for (const auto& [step, vs] : by_step) {
-      double mean = 0, ss = 0;
-      for (double v : vs) mean += v / static_cast<double>(vs.size());
-      for (double v : vs) ss += (v - mean) * (v - mean);
-      const double sd = vs.size() > 1 ? std::sqrt(ss / static_cast<double>(vs.size() - 1)) : 0;
-      f << step << " " << mean << " " << mean - sd << " " << mean + sd << "\n";
-      ++points;
+    for (const v1::CurvePoint& p : curve.points()) {
+      f << absl::StrFormat("%d %.17g %.17g %.17g\n", p.step(), p.mean(), p.ci_low(), p.ci_high());
+      ++*points;
     }
-    const int color = cell_index % 8 + 1;
+    const int color = index % 8 + 1;
     absl::StrAppend(&plots, plots.empty() ? "" : ", ", "'", data.string(),
                     "' using 1:3:4 with filledcurves fs transparent solid 0.2 lc ", color,
-                    " notitle, '", data.string(), "' using 1:2 with lines lw 2 lc ", color,
-                    " title '", absl::StrReplaceAll(cell, {{"'", ""}}).substr(0, 60), "'");
-    ++cell_index;
+                    " notitle, '", data.string(),
+                    "' using 1:2 with linespoints lw 2 pt 7 ps 0.5 lc ", color, " title '",
+                    absl::StrReplaceAll(curve.cell(), {{"'", ""}}).substr(0, 60), "'");
+    ++index;
   }
-  if (points == 0) return absl::NotFoundError("no evaluations reported yet");
-  const std::string script =
-      absl::StrCat("set terminal pngcairo size 1000,650 font 'sans,10' noenhanced\nset output '",
-                   out, "'\n", "set title 'sweep ", ReportedSweeps(report), ": ", report.metric(),
-                   " (mean over seeds, band ±1 sd)'\n",
-                   "set grid\nset key outside right\nset xlabel 'step'\nset ylabel '",
-                   report.metric(), "'\nplot ", plots, "\n");
+  return plots;
+}
+
+// Two panels: per cell the metric's mean over seeds by step with its 95% band, and per cell the
+// paired difference against the baseline by step with its 95% paired-t band (gnuplot).
+absl::Status PlotCurves(const v1::SweepCurves& c, const std::string& out) {
+  const fs::path dir = fs::temp_directory_path() / absl::StrCat("loom-sweep-plot-", ::getpid());
+  fs::create_directories(dir);
+  int points = 0;
+  const std::string cells = PlotClauses(c.cells(), dir, "cell", &points);
+  if (points == 0) {
+    fs::remove_all(dir);
+    return absl::NotFoundError("no evaluations reported yet");
+  }
+  const std::string diffs = PlotClauses(c.differences(), dir, "diff", &points);
+  const std::string baseline = absl::StrReplaceAll(c.baseline(), {{"'", ""}});
+  std::string script = absl::StrCat("set terminal pngcairo size 1000,", diffs.empty() ? 650 : 1100,
+                                    " font 'sans,10' noenhanced\nset output '", out, "'\n",
+                                    "set grid\nset key outside right\nset xlabel 'step'\n",
+                                    diffs.empty() ? "" : "set multiplot layout 2,1\n",
+                                    "set title 'sweep ", ReportedSweeps(c), ": ", c.metric(),
+                                    " (mean over seeds, 95% t band)'\nset ylabel '", c.metric(),
+                                    "'\nplot ", cells, "\n");
+  if (!diffs.empty()) {
+    absl::StrAppend(&script, "set title 'cell - ", baseline,
+                    ", paired by seed (95% paired-t band, pointwise)'\nset ylabel 'difference in ",
+                    c.metric(), "'\nplot 0 with lines lc rgb 'black' dt 2 notitle, ", diffs,
+                    "\nunset multiplot\n");
+  }
   FILE* gp = ::popen("gnuplot", "w");
   if (gp == nullptr) return absl::UnavailableError("cannot run gnuplot (apt install gnuplot-nox)");
   std::fwrite(script.data(), 1, script.size(), gp);
@@ -225,16 +248,67 @@ absl::Status PlotSweep(client::RestClient& client, const v1::Sweep& sweep,
   return absl::OkStatus();
 }
 
+void PrintCurvesCsv(const v1::SweepCurves& c) {
+  std::cout << "kind,cell,baseline,step,n,mean,sd,low,high,p_value\n";
+  for (const v1::CellCurve& cell : c.cells()) {
+    for (const v1::CurvePoint& p : cell.points()) {
+      std::cout << absl::StrFormat("cell,\"%s\",,%d,%d,%.17g,%.17g,%.17g,%.17g,\n", cell.cell(),
+                                   p.step(), p.n(), p.mean(), p.sd(), p.ci_low(), p.ci_high());
+    }
+  }
+  for (const v1::DifferenceCurve& d : c.differences()) {
+    for (const v1::CurvePoint& p : d.points()) {
+      std::cout << absl::StrFormat("difference,\"%s\",\"%s\",%d,%d,%.17g,%.17g,%.17g,%.17g,%.17g\n",
+                                   d.cell(), d.baseline(), p.step(), p.n(), p.mean(), p.sd(),
+                                   p.ci_low(), p.ci_high(), p.p_value());
+    }
+  }
+}
+
+// The paired-difference curves as a table: per cell, per step n, mean difference, interval, p.
+void PrintCurvesTable(const v1::SweepCurves& c) {
+  std::cout << absl::StrFormat(
+      "sweep %s: %s - %s by step, paired by seed, 95%% paired-t "
+      "intervals (pointwise)%s\n",
+      ReportedSweeps(c), c.metric(), c.baseline(),
+      c.complete() ? "" : "  [partial: jobs still running]");
+  if (c.differences().empty()) std::cout << "(one cell: no differences)\n";
+  for (const v1::DifferenceCurve& d : c.differences()) {
+    std::cout << absl::StrFormat("\n%s\n%10s %3s %12s %27s %8s\n", d.cell(), "step", "n",
+                                 "mean diff", "95% CI (paired t)", "p");
+    for (const v1::CurvePoint& p : d.points()) {
+      std::cout << absl::StrFormat("%10d %3d %12.5f   [%11.5f, %11.5f] %8.4f\n", p.step(), p.n(),
+                                   p.mean(), p.ci_low(), p.ci_high(), p.p_value());
+    }
+  }
+}
+
+absl::Status Curves(client::RestClient& client, const std::string& id, const CliArgs& args,
+                    Output output) {
+  LOOM_ASSIGN_OR_RETURN(const v1::SweepCurves c, GetCurves(client, id, args));
+  const std::string format = args.Get("format", output == Output::kJson   ? "json"
+                                                : output == Output::kYaml ? "yaml"
+                                                                          : "table");
+  if (format == "json" || format == "yaml") {
+    std::cout << FormatMessage(c, format == "json" ? Output::kJson : Output::kYaml) << "\n";
+  } else if (format == "csv") {
+    PrintCurvesCsv(c);
+  } else if (format == "table") {
+    PrintCurvesTable(c);
+  } else {
+    return absl::InvalidArgumentError("--format: table | json | yaml | csv");
+  }
+  if (format == "table" || format == "csv") {
+    for (const std::string& w : c.warnings()) std::cerr << "warning: " << w << "\n";
+  }
+  return args.Has("plot") ? PlotCurves(c, args.Get("plot")) : absl::OkStatus();
+}
+
 absl::Status Report(client::RestClient& client, const std::string& id, const CliArgs& args,
                     Output output) {
   v1::SweepReport r;
-  std::string query;
-  for (const char* name : {"metric", "select", "length", "threshold", "baseline", "merge"}) {
-    if (args.Has(name)) {
-      absl::StrAppend(&query, query.empty() ? "?" : "&", name, "=",
-                      client::QueryValue(args.Get(name)));
-    }
-  }
+  const std::string query =
+      QueryOf(args, {"metric", "select", "length", "threshold", "baseline", "merge"});
   LOOM_RETURN_IF_ERROR(
       client.Call("GET", absl::StrCat("/v1/sweeps/", id, "/report", query), nullptr, &r));
   const std::string format = args.Get("format", output == Output::kJson   ? "json"
@@ -252,10 +326,69 @@ absl::Status Report(client::RestClient& client, const std::string& id, const Cli
   if (format == "table" || format == "csv") {
     for (const std::string& w : r.warnings()) std::cerr << "warning: " << w << "\n";
   }
-  if (args.Has("plot")) {
-    v1::Sweep sweep;
-    LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + id, nullptr, &sweep));
-    LOOM_RETURN_IF_ERROR(PlotSweep(client, sweep, r, args.Get("plot")));
+  if (!args.Has("plot")) return absl::OkStatus();
+  LOOM_ASSIGN_OR_RETURN(const v1::SweepCurves curves, GetCurves(client, id, args));
+  return PlotCurves(curves, args.Get("plot"));
+}
+
+// Submits a sweep file; with --follow, prints progress until it ends and then its report.
+absl::Status SubmitSweep(client::RestClient& client, const std::string& file, const CliArgs& args,
+                         Output output) {
+  const bool json = output != Output::kTable;  // machine-readable: no progress lines
+  LOOM_ASSIGN_OR_RETURN(v1::SweepSpec spec, ReadSweepFile(file));
+  if (args.Has("request-id")) spec.set_request_id(args.Get("request-id"));
+  v1::CreateSweepResponse r;
+  LOOM_RETURN_IF_ERROR(client.Call("POST", "/v1/sweeps", &spec, &r));
+  if (json) {
+    std::cout << FormatMessage(r, output) << "\n";
+  } else {
+    std::cout << (r.created() ? "submitted " : "already submitted: ") << r.id() << " (" << r.jobs()
+              << " jobs)" << std::endl;
+  }
+  if (!args.Has("follow")) return absl::OkStatus();
+  for (std::string last;;) {
+    v1::Sweep s;
+    LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + r.id(), nullptr, &s));
+    if (Counts(s) != last && !json) std::cout << s.id() << ": " << (last = Counts(s)) << std::endl;
+    if (s.state() != "running") break;
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+  }
+  return Report(client, r.id(), args, output);
+}
+
+absl::Status ListSweeps(client::RestClient& client, Output output) {
+  LOOM_ASSIGN_OR_RETURN(v1::ListSweepsResponse r,
+                        client::AllPages<v1::ListSweepsResponse>(
+                            client, "/v1/sweeps?page_size=500", [](auto& all, auto& page) {
+                              all.mutable_sweeps()->MergeFrom(page.sweeps());
+                            }));
+  if (output != Output::kTable) {
+    std::cout << FormatMessage(r, output) << "\n";
+    return absl::OkStatus();
+  }
+  std::cout << absl::StrFormat("%-14s %-24s %-10s %5s  %s\n", "ID", "NAME", "STATE", "CELLS",
+                               "JOBS");
+  for (const auto& s : r.sweeps()) {
+    std::cout << absl::StrFormat("%-14s %-24s %-10s %5d  %s\n", s.id(), s.name().substr(0, 24),
+                                 s.state(), s.cells_size(), Counts(s));
+  }
+  return absl::OkStatus();
+}
+
+// status, or cancel: the sweep (after cancelling) with its jobs.
+absl::Status ShowSweep(client::RestClient& client, const std::string& id, bool cancel,
+                       Output output) {
+  v1::Sweep s;
+  LOOM_RETURN_IF_ERROR(cancel ? client.Call("POST", "/v1/sweeps/" + id + "/cancel", nullptr, &s)
+                              : client.Call("GET", "/v1/sweeps/" + id, nullptr, &s));
+  if (output != Output::kTable) {
+    std::cout << FormatMessage(s, output) << "\n";
+    return absl::OkStatus();
+  }
+  std::cout << s.id() << "  " << s.name() << "  " << s.state() << "  (" << Counts(s) << ")\n";
+  for (const auto& sj : s.jobs()) {
+    std::cout << absl::StrFormat("  %-40s seed %-6d %s\n", sj.cell().substr(0, 40), sj.seed(),
+                                 sj.job_id());
   }
   return absl::OkStatus();
 }
@@ -264,70 +397,17 @@ absl::Status Report(client::RestClient& client, const std::string& id, const Cli
 
 absl::Status RunSweepCommand(client::RestClient& client, const std::string& what,
                              const std::string& arg, const CliArgs& args, Output output) {
-  const bool json = output != Output::kTable;  // machine-readable: no progress lines
   if (what != "list" && arg.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("loom sweep ", what, ": missing ",
                                                    what == "submit" ? "sweep file" : "sweep id"));
   }
-  if (what == "submit") {
-    LOOM_ASSIGN_OR_RETURN(v1::SweepSpec spec, ReadSweepFile(arg));
-    if (args.Has("request-id")) spec.set_request_id(args.Get("request-id"));
-    v1::CreateSweepResponse r;
-    LOOM_RETURN_IF_ERROR(client.Call("POST", "/v1/sweeps", &spec, &r));
-    if (json) {
-      std::cout << FormatMessage(r, output) << "\n";
-    } else {
-      std::cout << (r.created() ? "submitted " : "already submitted: ") << r.id() << " ("
-                << r.jobs() << " jobs)" << std::endl;
-    }
-    if (!args.Has("follow")) return absl::OkStatus();
-    for (std::string last;;) {
-      v1::Sweep s;
-      LOOM_RETURN_IF_ERROR(client.Call("GET", "/v1/sweeps/" + r.id(), nullptr, &s));
-      if (Counts(s) != last && !json)
-        std::cout << s.id() << ": " << (last = Counts(s)) << std::endl;
-      if (s.state() != "running") break;
-      std::this_thread::sleep_for(std::chrono::seconds(2));
-    }
-    return Report(client, r.id(), args, output);
-  }
-  if (what == "list") {
-    LOOM_ASSIGN_OR_RETURN(v1::ListSweepsResponse r,
-                          client::AllPages<v1::ListSweepsResponse>(
-                              client, "/v1/sweeps?page_size=500", [](auto& all, auto& page) {
-                                all.mutable_sweeps()->MergeFrom(page.sweeps());
-                              }));
-    if (json) {
-      std::cout << FormatMessage(r, output) << "\n";
-      return absl::OkStatus();
-    }
-    std::cout << absl::StrFormat("%-14s %-24s %-10s %5s  %s\n", "ID", "NAME", "STATE", "CELLS",
-                                 "JOBS");
-    for (const auto& s : r.sweeps()) {
-      std::cout << absl::StrFormat("%-14s %-24s %-10s %5d  %s\n", s.id(), s.name().substr(0, 24),
-                                   s.state(), s.cells_size(), Counts(s));
-    }
-    return absl::OkStatus();
-  }
-  if (what == "status" || what == "cancel") {
-    v1::Sweep s;
-    LOOM_RETURN_IF_ERROR(what == "cancel"
-                             ? client.Call("POST", "/v1/sweeps/" + arg + "/cancel", nullptr, &s)
-                             : client.Call("GET", "/v1/sweeps/" + arg, nullptr, &s));
-    if (json) {
-      std::cout << FormatMessage(s, output) << "\n";
-      return absl::OkStatus();
-    }
-    std::cout << s.id() << "  " << s.name() << "  " << s.state() << "  (" << Counts(s) << ")\n";
-    for (const auto& sj : s.jobs()) {
-      std::cout << absl::StrFormat("  %-40s seed %-6d %s\n", sj.cell().substr(0, 40), sj.seed(),
-                                   sj.job_id());
-    }
-    return absl::OkStatus();
-  }
+  if (what == "submit") return SubmitSweep(client, arg, args, output);
+  if (what == "list") return ListSweeps(client, output);
+  if (what == "status" || what == "cancel") return ShowSweep(client, arg, what == "cancel", output);
   if (what == "report") return Report(client, arg, args, output);
-  return absl::InvalidArgumentError(absl::StrCat("unknown sweep command '", what,
-                                                 "' (submit | list | status | cancel | report)"));
+  if (what == "curves") return Curves(client, arg, args, output);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown sweep command '", what, "' (submit | list | status | cancel | report | curves)"));
 }
 
 }  // namespace loom::cli

@@ -64,6 +64,20 @@ void DeclareMetrics(metrics::Registry& r) {
                  "Seconds since an active job last reported progress (or started)");
   r.DeclareGauge("loom_coordinator_job_checkpoint_age_seconds",
                  "Seconds since an active job's newest checkpoint (or its start)");
+  // Per job that failed in the last hour: an alert can name the job (LoomJobFailed).
+  r.DeclareGauge("loom_coordinator_job_failed_timestamp_seconds",
+                 "When a job failed (Unix seconds), for the jobs that failed in the last hour");
+}
+
+// The failure times of the jobs that failed in the last hour, labelled with their ids.
+void SetRecentFailures(metrics::Registry& r, const std::map<std::string, v1::Job>& jobs,
+                       int64_t now_ms) {
+  r.Clear("loom_coordinator_job_failed_timestamp_seconds");
+  for (const auto& [id, j] : jobs) {
+    if (JobStateOf(j) != JobState::kFailed || now_ms - j.end_time_ms() > 3600000) continue;
+    r.Set("loom_coordinator_job_failed_timestamp_seconds",
+          static_cast<double>(j.end_time_ms()) / 1000.0, {{metrics::kJobLabel, id}});
+  }
 }
 
 }  // namespace
@@ -101,6 +115,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Open(const Coordinator
           retention->Apply(txn, ParentJob(job.request().init_from()));
         }
       });
+  LOOM_RETURN_IF_ERROR(c->OpenWebhooks());
   c->Load();
   DeclareMetrics(c->registry_);
   c->log_syncer_ = std::make_unique<LogSyncer>(c->table_->store(), c->registry_);
@@ -132,8 +147,21 @@ void Coordinator::Load() {
   retention_->Recover();  // decided before a crash, not carried out yet
 }
 
+// The outbox's sender (its deliveries not made before a restart go out again) and the hook that
+// fills the outbox in each job state change's own commit.
+absl::Status Coordinator::OpenWebhooks() {
+  webhooks_ = std::make_unique<WebhookSender>(
+      table_->store(), registry_, options_.clock, options_.webhooks,
+      [this](const std::string& sweep_id) { return ReportSweep(sweep_id); });
+  LOOM_RETURN_IF_ERROR(webhooks_->Load(table_->webhooks()));
+  table_->set_on_state(
+      [this](Txn& txn, const v1::Job& job, JobState state) { NotifyStateLocked(txn, job, state); });
+  return absl::OkStatus();
+}
+
 void Coordinator::Start() {
   retention_->Start();
+  webhooks_->Start();
   loop_ = std::thread([this] {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
@@ -155,6 +183,7 @@ void Coordinator::Stop() {
   wake_.notify_all();
   if (loop_.joinable()) loop_.join();
   if (retention_) retention_->Stop();
+  if (webhooks_) webhooks_->Stop();
 }
 
 // A full data directory: try to resume the store, at most once a second.
@@ -232,6 +261,7 @@ std::string Coordinator::RenderMetrics() {
                   {{"state", std::string(WorkerStateName(WorkerState::kLost))}});
     registry_.Set("loom_coordinator_slots", used, {{"state", "used"}});
     registry_.Set("loom_coordinator_slots", total - used, {{"state", "free"}});
+    SetRecentFailures(registry_, table_->jobs(), now);
   }
   return registry_.Render();
 }

@@ -29,6 +29,7 @@
 #include "coordinator/scheduler.h"
 #include "coordinator/state_store.h"
 #include "coordinator/states.h"
+#include "coordinator/webhooks.h"
 #include "loom/exit_codes.h"
 #include "loom/v1/control.pb.h"
 #include "metrics/prometheus.h"
@@ -65,6 +66,7 @@ struct CoordinatorOptions {
   int64_t max_job_log_bytes = int64_t{256} << 20;  // the first this many bytes of a job's log
   SchedulerOptions scheduler;
   double fair_share_half_life_s = 86400;  // decay of the usage fair share counts (UsageLedger)
+  WebhookOptions webhooks;                // retries of webhook deliveries (webhooks.h)
   // Every time the coordinator reads (heartbeat silence, fencing, queue ages, event times).
   std::shared_ptr<Clock> clock = std::make_shared<SystemClock>();
 };
@@ -125,10 +127,18 @@ class Coordinator {
     std::optional<double> threshold;
   };
   absl::StatusOr<v1::SweepReport> ReportSweep(const std::string& id, const ReportQuery& query = {});
+  // The sweep's curves (sweep_curves.h) over the same jobs as its report: the query's metric,
+  // baseline and merge as ReportSweep reads them (select, length and threshold do not apply).
+  absl::StatusOr<v1::SweepCurves> SweepCurves(const std::string& id, const ReportQuery& query = {});
   // Quotas (scheduler.h): listed with what they count now; set and deleted by admins only.
   absl::StatusOr<v1::ListQuotasResponse> ListQuotas();
   absl::StatusOr<v1::Quota> SetQuota(const v1::Quota& quota, const Caller& caller);
   absl::Status DeleteQuota(const std::string& kind, const std::string& name, const Caller& caller);
+  // Webhooks (webhooks.h), admins only: the answer to AddWebhook is the only one with the secret.
+  absl::StatusOr<v1::Webhook> AddWebhook(v1::Webhook webhook, const Caller& caller);
+  absl::StatusOr<v1::ListWebhooksResponse> ListWebhooks(const Caller& caller);
+  absl::Status DeleteWebhook(const std::string& id, const Caller& caller);
+  WebhookSender& webhook_sender() { return *webhooks_; }  // tests: DeliverDue()
   absl::StatusOr<v1::ListWorkersResponse> ListWorkers(int page_size = kMaxPageSize,
                                                       const std::string& page_token = "");
 
@@ -169,7 +179,8 @@ class Coordinator {
  private:
   using Txn = JobTable::Txn;
   enum class Failure { kJob, kInfra, kBadInput };
-  struct PlannedJob;  // one (cell, seed) of a sweep, validated before anything is stored
+  struct PlannedJob;     // one (cell, seed) of a sweep, validated before anything is stored
+  struct ReportedSweep;  // a sweep as its report and curves read it
   // Attempts ("<job>", attempt) a worker reported as not finished -> its ranks running them.
   using RunningAttempts = std::map<std::pair<std::string, int>, int>;
 
@@ -180,6 +191,7 @@ class Coordinator {
   // When the worker was last heard, on the steady clock (0: never since this process started).
   int64_t HeardAt(const std::string& worker) const;
   void Load();
+  absl::Status OpenWebhooks();
   absl::StatusOr<v1::JobSpec> ResolveSubmission(const v1::SubmitJobRequest& request);
   // The job or sweep, mutex_ held: InvalidArgument for a malformed id, NotFound when unknown.
   absl::StatusOr<v1::Job*> FindJobLocked(const std::string& id);
@@ -206,6 +218,11 @@ class Coordinator {
   absl::StatusOr<std::vector<std::string>> AddReportMergeLocked(
       const std::vector<std::string>& merge, v1::Sweep& sweep,
       std::map<std::string, v1::Job>& jobs) const;
+  // The sweep and its jobs under the query: merged sweeps and another sweep's baseline joined.
+  absl::StatusOr<ReportedSweep> ReportedSweepOf(const std::string& id, const ReportQuery& query);
+  // Webhooks: the state hook, and one event's deliveries into the change's outbox.
+  void NotifyStateLocked(Txn& txn, const v1::Job& job, JobState state);
+  void AddDeliveriesLocked(Txn& txn, v1::WebhookDelivery event);
   void FailAttempt(Txn& txn, v1::Job& job, const std::string& reason, Failure kind,
                    int64_t not_before_ms = 0);
   // Fails every active attempt with ranks on the worker that it has not finished.
@@ -279,9 +296,10 @@ class Coordinator {
 
   CoordinatorOptions options_;
   metrics::Registry registry_{"coordinator"};
-  std::unique_ptr<JobTable> table_;        // after registry_: gone before it
-  std::unique_ptr<Retention> retention_;   // after table_: gone (its thread joined) before it
-  std::unique_ptr<LogSyncer> log_syncer_;  // after table_ and registry_: gone before them
+  std::unique_ptr<JobTable> table_;          // after registry_: gone before it
+  std::unique_ptr<Retention> retention_;     // after table_: gone (its thread joined) before it
+  std::unique_ptr<LogSyncer> log_syncer_;    // after table_ and registry_: gone before them
+  std::unique_ptr<WebhookSender> webhooks_;  // after table_ and registry_: gone before them
 
   std::mutex mutex_;  // guards table_, retention_'s decisions and everything below
   // Fair share's decayed usage: rebuilt from the jobs' attempt histories at load, advanced by

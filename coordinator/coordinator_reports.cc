@@ -102,7 +102,7 @@ void Coordinator::AppendSteps(Txn& txn, const v1::AttemptReport& report,
   const std::string path = JobSeriesPath(options_.data_dir, report.job_id());
   RecordNewPart(txn, key, report.steps_offset(), report.steps_size(), [&](int64_t first) {
     // A bound per job, as a disk quota: a broken or hostile agent cannot fill the coordinator's
-    // disk (a million steps take ~60 MB); beyond it the points are acknowledged and dropped.
+    // disk (a million steps take ~90 MB); beyond it the points are acknowledged and dropped.
     std::error_code ec;
     const auto size = fs::file_size(path, ec);
     if (!ec && size > kMaxSeriesBytes) return true;

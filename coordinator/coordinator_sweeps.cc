@@ -15,6 +15,7 @@
 #include "coordinator/records.h"
 #include "coordinator/submit_validation.h"
 #include "coordinator/sweep.h"
+#include "coordinator/sweep_curves.h"
 
 namespace loom::coordinator {
 
@@ -348,67 +349,101 @@ std::pair<const v1::Job*, const v1::Job*> PairedJobs(const v1::Sweep& sweep,
   return {nullptr, nullptr};
 }
 
-// A baseline from another sweep: marks its cell, and warns of each cell whose jobs' specs differ
-// from the baseline's at one seed in more than the model (the pairing then compares more).
-void AddBaselineWarnings(const v1::Sweep& sweep, const std::map<std::string, v1::Job>& jobs,
-                         const std::string& baseline_sweep, v1::SweepReport& report) {
+// A baseline from another sweep: its cell's sweep_id (in a report's cells or curves' cells).
+template <typename Cell>
+void MarkBaselineSweep(const std::string& baseline, const std::string& baseline_sweep,
+                       google::protobuf::RepeatedPtrField<Cell>* cells) {
+  for (Cell& cell : *cells) {
+    if (cell.cell() == baseline) cell.set_sweep_id(baseline_sweep);
+  }
+}
+
+// A baseline from another sweep: a warning per cell whose jobs' specs differ from the
+// baseline's at one seed in more than the model (the pairing then compares more).
+std::vector<std::string> BaselineWarnings(const v1::Sweep& sweep,
+                                          const std::map<std::string, v1::Job>& jobs) {
   const std::string& baseline = sweep.spec().baseline();
-  for (v1::CellStats& cell : *report.mutable_cells()) {
-    if (cell.cell() == baseline) {
-      cell.set_sweep_id(baseline_sweep);
-      continue;
-    }
-    const auto [job, base] = PairedJobs(sweep, jobs, cell.cell(), baseline);
+  std::vector<std::string> warnings;
+  for (const std::string& cell : sweep.cells()) {
+    if (cell == baseline) continue;
+    const auto [job, base] = PairedJobs(sweep, jobs, cell, baseline);
     if (job == nullptr) continue;
     const std::vector<std::string> differ = SpecDifferencesBesidesModel(*job, *base);
     if (differ.empty()) continue;
-    report.add_warnings(
-        absl::StrCat("cell '", cell.cell(), "' and the baseline '", baseline,
+    warnings.push_back(
+        absl::StrCat("cell '", cell, "' and the baseline '", baseline,
                      "' differ in more than the model: ", absl::StrJoin(differ, ", ")));
   }
+  return warnings;
 }
 
 }  // namespace
 
+struct Coordinator::ReportedSweep {
+  v1::Sweep sweep;  // its spec's metric and baseline: the query's where it sets them
+  std::map<std::string, v1::Job> jobs;
+  std::string baseline_sweep;  // set when the baseline is another sweep's cell
+  std::vector<std::string> merge_warnings;
+};
+
+absl::StatusOr<Coordinator::ReportedSweep> Coordinator::ReportedSweepOf(const std::string& id,
+                                                                        const ReportQuery& query) {
+  if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
+  ReportedSweep r;
+  std::lock_guard<std::mutex> lock(mutex_);
+  LOOM_ASSIGN_OR_RETURN(const v1::Sweep* found, FindSweepLocked(id));
+  r.sweep = *found;
+  for (const v1::SweepJob& sj : r.sweep.jobs()) {
+    auto job = table_->jobs().find(sj.job_id());
+    if (job != table_->jobs().end()) r.jobs[sj.job_id()] = job->second;
+  }
+  if (!query.merge.empty()) {
+    LOOM_ASSIGN_OR_RETURN(r.merge_warnings, AddReportMergeLocked(query.merge, r.sweep, r.jobs));
+  }
+  if (!query.baseline.empty()) {
+    LOOM_ASSIGN_OR_RETURN(r.baseline_sweep,
+                          AddReportBaselineLocked(query.baseline, r.sweep, r.jobs));
+  }
+  if (!query.metric.empty()) r.sweep.mutable_spec()->set_metric(query.metric);
+  return r;
+}
+
 absl::StatusOr<v1::SweepReport> Coordinator::ReportSweep(const std::string& id,
                                                          const ReportQuery& query) {
-  if (!IsValidId(id)) return absl::InvalidArgumentError("sweep id: malformed");
   // The names now; the combination (a reach threshold fits the metric) once the sweep's own
   // fields fill in what the query leaves out.
   LOOM_RETURN_IF_ERROR(
       CheckMetricAndSelect(query.metric, query.select == "reach" ? "" : query.select, 0));
-  v1::Sweep sweep;
-  std::map<std::string, v1::Job> jobs;
-  std::string baseline_sweep;  // set when the baseline is another sweep's cell
-  std::vector<std::string> merge_warnings;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    LOOM_ASSIGN_OR_RETURN(const v1::Sweep* found, FindSweepLocked(id));
-    sweep = *found;
-    for (const v1::SweepJob& sj : sweep.jobs()) {
-      auto job = table_->jobs().find(sj.job_id());
-      if (job != table_->jobs().end()) jobs[sj.job_id()] = job->second;
-    }
-    if (!query.merge.empty()) {
-      LOOM_ASSIGN_OR_RETURN(merge_warnings, AddReportMergeLocked(query.merge, sweep, jobs));
-    }
-    if (!query.baseline.empty()) {
-      LOOM_ASSIGN_OR_RETURN(baseline_sweep, AddReportBaselineLocked(query.baseline, sweep, jobs));
-    }
-  }
+  LOOM_ASSIGN_OR_RETURN(ReportedSweep r, ReportedSweepOf(id, query));
   // A report of another metric or selection than the sweep's own: the same jobs, read again.
-  if (!query.metric.empty()) sweep.mutable_spec()->set_metric(query.metric);
-  if (!query.select.empty()) sweep.mutable_spec()->set_select(query.select);
-  if (query.length.has_value()) sweep.mutable_spec()->set_length(*query.length);
-  if (query.threshold.has_value()) sweep.mutable_spec()->set_threshold(*query.threshold);
-  const v1::SweepSpec& spec = sweep.spec();  // the overrides combined with the sweep's own
+  if (!query.select.empty()) r.sweep.mutable_spec()->set_select(query.select);
+  if (query.length.has_value()) r.sweep.mutable_spec()->set_length(*query.length);
+  if (query.threshold.has_value()) r.sweep.mutable_spec()->set_threshold(*query.threshold);
+  const v1::SweepSpec& spec = r.sweep.spec();  // the overrides combined with the sweep's own
   LOOM_RETURN_IF_ERROR(
       CheckMetricAndSelect(spec.metric(), spec.select(), spec.length(), spec.threshold()));
-  v1::SweepReport report = BuildSweepReport(sweep, jobs);  // the bootstrap runs without the lock
-  if (!baseline_sweep.empty()) AddBaselineWarnings(sweep, jobs, baseline_sweep, report);
+  v1::SweepReport report = BuildSweepReport(r.sweep, r.jobs);  // the bootstrap runs unlocked
+  if (!r.baseline_sweep.empty()) {
+    MarkBaselineSweep(r.sweep.spec().baseline(), r.baseline_sweep, report.mutable_cells());
+    for (std::string& w : BaselineWarnings(r.sweep, r.jobs)) report.add_warnings(std::move(w));
+  }
   for (const std::string& id : query.merge) report.add_merged_sweeps(id);
-  for (const std::string& w : merge_warnings) report.add_warnings(w);
+  for (const std::string& w : r.merge_warnings) report.add_warnings(w);
   return report;
+}
+
+absl::StatusOr<v1::SweepCurves> Coordinator::SweepCurves(const std::string& id,
+                                                         const ReportQuery& query) {
+  LOOM_RETURN_IF_ERROR(CheckMetricAndSelect(query.metric, "", 0));
+  LOOM_ASSIGN_OR_RETURN(ReportedSweep r, ReportedSweepOf(id, query));
+  v1::SweepCurves curves = BuildSweepCurves(r.sweep, r.jobs);
+  if (!r.baseline_sweep.empty()) {
+    MarkBaselineSweep(r.sweep.spec().baseline(), r.baseline_sweep, curves.mutable_cells());
+    for (std::string& w : BaselineWarnings(r.sweep, r.jobs)) curves.add_warnings(std::move(w));
+  }
+  for (const std::string& id : query.merge) curves.add_merged_sweeps(id);
+  for (const std::string& w : r.merge_warnings) curves.add_warnings(w);
+  return curves;
 }
 
 }  // namespace loom::coordinator

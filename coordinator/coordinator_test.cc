@@ -4,6 +4,7 @@
 // coordinator's own pauses and partitions, and job logs. Time is a ManualClock the tests move on:
 // heartbeat silence, leases and fencing take no real waiting.
 #include "coordinator/coordinator_test_fixture.h"
+#include "coordinator/job_logs.h"
 
 namespace loom::coordinator {
 namespace {
@@ -478,6 +479,52 @@ TEST_F(CoordinatorTest, AJobsLogIsCappedAndSaysSo) {
     notes += e.reason().find("log reached 4096 bytes") != std::string::npos;
   }
   EXPECT_EQ(notes, 1);
+}
+
+// Tokens seen and training FLOPs (what the console's compare view aligns runs by) go from the
+// agent's report to the series file and back, through a reopen; a series file written before
+// they were kept still reads, with 0 for both.
+TEST_F(CoordinatorTest, StepPointsKeepTokensAndFlopsThroughAReopen) {
+  const std::string w = RegisterWorker("a", 1);
+  const std::string id = Submit(MicroJob(1));
+  c_->Tick();
+  ASSERT_EQ(Job(id).placement_size(), 1) << Job(id).state() << ": " << Job(id).reason();
+  const std::string series = JobSeriesPath(options_.data_dir, id);
+  std::filesystem::create_directories(std::filesystem::path(series).parent_path());
+  ASSERT_TRUE(AppendToFile(series, "1\t1\t5.5\t0.001\t100\t1.5\t1000\n"));  // the old layout
+  v1::HeartbeatRequest req;
+  req.set_worker_id(w);
+  v1::AttemptReport* a = req.add_attempts();
+  a->set_job_id(id);
+  a->set_attempt(1);
+  a->add_ranks()->set_running(true);
+  a->set_steps_offset(0);
+  const double flops_per_token = 3 * 123456789.123;  // not a short decimal: kept exactly
+  for (int step = 2; step <= 3; ++step) {
+    v1::StepPoint* p = a->add_steps();
+    p->set_step(step);
+    p->set_loss(5.0);
+    p->set_time_ms(1000 + step);
+    p->set_tokens_seen((int64_t{1} << 36) * step);  // past 2^32
+    p->set_train_flops(flops_per_token * static_cast<double>(p->tokens_seen()));
+  }
+  ASSERT_TRUE(c_->Heartbeat(req, w).ok());
+  Reopen();
+  auto m = c_->JobMetrics(id, 2000);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->series_size(), 1);
+  ASSERT_EQ(m->series(0).points_size(), 3);
+  const v1::StepPoint& old = m->series(0).points(0);
+  EXPECT_EQ(old.step(), 1);
+  EXPECT_DOUBLE_EQ(old.grad_norm(), 1.5);
+  EXPECT_EQ(old.tokens_seen(), 0);
+  EXPECT_EQ(old.train_flops(), 0);
+  for (int i = 1; i <= 2; ++i) {
+    const v1::StepPoint& p = m->series(0).points(i);
+    EXPECT_EQ(p.step(), i + 1);
+    EXPECT_EQ(p.tokens_seen(), (int64_t{1} << 36) * (i + 1));
+    EXPECT_EQ(p.train_flops(), flops_per_token * static_cast<double>(p.tokens_seen()));
+  }
 }
 
 }  // namespace

@@ -543,6 +543,18 @@ void CreateSweep(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   ReplyCreated(res, c->CreateSweep(spec, who.user));
 }
 
+// A report's or curves' metric, baseline and merge (the coordinator checks their values).
+bool ComparisonQuery(Req req, HttpResponse& res, Coordinator::ReportQuery* query) {
+  query->metric = req.Param("metric");
+  query->baseline = req.Param("baseline");
+  if (req.Param("merge").size() > 1024) {
+    SetJsonError(res, 400, "merge: longer than 1024 characters");
+    return false;
+  }
+  if (req.HasParam("merge")) query->merge = absl::StrSplit(req.Param("merge"), ',');
+  return true;
+}
+
 void ReportSweep(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
   if (!who.scope.empty() && !MayRead(who, "sweep", c->GetSweep(req.matches[0]), res)) return;
   int64_t length = 0;
@@ -557,17 +569,18 @@ void ReportSweep(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
     return;
   }
   Coordinator::ReportQuery query;
-  query.metric = req.Param("metric");
+  if (!ComparisonQuery(req, res, &query)) return;
   query.select = req.Param("select");
-  query.baseline = req.Param("baseline");
-  if (req.Param("merge").size() > 1024) {
-    SetJsonError(res, 400, "merge: longer than 1024 characters");
-    return;
-  }
-  if (req.HasParam("merge")) query.merge = absl::StrSplit(req.Param("merge"), ',');
   if (req.HasParam("length")) query.length = length;
   if (req.HasParam("threshold")) query.threshold = threshold;
   Reply(res, c->ReportSweep(req.matches[0], query));
+}
+
+void SweepCurves(Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+  if (!who.scope.empty() && !MayRead(who, "sweep", c->GetSweep(req.matches[0]), res)) return;
+  Coordinator::ReportQuery query;
+  if (CheckParams(req, res, {"metric", "baseline", "merge"}) && ComparisonQuery(req, res, &query))
+    Reply(res, c->SweepCurves(req.matches[0], query));
 }
 
 // GET .../{id}: no query parameters; the answer is the resource.
@@ -658,6 +671,42 @@ void InstallQuotaRoutes(HttpServer& server, Coordinator* c, const ApiOptions& op
       }));
 }
 
+// /v1/admin/webhooks...: admins add (the answer carries the secret, once), list and delete.
+// The admin check comes before the body is read: others learn nothing about what is set.
+void InstallWebhookRoutes(HttpServer& server, Coordinator* c, const ApiOptions& options) {
+  const auto admin_only = [](const Who& who, HttpResponse& res) {
+    if (who.admin) return true;
+    SetJsonError(res, 403, "webhooks are managed by admins", "PERMISSION_DENIED");
+    return false;
+  };
+  server.Route("POST", "/v1/admin/webhooks", "user",
+               UserRoute(c, options,
+                         [admin_only](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+                           v1::Webhook webhook;
+                           if (!CheckParams(req, res, {}) || !admin_only(who, res) ||
+                               !ParseBody(req, res, &webhook))
+                             return;
+                           const absl::StatusOr<v1::Webhook> added =
+                               c->AddWebhook(webhook, who.caller());
+                           if (!added.ok()) return SendStatus(res, added.status());
+                           SendMessage(res, *added, 201);
+                         }));
+  server.Route(
+      "GET", "/v1/admin/webhooks", "user",
+      UserRoute(c, options, [](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+        if (CheckParams(req, res, {})) Reply(res, c->ListWebhooks(who.caller()));
+      }));
+  server.Route(
+      "DELETE", "/v1/admin/webhooks/{id}", "user",
+      UserRoute(c, options, [](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+        if (!CheckParams(req, res, {})) return;
+        const absl::Status s = c->DeleteWebhook(req.matches[0], who.caller());
+        if (!s.ok()) return SendStatus(res, s);
+        res.status = 200;
+        res.body = "{}\n";
+      }));
+}
+
 // /v1/sweeps...: create, list, inspect, cancel, report.
 void InstallSweepRoutes(HttpServer& server, Coordinator* c, const ApiOptions& options) {
   server.Route("POST", "/v1/sweeps", "user", UserRoute(c, options, CreateSweep));
@@ -673,6 +722,7 @@ void InstallSweepRoutes(HttpServer& server, Coordinator* c, const ApiOptions& op
   server.Route("POST", "/v1/sweeps/{id}/cancel", "user",
                ActOnId(c, options, &Coordinator::CancelSweep));
   server.Route("GET", "/v1/sweeps/{id}/report", "user", UserRoute(c, options, ReportSweep));
+  server.Route("GET", "/v1/sweeps/{id}/curves", "user", UserRoute(c, options, SweepCurves));
 }
 
 }  // namespace
@@ -690,6 +740,7 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   server.Route("GET", "/v1/workers", "user", PagedList(c, options, &Coordinator::ListWorkers));
   InstallSweepRoutes(server, c, options);
   InstallQuotaRoutes(server, c, options);
+  InstallWebhookRoutes(server, c, options);
   // Agent routes live on the agent listener only.
   server.RoutePattern("POST", R"(/v1/agent/.*)", [](const HttpRequest& req, HttpResponse& res) {
     SetJsonError(res, 404,

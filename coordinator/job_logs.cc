@@ -15,15 +15,19 @@ namespace fs = std::filesystem;
 namespace loom::coordinator {
 namespace {
 
-// One line of a series file; false for a torn or foreign line.
+// One line of a series file; false for a torn or foreign line. Lines written before
+// tokens_seen and train_flops were kept have 7 fields and read as 0 for both.
 bool ParseStepLine(absl::string_view line, int* attempt, v1::StepPoint* p) {
   std::vector<absl::string_view> f = absl::StrSplit(line, '\t');
-  int64_t step, time_ms;
-  double loss, lr, tps, grad;
-  if (f.size() != 7 || !absl::SimpleAtoi(f[0], attempt) || !absl::SimpleAtoi(f[1], &step) ||
-      !absl::SimpleAtod(f[2], &loss) || !absl::SimpleAtod(f[3], &lr) ||
-      !absl::SimpleAtod(f[4], &tps) || !absl::SimpleAtod(f[5], &grad) ||
-      !absl::SimpleAtoi(f[6], &time_ms)) {
+  int64_t step, time_ms, tokens = 0;
+  double loss, lr, tps, grad, flops = 0;
+  if ((f.size() != 7 && f.size() != 9) || !absl::SimpleAtoi(f[0], attempt) ||
+      !absl::SimpleAtoi(f[1], &step) || !absl::SimpleAtod(f[2], &loss) ||
+      !absl::SimpleAtod(f[3], &lr) || !absl::SimpleAtod(f[4], &tps) ||
+      !absl::SimpleAtod(f[5], &grad) || !absl::SimpleAtoi(f[6], &time_ms)) {
+    return false;
+  }
+  if (f.size() == 9 && (!absl::SimpleAtoi(f[7], &tokens) || !absl::SimpleAtod(f[8], &flops))) {
     return false;
   }
   p->set_step(step);
@@ -32,6 +36,8 @@ bool ParseStepLine(absl::string_view line, int* attempt, v1::StepPoint* p) {
   p->set_tokens_per_second(tps);
   p->set_grad_norm(grad);
   p->set_time_ms(time_ms);
+  p->set_tokens_seen(tokens);
+  p->set_train_flops(flops);
   return true;
 }
 
@@ -102,9 +108,11 @@ std::string StepLines(const v1::AttemptReport& report, int64_t first) {
   std::string lines;
   for (int64_t i = first; i < report.steps_size(); ++i) {
     const v1::StepPoint& p = report.steps(static_cast<int>(i));
-    absl::StrAppendFormat(&lines, "%d\t%d\t%.10g\t%.10g\t%.10g\t%.10g\t%d\n", report.attempt(),
-                          p.step(), p.loss(), p.learning_rate(), p.tokens_per_second(),
-                          p.grad_norm(), p.time_ms());
+    // train_flops at full precision: it is an x axis, and 1e15-sized values differ late.
+    absl::StrAppendFormat(&lines, "%d\t%d\t%.10g\t%.10g\t%.10g\t%.10g\t%d\t%d\t%.17g\n",
+                          report.attempt(), p.step(), p.loss(), p.learning_rate(),
+                          p.tokens_per_second(), p.grad_norm(), p.time_ms(), p.tokens_seen(),
+                          p.train_flops());
   }
   return lines;
 }

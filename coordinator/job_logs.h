@@ -1,8 +1,9 @@
 // A job's files under the coordinator's data directory: its log (logs/<job>.log, the lines of
 // all its attempts in arrival order) and rank 0's step series (series/<job>.tsv, one line a
-// point: "attempt step loss lr tokens/s grad_norm time_ms"). Agents send both in resendable
-// chunks by offset; the coordinator keeps what it received per (attempt, worker) in RocksDB and
-// hands only the new part (NewPartStart) to the append functions here.
+// point: "attempt step loss lr tokens/s grad_norm time_ms tokens_seen train_flops"; files from
+// before the last two fields have 7). Agents send both in resendable chunks by offset; the
+// coordinator keeps what it received per (attempt, worker) in RocksDB and hands only the new
+// part (NewPartStart) to the append functions here.
 #ifndef LOOM_COORDINATOR_JOB_LOGS_H_
 #define LOOM_COORDINATOR_JOB_LOGS_H_
 

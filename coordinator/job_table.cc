@@ -55,6 +55,9 @@ absl::Status JobTable::Load() {
     if (!quota.has_slots() && quota.weight() == 0) quota.set_slots(0);
   }
   next_sweep_ = state.next_sweep;
+  webhooks_ = std::move(state.webhooks);
+  next_webhook_ = state.next_webhook;
+  next_event_ = state.next_event;
   return absl::OkStatus();
 }
 
@@ -208,6 +211,7 @@ void JobTable::SetState(Txn& txn, v1::Job& job, JobState state, const std::strin
   AddEvent(txn, job, state, reason);
   txn.batch.PutJob(job);
   if (IsTerminal(state) && on_terminal_) on_terminal_(txn, job);
+  if (on_state_) on_state_(txn, job, state);
 }
 
 std::string JobTable::NextJobId(int64_t i) const {
@@ -252,6 +256,32 @@ void JobTable::PutQuota(Txn& txn, const v1::Quota& quota) {
 void JobTable::DeleteQuota(Txn& txn, const std::string& kind, const std::string& name) {
   txn.batch.DeleteQuota(kind, name);
   txn.on_commit.push_back([this, key = absl::StrCat(kind, "/", name)] { quotas_.erase(key); });
+}
+
+std::string JobTable::NextWebhookId() const { return absl::StrFormat("wh-%06d", next_webhook_); }
+
+void JobTable::PutWebhook(Txn& txn, const v1::Webhook& webhook) {
+  if (webhook.id() == NextWebhookId()) {
+    txn.batch.PutNextWebhook(next_webhook_ + 1);
+    txn.on_commit.push_back([this] { ++next_webhook_; });
+  }
+  txn.batch.PutWebhook(webhook);
+  txn.on_commit.push_back([this, webhook] { webhooks_[webhook.id()] = webhook; });
+}
+
+void JobTable::DeleteWebhook(Txn& txn, const std::string& id) {
+  txn.batch.DeleteWebhook(id);
+  txn.on_commit.push_back([this, id] { webhooks_.erase(id); });
+}
+
+int64_t JobTable::TakeEventSeq(Txn& txn) {
+  const int64_t seq = next_event_++;
+  txn.batch.PutNextEvent(next_event_);
+  return seq;
+}
+
+void JobTable::PutDelivery(Txn& txn, const v1::WebhookDelivery& delivery) {
+  txn.batch.PutDelivery(delivery);
 }
 
 std::string JobTable::WorkerOfDigest(const std::string& digest) const {

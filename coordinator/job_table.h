@@ -45,6 +45,9 @@ class JobTable {
   };
   // Runs inside SetState when a job reaches a terminal state, in the same Txn.
   using TerminalHook = std::function<void(Txn&, const v1::Job&)>;
+  // Runs at the end of every SetState (after on_terminal), in the same Txn: the webhooks'
+  // outbox entries go into the change that causes them.
+  using StateHook = std::function<void(Txn&, const v1::Job&, JobState)>;
 
   // Opens (or creates) the RocksDB state in `state_dir` and loads it, migrating what older
   // coordinators wrote (clear credentials, "<job>/<step>" checkpoint ids).
@@ -61,6 +64,7 @@ class JobTable {
   const std::map<std::string, v1::CheckpointEntry>& checkpoints() const { return checkpoints_; }
   const std::map<std::string, v1::Sweep>& sweeps() const { return sweeps_; }
   const std::map<std::string, v1::Quota>& quotas() const { return quotas_; }
+  const std::map<std::string, v1::Webhook>& webhooks() const { return webhooks_; }
   // "<job>/<attempt>/<worker>" -> log bytes (or step points) received; progress, not synced.
   std::map<std::string, int64_t>& log_offsets() { return log_offsets_; }
   StateStore& store() { return *store_; }
@@ -81,6 +85,7 @@ class JobTable {
   void AddEvent(Txn& txn, v1::Job& job, std::optional<JobState> state, const std::string& reason);
   void SetState(Txn& txn, v1::Job& job, JobState state, const std::string& reason);
   void set_on_terminal(TerminalHook hook) { on_terminal_ = std::move(hook); }
+  void set_on_state(StateHook hook) { on_state_ = std::move(hook); }
 
   // Ids: the next `i`-th job id / sweep id not taken yet; Take* takes them with the change.
   std::string NextJobId(int64_t i = 0) const;
@@ -93,6 +98,14 @@ class JobTable {
   void PutSweep(Txn& txn, const v1::Sweep& sweep);
   void PutQuota(Txn& txn, const v1::Quota& quota);
   void DeleteQuota(Txn& txn, const std::string& kind, const std::string& name);
+  // Webhooks (webhooks.h): the next id, one stored or removed with the change.
+  std::string NextWebhookId() const;
+  void PutWebhook(Txn& txn, const v1::Webhook& webhook);  // takes the id when it is the next one
+  void DeleteWebhook(Txn& txn, const std::string& id);
+  // The outbox: a new event's sequence number (taken at once: a change rolled back leaves a
+  // gap, never a reused event id) and a delivery stored with the change.
+  int64_t TakeEventSeq(Txn& txn);
+  void PutDelivery(Txn& txn, const v1::WebhookDelivery& delivery);
 
   // Heartbeat credentials, stored as digests (credentials.h): the worker a digest belongs to
   // ("" when none), a worker's digest ("" when none), a new one, or none.
@@ -113,6 +126,7 @@ class JobTable {
   metrics::Registry& registry_;
   std::unique_ptr<StateStore> store_;
   TerminalHook on_terminal_;
+  StateHook on_state_;
   bool storage_full_ = false;
 
   std::map<std::string, v1::Job> jobs_;
@@ -128,6 +142,9 @@ class JobTable {
   std::map<std::string, int64_t> log_offsets_;
   int64_t next_job_ = 1;
   int64_t next_sweep_ = 1;
+  std::map<std::string, v1::Webhook> webhooks_;
+  int64_t next_webhook_ = 1;
+  int64_t next_event_ = 1;
 };
 
 }  // namespace loom::coordinator

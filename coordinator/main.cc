@@ -66,6 +66,11 @@ constexpr char kUsage[] = R"(usage: loom-coordinator [flags]
   --max-connections-per-address N   HTTP connections one client address is served at once
                           (default 16; more wait, or displace its slow or idle ones)
   --max-log-followers-per-user N   concurrent log streams per user (default 4)
+  --webhook-retry-base-ms N   a failed webhook delivery is tried again after N ms (default
+                          1000), doubling each time up to --webhook-retry-max-ms (default 300000)
+  --webhook-max-attempts N   tries before a delivery is dropped (default 30), or once it is
+                          older than --webhook-max-age-s (default 86400)
+  --webhook-timeout-ms N  one webhook POST, connecting included (default 10000)
   --max-user-priority N   the highest priority a user other than an admin may give a job
                           (default 1000: any); a higher one is refused with 403. A high
                           priority preempts other people's jobs: e.g. 0 keeps that to admins
@@ -146,6 +151,11 @@ absl::StatusOr<CliArgs> ParseArgs(int argc, char** argv) {
                          "max-connections-per-address",
                          "max-log-followers-per-user",
                          "max-user-priority",
+                         "webhook-retry-base-ms",
+                         "webhook-retry-max-ms",
+                         "webhook-max-attempts",
+                         "webhook-max-age-s",
+                         "webhook-timeout-ms",
                          "prometheus-sd-file",
                          "tls-cert",
                          "tls-key",
@@ -177,6 +187,20 @@ absl::StatusOr<std::string> CheckpointStoreFlag(const CliArgs& args) {
   std::string root = store->root();
   while (!root.empty() && root.back() == '/') root.pop_back();
   return root;
+}
+
+// Webhook retries (webhooks.h): the first after base ms, doubling up to max ms; a delivery is
+// dropped after the attempts or the age allowed.
+absl::Status ReadWebhookOptions(const CliArgs& args, WebhookOptions& w) {
+  LOOM_ASSIGN_OR_RETURN(w.retry_base_ms, args.GetInt("webhook-retry-base-ms", 1000, 10, 3600000));
+  LOOM_ASSIGN_OR_RETURN(w.retry_max_ms,
+                        args.GetInt("webhook-retry-max-ms", 300000, w.retry_base_ms, 86400000));
+  LOOM_ASSIGN_OR_RETURN(int64_t attempts, args.GetInt("webhook-max-attempts", 30, 1, 100000));
+  LOOM_ASSIGN_OR_RETURN(int64_t age_s, args.GetInt("webhook-max-age-s", 86400, 1, 31536000));
+  LOOM_ASSIGN_OR_RETURN(w.timeout_ms, args.GetInt("webhook-timeout-ms", 10000, 100, 600000));
+  w.max_attempts = static_cast<int>(attempts);
+  w.max_age_ms = age_s * 1000;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
@@ -225,6 +249,7 @@ absl::StatusOr<Settings> ReadSettings(const CliArgs& args) {
   options.scheduler.reserve_after_ms = reserve * 1000;
   options.scheduler.preempt_after_ms = preempt < 0 ? -1 : preempt * 1000;
   options.scheduler.min_run_ms = min_run * 1000;
+  LOOM_RETURN_IF_ERROR(ReadWebhookOptions(args, options.webhooks));
   return settings;
 }
 

@@ -23,6 +23,10 @@ std::string EventKey(const std::string& job_id, int64_t seq) {
   return absl::StrFormat("event/%s/%012d", job_id, seq);
 }
 
+std::string DeliveryKey(const v1::WebhookDelivery& d) {
+  return absl::StrFormat("outbox/%016d/%s", d.seq(), d.webhook_id());
+}
+
 template <typename M>
 absl::Status ParseValue(const rocksdb::Slice& key, const rocksdb::Slice& value, M* out) {
   if (!out->ParseFromArray(value.data(), static_cast<int>(value.size()))) {
@@ -116,6 +120,24 @@ void StateStore::Batch::PutQuota(const v1::Quota& quota) {
 void StateStore::Batch::DeleteQuota(const std::string& kind, const std::string& name) {
   batch_->Delete(absl::StrCat("quota/", kind, "/", name));
 }
+void StateStore::Batch::PutWebhook(const v1::Webhook& webhook) {
+  batch_->Put(absl::StrCat("webhook/", webhook.id()), webhook.SerializeAsString());
+}
+void StateStore::Batch::DeleteWebhook(const std::string& id) {
+  batch_->Delete(absl::StrCat("webhook/", id));
+}
+void StateStore::Batch::PutNextWebhook(int64_t next) {
+  batch_->Put("meta/next_webhook", std::to_string(next));
+}
+void StateStore::Batch::PutNextEvent(int64_t next) {
+  batch_->Put("meta/next_event", std::to_string(next));
+}
+void StateStore::Batch::PutDelivery(const v1::WebhookDelivery& delivery) {
+  batch_->Put(DeliveryKey(delivery), delivery.SerializeAsString());
+}
+void StateStore::Batch::DeleteDelivery(const v1::WebhookDelivery& delivery) {
+  batch_->Delete(DeliveryKey(delivery));
+}
 bool StateStore::Batch::empty() const { return batch_->Count() == 0; }
 
 absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(const std::string& dir) {
@@ -174,6 +196,15 @@ absl::StatusOr<LoadedState> StateStore::Load() {
       v1::Quota q;
       if (auto s = ParseValue(it->key(), it->value(), &q); !s.ok()) return s;
       state.quotas[absl::StrCat(q.kind(), "/", q.name())] = std::move(q);
+    } else if (key.rfind("webhook/", 0) == 0) {
+      v1::Webhook w;
+      if (auto s = ParseValue(it->key(), it->value(), &w); !s.ok()) return s;
+      state.webhooks[w.id()] = std::move(w);
+    } else if (key == "meta/next_webhook" || key == "meta/next_event") {
+      int64_t* next = key == "meta/next_event" ? &state.next_event : &state.next_webhook;
+      if (!absl::SimpleAtoi(it->value().ToString(), next)) {
+        return absl::DataLossError(absl::StrCat("state store: bad ", key));
+      }
     } else if (key == "meta/next_sweep") {
       if (!absl::SimpleAtoi(it->value().ToString(), &state.next_sweep)) {
         return absl::DataLossError("state store: bad meta/next_sweep");
@@ -199,6 +230,18 @@ absl::StatusOr<std::vector<v1::JobEvent>> StateStore::Events(const std::string& 
   }
   if (auto s = FromRocks(it->status(), "scan"); !s.ok()) return s;
   return events;
+}
+
+absl::StatusOr<std::vector<v1::WebhookDelivery>> StateStore::Deliveries() {
+  std::vector<v1::WebhookDelivery> out;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek("outbox/"); it->Valid() && it->key().starts_with("outbox/"); it->Next()) {
+    v1::WebhookDelivery d;
+    if (auto s = ParseValue(it->key(), it->value(), &d); !s.ok()) return s;
+    out.push_back(std::move(d));
+  }
+  if (auto s = FromRocks(it->status(), "scan"); !s.ok()) return s;
+  return out;
 }
 
 absl::Status StateStore::Commit(Batch& batch, bool sync) {

@@ -4,7 +4,8 @@
 //
 // Keys: job/<id>, event/<job id>/<seq, 12 digits>, worker/<id>, ckpt/<id>, request/<key>,
 // logoff/<job>/<attempt>/<worker>, cred/<worker id> (its heartbeat credential), sweep/<id>,
-// quota/<kind>/<name>, meta/next_job, meta/next_sweep.
+// quota/<kind>/<name>, webhook/<id>, outbox/<seq, 16 digits>/<webhook id> (deliveries not made
+// yet: webhooks.h), meta/next_job, meta/next_sweep, meta/next_webhook, meta/next_event.
 #ifndef LOOM_COORDINATOR_STATE_STORE_H_
 #define LOOM_COORDINATOR_STATE_STORE_H_
 
@@ -47,6 +48,9 @@ struct LoadedState {
   std::map<std::string, v1::Sweep> sweeps;
   std::map<std::string, v1::Quota> quotas;  // "<kind>/<name>" -> quota
   int64_t next_sweep = 1;
+  std::map<std::string, v1::Webhook> webhooks;
+  int64_t next_webhook = 1;
+  int64_t next_event = 1;
 };
 
 class StateStore {
@@ -69,6 +73,12 @@ class StateStore {
     void PutNextSweep(int64_t next);
     void PutQuota(const v1::Quota& quota);
     void DeleteQuota(const std::string& kind, const std::string& name);
+    void PutWebhook(const v1::Webhook& webhook);
+    void DeleteWebhook(const std::string& id);
+    void PutNextWebhook(int64_t next);
+    void PutNextEvent(int64_t next);
+    void PutDelivery(const v1::WebhookDelivery& delivery);
+    void DeleteDelivery(const v1::WebhookDelivery& delivery);
     bool empty() const;
 
    private:
@@ -81,6 +91,8 @@ class StateStore {
 
   absl::StatusOr<LoadedState> Load();
   absl::StatusOr<std::vector<v1::JobEvent>> Events(const std::string& job_id);
+  // The outbox: deliveries not made yet, oldest event first (Load leaves them out).
+  absl::StatusOr<std::vector<v1::WebhookDelivery>> Deliveries();
   // sync: fsync the WAL before returning (state transitions); progress updates skip it.
   absl::Status Commit(Batch& batch, bool sync);
 

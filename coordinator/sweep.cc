@@ -87,25 +87,19 @@ absl::Status SetPath(nlohmann::json& root, const std::string& path, const nlohma
   return absl::OkStatus();
 }
 
-// The metric of one evaluation.
-double MetricOf(const v1::EvalResult& e, const std::string& metric) {
-  if (metric == "accuracy") return e.accuracy();
-  if (metric == "exact_match") return e.exact_match();
-  return e.eval_loss();
-}
-
 // The evaluation a job's value comes from: its last held-out one (validation evaluations of
-// data.splits jobs count as held-out), the one with the lowest eval loss (best by validation),
-// or for `test` its last test evaluation (the test split at the best validation epoch). With a
-// length, only the end-of-run evaluations at that eval.lengths length count. Null when it has
-// none.
-const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& select, int64_t length) {
+// data.splits jobs count as held-out; its last reasoning evaluation for a reasoning metric), the
+// one with the lowest eval loss (best by validation), or for `test` its last test evaluation (the
+// test split at the best validation epoch). With a length, only the end-of-run evaluations at
+// that eval.lengths length count. Null when it has none.
+const v1::EvalResult* ChosenEval(const v1::Job& job, const std::string& metric,
+                                 const std::string& select, int64_t length) {
   const v1::EvalResult* chosen = nullptr;
   for (const v1::EvalResult* ep : JobCurve(job)) {
     const v1::EvalResult& e = *ep;
     const bool wanted = length > 0         ? e.kind() == "length" && e.length() == length
                         : select == "test" ? e.kind() == "test"
-                                           : IsHeldOut(e);
+                                           : CountsFor(e, metric);
     if (!wanted) continue;
     if (chosen == nullptr ||
         (select == "best" ? e.eval_loss() < chosen->eval_loss() : e.step() >= chosen->step())) {
@@ -121,8 +115,8 @@ const v1::EvalResult* ReachingEval(const v1::Job& job, const v1::SweepReport& re
   const v1::EvalResult* first = nullptr;
   for (const v1::EvalResult* ep : JobCurve(job)) {
     const v1::EvalResult& e = *ep;
-    if (!IsHeldOut(e)) continue;
-    const double m = MetricOf(e, report.metric());
+    if (!CountsFor(e, report.metric())) continue;
+    const double m = EvalMetric(e, report.metric());
     const bool reached =
         report.metric() == "eval_loss" ? m <= report.threshold() : m >= report.threshold();
     if (reached && (first == nullptr || e.step() < first->step())) first = &e;
@@ -138,8 +132,8 @@ std::optional<double> MeanOverEvals(const v1::Job& job, const std::string& metri
   int count = 0;
   for (const v1::EvalResult* ep : JobCurve(job)) {
     const v1::EvalResult& e = *ep;
-    if (!IsHeldOut(e) || e.step() <= 0) continue;
-    sum += MetricOf(e, metric);
+    if (!CountsFor(e, metric) || e.step() <= 0) continue;
+    sum += EvalMetric(e, metric);
     ++count;
     *last = std::max(*last, e.step());
   }
@@ -150,8 +144,11 @@ std::optional<double> MeanOverEvals(const v1::Job& job, const std::string& metri
 enum class Outcome { kValue, kPending, kFailed };
 
 // What one job of a cell contributes: a value (filled into *v), not yet (pending), or nothing
-// (failed, cancelled, or succeeded without an evaluation to read).
-Outcome JobOutcome(const v1::Job* job, const v1::SweepReport& report, v1::SeedValue* v) {
+// (failed, cancelled, or succeeded without an evaluation to read). *from: the one evaluation the
+// value is read from (select final, best, test), else null.
+Outcome JobOutcome(const v1::Job* job, const v1::SweepReport& report, v1::SeedValue* v,
+                   const v1::EvalResult** from) {
+  *from = nullptr;
   const std::optional<JobState> state =
       job == nullptr ? std::optional<JobState>(JobState::kQueued) : JobStateOf(*job);
   if (state == JobState::kFailed || state == JobState::kCancelled) return Outcome::kFailed;
@@ -165,7 +162,7 @@ Outcome JobOutcome(const v1::Job* job, const v1::SweepReport& report, v1::SeedVa
       v->set_step(e->step());
       return Outcome::kValue;
     }
-    e = succeeded ? ChosenEval(*job, "final", 0) : nullptr;
+    e = succeeded ? ChosenEval(*job, report.metric(), "final", 0) : nullptr;
     if (e == nullptr) return succeeded ? Outcome::kFailed : Outcome::kPending;
     v->set_value(static_cast<double>(e->step()));
     v->set_step(e->step());
@@ -182,10 +179,11 @@ Outcome JobOutcome(const v1::Job* job, const v1::SweepReport& report, v1::SeedVa
     v->set_step(last);
     return Outcome::kValue;
   }
-  e = succeeded ? ChosenEval(*job, report.select(), report.length()) : nullptr;
+  e = succeeded ? ChosenEval(*job, report.metric(), report.select(), report.length()) : nullptr;
   if (e == nullptr) return succeeded ? Outcome::kFailed : Outcome::kPending;
-  v->set_value(MetricOf(*e, report.metric()));
+  v->set_value(EvalMetric(*e, report.metric()));
   v->set_step(e->step());
+  *from = e;
   return Outcome::kValue;
 }
 
@@ -205,22 +203,81 @@ void CountOrder(const v1::SeedValue& cell, const v1::SeedValue& base, v1::Paired
   }
 }
 
+// One cell's values by seed, and the evaluation each was read from (select final, best, test).
+struct CellSeeds {
+  std::map<uint64_t, v1::SeedValue> values;
+  std::map<uint64_t, const v1::EvalResult*> evals;
+};
+
+// Per problem of a reasoning evaluation, its score under `metric` (the fraction of correct or
+// answered samples, or whether the majority answer was right); empty when its per-problem lists
+// are missing (an older trainer) or inconsistent (a hostile worker's report).
+std::vector<double> ProblemScores(const v1::EvalResult& e, const std::string& metric) {
+  const int n = e.problem_samples_size();
+  if (n == 0 || e.problem_correct_size() != n || e.problem_answered_size() != n ||
+      e.problem_majority_correct_size() != n) {
+    return {};
+  }
+  std::vector<double> out;
+  for (int i = 0; i < n; ++i) {
+    const int samples = e.problem_samples(i), correct = e.problem_correct(i),
+              answered = e.problem_answered(i);
+    if (samples <= 0 || correct < 0 || correct > samples || answered < 0 || answered > samples)
+      return {};
+    out.push_back(metric == "maj@k"      ? (e.problem_majority_correct(i) ? 1.0 : 0.0)
+                  : metric == "answered" ? static_cast<double>(answered) / samples
+                                         : static_cast<double>(correct) / samples);
+  }
+  return out;
+}
+
+// The paired difference over problems: when every paired seed's two evaluations scored one and
+// the same problem set, per problem the cell's score minus the baseline's, averaged over the
+// seeds, and the paired t over problems. Nothing when they did not.
+void AddProblemDifference(const CellSeeds& cell, const CellSeeds& base, const std::string& metric,
+                          v1::PairedDifference* d) {
+  std::vector<double> sum;
+  std::string problem_set;
+  int seeds = 0;
+  for (const auto& [seed, e] : cell.evals) {
+    auto b = base.evals.find(seed);
+    if (b == base.evals.end()) continue;
+    if (problem_set.empty()) problem_set = e->problem_set();
+    if (problem_set.empty() || e->problem_set() != problem_set ||
+        b->second->problem_set() != problem_set) {
+      return;
+    }
+    const std::vector<double> x = ProblemScores(*e, metric), y = ProblemScores(*b->second, metric);
+    if (x.empty() || x.size() != y.size() || (!sum.empty() && sum.size() != x.size())) return;
+    sum.resize(x.size(), 0.0);
+    for (size_t i = 0; i < x.size(); ++i) sum[i] += x[i] - y[i];
+    ++seeds;
+  }
+  if (seeds == 0) return;
+  for (double& v : sum) v /= seeds;
+  const Interval t = TInterval(sum);
+  d->set_problems(static_cast<int>(sum.size()));
+  d->set_problem_mean(Mean(sum));
+  d->set_problem_t_low(t.low);
+  d->set_problem_t_high(t.high);
+  d->set_problem_p_value(TTestPValue(sum));
+}
+
 // The paired difference of `cell` against the report's baseline over the seeds both have a
 // value for (under reach: both reached the threshold; the order counts take the rest).
-void AddDifference(const std::string& cell,
-                   const std::map<std::string, std::map<uint64_t, v1::SeedValue>>& by_cell,
+void AddDifference(const std::string& cell, const std::map<std::string, CellSeeds>& by_cell,
                    v1::SweepReport* report) {
-  static const std::map<uint64_t, v1::SeedValue> kNone;
-  auto values = [&](const std::string& name) -> const std::map<uint64_t, v1::SeedValue>& {
+  static const CellSeeds kNone;
+  auto seeds = [&](const std::string& name) -> const CellSeeds& {
     auto it = by_cell.find(name);
     return it == by_cell.end() ? kNone : it->second;
   };
-  const auto& base_values = values(report->baseline());
+  const auto& base_values = seeds(report->baseline()).values;
   v1::PairedDifference* d = report->add_differences();
   d->set_cell(cell);
   d->set_baseline(report->baseline());
   std::vector<double> diffs;
-  for (const auto& [seed, v] : values(cell)) {
+  for (const auto& [seed, v] : seeds(cell).values) {
     auto base = base_values.find(seed);
     if (base == base_values.end()) continue;
     if (report->select() == "reach") CountOrder(v, base->second, d);
@@ -238,14 +295,84 @@ void AddDifference(const std::string& cell,
   d->set_p_value(TTestPValue(diffs));
   d->set_boot_low(boot.low);
   d->set_boot_high(boot.high);
+  if (IsReasoningMetric(report->metric()) && report->select() == "final")
+    AddProblemDifference(seeds(cell), seeds(report->baseline()), report->metric(), d);
+}
+
+// One cell's statistics into `cell` and its values by seed into *seeds.
+void FillCell(const v1::Sweep& sweep, const std::map<std::string, v1::Job>& jobs,
+              v1::SweepReport& report, v1::CellStats* cell, CellSeeds* seeds) {
+  std::vector<double> values;  // of the seeds that count in the mean (not censored)
+  for (const v1::SweepJob& sj : sweep.jobs()) {
+    if (sj.cell() != cell->cell()) continue;
+    auto it = jobs.find(sj.job_id());
+    v1::SeedValue v;
+    const v1::EvalResult* from = nullptr;
+    switch (JobOutcome(it == jobs.end() ? nullptr : &it->second, report, &v, &from)) {
+      case Outcome::kFailed:
+        cell->set_failed(cell->failed() + 1);
+        continue;
+      case Outcome::kPending:
+        cell->set_pending(cell->pending() + 1);
+        report.set_complete(false);
+        continue;
+      case Outcome::kValue:
+        break;
+    }
+    v.set_seed(sj.seed());
+    v.set_job_id(sj.job_id());
+    if (v.censored()) {
+      cell->set_censored(cell->censored() + 1);
+    } else {
+      values.push_back(v.value());
+    }
+    *cell->add_values() = v;
+    seeds->values[sj.seed()] = v;
+    if (from != nullptr) seeds->evals[sj.seed()] = from;
+  }
+  cell->set_n(static_cast<int>(values.size()));
+  if (values.empty()) return;
+  const Interval ci = TInterval(values);
+  cell->set_mean(Mean(values));
+  cell->set_sd(SampleSd(values));
+  cell->set_ci_low(ci.low);
+  cell->set_ci_high(ci.high);
 }
 
 }  // namespace
 
+bool IsReasoningMetric(const std::string& metric) {
+  return metric == "pass@1" || metric == "maj@k" || metric == "answered";
+}
+
+bool CountsFor(const v1::EvalResult& e, const std::string& metric) {
+  return IsReasoningMetric(metric) ? e.kind() == "reasoning" : IsHeldOut(e);
+}
+
+double EvalMetric(const v1::EvalResult& e, const std::string& metric) {
+  if (metric == "accuracy") return e.accuracy();
+  if (metric == "exact_match") return e.exact_match();
+  if (metric == "pass@1") return e.pass_at_1();
+  if (metric == "maj@k") return e.maj_at_k();
+  if (metric == "answered") return e.answered();
+  return e.eval_loss();
+}
+
 absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& select,
                                   int64_t length, double threshold) {
-  if (!metric.empty() && metric != "eval_loss" && metric != "accuracy" && metric != "exact_match") {
-    return FieldError("metric", "eval_loss | accuracy | exact_match");
+  if (!metric.empty() && metric != "eval_loss" && metric != "accuracy" && metric != "exact_match" &&
+      !IsReasoningMetric(metric)) {
+    return FieldError("metric", "eval_loss | accuracy | exact_match | pass@1 | maj@k | answered");
+  }
+  if (IsReasoningMetric(metric) && (select == "best" || select == "test")) {
+    return FieldError("select", absl::StrCat(metric,
+                                             " is a reasoning evaluation's: final | reach | "
+                                             "mean (best and test go by eval loss)"));
+  }
+  if (IsReasoningMetric(metric) && length > 0) {
+    return FieldError("length", absl::StrCat(metric,
+                                             " is a reasoning evaluation's, which has no "
+                                             "eval.lengths"));
   }
   if (!select.empty() && select != "final" && select != "best" && select != "test" &&
       select != "reach" && select != "mean") {
@@ -428,43 +555,11 @@ v1::SweepReport BuildSweepReport(const v1::Sweep& sweep,
   report.set_baseline(spec.baseline().empty() && !sweep.cells().empty() ? sweep.cells(0)
                                                                         : spec.baseline());
   report.set_complete(true);
-  std::map<std::string, std::map<uint64_t, v1::SeedValue>> by_cell;  // cell -> seed -> value
+  std::map<std::string, CellSeeds> by_cell;
   for (const std::string& name : sweep.cells()) {
     v1::CellStats* cell = report.add_cells();
     cell->set_cell(name);
-    std::vector<double> values;  // of the seeds that count in the mean (not censored)
-    for (const v1::SweepJob& sj : sweep.jobs()) {
-      if (sj.cell() != name) continue;
-      auto it = jobs.find(sj.job_id());
-      v1::SeedValue v;
-      switch (JobOutcome(it == jobs.end() ? nullptr : &it->second, report, &v)) {
-        case Outcome::kFailed:
-          cell->set_failed(cell->failed() + 1);
-          continue;
-        case Outcome::kPending:
-          cell->set_pending(cell->pending() + 1);
-          report.set_complete(false);
-          continue;
-        case Outcome::kValue:
-          break;
-      }
-      v.set_seed(sj.seed());
-      v.set_job_id(sj.job_id());
-      if (v.censored()) {
-        cell->set_censored(cell->censored() + 1);
-      } else {
-        values.push_back(v.value());
-      }
-      *cell->add_values() = v;
-      by_cell[name][sj.seed()] = v;
-    }
-    cell->set_n(static_cast<int>(values.size()));
-    if (values.empty()) continue;
-    const Interval ci = TInterval(values);
-    cell->set_mean(Mean(values));
-    cell->set_sd(SampleSd(values));
-    cell->set_ci_low(ci.low);
-    cell->set_ci_high(ci.high);
+    FillCell(sweep, jobs, report, cell, &by_cell[name]);
   }
   for (const std::string& name : sweep.cells()) {
     if (name != report.baseline()) AddDifference(name, by_cell, &report);

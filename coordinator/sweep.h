@@ -28,6 +28,14 @@ struct SweepCell {
 absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& select,
                                   int64_t length = 0, double threshold = 0);
 
+// pass@1 | maj@k | answered: read from the reasoning evaluations (kind reasoning), which are
+// what a job's curve has for them; the other metrics from its held-out evaluations.
+bool IsReasoningMetric(const std::string& metric);
+// Whether `e` is one of the evaluations a metric is read from.
+bool CountsFor(const v1::EvalResult& e, const std::string& metric);
+// The value of a metric (eval_loss | accuracy | exact_match | pass@1 | maj@k | answered).
+double EvalMetric(const v1::EvalResult& e, const std::string& metric);
+
 // Checks the spec's own fields (seeds, metric, select, sizes) and expands its cells: the grid's
 // combinations (paths in order, values in order), crossed with the listed cells when both are
 // given. Errors name the field.

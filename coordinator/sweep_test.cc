@@ -4,7 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
+#include "absl/strings/match.h"
 #include "coordinator/stats.h"
+#include "coordinator/sweep_curves.h"
 
 namespace loom::coordinator {
 namespace {
@@ -505,6 +509,220 @@ TEST(SweepTest, ReachOrdersACensoredSeedOnlyUpToItsLastEvaluation) {
   EXPECT_EQ(d.later(), 0);
   EXPECT_EQ(d.unordered(), 1);
   EXPECT_DOUBLE_EQ(d.sign_p_value(), 1.0);
+}
+
+// A sweep of cells a and b: seeds 1-3 succeeded with held-out evaluations at steps 5 and 10,
+// seed 4 still running (evaluated at step 5 only), seed 5 failed (evaluated at both).
+struct CurvesSweep {
+  v1::Sweep sweep;
+  std::map<std::string, v1::Job> jobs;
+};
+
+CurvesSweep MakeCurvesSweep() {
+  CurvesSweep s;
+  s.sweep.set_id("sweep-000003");
+  *s.sweep.mutable_spec() = BaseSweep();
+  s.sweep.add_cells("a");
+  s.sweep.add_cells("b");
+  for (uint64_t seed = 1; seed <= 5; ++seed) {
+    for (const std::string cell : {"a", "b"}) {
+      v1::SweepJob* sj = s.sweep.add_jobs();
+      sj->set_cell(cell);
+      sj->set_seed(seed);
+      sj->set_job_id(cell + std::to_string(seed));
+      v1::Job& job = s.jobs[sj->job_id()];
+      job.set_state(seed <= 3 ? "succeeded" : seed == 4 ? "running" : "failed");
+      for (int step : {5, 10}) {
+        if (seed == 4 && step == 10) continue;
+        v1::EvalResult* e = job.add_evals();
+        e->set_step(step);
+        // Distinct per (cell, seed, step); b is lower than a by a seed-dependent amount.
+        e->set_eval_loss(3.0 - 0.1 * step + 0.01 * seed * seed - (cell == "b" ? 0.02 * seed : 0));
+      }
+    }
+  }
+  return s;
+}
+
+TEST(SweepCurvesTest, PointsPerStepAndTheLastStepIsTheReport) {
+  const CurvesSweep s = MakeCurvesSweep();
+  const v1::SweepCurves c = BuildSweepCurves(s.sweep, s.jobs);
+  EXPECT_FALSE(c.complete());
+  EXPECT_EQ(c.metric(), "eval_loss");
+  EXPECT_EQ(c.baseline(), "a");
+  ASSERT_EQ(c.cells_size(), 2);
+  const v1::CellCurve& a = c.cells(0);
+  EXPECT_EQ(a.seeds(), 4);  // the failed seed is left out
+  ASSERT_EQ(a.points_size(), 2);
+  EXPECT_EQ(a.points(0).step(), 5);
+  EXPECT_EQ(a.points(0).n(), 4);  // the running seed counts with what it has
+  // Step 5 of a: 2.5 + 0.01 s^2 for s = 1..4: mean 2.5 + 0.075.
+  EXPECT_NEAR(a.points(0).mean(), 2.575, 1e-12);
+  const v1::SweepReport r = BuildSweepReport(s.sweep, s.jobs);
+  for (int i = 0; i < 2; ++i) {
+    const v1::CurvePoint& last = c.cells(i).points(1);
+    EXPECT_EQ(last.step(), 10);
+    EXPECT_EQ(last.n(), r.cells(i).n());
+    EXPECT_DOUBLE_EQ(last.mean(), r.cells(i).mean());
+    EXPECT_DOUBLE_EQ(last.sd(), r.cells(i).sd());
+    EXPECT_DOUBLE_EQ(last.ci_low(), r.cells(i).ci_low());
+    EXPECT_DOUBLE_EQ(last.ci_high(), r.cells(i).ci_high());
+  }
+  ASSERT_EQ(c.differences_size(), 1);
+  const v1::DifferenceCurve& d = c.differences(0);
+  EXPECT_EQ(d.cell(), "b");
+  ASSERT_EQ(d.points_size(), 2);
+  // Step 5: b - a = -0.02 s over seeds 1-4: mean -0.05, sd 0.02 sqrt(5/3).
+  EXPECT_EQ(d.points(0).n(), 4);
+  EXPECT_NEAR(d.points(0).mean(), -0.05, 1e-12);
+  EXPECT_NEAR(d.points(0).sd(), 0.02 * std::sqrt(5.0 / 3.0), 1e-12);
+  EXPECT_NEAR(d.points(0).ci_high() - d.points(0).mean(), 3.182446 * d.points(0).sd() / 2.0,
+              1e-7);  // t_{0.975, 3}
+  const v1::CurvePoint& last = d.points(1);
+  EXPECT_EQ(last.n(), r.differences(0).n());
+  EXPECT_DOUBLE_EQ(last.mean(), r.differences(0).mean());
+  EXPECT_DOUBLE_EQ(last.ci_low(), r.differences(0).t_low());
+  EXPECT_DOUBLE_EQ(last.ci_high(), r.differences(0).t_high());
+  EXPECT_DOUBLE_EQ(last.p_value(), r.differences(0).p_value());
+}
+
+TEST(SweepCurvesTest, PairsOnlyWhereBothEvaluatedAndReadsOnlyTheLatestHeldOutEvaluations) {
+  CurvesSweep s = MakeCurvesSweep();
+  s.sweep.mutable_spec()->set_metric("accuracy");
+  v1::Job& b1 = s.jobs["b1"];
+  b1.add_evals()->set_step(7);  // only b's seed 1 evaluated at step 7
+  b1.mutable_evals(2)->set_accuracy(0.3);
+  v1::EvalResult* test = b1.add_evals();  // not held out: not on the curve
+  test->set_step(10);
+  test->set_kind("test");
+  test->set_accuracy(0.99);
+  v1::EvalResult* resumed = b1.add_evals();  // a restarted attempt's evaluation replaces it
+  resumed->set_step(10);
+  resumed->set_attempt(2);
+  resumed->set_accuracy(0.6);
+  const v1::SweepCurves c = BuildSweepCurves(s.sweep, s.jobs);
+  const v1::CellCurve& b = c.cells(1);
+  ASSERT_EQ(b.points_size(), 3);
+  EXPECT_EQ(b.points(1).step(), 7);
+  EXPECT_EQ(b.points(1).n(), 1);
+  EXPECT_DOUBLE_EQ(b.points(1).mean(), 0.3);
+  EXPECT_DOUBLE_EQ(b.points(1).ci_low(), 0.3);  // one value: the point
+  EXPECT_DOUBLE_EQ(b.points(1).ci_high(), 0.3);
+  EXPECT_NEAR(b.points(2).mean(), 0.6 / 3, 1e-12);  // seeds 2, 3 have accuracy 0
+  const v1::DifferenceCurve& d = c.differences(0);
+  ASSERT_EQ(d.points_size(), 2);  // steps 5 and 10: a has no step 7
+  EXPECT_EQ(d.points(1).step(), 10);
+  EXPECT_NEAR(d.points(1).mean(), 0.6 / 3, 1e-12);
+}
+
+// A reasoning evaluation of 4 problems x 2 samples: correct counts, majority flags.
+v1::EvalResult Reasoning(std::vector<int> correct, std::vector<bool> majority,
+                         const std::string& problem_set = "ab12") {
+  v1::EvalResult e;
+  e.set_kind("reasoning");
+  e.set_step(20);
+  double pass = 0, maj = 0;
+  for (size_t i = 0; i < correct.size(); ++i) {
+    e.add_problem_samples(2);
+    e.add_problem_correct(correct[i]);
+    e.add_problem_answered(2);
+    e.add_problem_majority_correct(majority[i]);
+    pass += correct[i] / 2.0 / correct.size();
+    maj += majority[i] ? 1.0 / correct.size() : 0;
+  }
+  e.set_pass_at_1(pass);
+  e.set_maj_at_k(maj);
+  e.set_answered(1);
+  e.set_problem_set(problem_set);
+  return e;
+}
+
+// Cells a and b, seeds 1 and 2, each job with one held-out evaluation and one reasoning one.
+struct ReasoningSweep {
+  v1::Sweep sweep;
+  std::map<std::string, v1::Job> jobs;
+  void Add(const std::string& cell, uint64_t seed, const v1::EvalResult& e) {
+    v1::SweepJob* sj = sweep.add_jobs();
+    sj->set_cell(cell);
+    sj->set_seed(seed);
+    sj->set_job_id(cell + std::to_string(seed));
+    v1::Job& job = jobs[sj->job_id()];
+    job.set_state("succeeded");
+    job.add_evals()->set_step(20);  // held out: not what a reasoning metric reads
+    job.mutable_evals(0)->set_eval_loss(1.0);
+    *job.add_evals() = e;
+  }
+};
+
+ReasoningSweep MakeReasoningSweep(const std::string& b2_problem_set = "ab12") {
+  ReasoningSweep s;
+  s.sweep.set_id("sweep-000004");
+  *s.sweep.mutable_spec() = BaseSweep();
+  s.sweep.mutable_spec()->set_metric("pass@1");
+  s.sweep.add_cells("a");
+  s.sweep.add_cells("b");
+  s.Add("a", 1, Reasoning({0, 1, 2, 0}, {false, false, true, false}));
+  s.Add("a", 2, Reasoning({1, 1, 0, 0}, {false, false, false, false}));
+  s.Add("b", 1, Reasoning({2, 1, 2, 1}, {true, false, true, false}));
+  s.Add("b", 2, Reasoning({2, 2, 0, 1}, {true, true, false, false}, b2_problem_set));
+  return s;
+}
+
+TEST(SweepReasoningTest, PairsBySeedAndByProblem) {
+  const ReasoningSweep s = MakeReasoningSweep();
+  const v1::SweepReport r = BuildSweepReport(s.sweep, s.jobs);
+  ASSERT_EQ(r.cells_size(), 2);
+  EXPECT_DOUBLE_EQ(r.cells(0).mean(), (3.0 / 8 + 2.0 / 8) / 2);  // pass@1 of a's two seeds
+  const v1::PairedDifference& d = r.differences(0);
+  EXPECT_EQ(d.n(), 2);
+  // Per problem, b - a averaged over the seeds: (1 + 0.5)/2, (0 + 0.5)/2, 0, (0.5 + 0.5)/2.
+  const std::vector<double> per_problem = {0.75, 0.25, 0.0, 0.5};
+  EXPECT_EQ(d.problems(), 4);
+  EXPECT_NEAR(d.problem_mean(), Mean(per_problem), 1e-12);
+  EXPECT_NEAR(d.problem_mean(), d.mean(), 1e-12);  // the same mean, another unit of replication
+  const Interval t = TInterval(per_problem);
+  EXPECT_NEAR(d.problem_t_low(), t.low, 1e-12);
+  EXPECT_NEAR(d.problem_t_high(), t.high, 1e-12);
+  EXPECT_NEAR(d.problem_p_value(), TTestPValue(per_problem), 1e-12);
+  // maj@k: per problem (1 + 1)/2, (0 + 1)/2, 0, 0.
+  v1::Sweep maj = s.sweep;
+  maj.mutable_spec()->set_metric("maj@k");
+  const v1::PairedDifference dm = BuildSweepReport(maj, s.jobs).differences(0);
+  EXPECT_NEAR(dm.problem_mean(), 0.375, 1e-12);
+  EXPECT_NEAR(dm.mean(), 0.375, 1e-12);
+  // The curves read the reasoning evaluations too.
+  const v1::SweepCurves c = BuildSweepCurves(s.sweep, s.jobs);
+  ASSERT_EQ(c.differences(0).points_size(), 1);
+  EXPECT_NEAR(c.differences(0).points(0).mean(), d.mean(), 1e-12);
+}
+
+TEST(SweepReasoningTest, NoTestOverProblemsUnlessTheSameProblemsWithSoundLists) {
+  const ReasoningSweep other = MakeReasoningSweep("ffff");  // seed 2 of b scored other problems
+  const v1::PairedDifference d = BuildSweepReport(other.sweep, other.jobs).differences(0);
+  EXPECT_EQ(d.n(), 2);
+  EXPECT_EQ(d.problems(), 0);
+  ReasoningSweep hostile = MakeReasoningSweep();
+  hostile.jobs["b1"].mutable_evals(1)->set_problem_correct(0, 3);  // 3 of 2 samples correct
+  EXPECT_EQ(BuildSweepReport(hostile.sweep, hostile.jobs).differences(0).problems(), 0);
+  hostile = MakeReasoningSweep();
+  hostile.jobs["a2"].mutable_evals(1)->mutable_problem_samples()->RemoveLast();  // ragged lists
+  EXPECT_EQ(BuildSweepReport(hostile.sweep, hostile.jobs).differences(0).problems(), 0);
+  // select mean and reach have no single evaluation to pair problems in.
+  ReasoningSweep s = MakeReasoningSweep();
+  s.sweep.mutable_spec()->set_select("mean");
+  EXPECT_EQ(BuildSweepReport(s.sweep, s.jobs).differences(0).problems(), 0);
+}
+
+TEST(SweepReasoningTest, SelectionsThatGoByEvalLossAreRefusedNamingTheField) {
+  EXPECT_TRUE(CheckMetricAndSelect("pass@1", "final").ok());
+  EXPECT_TRUE(CheckMetricAndSelect("answered", "mean").ok());
+  EXPECT_TRUE(CheckMetricAndSelect("maj@k", "reach", 0, 0.5).ok());
+  for (const char* select : {"best", "test"}) {
+    const absl::Status st = CheckMetricAndSelect("maj@k", select);
+    EXPECT_TRUE(absl::StartsWith(st.message(), "select: ")) << st;
+  }
+  EXPECT_TRUE(absl::StartsWith(CheckMetricAndSelect("pass@1", "final", 64).message(), "length: "));
+  EXPECT_TRUE(absl::StartsWith(CheckMetricAndSelect("pass@2", "").message(), "metric: "));
 }
 
 }  // namespace

@@ -5,7 +5,9 @@
 // together (charts inside their panels at 1280 and 390 px, axis labels distinct, nothing added by
 // the refreshes), follows the log to its end, gets a
 // field error for an invalid spec next to its line, submits and cancels a job, fine-tunes from a
-// checkpoint and opens the lineage of the fine-tune. Screenshots of each page go to --out.
+// checkpoint and opens the lineage of the fine-tune; runs a small sweep and checks its curves
+// against the API, then compares jobs (picked on the jobs list, and by URL) against their metrics
+// by step, tokens and training FLOPs. Screenshots of each page go to --out.
 //
 // node tests/console_test.js --loom build/bin/loom --source-dir . --out build/console-screenshots
 'use strict';
@@ -95,15 +97,16 @@ async function shot(page, name, fullPage = false) {
 }
 const textOf = (page, sel) => page.$eval(sel, (el) => el.textContent);
 
-// What a person sees of a job page's charts: four of them, each canvas inside its panel.
-async function checkChartsFit(page, where) {
-  await page.waitForSelector('#chart-learning_rate canvas');
+// What a person sees of a page's charts: `count` of them (a job page's four), each canvas inside
+// its panel.
+async function checkChartsFit(page, where, count = 4) {
+  await page.waitForFunction((n) => document.querySelectorAll('figure.chart canvas').length >= n, {}, count);
   await sleep(300);  // a layout and its resize observations
   const boxes = await page.$$eval('figure.chart', (figs) => figs.map((f) => {
     const r = f.getBoundingClientRect(), c = f.querySelector('canvas')?.getBoundingClientRect();
     return { id: f.id, panel: [r.left, r.right], canvas: c ? [c.left, c.right] : null };
   }));
-  assert.equal(boxes.length, 4, `${where}: ${boxes.map((b) => b.id)}`);
+  assert.equal(boxes.length, count, `${where}: ${boxes.map((b) => b.id)}`);
   for (const b of boxes) {
     assert.ok(b.canvas && b.canvas[0] >= b.panel[0] - 0.5 && b.canvas[1] <= b.panel[1] + 0.5,
       `${where}: ${b.id}'s canvas ${b.canvas} is not inside its panel ${b.panel}`);
@@ -119,6 +122,172 @@ const elementCounts = (page) => page.$$eval('main *', (els) => {
   }
   return n;
 });
+// Every chart's axis labels, x and y, can be told apart.
+async function checkTicks(page, where) {
+  const ticks = await page.evaluate(() => Object.entries(window.loomConsole.charts)
+    .map(([name, c]) => [name, (c.ticks || []).filter(Boolean), (c.xticks || []).filter(Boolean)]));
+  for (const [name, ...axes] of ticks) {
+    for (const shown of axes) assert.equal(new Set(shown).size, shown.length, `${where}: ${name}: axis labels ${shown}`);
+  }
+}
+// A job's steps as the compare view draws them: its attempts joined, each resumed attempt
+// replacing what the earlier ones logged from its first step on.
+function joinedSteps(metrics) {
+  let out = [];
+  for (const s of [...metrics.series].sort((a, b) => a.attempt - b.attempt)) {
+    out = [...out.filter((p) => Number(p.step) < Number(s.points[0].step)), ...s.points];
+  }
+  return out;
+}
+// Held-out evaluations, the latest attempt's at each step.
+function heldOutEvals(metrics) {
+  const at = new Map();
+  for (const e of metrics.evals || []) {
+    const held = ['', 'heldout', 'validation'].includes(e.kind || '');
+    if (held && !(at.get(Number(e.step))?.attempt > e.attempt)) at.set(Number(e.step), e);
+  }
+  return [...at.values()].sort((a, b) => Number(a.step) - Number(b.step));
+}
+const chartLine = (page, chart, label) => page.evaluate((c, l) =>
+  window.loomConsole.charts[c]?.lines.find((x) => x.label === l), chart, label);
+
+// A sweep's curves: each chart's lines are GET /v1/sweeps/{id}/curves (a cell's mean and 95%
+// band; a difference's mean and paired-t band, then the zero line), for its metric and another;
+// "Compare its jobs" opens the compare view with the sweep's jobs.
+async function checkSweepCurves(page, base, token, sweepId) {
+  const bands = (label, points) => [[label, 'mean'], [`${label} · 95% high`, 'ci_high'], [`${label} · 95% low`, 'ci_low']]
+    .map(([l, k]) => ({ label: l, xs: points.map((p) => Number(p.step)), ys: points.map((p) => p[k] || 0) }));
+  const bare = (lines) => lines.map(({ label, xs, ys }) => ({ label, xs, ys }));
+  for (const metric of ['eval_loss', 'accuracy']) {
+    if (metric !== 'eval_loss') await page.select('#curves-metric', metric);
+    await page.waitForFunction((m) => window.loomConsole.charts.sweep_curves?.lines.length === 6 &&
+      document.querySelector('#chart-sweep_curves figcaption').textContent.startsWith(m), { timeout: 15000 }, metric);
+    const want = (await rest(base, token, 'GET', `/v1/sweeps/${sweepId}/curves?metric=${metric}`)).json;
+    // 10 steps, evaluated at 0 and 10, each cell with both seeds.
+    for (const c of want.cells) assert.deepEqual(c.points.map((p) => [Number(p.step), p.n]), [[0, 2], [10, 2]], c.cell);
+    const shown = await page.evaluate(() => ({ cells: window.loomConsole.charts.sweep_curves.lines,
+      diffs: window.loomConsole.charts.sweep_differences.lines }));
+    assert.deepEqual(bare(shown.cells), want.cells.flatMap((c) => bands(c.cell, c.points)), `${metric}: cells`);
+    assert.deepEqual(bare(shown.diffs.slice(0, -1)), want.differences.flatMap((d) => bands(`${d.cell} − ${d.baseline}`, d.points)),
+      `${metric}: differences`);
+    assert.deepEqual(bare(shown.diffs.slice(-1)), [{ label: 'zero', xs: [0, 10], ys: [0, 0] }]);
+    if (metric !== 'eval_loss') continue;
+    await checkChartsFit(page, 'a sweep\'s curves at 1280x800', 2);
+    await checkTicks(page, 'sweep curves');
+    const section = await page.$('section[aria-labelledby="h-sweep-curves"]');
+    await section.screenshot({ path: path.join(out, 'sweep-curves.png') });
+  }
+  const sweepJobs = (await rest(base, token, 'GET', `/v1/sweeps/${sweepId}`)).json.jobs.map((j) => j.job_id);
+  await page.click('#sweep-compare');
+  await page.waitForFunction((n) => window.loomConsole.charts.compare_loss?.lines.length === n, { timeout: 15000 }, sweepJobs.length);
+  assert.deepEqual((await page.evaluate(() => window.loomConsole.charts.compare_loss.lines.map((l) => l.label))).sort(), sweepJobs.sort());
+  assert.match(await textOf(page, '#compare-legend'), /optimizer\.lr=0\.003, seed 2/);
+}
+
+// The compare view: opened from the jobs list's boxes and by URL; each job's line is what its
+// metrics (fetched here) hold, the demo's tokens and FLOPs what the trainer logged; alignment,
+// smoothing and log axes; an unknown id named and the rest drawn; more than 20 refused.
+async function checkCompare(page, base, token, { demo, demoId, longId, ftId, logged }) {
+  await page.goto(`${base}/#/jobs`);
+  for (const id of [demoId, longId]) {
+    await page.waitForSelector(`tr[data-job="${id}"] input.pick`);
+    await page.click(`tr[data-job="${id}"] input.pick`);
+  }
+  await page.waitForFunction(() => /Compare 2 jobs/.test(document.querySelector('#compare').textContent));
+  await page.click('#compare');
+  await page.waitForFunction(() => location.hash.startsWith('#/compare?'));
+  const picked = new URLSearchParams((await page.evaluate(() => location.hash)).split('?')[1]).get('jobs');
+  assert.deepEqual(picked.split(',').sort(), [demoId, longId].sort());
+
+  const ids = [demoId, longId, ftId];
+  await page.goto(`${base}/#/compare?jobs=${ids},job-999999`);
+  await page.waitForFunction(() => window.loomConsole.charts.compare_learning_rate?.lines.length === 3, { timeout: 15000 });
+  assert.match(await textOf(page, '[data-problem="job-999999"]'), /^job-999999: no such job/);
+  const legend = await page.$$eval('#compare-legend li', (els) => els.map((e) => e.textContent));
+  assert.equal(legend.length, 3, legend.join('\n'));
+  assert.match(legend[0], new RegExp(`^${demoId} tiny-iha · 4× iha \\(window \\d+, P 2\\)`));
+  const metrics = {};
+  for (const id of ids) metrics[id] = (await rest(base, token, 'GET', `/v1/jobs/${id}/metrics?max_points=2000`)).json;
+  assert.equal(metrics[longId].series.length, 2, 'the restarted job has two attempts to join');
+  for (const id of ids) {
+    const steps = joinedSteps(metrics[id]), evals = heldOutEvals(metrics[id]);
+    const loss = await chartLine(page, 'compare_loss', id), lr = await chartLine(page, 'compare_learning_rate', id);
+    const evalLoss = await chartLine(page, 'compare_eval_loss', id);
+    assert.deepEqual(loss.xs, steps.map((p) => Number(p.step)), `${id}: steps`);
+    assert.deepEqual(loss.ys, steps.map((p) => p.loss || 0), `${id}: loss`);
+    assert.deepEqual(lr.ys, steps.map((p) => p.learning_rate || 0), `${id}: learning rate`);
+    assert.deepEqual(evalLoss ? [evalLoss.xs, evalLoss.ys] : [[], []],
+      [evals.map((e) => Number(e.step)), evals.map((e) => e.eval_loss || 0)], `${id}: evals`);
+  }
+  await checkAlignment(page, ids, metrics, logged, demoId);
+  await checkSmoothingAndLogAxes(page, demoId);
+  // What a person sees, at the defaults: five charts inside their panels, nothing added by the
+  // refreshes, distinct axis labels.
+  await page.goto(`${base}/#/compare?jobs=${ids},job-999999`);
+  await checkChartsFit(page, 'the compare view at 1280x800', 5);
+  const before = await elementCounts(page);
+  await sleep(10000);
+  assert.deepEqual(await elementCounts(page), before, 'the compare view\'s refreshes changed its elements');
+  await checkTicks(page, 'compare');
+  await shot(page, 'compare', true);
+  // A job without points (queued for a pool no worker is in): named when aligning by tokens, the
+  // rest drawn, no error in the page.
+  const queued = await rest(base, token, 'POST', '/v1/jobs',
+    { ...demo, spec: { ...demo.spec, name: 'console-queued' }, pool: { pool: 'nowhere' } });
+  assert.equal(queued.status, 201, queued.text);
+  await page.goto(`${base}/#/compare?jobs=${demoId},${queued.json.id}&x=tokens`);
+  await page.waitForSelector(`[data-problem="${queued.json.id}"]`);
+  assert.match(await textOf(page, `[data-problem="${queued.json.id}"]`), /no tokens recorded/);
+  assert.deepEqual(await page.evaluate(() => window.loomConsole.charts.compare_loss.lines.map((l) => l.label)), [demoId]);
+  assert.equal((await rest(base, token, 'POST', `/v1/jobs/${queued.json.id}/cancel`)).status, 200);
+  // More than 20 jobs: refused, nothing drawn.
+  await page.goto(`${base}/#/compare?jobs=${Array.from({ length: 21 }, (_, i) => `job-${900001 + i}`)}`);
+  await page.waitForSelector('[data-problem="refused"]');
+  assert.match(await textOf(page, '[data-problem="refused"]'), /21 jobs named: at most 20/);
+  assert.equal(await page.$$eval('figure.chart', (els) => els.length), 0);
+  console.log(`ok: compare view of ${ids} checked against their metrics, by step, tokens and FLOPs`);
+}
+// Aligned by tokens and by training FLOPs: the x values are each point's tokens_seen and
+// train_flops (the demo's exactly as its trainer logged them), positive and increasing, and
+// FLOPs per token the same all along a job (3 x its forward FLOPs per token).
+async function checkAlignment(page, ids, metrics, logged, demoId) {
+  for (const [x, field, name] of [['tokens', 'tokens_seen', 'tokens'], ['flops', 'train_flops', 'training FLOPs']]) {
+    await page.select('#compare-x', x);
+    await page.waitForFunction((n) => window.loomConsole.charts.compare_loss?.x === n, { timeout: 5000 }, name);
+    assert.match(await page.evaluate(() => location.hash), new RegExp(`[?&]x=${x}(&|$)`));
+    for (const id of ids) {
+      const line = await chartLine(page, 'compare_loss', id);
+      assert.deepEqual(line.xs, joinedSteps(metrics[id]).map((p) => Number(p[field])), `${id} by ${x}`);
+      line.xs.forEach((v, i) => assert.ok(v > 0 && (i === 0 || v > line.xs[i - 1]), `${id} by ${x}: ${v} at ${i}`));
+    }
+    const demo = await chartLine(page, 'compare_loss', demoId);
+    assert.deepEqual(demo.xs, logged.map((e) => e[field]), `${demoId} by ${x}: as the trainer logged`);
+  }
+  for (const id of ids) {
+    const per = joinedSteps(metrics[id]).map((p) => p.train_flops / Number(p.tokens_seen));
+    per.forEach((f) => assert.ok(Math.abs(f - per[0]) <= 1e-9 * per[0], `${id}: FLOPs per token ${f} vs ${per[0]}`));
+  }
+}
+// Smoothing is an exponential moving average of the raw values; log x leaves out step 0.
+async function checkSmoothingAndLogAxes(page, demoId) {
+  await page.select('#compare-x', 'step');
+  await page.waitForFunction(() => window.loomConsole.charts.compare_loss?.x === 'step');
+  const raw = (await chartLine(page, 'compare_loss', demoId)).ys;
+  await page.$eval('#compare-smooth', (el) => { el.value = '0.5'; el.dispatchEvent(new Event('change')); });
+  await page.waitForFunction(() => /smooth=0\.5/.test(location.hash));
+  const smoothed = (await chartLine(page, 'compare_loss', demoId)).ys;
+  let ema = raw[0];
+  raw.forEach((y, i) => {
+    ema = i ? 0.5 * ema + 0.5 * y : y;
+    assert.ok(Math.abs(smoothed[i] - ema) <= 1e-12 * Math.abs(ema), `EMA at ${i}: ${smoothed[i]} vs ${ema}`);
+  });
+  assert.equal((await chartLine(page, 'compare_eval_loss', demoId)).xs[0], 0);
+  await page.click('#compare-logx');
+  await page.click('#compare-logy');
+  await page.waitForFunction(() => /logx=1&logy=1/.test(location.hash));
+  assert.ok((await chartLine(page, 'compare_eval_loss', demoId)).xs[0] > 0, 'log x: step 0 left out');
+}
+
 async function setEditor(page, text) {
   await page.$eval('#spec-editor', (el, v) => {
     el.value = v;
@@ -352,10 +521,13 @@ async function main() {
 
   // The phone width: nothing wider than the screen, every control labelled.
   await page.setViewport({ width: 390, height: 844 });
-  for (const [view, name] of [['#/jobs', 'phone-jobs'], [`#/jobs/${demoId}`, 'phone-job'], ['#/submit', 'phone-submit']]) {
+  const compared = [demoId, longId, ftId];
+  for (const [view, name] of [['#/jobs', 'phone-jobs'], [`#/jobs/${demoId}`, 'phone-job'], ['#/submit', 'phone-submit'],
+    [`#/compare?jobs=${compared}`, 'phone-compare']]) {
     await page.goto(`${base}/${view}`);
     await page.waitForSelector('#page-title');
     if (name === 'phone-job') await checkChartsFit(page, 'a job at 390 px');
+    if (name === 'phone-compare') await checkChartsFit(page, 'the compare view at 390 px', 5);
     await sleep(800);
     const width = await page.evaluate(() => document.documentElement.scrollWidth);
     assert.ok(width <= 391, `${view} is ${width}px wide at phone width`);
@@ -382,13 +554,16 @@ async function main() {
   await waitFor('the sweep to finish', async () =>
     (await rest(base, token, 'GET', `/v1/sweeps/${sweep.json.id}`)).json.state === 'finished', 180000);
   await page.goto(`${base}/#/sweeps/${sweep.json.id}`);
-  await page.waitForFunction(() => /complete/.test(document.querySelector('main').textContent), { timeout: 15000 });
+  await page.waitForFunction(() => document.querySelectorAll('main table').length >= 2 &&
+    /complete/.test(document.querySelector('main').textContent), { timeout: 15000 });
   const [cells, diffs] = await page.$$eval('main table', (ts) => ts.map((t) => [...t.tBodies[0].rows].map((r) => r.innerText)));
   assert.equal(cells.length, 2, cells.join('\n'));
   for (const c of cells) assert.match(c, /\t2\t0\t0\t[-\d.e]+\t\[[-\d.e]+, [-\d.e]+\]/, c);
   assert.equal(diffs.length, 1);
   assert.match(diffs[0], /^optimizer.lr=0.003\toptimizer.lr=0.001\t2\t/);
   await shot(page, 'sweep');
+  await checkSweepCurves(page, base, token, sweep.json.id);
+  await checkCompare(page, base, token, { demo, demoId, longId, ftId, logged });
 
   // Every API request the page made carried the user's token; nothing else was fetched.
   const isApi = (r) => new URL(r.url).pathname.startsWith('/v1/');

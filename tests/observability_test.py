@@ -40,6 +40,23 @@ def run(cmd, **kw):
     return r
 
 
+def check_alerts_name_jobs(path):
+    """Every alert on a per-job series (loom_coordinator_job_*, loom_train_*) keeps job_id (no
+    `by (...)` without it, no `without (job_id)`) and names the job in its summary
+    (loom-alerts-test.yml checks the label on the alerts that fire)."""
+    with open(path) as f:
+        rules = [r for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
+    per_job = [r for r in rules if re.search(r"\bloom_(coordinator_job_|train_)", r["expr"])]
+    assert {"LoomJobFailed", "LoomJobNoProgress", "LoomRepeatedNanSkips",
+            "LoomCheckpointsStalled"} <= {r["alert"] for r in per_job}, [r["alert"] for r in per_job]
+    for r in per_job:
+        assert "{{ $labels.job_id }}" in r["annotations"]["summary"], r
+        for labels in re.findall(r"\bby\s*\(([^)]*)\)", r["expr"]):
+            assert "job_id" in labels, f"{r['alert']}: by ({labels}) drops job_id"
+        assert not re.search(r"\bwithout\s*\([^)]*job_id", r["expr"]), r
+    print(f"ok: {len(per_job)} job-level alerts carry job_id")
+
+
 def check_static(src, tmp, bin_dir):
     prom = os.path.join(src, "deploy", "prometheus")
     run(["promtool", "check", "config", os.path.join(prom, "prometheus.yml")])
@@ -47,6 +64,7 @@ def check_static(src, tmp, bin_dir):
     run(["promtool", "check", "rules", os.path.join(prom, "rules", "loom-alerts.yml")])
     r = run(["promtool", "test", "rules", "loom-alerts-test.yml"], cwd=os.path.join(prom, "rules"))
     assert "SUCCESS" in r.stdout, r.stdout
+    check_alerts_name_jobs(os.path.join(prom, "rules", "loom-alerts.yml"))
     # systemd: the units as shipped, with ExecStart at this build's binaries (verify checks that
     # the executables exist).
     units = os.path.join(tmp, "units")

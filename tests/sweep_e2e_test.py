@@ -7,7 +7,12 @@ computation of the same statistics from the raw per-job results (Student t from 
 integration of its density, not the coordinator's incomplete-beta code; the exact bootstrap
 distribution of the mean for three seeds); partial reports while a sweep runs; cancelling a sweep
 cancels its jobs; a sweep of 200 jobs on 2 slots loses none; a report against another sweep's
-cell; a report that merges another sweep's seeds in. Every process is stopped at the end.
+cell; a report that merges another sweep's seeds in. The curves (`loom sweep curves`,
+`GET /v1/sweeps/{id}/curves`: per cell and step the mean and interval over seeds, per step the
+paired difference) are checked against the same independent computation at every step. A sweep
+of reasoning-SFT jobs is reported by pass@1, maj@k and answered, paired by seed and by problem,
+against a computation from the trainer's per-problem details files. Every process is stopped at
+the end.
 """
 import argparse
 import functools
@@ -204,6 +209,7 @@ def test_report_matches_raw_results(up, tmp):
         assert [v["field"] for v in violations] == [field], (query, body)
     check_reach_report(up, sweep)
     check_mean_report(up, sweep)
+    check_curves(up, sweep, report)
     # The other formats and the plot.
     csv = up.loom("sweep", "report", sweep["id"], "--format", "csv").splitlines()
     assert csv[0].startswith("kind,cell,baseline,n,mean") and len(csv) == 4, csv
@@ -419,6 +425,8 @@ def test_partial_report_and_cancel(up, tmp):
              .get("running", 0) == 2, 60)
     report = up.api.ok("GET", f"/v1/sweeps/{sweep_id}/report")
     assert not report.get("complete") and sum(c.get("pending", 0) for c in report["cells"]) == 4, report
+    curves = up.api.ok("GET", f"/v1/sweeps/{sweep_id}/curves")
+    assert not curves.get("complete") and len(curves["differences"]) == 1, curves
     cancelled = json.loads(up.loom("sweep", "cancel", sweep_id, "--json"))
     assert cancelled["state"] == "cancelled" and cancelled["job_states"] == {"cancelled": 4}, cancelled
     for j in cancelled["jobs"]:
@@ -451,6 +459,154 @@ def test_two_hundred_jobs(up, tmp):
     assert len(ids) == 200
     print(f"ok: {created['id']}: 200 jobs on 2 slots all ran and reported ({time.time() - started:.0f} s)")
     return sweep
+
+def held_out_curves(up, sweep, metric="eval_loss"):
+    """cell -> seed -> step -> metric: each job's held-out evaluations, the latest attempt's."""
+    out = {}
+    for j in sweep["jobs"]:
+        latest = {}
+        for e in up.api.job(j["job_id"])["evals"]:
+            if e.get("kind", "") not in ("", "heldout", "validation"):
+                continue
+            step = int(e.get("step", 0))
+            if step not in latest or e.get("attempt", 0) >= latest[step].get("attempt", 0):
+                latest[step] = e
+        out.setdefault(j["cell"], {})[int(j["seed"])] = {k: e.get(metric, 0.0) for k, e in latest.items()}
+    return out
+
+
+def check_point(p, x, paired, what):
+    assert p["n"] == len(x), (what, p, x)
+    close(p["mean"], mean(x), 1e-12, f"{what} mean")
+    close(p.get("sd", 0.0), sd(x), 1e-9, f"{what} sd")
+    lo, hi = t_interval(x)
+    close(p["ci_low"], lo, 1e-6, f"{what} low")
+    close(p["ci_high"], hi, 1e-6, f"{what} high")
+    if paired:
+        tstat = mean(x) / (sd(x) / math.sqrt(len(x)))
+        close(p.get("p_value", 0.0), 2 * (1 - t_cdf(abs(tstat), len(x) - 1)), 1e-5, f"{what} p")
+
+
+def check_curves(up, sweep, report):
+    """The curves at every evaluation step against this script's computation from the jobs'
+    evaluations; their last step is the report (select final); the CLI prints what the API serves."""
+    raw = held_out_curves(up, sweep)
+    curves = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/curves")
+    assert curves["complete"] and curves["baseline"] == sweep["cells"][0], curves
+    steps = sorted(raw[sweep["cells"][0]][1])
+    assert steps == [0, 10, 20, 30], steps
+    for c in curves["cells"]:
+        assert [int(p["step"]) for p in c["points"]] == steps and c["seeds"] == 3, c
+        for p in c["points"]:
+            x = [raw[c["cell"]][s][int(p["step"])] for s in (1, 2, 3)]
+            check_point(p, x, False, f"{c['cell']} at {p['step']}")
+    [d] = curves["differences"]
+    base = sweep["cells"][0]
+    for p in d["points"][1:]:  # step 0: the same weights, so every difference is 0
+        x = [raw[d["cell"]][s][int(p["step"])] - raw[base][s][int(p["step"])] for s in (1, 2, 3)]
+        check_point(p, x, True, f"difference at {p['step']}")
+    assert d["points"][0]["n"] == 3 and not d["points"][0].get("mean"), d["points"][0]
+    last, r = d["points"][-1], report["differences"][0]
+    assert (last["mean"], last["ci_low"], last["ci_high"]) == (r["mean"], r["t_low"], r["t_high"]), (last, r)
+    cli = json.loads(up.loom("sweep", "curves", sweep["id"], "--format", "json"))
+    assert cli == curves, (cli, curves)
+    csv = up.loom("sweep", "curves", sweep["id"], "--format", "csv").splitlines()
+    assert csv[0] == "kind,cell,baseline,step,n,mean,sd,low,high,p_value" and len(csv) == 1 + 3 * len(steps), csv
+    table = up.loom("sweep", "curves", sweep["id"])
+    assert f"eval_loss - {base} by step, paired by seed" in table, table
+    png = os.path.join(up.tmp, "curves.png")
+    up.loom("sweep", "curves", sweep["id"], "--metric", "accuracy", "--plot", png)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    accuracy = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/curves?metric=accuracy")
+    raw_accuracy = held_out_curves(up, sweep, "accuracy")
+    p = accuracy["cells"][1]["points"][-1]
+    check_point(p, [raw_accuracy[sweep["cells"][1]][s][30] for s in (1, 2, 3)], False, "accuracy at 30")
+    for query, field in (("metric=perplexity", "metric"), ("select=best", "select"),
+                         ("baseline=nope", "baseline")):
+        status, body, text = up.api.request("GET", f"/v1/sweeps/{sweep['id']}/curves?{query}")
+        assert status == 400 and body["error"]["message"].startswith(field), (query, status, text)
+    print(f"ok: {sweep['id']}: curves at steps {steps} = independent computation per step; the last "
+          "step is the report")
+
+
+REASONING_SWEEP = """name: sft-pairs
+base:
+  spec:
+    kind: sft
+    preset: micro
+    model: {vocab_size: 260}
+    micro_batch: 8
+    seq_len: 128
+    threads: 1
+    optimizer: {lr: 0.003, warmup_steps: 10}
+    data: {source: chat, task: arithmetic, task_options: {count: "1000", ops: "1"}}
+    reasoning_eval: {problems: 12, samples: 3, generation: {max_new_tokens: 160}}
+grid:
+  steps: [150, 400]
+seeds: [1, 2, 3]
+metric: pass@1
+request_id: sft-pairs-1
+"""
+
+
+def problem_scores(details_path, metric):
+    """Per problem, from the trainer's details file: the fraction of correct samples (pass@1),
+    whether the majority answer was right (maj@k), or the fraction with an answer (answered)."""
+    with open(details_path) as f:
+        problems = json.load(f)["details"]
+    if metric == "maj@k":
+        return [1.0 if p["majority_correct"] else 0.0 for p in problems]
+    if metric == "answered":
+        return [sum(a is not None for a in p["answers"]) / len(p["answers"]) for p in problems]
+    return [p["correct"] / len(p["answers"]) for p in problems]
+
+
+def test_reasoning_metrics(up, tmp):
+    """metric pass@1 | maj@k | answered: each job's value is its reasoning evaluation's; cells are
+    paired by seed and, as the problems are the same, by problem (per problem the difference
+    averaged over seeds, paired t over problems), as computed here from the details files."""
+    path = write(tmp, "sft-sweep.yaml", REASONING_SWEEP)
+    sweep = up.wait_sweep(json.loads(up.loom("sweep", "submit", path, "--json"))["id"])
+    assert sweep["job_states"] == {"succeeded": 6}, sweep
+    details = {}
+    for j in sweep["jobs"]:
+        [e] = [e for e in up.api.job(j["job_id"])["evals"] if e.get("kind") == "reasoning"]
+        assert int(e["problems"]) == 12 and e["samples"] == 3 and len(e["problem_correct"]) == 12, e
+        details.setdefault(j["cell"], {})[int(j["seed"])] = (e, e["details"])
+    base, cell = sweep["cells"]
+    varied = False
+    for metric, field in (("pass@1", "pass_at_1"), ("maj@k", "maj_at_k"), ("answered", "answered")):
+        r = up.api.ok("GET", f"/v1/sweeps/{sweep['id']}/report?metric={metric.replace('@', '%40')}")
+        scores = {c: {s: problem_scores(d[1], metric) for s, d in details[c].items()} for c in details}
+        for c in r["cells"]:
+            x = [mean(scores[c["cell"]][s]) for s in (1, 2, 3)]
+            for s in (1, 2, 3):  # the job's summary is the mean of its per-problem scores
+                close(details[c["cell"]][s][0].get(field, 0.0), x[s - 1], 1e-9, f"{metric} seed {s}")
+            close(c.get("mean", 0.0), mean(x), 1e-12, f"{c['cell']} {metric} mean")
+        [d] = r["differences"]
+        per_seed = [mean(scores[cell][s]) - mean(scores[base][s]) for s in (1, 2, 3)]
+        close(d.get("mean", 0.0), mean(per_seed), 1e-12, f"{metric} paired mean")
+        per_problem = [mean([scores[cell][s][i] - scores[base][s][i] for s in (1, 2, 3)]) for i in range(12)]
+        assert d["problems"] == 12, d
+        close(d.get("problem_mean", 0.0), mean(per_problem), 1e-12, f"{metric} mean over problems")
+        varied |= sd(per_problem) > 0
+        if sd(per_problem) > 0:
+            lo, hi = t_interval(per_problem)
+            close(d["problem_t_low"], lo, 1e-6, f"{metric} problem t low")
+            close(d["problem_t_high"], hi, 1e-6, f"{metric} problem t high")
+            tstat = mean(per_problem) / (sd(per_problem) / math.sqrt(12))
+            close(d["problem_p_value"], 2 * (1 - t_cdf(abs(tstat), 11)), 1e-5, f"{metric} problem p")
+    # 150 steps of SFT answer about 90 % of samples and get almost none right; 400 steps answer
+    # all and get some right: the per-problem scores vary, so the comparisons above are not of zeros.
+    assert varied, "every per-problem difference was constant: the test compared nothing"
+    table = up.loom("sweep", "report", sweep["id"], "--metric", "maj@k")
+    assert "paired by problem" in table, table
+    for query, field in (("metric=pass%401&select=best", "select"), ("metric=maj%40k&length=64", "length")):
+        status, body, text = up.api.request("GET", f"/v1/sweeps/{sweep['id']}/report?{query}")
+        assert status == 400 and body["error"]["message"].startswith(field), (query, status, text)
+    print(f"ok: {sweep['id']}: pass@1, maj@k and answered paired by seed and by 12 problems = the "
+          "details files' computation")
 
 
 def final_losses(up, sweep, cell):
@@ -489,6 +645,13 @@ def test_baseline_from_another_sweep(up, tmp, pairs, pairs_raw, many):
         close(d["t_high"], hi, 1e-6, f"{d['cell']} - baseline t high")
     cli = json.loads(up.loom("sweep", "report", pairs["id"], "--baseline", baseline, "--format", "json"))
     assert cli == r, (cli, r)
+    curves = up.api.ok("GET", f"/v1/sweeps/{pairs['id']}/curves?baseline={baseline.replace('=', '%3D')}")
+    assert curves["cells"][-1]["sweep_id"] == many["id"] and curves.get("warnings") == expected, curves
+    # Paired only at the steps where both the cell's and the baseline's job of a seed evaluated.
+    base_steps = {int(e.get("step", 0)) for j in many["jobs"] if j["cell"] == name and int(j["seed"]) <= 3
+                  for e in up.api.job(j["job_id"])["evals"]}
+    for d in curves["differences"]:
+        assert [int(p["step"]) for p in d["points"]] == sorted(base_steps & {0, 10, 20, 30}), (d, base_steps)
     png = os.path.join(tmp, "across.png")
     up.loom("sweep", "report", pairs["id"], "--baseline", baseline, "--plot", png)
     with open(png, "rb") as f:
@@ -523,6 +686,10 @@ def test_merge_more_seeds(up, tmp, pairs, pairs_raw, many):
     close(d["t_high"], hi, 1e-6, "pooled paired t high")
     cli = json.loads(up.loom("sweep", "report", pairs["id"], "--merge", more["id"], "--format", "json"))
     assert cli == r, (cli, r)
+    curves = up.api.ok("GET", f"/v1/sweeps/{pairs['id']}/curves?merge={more['id']}")
+    last = curves["differences"][0]["points"][-1]
+    assert curves["merged_sweeps"] == [more["id"]] and last["n"] == 5, curves
+    check_point(last, diffs, True, "merged difference at the last step")
     table = up.loom("sweep", "report", pairs["id"], "--merge", more["id"])
     assert f"sweep {pairs['id']} + {more['id']}:" in table, table
     png = os.path.join(tmp, "merged.png")
@@ -551,6 +718,7 @@ def main():
         pairs, pairs_raw = test_report_matches_raw_results(up, tmp)
         test_select_test_early_stopping(up, tmp)
         test_report_at_an_eval_length(up, tmp)
+        test_reasoning_metrics(up, tmp)
         test_partial_report_and_cancel(up, tmp)
         many = test_two_hundred_jobs(up, tmp)
         test_baseline_from_another_sweep(up, tmp, pairs, pairs_raw, many)

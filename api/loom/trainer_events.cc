@@ -46,6 +46,31 @@ Json FieldValue(const Message& m, const FieldDescriptor& f) {
   return Json();
 }
 
+// A repeated scalar field as a JSON array (the reasoning evaluation's per-problem scores).
+Json RepeatedValue(const Message& m, const FieldDescriptor& f) {
+  const auto& r = *m.GetReflection();
+  Json list = Json::array();
+  for (int i = 0; i < r.FieldSize(m, &f); ++i) {
+    switch (f.cpp_type()) {
+      case FieldDescriptor::CPPTYPE_INT32:
+        list.push_back(r.GetRepeatedInt32(m, &f, i));
+        break;
+      case FieldDescriptor::CPPTYPE_INT64:
+        list.push_back(r.GetRepeatedInt64(m, &f, i));
+        break;
+      case FieldDescriptor::CPPTYPE_BOOL:
+        list.push_back(r.GetRepeatedBool(m, &f, i));
+        break;
+      case FieldDescriptor::CPPTYPE_DOUBLE:
+        list.push_back(r.GetRepeatedDouble(m, &f, i));
+        break;
+      default:  // not in any event: a new kind needs its case here
+        return Json();
+    }
+  }
+  return list;
+}
+
 }  // namespace
 
 std::string TrainerEventLine(const v1::TrainerEvent& event) {
@@ -59,6 +84,10 @@ std::string TrainerEventLine(const v1::TrainerEvent& event) {
   const auto* d = body.GetDescriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const FieldDescriptor& f = *d->field(i);
+    if (f.is_repeated()) {
+      j[f.name()] = RepeatedValue(body, f);
+      continue;
+    }
     if (f.has_presence() && !body.GetReflection()->HasField(body, &f)) continue;
     j[f.name()] = FieldValue(body, f);
   }

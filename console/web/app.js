@@ -194,6 +194,15 @@
       h('input', { id, value, size: 14,
         onchange: (e) => setFilter(id.replace('filter-', ''), e.target.value.trim()) }));
     const tbody = h('tbody');
+    const selected = new Set();  // ticked for comparing, across refreshes and pages
+    const compare = h('button', { type: 'button', id: 'compare', disabled: true,
+      onclick: () => { location.hash = compareHash([...selected], compareSettings(params(''))); } }, 'Compare');
+    const toggle = (id, on) => {
+      if (on) selected.add(id); else selected.delete(id);
+      compare.disabled = !selected.size || selected.size > MAX_COMPARE;
+      compare.textContent = !selected.size ? 'Compare' : selected.size > MAX_COMPARE
+        ? `Compare (${selected.size}: at most ${MAX_COMPARE})` : `Compare ${selected.size} job${selected.size > 1 ? 's' : ''}`;
+    };
     const older = h('button', { type: 'button', onclick: () => { at++; refresh(); } }, 'Older');
     const newer = h('button', { type: 'button', onclick: () => { at--; refresh(); } }, 'Newer');
     const pageInfo = h('span', { class: 'help' });
@@ -207,8 +216,8 @@
       older.disabled = !r.next_page_token;
       newer.disabled = at === 0;
       pageInfo.textContent = `page ${at + 1}`;
-      tbody.replaceChildren(...(r.jobs || []).map(jobRow));
-      if (!(r.jobs || []).length) tbody.append(h('tr', {}, h('td', { colspan: 9 }, 'No jobs.')));
+      tbody.replaceChildren(...(r.jobs || []).map((j) => jobRow(j, selected.has(j.id), toggle)));
+      if (!(r.jobs || []).length) tbody.append(h('tr', {}, h('td', { colspan: 10 }, 'No jobs.')));
     };
     page('Jobs',
       h('form', { class: 'filters', onsubmit: (e) => e.preventDefault() },
@@ -217,9 +226,10 @@
         select('filter-kind', 'Kind', filters.kind, KINDS),
         text('filter-sweep', 'Sweep', filters.sweep),
         text('filter-label', 'Labels (k=v,…)', filters.label)),
+      h('p', { class: 'compare-bar' }, compare, ' ', h('span', { class: 'help' }, 'Tick jobs to overlay their curves.')),
       h('div', { class: 'table-wrap' }, h('table', { id: 'jobs' },
-        h('thead', {}, h('tr', {}, ['Job', 'Name', 'Kind', 'State', 'Progress', 'Loss', 'User',
-          'Submitted', 'Attempts'].map((x) => h('th', { scope: 'col' }, x)))), tbody)),
+        h('thead', {}, h('tr', {}, [h('span', { class: 'visually-hidden' }, 'Compare'), 'Job', 'Name', 'Kind',
+          'State', 'Progress', 'Loss', 'User', 'Submitted', 'Attempts'].map((x) => h('th', { scope: 'col' }, x)))), tbody)),
       h('div', { class: 'pager' }, newer, pageInfo, older));
     every(POLL_MS, refresh);
   }
@@ -231,8 +241,10 @@
         'aria-label': `${job.id} step ${step} of ${total}` }) : null,
       ` ${step}/${total || '?'}`);
   }
-  function jobRow(job) {
+  function jobRow(job, ticked, toggle) {
     return h('tr', { 'data-job': job.id },
+      h('td', {}, h('input', { type: 'checkbox', class: 'pick', checked: ticked, 'aria-label': `compare ${job.id}`,
+        onchange: (e) => toggle(job.id, e.target.checked) })),
       h('td', {}, jobLink(job.id)), h('td', {}, job.name), h('td', {}, job.spec?.kind || 'pretrain'),
       h('td', {}, badge(job.state)), progressCell(job),
       h('td', { class: 'num' }, job.progress && num(job.progress.step) ? fmt(job.progress.loss) : ''),
@@ -389,8 +401,8 @@
   }
 
   // ---- charts ----------------------------------------------------------------------------
-  // One uPlot per quantity, one series per attempt (a restart that resumes at an earlier step
-  // starts a new line instead of drawing back over the old one).
+  // One uPlot per quantity. A line is { label, xs, ys, color } with optional dashed, spanGaps,
+  // noPoints and band ('hi' followed by its 'lo' line, with the hi line's fill between them).
   class ChartSet {
     constructor(root) {
       this.root = root;
@@ -411,19 +423,22 @@
     }
     destroy() {
       this.observer.disconnect();
-      Object.values(this.plots).forEach((p) => p.plot.destroy());
+      Object.values(this.plots).forEach((p) => p.plot && p.plot.destroy());
       for (const k of Object.keys(exposed.charts)) delete exposed.charts[k];
     }
+    // A job's page: one series per attempt (a restart that resumes at an earlier step starts a
+    // new line instead of drawing back over the old one).
     update(metrics) {
       const series = metrics.series || [];
       const evals = (metrics.evals || []).filter((e) => e.kind !== 'reasoning' && e.kind !== 'test');
+      const color = (attempt) => COLORS[(attempt - 1) % COLORS.length];
       const byAttempt = (field) => series.map((s) => ({
-        label: `attempt ${s.attempt}`, attempt: s.attempt,
+        label: `attempt ${s.attempt}`, attempt: s.attempt, color: color(s.attempt),
         xs: s.points.map((p) => num(p.step)), ys: s.points.map((p) => finite(p[field])) }));
       const evalAttempts = [...new Set(evals.map((e) => e.attempt))].sort((a, b) => a - b);
       const evalSeries = (field, what) => evalAttempts.map((a) => {
         const es = evals.filter((e) => e.attempt === a).sort((x, y) => num(x.step) - num(y.step));
-        return { label: `${what} · attempt ${a}`, attempt: a, dashed: true,
+        return { label: `${what} · attempt ${a}`, attempt: a, color: color(a), dashed: true,
           xs: es.map((e) => num(e.step)), ys: es.map((e) => finite(e[field])) };
       });
       this.draw('loss', 'Loss', [...byAttempt('loss'), ...evalSeries('eval_loss', 'eval loss')]);
@@ -431,49 +446,79 @@
       this.draw('tokens_per_second', 'Tokens/s', byAttempt('tokens_per_second'));
       this.draw('learning_rate', 'Learning rate', byAttempt('learning_rate'));
     }
-    draw(name, title, lines) {
+    panel(name, title) {
+      const el = h('figure', { class: 'chart', id: `chart-${name}`, 'aria-label': title });
+      const caption = h('figcaption', {}, title);
+      const summary = h('summary', {}, `${title}: data`);
+      const details = h('details', {}, summary, h('div'));
+      details.addEventListener('toggle', () => details.open && this.fillTable(name));
+      el.append(caption, details);
+      this.root.append(el);
+      this.observer.observe(el);
+      return (this.plots[name] = { el, caption, summary, details, plot: null, key: '' });
+    }
+    // how: { x: the x axis's name, logX, logY }.
+    draw(name, title, lines, how = {}) {
       lines = lines.filter((l) => l.xs.length);
-      let p = this.plots[name];
-      if (!p) {
-        const el = h('figure', { class: 'chart', id: `chart-${name}`, 'aria-label': title });
-        const caption = h('figcaption', {}, title);
-        const details = h('details', {}, h('summary', {}, `${title}: data`), h('div'));
-        details.addEventListener('toggle', () => details.open && this.fillTable(name));
-        el.append(caption, details);
-        this.root.append(el);
-        this.observer.observe(el);
-        p = this.plots[name] = { el, details, plot: null, key: '' };
+      const p = this.plots[name] || this.panel(name, title);
+      if (p.caption.textContent !== title) {
+        p.caption.textContent = title;
+        p.summary.textContent = `${title}: data`;
       }
-      const key = lines.map((l) => l.label).join('|');
+      const key = [how.x, how.logX, how.logY, ...lines.map((l) => `${l.label}/${l.color}`)].join('|');
       const data = lines.length ? uPlot.join(lines.map((l) => [l.xs, l.ys])) : [[]];
       p.lines = lines;
+      p.xName = how.x || 'step';
       p.el.dataset.points = String(lines.reduce((n, l) => n + l.xs.length, 0));
       if (p.plot && p.key === key) {
         p.plot.setData(data);
       } else {
         if (p.plot) p.plot.destroy();
-        const opts = {
-          ...this.size(p.el), scales: { x: { time: false } }, legend: { live: true },
-          axes: [{ label: 'step' }, { size: 64, values: (u, splits) => (p.ticks = tickLabels(splits)) }],
-          series: [{ label: 'step' }, ...lines.map((l) => ({
-            label: l.label, stroke: COLORS[(l.attempt - 1) % COLORS.length], width: l.dashed ? 1.5 : 1.25,
-            dash: l.dashed ? [5, 4] : undefined, spanGaps: l.dashed,
-            // Dots where they help: evaluations, and lines that are still short.
-            points: { show: (u, si) => l.dashed || u.data[si].filter((y) => y !== null).length < 40, size: 5 } }))],
-        };
-        p.plot = new uPlot(opts, data, p.el);
+        p.plot = new uPlot(plotOptions(p, lines, how, this.size(p.el)), data, p.el);
         p.el.insertBefore(p.plot.root, p.details);
         p.key = key;
+        // A band's edges are drawn, not named: their legend rows would double the legend.
+        const rows = p.plot.root.querySelectorAll('.u-legend .u-series');
+        lines.forEach((l, i) => { if (l.band && rows[i + 1]) rows[i + 1].style.display = 'none'; });
       }
-      exposed.charts[name] = { lines, data: p.plot.data, get ticks() { return p.ticks; } };
+      exposed.charts[name] = { lines, data: p.plot.data, x: p.xName,
+        get ticks() { return p.ticks; }, get xticks() { return p.xticks; } };
       if (p.details.open) this.fillTable(name);
     }
     fillTable(name) {
       const p = this.plots[name];
       const rows = p.lines.flatMap((l) => l.xs.map((x, i) =>
-        h('tr', {}, h('td', {}, l.label), h('td', { class: 'num' }, x), h('td', { class: 'num' }, fmt(l.ys[i], 6)))));
-      p.details.lastChild.replaceChildren(table(['Series', 'Step', 'Value'], rows.slice(0, 5000)));
+        h('tr', {}, h('td', {}, l.label), h('td', { class: 'num' }, fmt(x, 10)), h('td', { class: 'num' }, fmt(l.ys[i], 6)))));
+      p.details.lastChild.replaceChildren(table(['Series', p.xName, 'Value'], rows.slice(0, 5000)));
     }
+  }
+  function plotOptions(p, lines, how, size) {
+    const x = how.x || 'step';
+    return {
+      ...size, legend: { live: true },
+      scales: { x: { time: false, distr: how.logX ? 3 : 1 }, y: { distr: how.logY ? 3 : 1 } },
+      axes: [{ label: x, values: (u, splits) => (p.xticks = tickLabels(splits)) },
+        { size: 64, values: (u, splits) => (p.ticks = tickLabels(splits)) }],
+      series: [{ label: x }, ...lines.map(seriesOf)],
+      bands: lines.flatMap((l, i) => (l.band === 'hi' && lines[i + 1]?.band === 'lo'
+        ? [{ series: [i + 1, i + 2], fill: l.fill }] : [])),
+    };
+  }
+  function seriesOf(l) {
+    return {
+      label: l.label, stroke: l.color, width: l.band ? 0.5 : l.dashed ? 1.5 : 1.25,
+      dash: l.dashed ? [5, 4] : undefined, spanGaps: Boolean(l.dashed || l.spanGaps),
+      // Dots where they help: evaluations, and lines that are still short.
+      points: { show: (u, si) => !l.band && !l.noPoints &&
+        (l.dashed || u.data[si].filter((y) => y !== null).length < 40), size: 5 },
+    };
+  }
+  // Colour i of a set of lines: the palette, then hues spread by the golden angle; `fill` is the
+  // same colour, translucent, for a band.
+  function colorAt(i) {
+    if (i < COLORS.length) return { stroke: COLORS[i], fill: `${COLORS[i]}2e` };
+    const hue = Math.round((i * 137.508) % 360);
+    return { stroke: `hsl(${hue} 70% 38%)`, fill: `hsl(${hue} 70% 38% / 0.18)` };
   }
 
   // ---- checkpoints and lineage -----------------------------------------------------------
@@ -791,9 +836,13 @@
   function viewSweep(rawId) {
     const id = decodeURIComponent(rawId);
     const body = h('div');
-    page(`Sweep ${id}`, h('p', {}, h('a', { href: `#/jobs?sweep=${encodeURIComponent(id)}` }, 'Its jobs')), body);
+    const compare = h('a', { id: 'sweep-compare', href: '#/compare' }, 'Compare its jobs');
+    page(`Sweep ${id}`, h('p', {}, h('a', { href: `#/jobs?sweep=${encodeURIComponent(id)}` }, 'Its jobs'), ' · ', compare),
+      body, sweepCurves(id));
     every(5000, async () => {
-      const r = await api('GET', `/v1/sweeps/${encodeURIComponent(id)}/report`);
+      const [r, sweep] = await Promise.all([api('GET', `/v1/sweeps/${encodeURIComponent(id)}/report`),
+        api('GET', `/v1/sweeps/${encodeURIComponent(id)}`)]);
+      compare.href = compareHash((sweep.jobs || []).map((j) => j.job_id), compareSettings(params('')));
       const ci = (lo, hi) => `[${fmt(lo)}, ${fmt(hi)}]`;
       const count = (v) => h('td', { class: 'num' }, v || 0);
       // select reach: values are steps until the threshold; censored seeds and who got there first.
@@ -818,6 +867,222 @@
     });
   }
 
+  // A sweep's curves (GET /v1/sweeps/{id}/curves): each cell's mean with its 95% band across
+  // seeds, and each cell's paired difference from the baseline with its 95% paired-t band.
+  const CURVE_METRICS = ['eval_loss', 'accuracy', 'exact_match'];
+  function sweepCurves(id) {
+    const select = h('select', { id: 'curves-metric' }, CURVE_METRICS.map((m) => h('option', { value: m }, m)));
+    const note = h('p', { class: 'help', id: 'curves-note' });
+    const charts = h('div', { class: 'charts', id: 'sweep-charts' });
+    const plots = new ChartSet(charts);
+    onLeave(() => plots.destroy());
+    let metric = '';  // '': the sweep's own
+    const refresh = async () => {
+      const c = await api('GET', `/v1/sweeps/${encodeURIComponent(id)}/curves` +
+        (metric ? `?metric=${encodeURIComponent(metric)}` : ''));
+      if (!metric) select.value = c.metric;
+      note.textContent = `${c.metric} at each evaluation step; baseline ${c.baseline}; ` +
+        `${c.complete ? 'complete' : 'jobs still running'}. Bands are pointwise 95% intervals.` +
+        (c.warnings?.length ? ` ${c.warnings.join(' ')}` : '');
+      drawSweepCurves(plots, c);
+    };
+    select.addEventListener('change', () => { metric = select.value; refresh().catch((e) => say(e.message, true)); });
+    every(5000, refresh);
+    return h('section', { 'aria-labelledby': 'h-sweep-curves' }, h('h2', { id: 'h-sweep-curves' }, 'Curves'),
+      h('form', { class: 'filters', onsubmit: (e) => e.preventDefault() },
+        h('div', { class: 'field' }, h('label', { for: 'curves-metric' }, 'Metric'), select)), note, charts);
+  }
+  function bandLines(label, points, color) {
+    const xs = points.map((p) => num(p.step));
+    const of = (k) => points.map((p) => num(p[k] || 0));  // zero fields are left out of the JSON
+    return [{ label, xs, ys: of('mean'), color: color.stroke, spanGaps: true },
+      { label: `${label} · 95% high`, xs, ys: of('ci_high'), color: color.fill, band: 'hi', fill: color.fill, spanGaps: true },
+      { label: `${label} · 95% low`, xs, ys: of('ci_low'), color: color.fill, band: 'lo', spanGaps: true }];
+  }
+  function drawSweepCurves(plots, c) {
+    const cells = c.cells || [];
+    const colorOf = (cell) => colorAt(Math.max(0, cells.findIndex((x) => x.cell === cell)));
+    plots.draw('sweep_curves', `${c.metric} by cell: mean and 95% band across seeds`,
+      cells.flatMap((x) => bandLines(x.cell, x.points || [], colorOf(x.cell))));
+    const diffs = (c.differences || []).flatMap((d) => bandLines(`${d.cell} − ${d.baseline}`, d.points || [], colorOf(d.cell)));
+    const steps = [...new Set(diffs.flatMap((l) => l.xs))].sort((a, b) => a - b);
+    const zero = { label: 'zero', xs: steps, ys: steps.map(() => 0), color: '#6b7280', noPoints: true };
+    plots.draw('sweep_differences', `${c.metric}: cell − ${c.baseline}, paired by seed, 95% paired-t band`,
+      diffs.length ? [...diffs, zero] : []);
+  }
+
+  // ---- compare -------------------------------------------------------------------------
+  // #/compare?jobs=ID,ID&x=step|tokens|flops&smooth=0.6&logx=1&logy=1: jobs overlaid, one chart
+  // per quantity. Each job is one line: its attempts joined (a resumed attempt replaces what the
+  // previous one logged from its first step on), evaluations the latest attempt's at each step.
+  const MAX_COMPARE = 20;
+  const ALIGN = {
+    step: ['step', (p) => num(p.step)],
+    tokens: ['tokens', (p) => num(p.tokens_seen || 0)],
+    flops: ['training FLOPs', (p) => num(p.train_flops || 0)],
+  };
+  const COMPARED = [ // chart name, title, field, from the evaluations?
+    ['loss', 'Training loss', 'loss', false], ['eval_loss', 'Eval loss', 'eval_loss', true],
+    ['accuracy', 'Eval accuracy', 'accuracy', true], ['tokens_per_second', 'Tokens/s', 'tokens_per_second', false],
+    ['learning_rate', 'Learning rate', 'learning_rate', false]];
+  function compareSettings(q) {
+    const smooth = Number(q.get('smooth') || 0);
+    return { x: ALIGN[q.get('x')] ? q.get('x') : 'step', logX: q.get('logx') === '1', logY: q.get('logy') === '1',
+      smooth: Number.isFinite(smooth) ? Math.min(0.99, Math.max(0, smooth)) : 0 };
+  }
+  function compareHash(ids, how) {
+    const q = new URLSearchParams({ jobs: ids.join(',') });
+    if (how.x !== 'step') q.set('x', how.x);
+    if (how.smooth) q.set('smooth', String(how.smooth));
+    if (how.logX) q.set('logx', '1');
+    if (how.logY) q.set('logy', '1');
+    return `#/compare?${q.toString().replace(/%2C/g, ',')}`;
+  }
+  function viewCompare(query) {
+    const q = params(query);
+    const ids = [...new Set((q.get('jobs') || '').split(',').map((x) => x.trim()).filter(Boolean))];
+    const how = compareSettings(q);
+    const problems = h('ul', { class: 'errors', id: 'compare-problems', 'aria-live': 'polite' });
+    const legend = h('ul', { class: 'legend', id: 'compare-legend', 'aria-label': 'Jobs compared' });
+    const charts = h('div', { class: 'charts', id: 'compare-charts' });
+    const plots = new ChartSet(charts);
+    let loaded = [];
+    const redraw = () => {
+      history.replaceState(null, '', compareHash(ids, how));  // shareable; no hashchange
+      drawCompare(plots, loaded, how);
+    };
+    page('Compare jobs', compareControls(how, redraw), problems, legend, charts);
+    onLeave(() => plots.destroy());
+    const refused = !ids.length
+      ? 'No jobs to compare: tick them on the Jobs page and press Compare, or list them in the URL (#/compare?jobs=ID,ID).'
+      : ids.length > MAX_COMPARE
+        ? `${ids.length} jobs named: at most ${MAX_COMPARE} can be compared at once. Remove some from the URL.` : '';
+    if (refused) return problems.append(h('li', { 'data-problem': 'refused' }, refused));
+    every(5000, async () => {
+      loaded = await loadCompared(ids, loaded);
+      renderCompareProblems(problems, loaded, how);
+      renderLegend(legend, loaded);
+      drawCompare(plots, loaded, how);
+    });
+  }
+  function compareControls(how, changed) {
+    const set = (k, v) => { how[k] = v; changed(); };
+    const check = (id, label, k) => h('div', { class: 'field check' },
+      h('input', { id, type: 'checkbox', checked: how[k], onchange: (e) => set(k, e.target.checked) }),
+      h('label', { for: id }, label));
+    return h('form', { class: 'filters', id: 'compare-controls', onsubmit: (e) => e.preventDefault() },
+      h('div', { class: 'field' }, h('label', { for: 'compare-x' }, 'Align by'),
+        h('select', { id: 'compare-x', onchange: (e) => set('x', e.target.value) },
+          Object.entries(ALIGN).map(([k, [label]]) => h('option', { value: k, selected: k === how.x }, label)))),
+      h('div', { class: 'field' }, h('label', { for: 'compare-smooth' }, 'Smoothing (EMA weight, 0 = raw)'),
+        h('input', { id: 'compare-smooth', type: 'number', min: 0, max: 0.99, step: 0.05, value: how.smooth,
+          onchange: (e) => set('smooth', compareSettings(params(`smooth=${e.target.value}`)).smooth) })),
+      check('compare-logx', 'Log x', 'logX'), check('compare-logy', 'Log y', 'logY'));
+  }
+  // Each job's record and metrics, or why there are none. Ended jobs and unknown ids are not
+  // asked for again.
+  function loadCompared(ids, before) {
+    return Promise.all(ids.map(async (id, i) => {
+      const old = before[i];
+      if (old && (old.gone || TERMINAL.has(old.job?.state))) return old;
+      const path = `/v1/jobs/${encodeURIComponent(id)}`;
+      try {
+        const [job, metrics] = await Promise.all([api('GET', path), api('GET', `${path}/metrics?max_points=2000`)]);
+        return { id, color: colorAt(i).stroke, job, metrics };
+      } catch (e) {
+        if (e instanceof ApiError && e.status === 401) throw e;
+        const gone = e instanceof ApiError && (e.status === 404 || e.status === 400);
+        return { id, color: colorAt(i).stroke, gone, error: gone ? 'no such job' : e.message };
+      }
+    }));
+  }
+  function renderCompareProblems(ul, loaded, how) {
+    const items = loaded.filter((j) => j.error).map((j) => [j.id, `${j.id}: ${j.error}; not drawn.`]);
+    if (how.x !== 'step') {
+      for (const j of loaded.filter((x) => x.job && !alignable(x, how.x))) {
+        const what = ALIGN[how.x][0];
+        items.push([j.id, `${j.id}: no ${what} recorded (trained before Loom kept them, or no steps yet); not drawn by ${what}.`]);
+      }
+    }
+    ul.replaceChildren(...items.map(([id, text]) => h('li', { 'data-problem': id }, text)));
+  }
+  function renderLegend(ul, loaded) {
+    ul.replaceChildren(...loaded.filter((j) => j.job).map((j) => {
+      const swatch = h('span', { class: 'swatch', 'aria-hidden': 'true' });
+      swatch.style.background = j.color;  // CSSOM: the CSP allows no style attributes
+      return h('li', { 'data-job': j.id }, swatch, jobLink(j.id), ' ', h('strong', {}, j.job.name || '(unnamed)'),
+        ' · ', attentionOf(j.job.spec), j.job.sweep_id ? ` · ${j.job.sweep_cell}, seed ${j.job.sweep_seed}` : '',
+        ' · ', badge(j.job.state));
+    }));
+  }
+  // The attention layers of a resolved spec, counted: "4× iha (window 32, P 2)" or
+  // "2× local (window 32) + 2× mha". The schedule's entries are cycled to n_layers.
+  function attentionOf(spec) {
+    const m = spec?.model || {};
+    const schedule = m.schedule?.length ? m.schedule : [{ repeat: 1, attention: { plugin: 'mha' } }];
+    const layers = Math.min(num(m.n_layers) || 0, 4096), counts = new Map();
+    for (let layer = 0, i = 0; layer < layers; i++) {
+      const e = schedule[i % schedule.length], a = e.attention || {};
+      const about = [num(a.window) ? `window ${num(a.window)}` : '', a.options?.p ? `P ${a.options.p}` : ''].filter(Boolean);
+      const kind = `${a.plugin || 'mha'}${about.length ? ` (${about.join(', ')})` : ''}`;
+      const n = Math.min(Math.max(1, num(e.repeat) || 1), layers - layer);
+      counts.set(kind, (counts.get(kind) || 0) + n);
+      layer += n;
+    }
+    return [...counts].map(([kind, n]) => `${n}× ${kind}`).join(' + ') || 'attention unknown';
+  }
+  function alignable(j, x) {
+    const pts = jobPoints(j.metrics);
+    return x === 'step' || (pts.length > 0 && ALIGN[x][1](pts[pts.length - 1]) > 0);
+  }
+  function jobPoints(metrics) {
+    let out = [];
+    for (const s of (metrics.series || []).slice().sort((a, b) => a.attempt - b.attempt)) {
+      const pts = s.points || [];
+      if (pts.length) out = [...out.filter((p) => num(p.step) < num(pts[0].step)), ...pts];
+    }
+    return out;
+  }
+  function jobEvals(metrics) {
+    const latest = new Map();
+    for (const e of metrics.evals || []) {
+      if (!['', 'heldout', 'validation'].includes(e.kind || '')) continue;
+      const at = latest.get(num(e.step));
+      if (!at || e.attempt >= at.attempt) latest.set(num(e.step), e);
+    }
+    return [...latest.values()].sort((a, b) => num(a.step) - num(b.step));
+  }
+  // The x of an evaluation at `step`: the training point's at that step, else interpolated
+  // between its neighbours (a thinned series); 0 at step 0.
+  function xAtStep(points, xOf, step) {
+    if (step <= 0) return 0;
+    const i = points.findIndex((p) => num(p.step) >= step);
+    const b = points[i >= 0 ? i : points.length - 1], a = i > 0 ? points[i - 1] : { step: 0 };
+    if (!b) return null;
+    const sa = num(a.step), sb = num(b.step), xa = i > 0 ? xOf(a) : 0, xb = xOf(b);
+    return sb === sa ? xb : xa + ((xb - xa) * (step - sa)) / (sb - sa);
+  }
+  function smooth(ys, w) {
+    let s = null;
+    return ys.map((y) => (y === null ? null : (s = s === null || !w ? y : w * s + (1 - w) * y)));
+  }
+  function compareLine(j, field, fromEvals, how) {
+    const points = jobPoints(j.metrics), xOf = ALIGN[how.x][1];
+    const items = fromEvals ? jobEvals(j.metrics) : points;
+    let xs = items.map((e) => (fromEvals ? xAtStep(points, xOf, num(e.step)) : xOf(e)));
+    let ys = smooth(items.map((e) => finite(e[field] ?? 0)), how.smooth);
+    const keep = xs.map((x, i) => x !== null && (!how.logX || x > 0) && (!how.logY || ys[i] > 0));
+    [xs, ys] = [xs.filter((_, i) => keep[i]), ys.filter((_, i) => keep[i])];
+    return { label: j.id, job: j.id, color: j.color, xs, ys, spanGaps: true, dashed: fromEvals };
+  }
+  function drawCompare(plots, loaded, how) {
+    const drawn = loaded.filter((j) => j.job && alignable(j, how.x));
+    for (const [name, title, field, fromEvals] of COMPARED) {
+      plots.draw(`compare_${name}`, title, drawn.map((j) => compareLine(j, field, fromEvals, how)),
+        { x: ALIGN[how.x][0], logX: how.logX, logY: how.logY });
+    }
+  }
+
   // ---- routing ---------------------------------------------------------------------------
   const routes = [
     [/^#\/login$/, viewLogin, ''],
@@ -829,6 +1094,7 @@
     [/^#\/workers$/, viewWorkers, 'workers'],
     [/^#\/sweeps$/, viewSweeps, 'sweeps'],
     [/^#\/sweeps\/([^/?]+)$/, viewSweep, 'sweeps'],
+    [/^#\/compare(?:\?(.*))?$/, viewCompare, 'jobs'],
   ];
   function route() {
     // `loom up` prints /#token=...: keep it for this tab, then drop it from the address bar.

@@ -574,6 +574,8 @@ void Agent::OnStep(Attempt& a, const v1::StepEvent& s, const metrics::Labels& la
   p.set_tokens_per_second(s.tokens_per_second());
   p.set_grad_norm(s.grad_norm());
   p.set_time_ms(std::max<int64_t>(0, now));
+  p.set_tokens_seen(std::max<int64_t>(0, s.tokens_seen()));
+  p.set_train_flops(s.train_flops());
   if (a.steps.size() > kMaxPendingSteps) {
     a.steps.pop_front();
     ++a.steps_acked;
@@ -613,6 +615,11 @@ void Agent::OnReasoningEval(Attempt& a, const v1::ReasoningEvalEvent& r,
   e.set_maj_at_k(r.maj_at_k());
   e.set_answered(r.answered());
   e.set_details(r.details());
+  *e.mutable_problem_samples() = r.problem_samples();
+  *e.mutable_problem_correct() = r.problem_correct();
+  *e.mutable_problem_answered() = r.problem_answered();
+  *e.mutable_problem_majority_correct() = r.problem_majority_correct();
+  e.set_problem_set(r.problem_set());
   registry_.Set("loom_train_reasoning_pass_at_1_ratio", r.pass_at_1(), labels);
   registry_.Set("loom_train_reasoning_maj_at_k_ratio", r.maj_at_k(), labels);
 }

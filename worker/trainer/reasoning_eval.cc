@@ -1,10 +1,13 @@
 #include "worker/trainer/reasoning_eval.h"
 
+#include <openssl/evp.h>
+
 #include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "storage/confined_files.h"
 
@@ -82,6 +85,30 @@ absl::StatusOr<std::vector<EvalProblem>> ReadProblemFile(const v1::ReasoningEval
   }
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(c.path(), ": no problems"));
   return out;
+}
+
+// The first 16 hex digits of SHA-256 over the problem ids in order, one per line: what tells a
+// sweep that two evaluations scored the same problems.
+std::string ProblemSetHash(const std::vector<ProblemOutcome>& outcomes) {
+  std::string ids;
+  for (const ProblemOutcome& o : outcomes) absl::StrAppend(&ids, o.id, "\n");
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  if (EVP_Digest(ids.data(), ids.size(), digest, &size, EVP_sha256(), nullptr) != 1) return "";
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), size))
+      .substr(0, 16);
+}
+
+// Per problem, in order: what a sweep's report pairs by problem (EvalResult.problem_*).
+void AddProblemScores(const std::vector<ProblemOutcome>& outcomes, v1::ReasoningEvalEvent& e) {
+  for (const ProblemOutcome& o : outcomes) {
+    e.add_problem_samples(static_cast<int32_t>(o.answers.size()));
+    e.add_problem_correct(static_cast<int32_t>(o.correct));
+    e.add_problem_answered(static_cast<int32_t>(std::count_if(
+        o.answers.begin(), o.answers.end(), [](const auto& a) { return a.has_value(); })));
+    e.add_problem_majority_correct(o.majority_correct);
+  }
+  e.set_problem_set(ProblemSetHash(outcomes));
 }
 
 }  // namespace
@@ -264,6 +291,7 @@ v1::TrainerEvent ReasoningEvalEvent(const ReasoningEvalSummary& s, int64_t step,
   e.set_seconds(s.generation.seconds);
   e.set_peak_cache_bytes(s.generation.peak_cache_bytes);
   if (!details.empty()) e.set_details(details);
+  AddProblemScores(s.outcomes, e);
   return event;
 }
 

@@ -79,6 +79,7 @@ void StepReporter::Step(const StepRecord& r, int64_t tokens_seen, int64_t tokens
   s.set_tokens_per_second(r.tokens_per_second);
   s.set_mfu(r.mfu);
   s.set_tokens_seen(tokens_seen);
+  s.set_train_flops(r.train_flops);
   s.set_skipped(r.skipped);
   if (options_.loss_scaling) {
     s.set_loss_scale(r.loss_scale);

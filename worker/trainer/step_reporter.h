@@ -24,7 +24,8 @@ namespace loom::trainer {
 struct StepRecord {
   int64_t step = 0;
   double loss = 0, lr = 0, grad_norm = 0, seconds = 0, tokens_per_second = 0, mfu = 0;
-  double loss_scale = 0;  // the dynamic loss scale this step ran at; 0 without loss scaling
+  double loss_scale = 0;   // the dynamic loss scale this step ran at; 0 without loss scaling
+  double train_flops = 0;  // training FLOPs through this step (3 x forward x tokens_seen)
   bool skipped = false;
   bool overflowed = false;  // skipped because the scaled gradients overflowed (loss scaling)
   double cpu_user_s = 0, cpu_sys_s = 0;  // the process's user and system CPU time in the step

@@ -303,6 +303,9 @@ absl::StatusOr<StepRecord> Trainer::TrainStep(TrainSummary* summary) {
       3.0 * forward_flops_per_token_ * static_cast<double>(tokens_per_step_);
   const double peak = spec_.metrics().peak_flops();
   r.mfu = peak > 0 ? flops_per_step / r.seconds / peak : 0;
+  // Cumulative (tokens_seen resumes from the checkpoint), so runs of different widths and
+  // attention plugins line up by compute spent.
+  r.train_flops = 3.0 * forward_flops_per_token_ * static_cast<double>(progress_.tokens_seen);
   return r;
 }
 

@@ -487,7 +487,13 @@ TEST_F(SplitsTest, StopsAfterPatienceAndReportsTestAtBestEpoch) {
   for (size_t i = 0; i < s->steps.size(); ++i) {
     const StepRecord& r = i < 12 ? sb->steps[i] : sc->steps[i - 12];
     EXPECT_EQ(r.loss, s->steps[i].loss) << "step " << i + 1;
+    // Training FLOPs are cumulative across the resume: step k has k times step 1's.
+    EXPECT_EQ(r.train_flops, s->steps[i].train_flops) << "step " << i + 1;
+    EXPECT_NEAR(r.train_flops, static_cast<double>(i + 1) * s->steps[0].train_flops,
+                1e-9 * r.train_flops)
+        << "step " << i + 1;
   }
+  EXPECT_GT(s->steps[0].train_flops, 0);
   EXPECT_EQ(sc->final_step, s->final_step);
   EXPECT_EQ(sc->best_epoch, s->best_epoch);
   EXPECT_EQ(sc->test_loss, s->test_loss);
