@@ -283,24 +283,30 @@ void PrintCurvesTable(const v1::SweepCurves& c) {
   }
 }
 
-absl::Status Curves(client::RestClient& client, const std::string& id, const CliArgs& args,
-                    Output output) {
-  LOOM_ASSIGN_OR_RETURN(const v1::SweepCurves c, GetCurves(client, id, args));
+// A report or curves in --format (default: table, or -o's); warnings on stderr beside a table or
+// CSV (JSON and YAML carry them).
+template <typename Message>
+absl::Status PrintAs(const Message& m, const CliArgs& args, Output output,
+                     void (*table)(const Message&), void (*csv)(const Message&)) {
   const std::string format = args.Get("format", output == Output::kJson   ? "json"
                                                 : output == Output::kYaml ? "yaml"
                                                                           : "table");
   if (format == "json" || format == "yaml") {
-    std::cout << FormatMessage(c, format == "json" ? Output::kJson : Output::kYaml) << "\n";
-  } else if (format == "csv") {
-    PrintCurvesCsv(c);
-  } else if (format == "table") {
-    PrintCurvesTable(c);
-  } else {
+    std::cout << FormatMessage(m, format == "json" ? Output::kJson : Output::kYaml) << "\n";
+    return absl::OkStatus();
+  }
+  if (format != "table" && format != "csv") {
     return absl::InvalidArgumentError("--format: table | json | yaml | csv");
   }
-  if (format == "table" || format == "csv") {
-    for (const std::string& w : c.warnings()) std::cerr << "warning: " << w << "\n";
-  }
+  (format == "csv" ? csv : table)(m);
+  for (const std::string& w : m.warnings()) std::cerr << "warning: " << w << "\n";
+  return absl::OkStatus();
+}
+
+absl::Status Curves(client::RestClient& client, const std::string& id, const CliArgs& args,
+                    Output output) {
+  LOOM_ASSIGN_OR_RETURN(const v1::SweepCurves c, GetCurves(client, id, args));
+  LOOM_RETURN_IF_ERROR(PrintAs(c, args, output, &PrintCurvesTable, &PrintCurvesCsv));
   return args.Has("plot") ? PlotCurves(c, args.Get("plot")) : absl::OkStatus();
 }
 
@@ -311,21 +317,7 @@ absl::Status Report(client::RestClient& client, const std::string& id, const Cli
       QueryOf(args, {"metric", "select", "length", "threshold", "baseline", "merge"});
   LOOM_RETURN_IF_ERROR(
       client.Call("GET", absl::StrCat("/v1/sweeps/", id, "/report", query), nullptr, &r));
-  const std::string format = args.Get("format", output == Output::kJson   ? "json"
-                                                : output == Output::kYaml ? "yaml"
-                                                                          : "table");
-  if (format == "json" || format == "yaml") {
-    std::cout << FormatMessage(r, format == "json" ? Output::kJson : Output::kYaml) << "\n";
-  } else if (format == "csv") {
-    PrintReportCsv(r);
-  } else if (format == "table") {
-    PrintReportTable(r);
-  } else {
-    return absl::InvalidArgumentError("--format: table | json | yaml | csv");
-  }
-  if (format == "table" || format == "csv") {
-    for (const std::string& w : r.warnings()) std::cerr << "warning: " << w << "\n";
-  }
+  LOOM_RETURN_IF_ERROR(PrintAs(r, args, output, &PrintReportTable, &PrintReportCsv));
   if (!args.Has("plot")) return absl::OkStatus();
   LOOM_ASSIGN_OR_RETURN(const v1::SweepCurves curves, GetCurves(client, id, args));
   return PlotCurves(curves, args.Get("plot"));
