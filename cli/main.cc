@@ -487,9 +487,9 @@ class Cli {
     const fs::path bin = fs::read_symlink("/proc/self/exe", ec).parent_path() / "loom-serve";
     std::vector<std::string> argv = {bin.string(), "--checkpoint", path};
     if (!fs::is_directory(ref)) argv.insert(argv.end(), {"--model-name", ref});
-    for (const char* flag :
-         {"bind", "port", "port-file", "token-file", "model-name", "max-batch", "max-queue",
-          "max-tokens", "max-n", "device", "threads", "tls-cert", "tls-key"}) {
+    for (const char* flag : {"bind", "allowed-hosts", "port", "port-file", "token-file",
+                             "model-name", "max-batch", "max-queue", "max-tokens", "max-n",
+                             "share-prefill", "device", "threads", "tls-cert", "tls-key"}) {
       if (args.Has(flag)) argv.insert(argv.end(), {absl::StrCat("--", flag), args.Get(flag)});
     }
     std::vector<char*> cargv;
@@ -1051,6 +1051,7 @@ void AddServeCommand(CommandLine& line, Commands& c) {
        {"max-queue", "N", "sequences waiting before 429 (default 256)"},
        {"max-tokens", "N", "most tokens one sequence may generate (default 1024)"},
        {"max-n", "N", "most choices per prompt (default 16)"},
+       {"share-prefill", "BOOL", "prefill a prompt once for its n choices (default true)"},
        {"device", "DEVICE", "cpu | cuda | auto (default auto)"},
        {"threads", "N", "LibTorch threads (default: all cores)"},
        {"tls-cert", "PEM", "serve HTTPS with this certificate chain"},

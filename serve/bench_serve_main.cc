@@ -3,6 +3,11 @@
 // `new` generated tokens each) served sequentially (one request at a time, the baseline measured
 // in the same run) and by `c` concurrent clients with continuous batching (c = 1, 8, 32): each
 // client submits its next request as soon as the previous one finishes. Prints Markdown.
+//
+// --n K: a Maj@K-shaped evaluation instead: `requests` prompts, each one request with n = K
+// sampled choices (temperature 0.6, seeds seed + k) from `clients` concurrent clients, with
+// shared prefill off and on in the same run: prefill tokens computed, wall time, time to first
+// token, and whether both sampled the same tokens.
 #include <google/protobuf/util/json_util.h>
 #include <torch/torch.h>
 
@@ -58,10 +63,103 @@ double TokensPerSecond(const std::shared_ptr<trainer::Transformer>& model, const
          std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+struct MajResult {
+  int64_t prefill_tokens = 0;
+  double seconds = 0, first_token_seconds = 0;  // the latter: mean over requests
+  std::vector<std::vector<uint32_t>> tokens;    // per choice, in request order
+};
+
+// `shape.requests` requests of n choices each from `clients` clients.
+MajResult MajEval(const std::shared_ptr<trainer::Transformer>& model, const BenchShape& shape,
+                  int64_t n, int clients, bool share) {
+  Engine engine(
+      model, [](const std::vector<uint32_t>&) { return std::string(); },
+      EngineOptions{32, 4096, share}, nullptr);
+  MajResult result;
+  result.tokens.resize(static_cast<size_t>(shape.requests * n));
+  std::atomic<int64_t> next{0};
+  std::vector<double> first_token(static_cast<size_t>(shape.requests));
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c) {
+    threads.emplace_back([&] {
+      for (int64_t i = next++; i < shape.requests; i = next++) {
+        std::vector<std::shared_ptr<Sequence>> choices;
+        for (int64_t k = 0; k < n; ++k) {
+          SequenceParams p = Request(shape, i)->params();
+          p.greedy = false;
+          p.temperature = 0.6;
+          p.seed = static_cast<uint64_t>(1000 * i + k);
+          choices.push_back(std::make_shared<Sequence>(p));
+        }
+        const auto submitted = Clock::now();
+        if (!engine.Submit(choices).ok()) return;
+        bool done = false;
+        choices[0]->Wait(0, std::chrono::seconds(600), &done);
+        first_token[i] = std::chrono::duration<double>(Clock::now() - submitted).count();
+        for (int64_t k = 0; k < n; ++k) {
+          std::vector<TokenOutput> out;
+          for (done = false; !done;)
+            out = choices[k]->Wait(SIZE_MAX, std::chrono::milliseconds(100), &done);
+          for (const TokenOutput& t : out) result.tokens[i * n + k].push_back(t.token);
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  for (double s : first_token) result.first_token_seconds += s / shape.requests;
+  result.prefill_tokens = engine.prefill_tokens();
+  return result;
+}
+
+std::string MajRow(const std::shared_ptr<trainer::Transformer>& model, const std::string& name,
+                   const BenchShape& shape, int64_t n, int clients) {
+  const MajResult off = MajEval(model, shape, n, clients, false);
+  const MajResult on = MajEval(model, shape, n, clients, true);
+  return absl::StrFormat(
+      "| %s | %d | %d | %.1fx | %.2f s | %.2f s | %.2fx | %.3f s | %.3f s | %s |", name,
+      off.prefill_tokens, on.prefill_tokens,
+      static_cast<double>(off.prefill_tokens) / on.prefill_tokens, off.seconds, on.seconds,
+      off.seconds / on.seconds, off.first_token_seconds, on.first_token_seconds,
+      off.tokens == on.tokens ? "yes" : "NO");
+}
+
+// Global MHA and global IHA with both cache layouts: (name, attention config JSON).
+std::vector<std::pair<std::string, std::string>> Variants(int64_t p) {
+  const std::string pp = std::to_string(p);
+  return {{"mha", R"({"plugin": "mha"})"},
+          {"iha P=" + pp + ", kv_cache pseudo",
+           R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "pseudo"}})"},
+          {"iha P=" + pp + ", kv_cache heads",
+           R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "heads"}})"}};
+}
+
+void PrintHeader(int64_t d_model, int64_t heads, int64_t layers, const BenchShape& shape, int64_t n,
+                 int64_t clients) {
+  std::cout << absl::StrFormat("d_model %d, %d heads, %d layers, vocab 260; ", d_model, heads,
+                               layers);
+  if (n > 0) {
+    std::cout << absl::StrFormat(
+        "Maj@%d: %d requests with n = %d x (%d prompt + %d new tokens), temperature 0.6, %d "
+        "clients, max batch 32; %d LibTorch threads\n\n",
+        n, shape.requests, n, shape.prompt, shape.fresh, clients, torch::get_num_threads());
+    std::cout << "| attention | prefill tokens, unshared | shared | fewer | time, unshared | "
+                 "shared | faster | first token, unshared | shared | same tokens |\n"
+                 "|---|---|---|---|---|---|---|---|---|---|\n";
+    return;
+  }
+  std::cout << absl::StrFormat(
+      "%d requests x (%d prompt + %d new tokens), greedy; %d LibTorch threads\n\n", shape.requests,
+      shape.prompt, shape.fresh, torch::get_num_threads());
+  std::cout << "| attention | sequential tokens/s | c=1 | c=8 | c=32 |\n|---|---|---|---|---|\n";
+}
+
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 1,
-                                                     {"prompt", "new", "requests", "threads", "p",
-                                                      "layers", "d-model", "heads", "plugin-dir"}));
+  LOOM_ASSIGN_OR_RETURN(CliArgs args,
+                        CliArgs::Parse(argc, argv, 1,
+                                       {"prompt", "new", "requests", "threads", "p", "layers",
+                                        "d-model", "heads", "plugin-dir", "n", "clients"}));
   BenchShape shape;
   LOOM_ASSIGN_OR_RETURN(shape.prompt, args.GetInt("prompt", 64, 1, 8192));
   LOOM_ASSIGN_OR_RETURN(shape.fresh, args.GetInt("new", 64, 1, 8192));
@@ -71,22 +169,13 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(int64_t layers, args.GetInt("layers", 4, 1, 64));
   LOOM_ASSIGN_OR_RETURN(int64_t d_model, args.GetInt("d-model", 256, 8, 8192));
   LOOM_ASSIGN_OR_RETURN(int64_t heads, args.GetInt("heads", 8, 1, 256));
+  LOOM_ASSIGN_OR_RETURN(int64_t n, args.GetInt("n", 0, 0, 1024));
+  LOOM_ASSIGN_OR_RETURN(int64_t clients, args.GetInt("clients", 8, 1, 1024));
   if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
   trainer::PluginLoader loader;
   LOOM_RETURN_IF_ERROR(trainer::LoadPluginDirectories(args.Get("plugin-dir"), loader, false));
-  std::cout << absl::StrFormat(
-      "d_model %d, %d heads, %d layers, vocab 260; %d requests x (%d prompt + %d new tokens), "
-      "greedy; %d LibTorch threads\n\n",
-      d_model, heads, layers, shape.requests, shape.prompt, shape.fresh, torch::get_num_threads());
-  std::cout << "| attention | sequential tokens/s | c=1 | c=8 | c=32 |\n|---|---|---|---|---|\n";
-  const std::string pp = std::to_string(p);
-  const std::vector<std::pair<std::string, std::string>> variants = {
-      {"mha", R"({"plugin": "mha"})"},
-      {"iha P=" + pp + ", kv_cache pseudo",
-       R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "pseudo"}})"},
-      {"iha P=" + pp + ", kv_cache heads",
-       R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "heads"}})"}};
-  for (const auto& [name, attention] : variants) {
+  PrintHeader(d_model, heads, layers, shape, n, clients);
+  for (const auto& [name, attention] : Variants(p)) {
     v1::ModelConfig c;
     const std::string json = absl::StrFormat(
         R"({"d_model": %d, "n_layers": %d, "n_heads": %d, "vocab_size": 260, "max_seq_len": %d,
@@ -95,10 +184,14 @@ absl::Status Run(int argc, char** argv) {
         d_model, layers, heads, shape.prompt + shape.fresh + 1, attention);
     LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, name, &c));
     LOOM_ASSIGN_OR_RETURN(auto model, trainer::Transformer::Create(c, loader));
+    if (n > 0) {
+      std::cout << MajRow(model, name, shape, n, static_cast<int>(clients)) << std::endl;
+      continue;
+    }
     const double sequential = TokensPerSecond(model, shape, 1, 1);
     std::string row = absl::StrFormat("| %s | %.0f |", name, sequential);
-    for (int clients : {1, 8, 32}) {
-      const double rate = TokensPerSecond(model, shape, clients, 32);
+    for (int k : {1, 8, 32}) {
+      const double rate = TokensPerSecond(model, shape, k, 32);
       absl::StrAppendFormat(&row, " %.0f (%.2fx) |", rate, rate / sequential);
     }
     std::cout << row << std::endl;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -95,7 +96,10 @@ void DeclareServeMetrics(metrics::Registry& r) {
                      "Time from queueing a sequence to its first generated token", latency);
   r.DeclareHistogram("loom_serve_inter_token_seconds",
                      "Time between consecutive generated tokens of a sequence", latency);
-  r.DeclareCounter("loom_serve_prompt_tokens_total", "Prompt tokens prefilled");
+  r.DeclareCounter("loom_serve_prompt_tokens_total", "Prompt tokens of the sequences admitted");
+  r.DeclareCounter("loom_serve_prefill_tokens_total",
+                   "Token positions prefill computed (rows x padded length; a prompt shared by "
+                   "the n choices of a request counts once)");
   r.DeclareCounter("loom_serve_generated_tokens_total", "Tokens generated (sampled)");
   r.DeclareGauge("loom_serve_kv_cache_bytes", "Bytes the running batch's KV caches hold");
   r.DeclareGauge("loom_serve_batch_size", "Rows in the running decode batch");
@@ -204,8 +208,29 @@ std::vector<std::shared_ptr<Sequence>> Engine::TakeAdmissible() {
   return joining;
 }
 
+namespace {
+
+// The rows prefilled for `joining`: with sharing one per distinct prompt (the first sequence
+// that has it), else one per sequence; `row_of` maps each joining sequence to its row.
+std::vector<int64_t> PrefillRows(const std::vector<std::shared_ptr<Sequence>>& joining, bool share,
+                                 std::vector<int64_t>* row_of) {
+  std::vector<int64_t> rows;
+  std::map<std::vector<uint32_t>, int64_t> seen;
+  for (size_t i = 0; i < joining.size(); ++i) {
+    const auto [it, fresh] =
+        seen.try_emplace(joining[i]->params().prompt, static_cast<int64_t>(rows.size()));
+    row_of->push_back(fresh || !share ? static_cast<int64_t>(rows.size()) : it->second);
+    if (fresh || !share) rows.push_back(static_cast<int64_t>(i));
+  }
+  return rows;
+}
+
+}  // namespace
+
 void Engine::Prefill(const std::vector<std::shared_ptr<Sequence>>& joining) {
-  const int64_t b = static_cast<int64_t>(joining.size());
+  std::vector<int64_t> row_of;
+  const std::vector<int64_t> rows = PrefillRows(joining, options_.share_prefill, &row_of);
+  const int64_t b = static_cast<int64_t>(rows.size());
   int64_t longest = 0;
   for (const auto& s : joining)
     longest = std::max<int64_t>(longest, static_cast<int64_t>(s->params().prompt.size()));
@@ -217,7 +242,7 @@ void Engine::Prefill(const std::vector<std::shared_ptr<Sequence>>& joining) {
   auto tok = tokens.accessor<int64_t, 2>(), pos = positions.accessor<int64_t, 2>(),
        seg = segments.accessor<int64_t, 2>();
   for (int64_t r = 0; r < b; ++r) {
-    const auto& prompt = joining[r]->params().prompt;
+    const auto& prompt = joining[static_cast<size_t>(rows[r])]->params().prompt;
     const int64_t n = static_cast<int64_t>(prompt.size()), pad = longest - n;
     for (int64_t i = 0; i < n; ++i) {
       tok[r][pad + i] = prompt[i];
@@ -228,32 +253,42 @@ void Engine::Prefill(const std::vector<std::shared_ptr<Sequence>>& joining) {
   trainer::DecodeState fresh = model_->NewDecodeState();
   trainer::ModelInputs in{tokens.to(device_), positions.to(device_), {}, {}, segments.to(device_)};
   torch::Tensor logits = model_->ForwardCached(in, fresh);  // [B, longest, V]
+  prefill_tokens_ += b * longest;
+  if (registry_)
+    registry_->Increment("loom_serve_prefill_tokens_total", static_cast<double>(b * longest));
   torch::Tensor last = logits.select(1, longest - 1).to(torch::kCPU, torch::kFloat64).contiguous();
-  std::vector<int64_t> keep;
-  for (int64_t r = 0; r < b; ++r) {
-    const auto& s = joining[r];
-    const SequenceParams& p = s->params();
-    const int64_t n = static_cast<int64_t>(p.prompt.size());
-    if (registry_) {
-      registry_->Observe("loom_serve_queue_seconds", SecondsSince(s->queued_at));
-      registry_->Increment("loom_serve_prompt_tokens_total", static_cast<double>(n));
-    }
-    if (p.prompt_logprobs) ScorePrompt(*s, logits[r].narrow(0, longest - n, n));
-    if (p.max_tokens == 0) {
-      s->Finish("length", "");
-      continue;
-    }
-    Row row{s, trainer::SequenceRng(p.seed), {}, n, {}, 0, Clock::now()};
-    row.sampling.greedy = p.greedy;
-    row.sampling.temperature = p.temperature;
-    row.sampling.top_p = p.top_p;
-    if (!Emit(row, last[r])) continue;
-    keep.push_back(r);
-    rows_.push_back(std::move(row));
+  std::vector<int64_t> keep;  // a prefill row per joining row that goes on; repeats fork it
+  for (size_t j = 0; j < joining.size(); ++j) {
+    const int64_t r = row_of[j];
+    if (StartRow(joining[j], last[r], logits[r], longest)) keep.push_back(r);
   }
   if (keep.empty()) return;
-  if (static_cast<int64_t>(keep.size()) < b) fresh.KeepRows(torch::tensor(keep, torch::kInt64));
+  std::vector<int64_t> identity(static_cast<size_t>(b));
+  std::iota(identity.begin(), identity.end(), 0);
+  if (keep != identity) fresh.KeepRows(torch::tensor(keep, torch::kInt64));
   state_.AppendRows(fresh);
+}
+
+bool Engine::StartRow(const std::shared_ptr<Sequence>& s, const torch::Tensor& last,
+                      const torch::Tensor& all, int64_t longest) {
+  const SequenceParams& p = s->params();
+  const int64_t n = static_cast<int64_t>(p.prompt.size());
+  if (registry_) {
+    registry_->Observe("loom_serve_queue_seconds", SecondsSince(s->queued_at));
+    registry_->Increment("loom_serve_prompt_tokens_total", static_cast<double>(n));
+  }
+  if (p.prompt_logprobs) ScorePrompt(*s, all.narrow(0, longest - n, n));
+  if (p.max_tokens == 0) {
+    s->Finish("length", "");
+    return false;
+  }
+  Row row{s, trainer::SequenceRng(p.seed), {}, n, {}, 0, Clock::now()};
+  row.sampling.greedy = p.greedy;
+  row.sampling.temperature = p.temperature;
+  row.sampling.top_p = p.top_p;
+  if (!Emit(row, last)) return false;
+  rows_.push_back(std::move(row));
+  return true;
 }
 
 void Engine::ScorePrompt(Sequence& s, const torch::Tensor& logits) {

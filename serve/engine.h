@@ -9,6 +9,10 @@
 // Each sequence decodes exactly what it would decode alone: pad entries are masked out by their
 // segment (AttentionCache::kPadSegment), positions are the row's own, and the random stream is
 // the sequence's own (trainer::SequenceRng of its seed, the same draws as `loom-train generate`).
+//
+// Shared prefill: sequences admitted together with equal prompts (the n choices of a request)
+// are prefilled as one row whose caches are then forked (KeepRows with repeated rows), so a
+// prompt with n = 16 costs one prefill, not 16; each choice still samples from its own stream.
 #ifndef LOOM_SERVE_ENGINE_H_
 #define LOOM_SERVE_ENGINE_H_
 
@@ -87,8 +91,9 @@ class Sequence {
 };
 
 struct EngineOptions {
-  int max_batch = 32;   // rows decoded together
-  int max_queue = 256;  // sequences waiting for a row; beyond: Submit refuses
+  int max_batch = 32;         // rows decoded together
+  int max_queue = 256;        // sequences waiting for a row; beyond: Submit refuses
+  bool share_prefill = true;  // equal prompts admitted together share one prefill row
 };
 
 class Engine {
@@ -107,6 +112,8 @@ class Engine {
 
   const trainer::Transformer& model() const { return *model_; }
   int64_t queued() const;
+  // Token positions prefill has computed so far (loom_serve_prefill_tokens_total).
+  int64_t prefill_tokens() const { return prefill_tokens_; }
 
  private:
   struct Row {
@@ -123,6 +130,10 @@ class Engine {
   void DropCancelledQueued();
   std::vector<std::shared_ptr<Sequence>> TakeAdmissible();
   void Prefill(const std::vector<std::shared_ptr<Sequence>>& joining);
+  // Starts the row of `s` from its prefill logits (last position [vocab], all positions
+  // [longest, vocab]); false when the sequence already ended.
+  bool StartRow(const std::shared_ptr<Sequence>& s, const torch::Tensor& last,
+                const torch::Tensor& all, int64_t longest);
   // The prompt's log-probabilities from its prefill logits [n, vocab].
   void ScorePrompt(Sequence& s, const torch::Tensor& logits);
   void DecodeStep();
@@ -141,6 +152,7 @@ class Engine {
   std::condition_variable wake_;
   std::deque<std::shared_ptr<Sequence>> queue_;
   bool stop_ = false;
+  std::atomic<int64_t> prefill_tokens_{0};
 
   // Engine thread only.
   trainer::DecodeState state_;

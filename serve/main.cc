@@ -40,6 +40,8 @@ flags:
   --max-queue N        sequences waiting for a row before 429 (default 256)
   --max-tokens N       most tokens one sequence may generate (default 1024)
   --max-n N            most choices per prompt (default 16)
+  --share-prefill B    true: the n choices of a prompt share one prefill (default); false:
+                       prefill each choice (the same outputs, n times the prefill work)
   --device cpu|cuda|auto  (default auto)   --threads T (LibTorch threads; default all cores)
   --allowed-hosts H,...  Host names it answers to (default: the loopback names on a loopback
                        --bind, else any); an Origin header must name one of them
@@ -79,6 +81,10 @@ absl::StatusOr<ServeOptions> OptionsFromArgs(const CliArgs& args,
   o.engine.max_queue = static_cast<int>(max_queue);
   o.limits.max_n = static_cast<int>(max_n);
   o.limits.max_sequences = static_cast<int>(std::min<int64_t>(max_queue, 1024));
+  const std::string share = args.Get("share-prefill", "true");
+  if (share != "true" && share != "false")
+    return absl::InvalidArgumentError("--share-prefill: want true | false");
+  o.engine.share_prefill = share == "true";
   return o;
 }
 
@@ -94,11 +100,12 @@ absl::StatusOr<torch::Device> PickDevice(const std::string& flag) {
 
 absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
-      CliArgs args, CliArgs::Parse(argc, argv, 1,
-                                   {"checkpoint", "bind", "port", "port-file", "token-file",
-                                    "model-name", "max-batch", "max-queue", "max-tokens", "max-n",
-                                    "device", "threads", "tls-cert", "tls-key", "plugin-dir"},
-                                   {}));
+      CliArgs args,
+      CliArgs::Parse(argc, argv, 1,
+                     {"checkpoint", "bind", "allowed-hosts", "port", "port-file", "token-file",
+                      "model-name", "max-batch", "max-queue", "max-tokens", "max-n",
+                      "share-prefill", "device", "threads", "tls-cert", "tls-key", "plugin-dir"},
+                     {}));
   LOOM_ASSIGN_OR_RETURN(std::string where, args.Require("checkpoint"));
   // Without a token the server answers anyone who reaches it: only this host's users, then.
   if (const std::string bind = args.Get("bind", "127.0.0.1");

@@ -1,7 +1,9 @@
 // loom-serve below HTTP. The engine against references that share none of its batching: cache rows
 // joining and leaving a batch equal each row decoded alone (every attention plugin, float64,
 // 1e-10); 32 concurrent greedy requests equal the same requests served one at a time; prompt
-// log-probabilities equal a full uncached forward; stops, limits, cancellation, a full queue.
+// log-probabilities equal a full uncached forward; shared prefill of equal prompts (a request's
+// n choices) equals one prefill per sequence (1e-12), also through the HTTP API; stops, limits,
+// cancellation, a full queue.
 // The server's routes are exactly those api/serve-openapi.yaml documents.
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
@@ -9,8 +11,11 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "serve/engine.h"
 #include "serve/server.h"
 #include "worker/trainer/checkpoint_model.h"
@@ -235,6 +240,105 @@ TEST_F(EngineTest, PromptLogprobsEqualAFullForward) {
   with_next.push_back(generated[0].token);
   auto full_next = trainer::ScoreTokens(*model_, with_next);
   EXPECT_NEAR(generated[0].logprob, full_next->back(), 1e-10);
+}
+
+// The value of an unlabelled counter in a registry's rendering (0 when it has no series).
+double CounterValue(const metrics::Registry& registry, const std::string& name) {
+  std::istringstream lines(registry.Render());
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(name, 0) == 0 && (line[name.size()] == ' ' || line[name.size()] == '{'))
+      return std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return 0;
+}
+
+// Shared prefill: sequences admitted together with equal prompts are prefilled once and fork
+// the cache; every output (sampled tokens, their logprobs, prompt scores) equals prefilling each
+// sequence itself (float64, every plugin, windows shorter than the prompts).
+TEST_F(EngineTest, SharedPrefillEqualsOnePrefillPerSequence) {
+  auto make = [] {
+    std::vector<std::shared_ptr<Sequence>> out;
+    const std::vector<uint32_t> a = {5, 9, 200, 17, 3, 3, 8, 44, 2}, b = {42, 7, 1, 90};
+    for (uint64_t k = 0; k < 5; ++k) {
+      SequenceParams p;
+      p.prompt = k < 3 ? a : b;
+      p.greedy = false;
+      p.temperature = 1.0;
+      p.top_p = 0.95;
+      p.max_tokens = k == 1 ? 0 : 10;  // a choice that only scores its prompt leaves at once
+      p.seed = 40 + k;
+      p.logprobs = 2;
+      p.prompt_logprobs = k == 1 || k == 4;
+      out.push_back(std::make_shared<Sequence>(p));
+    }
+    return out;
+  };
+  metrics::Registry on_metrics("serve"), off_metrics("serve");
+  Engine on(model_, Bytes, EngineOptions{32, 64, true}, &on_metrics);
+  Engine off(model_, Bytes, EngineOptions{32, 64, false}, &off_metrics);
+  const auto shared = make(), separate = make();
+  ASSERT_TRUE(on.Submit(shared).ok());
+  ASSERT_TRUE(off.Submit(separate).ok());
+  for (size_t i = 0; i < shared.size(); ++i) {
+    WaitDone(*shared[i]);
+    WaitDone(*separate[i]);
+    EXPECT_EQ(Tokens(*shared[i]), Tokens(*separate[i])) << i;
+    EXPECT_EQ(shared[i]->finish_reason(), separate[i]->finish_reason()) << i;
+    bool done = false;
+    const auto x = shared[i]->Wait(0, std::chrono::milliseconds(0), &done);
+    const auto y = separate[i]->Wait(0, std::chrono::milliseconds(0), &done);
+    for (size_t t = 0; t < std::min(x.size(), y.size()); ++t)
+      EXPECT_NEAR(x[t].logprob, y[t].logprob, 1e-12) << i << " token " << t;
+    const auto px = shared[i]->prompt_scores(), py = separate[i]->prompt_scores();
+    ASSERT_EQ(px.size(), py.size());
+    for (size_t t = 1; t < px.size(); ++t) EXPECT_NEAR(px[t].logprob, py[t].logprob, 1e-12);
+  }
+  EXPECT_EQ(Tokens(*shared[0]).size(), 10u);
+  EXPECT_NE(Tokens(*shared[0]), Tokens(*shared[2])) << "each choice samples its own stream";
+  // Two distinct prompts, padded to 9 tokens: 2 rows instead of 5.
+  EXPECT_EQ(CounterValue(on_metrics, "loom_serve_prefill_tokens_total"), 2 * 9);
+  EXPECT_EQ(CounterValue(off_metrics, "loom_serve_prefill_tokens_total"), 5 * 9);
+  EXPECT_EQ(CounterValue(on_metrics, "loom_serve_prompt_tokens_total"), 3 * 9 + 2 * 4);
+}
+
+// Through the HTTP API: a completion with n = 4 and a seed equals four requests with n = 1 and
+// the seeds seed + k, served without shared prefill.
+TEST_F(EngineTest, CompletionWithNEqualsSeparateRequests) {
+  auto server = [&](bool share) {
+    trainer::CheckpointModel m;
+    m.model = model_;
+    m.tokenizer = data::MakeByteTokenizer();
+    ServeOptions o;
+    o.engine.share_prefill = share;
+    return std::make_unique<Server>(std::move(m), o);
+  };
+  auto shared = server(true), separate = server(false);
+  net::HttpServer shared_http{net::HttpServerOptions{}}, separate_http{net::HttpServerOptions{}};
+  shared->AddRoutes(shared_http);
+  separate->AddRoutes(separate_http);
+  auto complete = [](net::HttpServer& http, int n, int seed) {
+    const std::string body = absl::StrCat(
+        R"({"prompt": [72, 101, 108, 108, 111, 44, 32, 119], "max_tokens": 8, "temperature": 1,)",
+        R"( "logprobs": 1, "n": )", n, R"(, "seed": )", seed, "}");
+    net::HttpResponse res = http.Answer("POST", "/v1/completions", {}, body);
+    EXPECT_EQ(res.status, 200) << res.body;
+    return nlohmann::json::parse(res.body)["choices"];
+  };
+  const nlohmann::json together = complete(shared_http, 4, 7);
+  ASSERT_EQ(together.size(), 4u);
+  for (int k = 0; k < 4; ++k) {
+    const nlohmann::json alone = complete(separate_http, 1, 7 + k)[0];
+    EXPECT_EQ(together[k]["text"], alone["text"]) << k;
+    EXPECT_EQ(together[k]["logprobs"]["tokens"], alone["logprobs"]["tokens"]) << k;
+    const auto& x = together[k]["logprobs"]["token_logprobs"];
+    const auto& y = alone["logprobs"]["token_logprobs"];
+    ASSERT_EQ(x.size(), y.size());
+    for (size_t t = 0; t < x.size(); ++t)
+      EXPECT_NEAR(x[t].get<double>(), y[t].get<double>(), 1e-12) << k;
+  }
+  EXPECT_NE(together[0]["text"], together[1]["text"]);
+  EXPECT_EQ(CounterValue(shared->registry(), "loom_serve_prefill_tokens_total"), 8);
+  EXPECT_EQ(CounterValue(separate->registry(), "loom_serve_prefill_tokens_total"), 4 * 8);
 }
 
 TEST_F(EngineTest, StopsLimitsCancellationAndAFullQueue) {

@@ -70,6 +70,11 @@ class AttentionCache {
 
   // Continuous batching (loom-serve): rows leave and join a running batch between steps.
   // Keeps only the rows `rows` (int64 [R], indices into this cache's batch, in that order).
+  // An index may repeat: each occurrence becomes an independent copy of that row (shared
+  // prefill forks one prompt's cache into the rows of its n samples). Afterwards the rows must
+  // not alias: appending to one never changes another. No change to the interface, so plugins
+  // built for this ABI version stay loadable; one that copies rows by index_select (as every
+  // built-in cache does) already satisfies it.
   virtual void KeepRows(const torch::Tensor& rows) = 0;
   // Appends the rows of `other` (made by the same layer's NewCache(), on the same device) after
   // this cache's rows. The cache holding fewer tokens is left-padded to the other's count with

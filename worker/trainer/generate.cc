@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -101,15 +102,51 @@ struct DecodeBatch {
   torch::Device device = torch::kCPU;
 };
 
-// The prompts of requests [first, last), left-padded: real tokens at the right end, pads in
-// segment 0 with position 0.
-ModelInputs PromptInputs(DecodeBatch& batch, size_t last, uint32_t pad_token) {
+// Which requests of [first, last) are prefilled: with sharing, the first of each distinct
+// prompt; `row_of` maps every row of the batch to its prefill row.
+struct PrefillPlan {
+  std::vector<size_t> prefilled;
+  std::vector<int64_t> row_of;
+  bool forked() const { return prefilled.size() < row_of.size(); }
+};
+
+PrefillPlan PlanPrefill(const std::vector<GenerationRequest>& requests, size_t first, size_t last,
+                        bool share) {
+  PrefillPlan plan;
+  std::map<std::vector<uint32_t>, int64_t> seen;
+  for (size_t i = first; i < last; ++i) {
+    const auto [it, fresh] =
+        seen.try_emplace(requests[i].prompt, static_cast<int64_t>(plan.prefilled.size()));
+    if (fresh || !share) {
+      plan.row_of.push_back(static_cast<int64_t>(plan.prefilled.size()));
+      plan.prefilled.push_back(i);
+    } else {
+      plan.row_of.push_back(it->second);
+    }
+  }
+  return plan;
+}
+
+// Every row's length, random stream and state for requests [first, last).
+void StartRows(DecodeBatch& batch, size_t last) {
   const auto& requests = *batch.requests;
-  const int64_t b = static_cast<int64_t>(last - batch.first);
-  batch.rows = b;
-  for (size_t i = batch.first; i < last; ++i)
-    batch.longest =
-        std::max<int64_t>(batch.longest, static_cast<int64_t>(requests[i].prompt.size()));
+  batch.rows = static_cast<int64_t>(last - batch.first);
+  for (size_t i = batch.first; i < last; ++i) {
+    const int64_t n = static_cast<int64_t>(requests[i].prompt.size());
+    batch.longest = std::max(batch.longest, n);
+    batch.length.push_back(n);
+    batch.rng.push_back(SequenceRng(requests[i].seed));
+  }
+  for (int64_t n : batch.length) batch.padded |= n < batch.longest;
+  batch.done.assign(static_cast<size_t>(batch.rows), false);
+}
+
+// The prompts of the requests `prefilled`, left-padded to the batch's longest: real tokens at
+// the right end, pads in segment 0 with position 0 (the same layout with or without sharing).
+ModelInputs PromptInputs(const DecodeBatch& batch, const std::vector<size_t>& prefilled,
+                         uint32_t pad_token) {
+  const auto& requests = *batch.requests;
+  const int64_t b = static_cast<int64_t>(prefilled.size());
   const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
   torch::Tensor tokens = torch::full({b, batch.longest}, static_cast<int64_t>(pad_token), i64);
   torch::Tensor positions = torch::zeros({b, batch.longest}, i64);
@@ -117,18 +154,14 @@ ModelInputs PromptInputs(DecodeBatch& batch, size_t last, uint32_t pad_token) {
   auto tok = tokens.accessor<int64_t, 2>(), pos = positions.accessor<int64_t, 2>(),
        seg = segments.accessor<int64_t, 2>();
   for (int64_t r = 0; r < b; ++r) {
-    const auto& req = requests[batch.first + static_cast<size_t>(r)];
-    const int64_t n = static_cast<int64_t>(req.prompt.size()), pad = batch.longest - n;
-    batch.padded |= pad > 0;
-    batch.length.push_back(n);
+    const auto& prompt = requests[prefilled[static_cast<size_t>(r)]].prompt;
+    const int64_t n = static_cast<int64_t>(prompt.size()), pad = batch.longest - n;
     for (int64_t i = 0; i < n; ++i) {
-      tok[r][pad + i] = static_cast<int64_t>(req.prompt[i]);
+      tok[r][pad + i] = static_cast<int64_t>(prompt[i]);
       pos[r][pad + i] = i;
       seg[r][pad + i] = 1;
     }
-    batch.rng.push_back(SequenceRng(req.seed));
   }
-  batch.done.assign(static_cast<size_t>(b), false);
   ModelInputs in;
   in.tokens = tokens.to(batch.device);
   in.positions = positions.to(batch.device);
@@ -194,8 +227,16 @@ void Finish(Generation& g, const SamplingOptions& o, const TokenDecoder& decode)
 void GenerateBatch(Transformer& model, DecodeBatch& batch, size_t last, const SamplingOptions& o,
                    const TokenDecoder& decode, Generation* out, GenerationStats* stats) {
   DecodeState state = model.NewDecodeState();
-  torch::Tensor logits =
-      model.ForwardCached(PromptInputs(batch, last, o.pad), state).select(1, batch.longest - 1);
+  StartRows(batch, last);
+  const PrefillPlan plan = PlanPrefill(*batch.requests, batch.first, last, o.share_prefill);
+  torch::Tensor logits = model.ForwardCached(PromptInputs(batch, plan.prefilled, o.pad), state)
+                             .select(1, batch.longest - 1);
+  stats->prefill_tokens += static_cast<int64_t>(plan.prefilled.size()) * batch.longest;
+  if (plan.forked()) {  // one cache row per request from here on: decoding is unchanged
+    const torch::Tensor rows = torch::tensor(plan.row_of, torch::kInt64).to(batch.device);
+    state.KeepRows(rows);
+    logits = logits.index_select(0, rows);
+  }
   const int64_t budget = std::min(o.max_new_tokens, model.config().max_seq_len() - batch.longest);
   for (int64_t step = 0; step < budget; ++step) {
     std::optional<ModelInputs> next = SampleStep(batch, logits, step, o, decode, out, stats);

@@ -1,7 +1,9 @@
 // Text generation with the KV cache: batched prompts (left-padded, pads in their own segment so
 // no real token attends to them), temperature / top-p sampling or greedy decoding, stop tokens
 // and stop strings, and one random stream per sequence so a sample does not depend on which
-// other prompts share its batch.
+// other prompts share its batch. Requests of one batch with equal prompts (the k samples of a
+// Maj@k eval) are prefilled once and their KV caches forked (AttentionCache::KeepRows with
+// repeated rows): the same tokens for the same seeds, k times fewer prefill tokens.
 #ifndef LOOM_WORKER_TRAINER_GENERATE_H_
 #define LOOM_WORKER_TRAINER_GENERATE_H_
 
@@ -27,6 +29,7 @@ struct SamplingOptions {
   std::vector<uint32_t> stop_tokens;  // e.g. the chat template's <|end|>
   int64_t batch = 16;                 // sequences decoded together
   uint32_t pad = 0;                   // token fed at left padding (never attended to)
+  bool share_prefill = true;          // equal prompts of a batch share one prefill row
 };
 
 struct GenerationRequest {
@@ -42,6 +45,9 @@ struct Generation {
 
 struct GenerationStats {
   int64_t sequences = 0, generated_tokens = 0, peak_cache_bytes = 0;
+  // Token positions the prefill forward passes computed (rows x padded prompt length): a prompt
+  // shared by k requests of a batch counts once with share_prefill.
+  int64_t prefill_tokens = 0;
   double seconds = 0;
 };
 

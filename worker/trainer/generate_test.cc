@@ -1,7 +1,8 @@
 // Generation and reasoning evaluation: the model's KV-cached decoding equals recomputing the full
 // prefix for every attention plugin (float64, 1e-10), greedy generation equals a naive argmax
-// loop over full forwards, sampled sequences do not depend on their batch, stops and limits, and
-// Pass@1 / Maj@k scoring with ties and unanswerable samples.
+// loop over full forwards, sampled sequences do not depend on their batch, shared prefill (a
+// forked cache) equals one prefill per row (1e-12) and samples the same tokens, stops and
+// limits, and Pass@1 / Maj@k scoring with ties and unanswerable samples.
 #include "worker/trainer/generate.h"
 
 #include <google/protobuf/util/json_util.h>
@@ -118,6 +119,100 @@ TEST_F(GenerateTest, SamplesDoNotDependOnTheirBatch) {
     EXPECT_EQ((*together)[i].tokens, (*alone)[i].tokens) << i;
   // Same prompt, different seeds: different samples (8 tokens from 260 at T = 1).
   EXPECT_NE((*together)[0].tokens, (*together)[3].tokens);
+}
+
+// Left-padded prompt inputs as Generate builds them (pads in segment 0 at position 0).
+ModelInputs PaddedPrompts(const std::vector<std::vector<int64_t>>& prompts, int64_t longest) {
+  const int64_t b = static_cast<int64_t>(prompts.size());
+  torch::Tensor tokens = torch::zeros({b, longest}, torch::kInt64);
+  torch::Tensor positions = torch::zeros({b, longest}, torch::kInt64);
+  torch::Tensor segments = torch::zeros({b, longest}, torch::kInt64);
+  for (int64_t r = 0; r < b; ++r) {
+    const auto& p = prompts[static_cast<size_t>(r)];
+    const int64_t n = static_cast<int64_t>(p.size()), pad = longest - n;
+    tokens[r].narrow(0, pad, n).copy_(torch::tensor(p, torch::kInt64));
+    positions[r].narrow(0, pad, n).copy_(torch::arange(n, torch::kInt64));
+    segments[r].narrow(0, pad, n).fill_(1);
+  }
+  return ModelInputs{tokens, positions, {}, {}, segments};
+}
+
+// The mechanism of shared prefill: one prefill row per distinct prompt, forked by KeepRows with
+// repeated rows, gives every decode step the logits of prefilling each row itself (float64,
+// every plugin: the windowed layers see prompts longer than their windows, both IHA layouts).
+TEST_F(GenerateTest, ForkedPrefillCacheEqualsOnePrefillPerRow) {
+  torch::manual_seed(7);
+  auto model = Model(kEveryPlugin);
+  torch::NoGradGuard no_grad;
+  const std::vector<int64_t> a = {5, 9, 200, 17, 3, 3, 8, 44, 2}, b = {42, 7, 1, 90};
+  const int64_t longest = static_cast<int64_t>(a.size());
+  const std::vector<int64_t> fork = {0, 0, 0, 1, 1, 0};
+  std::vector<std::vector<int64_t>> every_row;
+  for (int64_t f : fork) every_row.push_back(f == 0 ? a : b);
+  DecodeState unshared = model->NewDecodeState(), shared = model->NewDecodeState();
+  torch::Tensor lu = model->ForwardCached(PaddedPrompts(every_row, longest), unshared);
+  torch::Tensor ls = model->ForwardCached(PaddedPrompts({a, b}, longest), shared);
+  const torch::Tensor rows = torch::tensor(fork, torch::kInt64);
+  shared.KeepRows(rows);
+  EXPECT_EQ(shared.tokens(), unshared.tokens());
+  EXPECT_EQ(shared.bytes(), unshared.bytes());
+  double worst = (lu.select(1, longest - 1) - ls.select(1, longest - 1).index_select(0, rows))
+                     .abs()
+                     .max()
+                     .item<double>();
+  const int64_t n = static_cast<int64_t>(fork.size());
+  for (int64_t step = 0; step < 8; ++step) {  // each row is fed its own tokens
+    torch::Tensor tokens = (torch::arange(n, torch::kInt64) * 31 + step * 7).remainder(260);
+    torch::Tensor positions = torch::tensor(fork, torch::kInt64) * (4 - longest) + longest + step;
+    ModelInputs in{
+        tokens.view({n, 1}), positions.view({n, 1}), {}, {}, torch::ones({n, 1}, torch::kInt64)};
+    worst = std::max(worst, (model->ForwardCached(in, unshared) - model->ForwardCached(in, shared))
+                                .abs()
+                                .max()
+                                .item<double>());
+  }
+  EXPECT_LT(worst, 1e-12);
+}
+
+// Generate with and without shared prefill: the same tokens for the same seeds, k times fewer
+// prefill tokens, whether a batch holds whole problems or cuts through one.
+TEST_F(GenerateTest, SharedPrefillGeneratesTheSameSamples) {
+  torch::manual_seed(8);
+  auto model = Model(kEveryPlugin);
+  const std::vector<std::vector<uint32_t>> prompts = {
+      {5, 9, 200, 17, 3, 3, 8}, {42, 7}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}};
+  std::vector<GenerationRequest> requests;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    for (uint64_t k = 0; k < 4; ++k) requests.push_back({prompts[i], 100 * i + k});
+  SamplingOptions o;
+  o.temperature = 1.0;
+  o.top_p = 0.95;
+  o.max_new_tokens = 10;
+  auto decode = [](const std::vector<uint32_t>&) { return std::string(); };
+  for (int64_t batch : {12, 5, 4}) {
+    o.batch = batch;
+    GenerationStats off_stats, on_stats;
+    o.share_prefill = false;
+    auto off = Generate(*model, requests, o, decode, &off_stats);
+    o.share_prefill = true;
+    auto on = Generate(*model, requests, o, decode, &on_stats);
+    ASSERT_TRUE(off.ok() && on.ok());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      EXPECT_EQ((*on)[i].tokens, (*off)[i].tokens) << "batch " << batch << ", request " << i;
+      EXPECT_EQ((*on)[i].finish, (*off)[i].finish);
+    }
+    EXPECT_EQ(on_stats.generated_tokens, off_stats.generated_tokens);
+    if (batch == 4) {  // one problem per batch: exactly k = 4 times fewer
+      EXPECT_EQ(off_stats.prefill_tokens, 4 * (7 + 2 + 11));
+      EXPECT_EQ(on_stats.prefill_tokens, 7 + 2 + 11);
+    } else {
+      EXPECT_LT(on_stats.prefill_tokens, off_stats.prefill_tokens);
+    }
+  }
+  // The samples of one prompt still differ from each other (their own random streams).
+  auto out = Generate(*model, requests, o, decode);
+  ASSERT_TRUE(out.ok());
+  EXPECT_NE((*out)[0].tokens, (*out)[1].tokens);
 }
 
 TEST(SampleToken, TemperatureAndTopP) {

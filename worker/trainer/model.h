@@ -80,8 +80,9 @@ struct DecodeState {
   std::vector<std::unique_ptr<AttentionCache>> caches;
   int64_t tokens() const { return caches.empty() ? 0 : caches.front()->tokens(); }
   int64_t bytes() const;
-  // Continuous batching: keep only `rows` (int64 indices, in order) / append `other`'s rows after
-  // these (AttentionCache::KeepRows / AppendRows on every layer; throws like LibTorch).
+  // Continuous batching: keep only `rows` (int64 indices, in order; a repeated index copies its
+  // row, which is how shared prefill forks one prompt into n samples) / append `other`'s rows
+  // after these (AttentionCache::KeepRows / AppendRows on every layer; throws like LibTorch).
   void KeepRows(const torch::Tensor& rows);
   void AppendRows(const DecodeState& other);
 };
