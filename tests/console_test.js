@@ -554,9 +554,12 @@ async function main() {
   await waitFor('the sweep to finish', async () =>
     (await rest(base, token, 'GET', `/v1/sweeps/${sweep.json.id}`)).json.state === 'finished', 180000);
   await page.goto(`${base}/#/sweeps/${sweep.json.id}`);
-  await page.waitForFunction(() => document.querySelectorAll('main table').length >= 2 &&
-    /complete/.test(document.querySelector('main').textContent), { timeout: 15000 });
-  const [cells, diffs] = await page.$$eval('main table', (ts) => ts.map((t) => [...t.tBodies[0].rows].map((r) => r.innerText)));
+  // The report's tables, not the curves' chart legends (uPlot draws those as tables too, and the
+  // curves may arrive first).
+  const reportTables = 'main table:not(.u-legend)';
+  await page.waitForFunction((sel) => document.querySelectorAll(sel).length >= 2 &&
+    /complete/.test(document.querySelector('main').textContent), { timeout: 15000 }, reportTables);
+  const [cells, diffs] = await page.$$eval(reportTables, (ts) => ts.map((t) => [...t.tBodies[0].rows].map((r) => r.innerText)));
   assert.equal(cells.length, 2, cells.join('\n'));
   for (const c of cells) assert.match(c, /\t2\t0\t0\t[-\d.e]+\t\[[-\d.e]+, [-\d.e]+\]/, c);
   assert.equal(diffs.length, 1);
