@@ -487,9 +487,10 @@ class Cli {
     const fs::path bin = fs::read_symlink("/proc/self/exe", ec).parent_path() / "loom-serve";
     std::vector<std::string> argv = {bin.string(), "--checkpoint", path};
     if (!fs::is_directory(ref)) argv.insert(argv.end(), {"--model-name", ref});
-    for (const char* flag : {"bind", "allowed-hosts", "port", "port-file", "token-file",
-                             "model-name", "max-batch", "max-queue", "max-tokens", "max-n",
-                             "share-prefill", "device", "threads", "tls-cert", "tls-key"}) {
+    for (const char* flag :
+         {"bind", "allowed-hosts", "port", "port-file", "token-file", "model-name", "max-batch",
+          "max-queue", "max-tokens", "max-n", "share-prefill", "prefix-cache-mb", "device",
+          "threads", "tls-cert", "tls-key"}) {
       if (args.Has(flag)) argv.insert(argv.end(), {absl::StrCat("--", flag), args.Get(flag)});
     }
     std::vector<char*> cargv;
@@ -1052,6 +1053,8 @@ void AddServeCommand(CommandLine& line, Commands& c) {
        {"max-tokens", "N", "most tokens one sequence may generate (default 1024)"},
        {"max-n", "N", "most choices per prompt (default 16)"},
        {"share-prefill", "BOOL", "prefill a prompt once for its n choices (default true)"},
+       {"prefix-cache-mb", "MB",
+        "KV cache of prompt prefixes kept across requests (default 0: off)"},
        {"device", "DEVICE", "cpu | cuda | auto (default auto)"},
        {"threads", "N", "LibTorch threads (default: all cores)"},
        {"tls-cert", "PEM", "serve HTTPS with this certificate chain"},

@@ -8,10 +8,19 @@
 // sampled choices (temperature 0.6, seeds seed + k) from `clients` concurrent clients, with
 // shared prefill off and on in the same run: prefill tokens computed, wall time, time to first
 // token, and whether both sampled the same tokens.
+//
+// --choices K: an lm-eval-shaped multiple-choice workload instead: `requests` questions, each a
+// context of `prompt` tokens followed by K answers of 2..K+1 tokens, every answer its own
+// request as lm-evaluation-harness sends loglikelihood requests (echo with logprobs, one
+// greedy token), from c = 1, 8 and 32 concurrent clients, with the prefix cache off and on in
+// the same run: prompt tokens scored per second, mean time to first token, and the largest
+// difference between the two runs' prompt log-probabilities.
 #include <google/protobuf/util/json_util.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <iostream>
 #include <thread>
 
@@ -125,6 +134,79 @@ std::string MajRow(const std::shared_ptr<trainer::Transformer>& model, const std
       off.tokens == on.tokens ? "yes" : "NO");
 }
 
+// Request i of the multiple-choice workload: question i / choices, answer i % choices.
+SequenceParams ChoiceRequest(const BenchShape& shape, int64_t choices, int64_t i) {
+  const int64_t q = i / choices, k = i % choices;
+  SequenceParams p;
+  for (int64_t j = 0; j < shape.prompt; ++j)
+    p.prompt.push_back(static_cast<uint32_t>(3 + (q * 7919 + j * 31 + j * j) % 250));
+  for (int64_t j = 0; j < 2 + k; ++j)
+    p.prompt.push_back(static_cast<uint32_t>(3 + (q * 5 + k * 13 + j) % 250));
+  p.max_tokens = 1;
+  p.greedy = true;
+  p.logprobs = 1;
+  p.prompt_logprobs = true;
+  return p;
+}
+
+struct ChoiceResult {
+  double seconds = 0, first_token_seconds = 0;  // the latter: mean over requests
+  int64_t prompt_tokens = 0, prefill_tokens = 0;
+  std::vector<std::vector<double>> scores;  // per request: its prompt's logprobs
+};
+
+ChoiceResult ChoiceEval(const std::shared_ptr<trainer::Transformer>& model, const BenchShape& shape,
+                        int64_t choices, int clients, bool cache) {
+  EngineOptions options{32, 4096, true, cache ? int64_t{1024} << 20 : 0};
+  Engine engine(
+      model, [](const std::vector<uint32_t>&) { return std::string(); }, options, nullptr);
+  const int64_t total = shape.requests * choices;
+  ChoiceResult result;
+  result.scores.resize(static_cast<size_t>(total));
+  std::vector<double> first_token(static_cast<size_t>(total));
+  std::atomic<int64_t> next{0}, prompt_tokens{0};
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c) {
+    threads.emplace_back([&] {
+      for (int64_t i = next++; i < total; i = next++) {
+        auto s = std::make_shared<Sequence>(ChoiceRequest(shape, choices, i));
+        const auto submitted = Clock::now();
+        if (!engine.Submit({s}).ok()) return;
+        bool done = false;
+        s->Wait(0, std::chrono::seconds(600), &done);
+        first_token[i] = std::chrono::duration<double>(Clock::now() - submitted).count();
+        while (!done) s->Wait(SIZE_MAX, std::chrono::milliseconds(100), &done);
+        for (const TokenOutput& t : s->prompt_scores()) result.scores[i].push_back(t.logprob);
+        prompt_tokens += static_cast<int64_t>(s->params().prompt.size());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  for (double s : first_token) result.first_token_seconds += s / static_cast<double>(total);
+  result.prompt_tokens = prompt_tokens;
+  result.prefill_tokens = engine.prefill_tokens();
+  return result;
+}
+
+std::string ChoiceRow(const std::shared_ptr<trainer::Transformer>& model, const std::string& name,
+                      const BenchShape& shape, int64_t choices, int clients) {
+  const ChoiceResult off = ChoiceEval(model, shape, choices, clients, false);
+  const ChoiceResult on = ChoiceEval(model, shape, choices, clients, true);
+  double worst = 0;
+  for (size_t i = 0; i < off.scores.size(); ++i) {
+    if (off.scores[i].size() != on.scores[i].size()) return "| " + name + " | scores differ |";
+    for (size_t t = 1; t < off.scores[i].size(); ++t)
+      worst = std::max(worst, std::abs(off.scores[i][t] - on.scores[i][t]));
+  }
+  const double off_rate = off.prompt_tokens / off.seconds, on_rate = on.prompt_tokens / on.seconds;
+  return absl::StrFormat("| %s | %d | %d | %d | %.0f | %.0f | %.2fx | %.3f s | %.3f s | %.1e |",
+                         name, clients, off.prefill_tokens, on.prefill_tokens, off_rate, on_rate,
+                         on_rate / off_rate, off.first_token_seconds, on.first_token_seconds,
+                         worst);
+}
+
 // Global MHA and global IHA with both cache layouts: (name, attention config JSON).
 std::vector<std::pair<std::string, std::string>> Variants(int64_t p) {
   const std::string pp = std::to_string(p);
@@ -136,9 +218,20 @@ std::vector<std::pair<std::string, std::string>> Variants(int64_t p) {
 }
 
 void PrintHeader(int64_t d_model, int64_t heads, int64_t layers, const BenchShape& shape, int64_t n,
-                 int64_t clients) {
+                 int64_t clients, int64_t choices) {
   std::cout << absl::StrFormat("d_model %d, %d heads, %d layers, vocab 260; ", d_model, heads,
                                layers);
+  if (choices > 0) {
+    std::cout << absl::StrFormat(
+        "multiple choice: %d questions x %d answers (2..%d tokens) after a %d-token context, each "
+        "answer a request (echo, logprobs 1, max_tokens 1, greedy), max batch 32, prefix cache "
+        "1024 MiB in blocks of 16; %d LibTorch threads\n\n",
+        shape.requests, choices, choices + 1, shape.prompt, torch::get_num_threads());
+    std::cout << "| attention | clients | prefill tokens, no cache | cache | prompt tokens/s, "
+                 "no cache | cache | faster | first token, no cache | cache | max logprob "
+                 "difference |\n|---|---|---|---|---|---|---|---|---|---|\n";
+    return;
+  }
   if (n > 0) {
     std::cout << absl::StrFormat(
         "Maj@%d: %d requests with n = %d x (%d prompt + %d new tokens), temperature 0.6, %d "
@@ -156,10 +249,10 @@ void PrintHeader(int64_t d_model, int64_t heads, int64_t layers, const BenchShap
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args,
-                        CliArgs::Parse(argc, argv, 1,
-                                       {"prompt", "new", "requests", "threads", "p", "layers",
-                                        "d-model", "heads", "plugin-dir", "n", "clients"}));
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args, CliArgs::Parse(argc, argv, 1,
+                                   {"prompt", "new", "requests", "threads", "p", "layers",
+                                    "d-model", "heads", "plugin-dir", "n", "clients", "choices"}));
   BenchShape shape;
   LOOM_ASSIGN_OR_RETURN(shape.prompt, args.GetInt("prompt", 64, 1, 8192));
   LOOM_ASSIGN_OR_RETURN(shape.fresh, args.GetInt("new", 64, 1, 8192));
@@ -171,19 +264,24 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(int64_t heads, args.GetInt("heads", 8, 1, 256));
   LOOM_ASSIGN_OR_RETURN(int64_t n, args.GetInt("n", 0, 0, 1024));
   LOOM_ASSIGN_OR_RETURN(int64_t clients, args.GetInt("clients", 8, 1, 1024));
+  LOOM_ASSIGN_OR_RETURN(int64_t choices, args.GetInt("choices", 0, 0, 64));
   if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
   trainer::PluginLoader loader;
   LOOM_RETURN_IF_ERROR(trainer::LoadPluginDirectories(args.Get("plugin-dir"), loader, false));
-  PrintHeader(d_model, heads, layers, shape, n, clients);
+  PrintHeader(d_model, heads, layers, shape, n, clients, choices);
   for (const auto& [name, attention] : Variants(p)) {
     v1::ModelConfig c;
     const std::string json = absl::StrFormat(
         R"({"d_model": %d, "n_layers": %d, "n_heads": %d, "vocab_size": 260, "max_seq_len": %d,
             "rope_theta": 10000, "tie_embeddings": true,
             "schedule": [{"repeat": 1, "attention": %s}]})",
-        d_model, layers, heads, shape.prompt + shape.fresh + 1, attention);
+        d_model, layers, heads, shape.prompt + std::max(shape.fresh, choices + 1) + 1, attention);
     LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, name, &c));
     LOOM_ASSIGN_OR_RETURN(auto model, trainer::Transformer::Create(c, loader));
+    if (choices > 0) {
+      for (int k : {1, 8, 32}) std::cout << ChoiceRow(model, name, shape, choices, k) << std::endl;
+      continue;
+    }
     if (n > 0) {
       std::cout << MajRow(model, name, shape, n, static_cast<int>(clients)) << std::endl;
       continue;

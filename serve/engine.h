@@ -13,6 +13,13 @@
 // Shared prefill: sequences admitted together with equal prompts (the n choices of a request)
 // are prefilled as one row whose caches are then forked (KeepRows with repeated rows), so a
 // prompt with n = 16 costs one prefill, not 16; each choice still samples from its own stream.
+//
+// Prefix caching (EngineOptions::prefix_cache_bytes > 0): the KV caches of prompt prefixes are
+// kept across requests (PrefixCache), so a prompt that starts with a cached prefix prefills only
+// the rest. The cache ABI has no "slice by token range", so an entry is a whole-prefix snapshot:
+// one cache row holding exactly the prefix's tokens (a whole number of blocks, no padding). A
+// prefill that can reuse or create one runs in chunks of equal length and equal start, never
+// padded, so a snapshot holds only real tokens and sliding windows keep their last tokens.
 #ifndef LOOM_SERVE_ENGINE_H_
 #define LOOM_SERVE_ENGINE_H_
 
@@ -21,11 +28,14 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -94,6 +104,60 @@ struct EngineOptions {
   int max_batch = 32;         // rows decoded together
   int max_queue = 256;        // sequences waiting for a row; beyond: Submit refuses
   bool share_prefill = true;  // equal prompts admitted together share one prefill row
+  // Prefix cache budget (0: off; loom-serve --prefix-cache-mb sets it) and block length.
+  int64_t prefix_cache_bytes = 0;
+  int64_t prefix_block = 16;
+};
+
+// A cached prompt prefix: one cache row holding exactly `tokens` (a whole number of blocks).
+struct PrefixEntry {
+  std::vector<uint32_t> tokens;
+  trainer::DecodeState state;  // one row, no padding
+  torch::Tensor last;          // float64 CPU [vocab]: the logits after the prefix's last token
+  int score_k = -1;            // >= 0: `scores` holds the prefix's tokens scored with top k
+  std::vector<TokenOutput> scores;
+  int64_t bytes = 0;  // what the budget counts: caches, logits, scores
+};
+
+// Prefix snapshots keyed by a hash chain over blocks of token ids (block i's key hashes key
+// i - 1 and its ids; ids are compared on a hit, so a collision is a miss), least recently used
+// evicted under a byte budget. An entry is in use while a shared_ptr beyond the cache's holds it
+// (a prefill reading it); entries in use are never evicted. Engine thread only, except the
+// counters.
+class PrefixCache {
+ public:
+  PrefixCache(int64_t budget_bytes, int64_t block_tokens);
+  int64_t block() const { return block_; }
+  // Keys of the first `blocks` blocks of `tokens`.
+  std::vector<uint64_t> Keys(const std::vector<uint32_t>& tokens, int64_t blocks) const;
+  // The deepest entry that is a prefix of `tokens` (keys: Keys(tokens, ...)) and, for
+  // score_k >= 0, holds scores with at least top score_k; null if none. Marks it used.
+  std::shared_ptr<const PrefixEntry> Lookup(const std::vector<uint32_t>& tokens,
+                                            const std::vector<uint64_t>& keys, int score_k);
+  // Adds `entry` under the key of its last block, evicting least recently used entries not in
+  // use; false (nothing changes) when it cannot fit or an equal or better entry is there.
+  bool Insert(uint64_t key, std::shared_ptr<PrefixEntry> entry);
+  // Blocks of the longest prefix of `keys` seen by Remember: where earlier prompts branched.
+  int64_t SeenDepth(const std::vector<uint64_t>& keys) const;
+  void Remember(const std::vector<uint64_t>& keys);
+
+  int64_t budget() const { return budget_; }
+  int64_t bytes() const { return bytes_; }
+  int64_t entries() const { return entries_; }
+  int64_t evictions() const { return evictions_; }
+
+ private:
+  struct Slot {
+    std::shared_ptr<PrefixEntry> entry;
+    std::list<uint64_t>::iterator lru;
+  };
+  void Erase(std::unordered_map<uint64_t, Slot>::iterator it);
+
+  const int64_t budget_, block_;
+  std::atomic<int64_t> bytes_{0}, entries_{0}, evictions_{0};
+  std::unordered_map<uint64_t, Slot> map_;
+  std::list<uint64_t> lru_;  // most recently used first
+  std::unordered_set<uint64_t> seen_;
 };
 
 class Engine {
@@ -114,6 +178,11 @@ class Engine {
   int64_t queued() const;
   // Token positions prefill has computed so far (loom_serve_prefill_tokens_total).
   int64_t prefill_tokens() const { return prefill_tokens_; }
+  // Prompt tokens whose KV came from the prefix cache / were computed (per prefilled prompt).
+  int64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
+  int64_t prefix_miss_tokens() const { return prefix_miss_tokens_; }
+  // Null when prefix caching is off. Its counters may be read from any thread.
+  const PrefixCache* prefix_cache() const { return prefix_cache_.get(); }
 
  private:
   struct Row {
@@ -130,8 +199,30 @@ class Engine {
   void DropCancelledQueued();
   std::vector<std::shared_ptr<Sequence>> TakeAdmissible();
   void Prefill(const std::vector<std::shared_ptr<Sequence>>& joining);
+  // Prefix caching: one forward row of tokens [from, to) of `prompt` after `base` (null iff
+  // from is 0); RunChunks fills `state` (one row) and `logits` ([to - from, vocab], device).
+  struct Chunk {
+    const std::vector<uint32_t>* prompt = nullptr;
+    std::shared_ptr<const PrefixEntry> base;
+    int64_t from = 0, to = 0;
+    int score_k = -1;  // >= 0: score the tokens (top k)
+    trainer::DecodeState state;
+    torch::Tensor logits;
+  };
+  // A prefilled prompt of a cached prefill: its plan, then its chunk's results.
+  struct PromptRow;
+  void PrefillCached(const std::vector<std::shared_ptr<Sequence>>& joining);
+  void PlanPrefix(std::vector<PromptRow>& rows);
+  void ExtendPrefixes(std::vector<PromptRow>& rows);
+  void RunChunks(const std::vector<Chunk*>& chunks);
+  // The scores of chunk `c`'s tokens appended to `out` (its base's first), and its last logits.
+  torch::Tensor ChunkResults(const Chunk& c, std::vector<TokenOutput>* out) const;
+  void RecordPrefixMetrics();
+  // One state holding `rows`' rows in order (each a state of the model's layers).
+  trainer::DecodeState MergeRows(const std::vector<const trainer::DecodeState*>& rows) const;
   // Starts the row of `s` from its prefill logits (last position [vocab], all positions
   // [longest, vocab]); false when the sequence already ended.
+  // `all` undefined: the prompt was scored already (prefix caching).
   bool StartRow(const std::shared_ptr<Sequence>& s, const torch::Tensor& last,
                 const torch::Tensor& all, int64_t longest);
   // The prompt's log-probabilities from its prefill logits [n, vocab].
@@ -152,7 +243,9 @@ class Engine {
   std::condition_variable wake_;
   std::deque<std::shared_ptr<Sequence>> queue_;
   bool stop_ = false;
-  std::atomic<int64_t> prefill_tokens_{0};
+  std::atomic<int64_t> prefill_tokens_{0}, prefix_hit_tokens_{0}, prefix_miss_tokens_{0};
+  std::unique_ptr<PrefixCache> prefix_cache_;
+  int64_t reported_evictions_ = 0;
 
   // Engine thread only.
   trainer::DecodeState state_;

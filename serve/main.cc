@@ -42,6 +42,9 @@ flags:
   --max-n N            most choices per prompt (default 16)
   --share-prefill B    true: the n choices of a prompt share one prefill (default); false:
                        prefill each choice (the same outputs, n times the prefill work)
+  --prefix-cache-mb N  keep the KV caches of prompt prefixes across requests in up to N MiB
+                       (default 0: off; e.g. 1024 for shared contexts); a prompt starting
+                       with a cached prefix prefills only the rest
   --device cpu|cuda|auto  (default auto)   --threads T (LibTorch threads; default all cores)
   --allowed-hosts H,...  Host names it answers to (default: the loopback names on a loopback
                        --bind, else any); an Origin header must name one of them
@@ -85,6 +88,8 @@ absl::StatusOr<ServeOptions> OptionsFromArgs(const CliArgs& args,
   if (share != "true" && share != "false")
     return absl::InvalidArgumentError("--share-prefill: want true | false");
   o.engine.share_prefill = share == "true";
+  LOOM_ASSIGN_OR_RETURN(int64_t prefix_mb, args.GetInt("prefix-cache-mb", 0, 0, 1 << 20));
+  o.engine.prefix_cache_bytes = prefix_mb << 20;
   return o;
 }
 
@@ -99,13 +104,13 @@ absl::StatusOr<torch::Device> PickDevice(const std::string& flag) {
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(
-      CliArgs args,
-      CliArgs::Parse(argc, argv, 1,
-                     {"checkpoint", "bind", "allowed-hosts", "port", "port-file", "token-file",
-                      "model-name", "max-batch", "max-queue", "max-tokens", "max-n",
-                      "share-prefill", "device", "threads", "tls-cert", "tls-key", "plugin-dir"},
-                     {}));
+  LOOM_ASSIGN_OR_RETURN(CliArgs args,
+                        CliArgs::Parse(argc, argv, 1,
+                                       {"checkpoint", "bind", "allowed-hosts", "port", "port-file",
+                                        "token-file", "model-name", "max-batch", "max-queue",
+                                        "max-tokens", "max-n", "share-prefill", "prefix-cache-mb",
+                                        "device", "threads", "tls-cert", "tls-key", "plugin-dir"},
+                                       {}));
   LOOM_ASSIGN_OR_RETURN(std::string where, args.Require("checkpoint"));
   // Without a token the server answers anyone who reaches it: only this host's users, then.
   if (const std::string bind = args.Get("bind", "127.0.0.1");
@@ -127,6 +132,12 @@ absl::Status Run(int argc, char** argv) {
             << model.model->config().max_seq_len() << ", "
             << (model.objective ? "chat template" : "no chat template") << ") as '"
             << options.model_name << "'" << std::endl;
+  std::cout << "loom-serve: prefix cache "
+            << (options.engine.prefix_cache_bytes > 0
+                    ? absl::StrCat(options.engine.prefix_cache_bytes >> 20, " MiB, blocks of ",
+                                   options.engine.prefix_block, " tokens")
+                    : std::string("off (--prefix-cache-mb 0)"))
+            << std::endl;
 
   net::HttpServerOptions http_options;
   if (args.Has("tls-cert") || args.Has("tls-key")) {

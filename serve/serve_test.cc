@@ -2,8 +2,9 @@
 // joining and leaving a batch equal each row decoded alone (every attention plugin, float64,
 // 1e-10); 32 concurrent greedy requests equal the same requests served one at a time; prompt
 // log-probabilities equal a full uncached forward; shared prefill of equal prompts (a request's
-// n choices) equals one prefill per sequence (1e-12), also through the HTTP API; stops, limits,
-// cancellation, a full queue.
+// n choices) equals one prefill per sequence (1e-12), also through the HTTP API; the prefix cache
+// changes no output (every plugin, 1e-12), evicts under a small budget and spares entries in
+// use; stops, limits, cancellation, a full queue.
 // The server's routes are exactly those api/serve-openapi.yaml documents.
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -339,6 +341,167 @@ TEST_F(EngineTest, CompletionWithNEqualsSeparateRequests) {
   EXPECT_NE(together[0]["text"], together[1]["text"]);
   EXPECT_EQ(CounterValue(shared->registry(), "loom_serve_prefill_tokens_total"), 8);
   EXPECT_EQ(CounterValue(separate->registry(), "loom_serve_prefill_tokens_total"), 4 * 8);
+}
+
+// Prefix caching. `Batches` submits each batch of sequences at once (one admission) and waits
+// for it; `Same` checks two runs produced the same tokens, finish reasons, token logprobs and
+// prompt scores (with their top alternatives), float64 within 1e-12.
+std::vector<std::shared_ptr<Sequence>> Batches(Engine& engine,
+                                               const std::vector<std::vector<SequenceParams>>& in,
+                                               const std::function<void()>& after_each = {}) {
+  std::vector<std::shared_ptr<Sequence>> all;
+  for (const auto& batch : in) {
+    std::vector<std::shared_ptr<Sequence>> seqs;
+    for (const SequenceParams& p : batch) seqs.push_back(std::make_shared<Sequence>(p));
+    EXPECT_TRUE(engine.Submit(seqs).ok());
+    for (const auto& s : seqs) WaitDone(*s);
+    all.insert(all.end(), seqs.begin(), seqs.end());
+    if (after_each) after_each();
+  }
+  return all;
+}
+
+void ExpectSame(const std::vector<std::shared_ptr<Sequence>>& x,
+                const std::vector<std::shared_ptr<Sequence>>& y) {
+  ASSERT_EQ(x.size(), y.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_EQ(Tokens(*x[i]), Tokens(*y[i])) << i;
+    EXPECT_EQ(x[i]->finish_reason(), y[i]->finish_reason()) << i;
+    bool done = false;
+    const auto a = x[i]->Wait(0, std::chrono::milliseconds(0), &done);
+    const auto b = y[i]->Wait(0, std::chrono::milliseconds(0), &done);
+    for (size_t t = 0; t < std::min(a.size(), b.size()); ++t)
+      EXPECT_NEAR(a[t].logprob, b[t].logprob, 1e-12) << i << " token " << t;
+    const auto pa = x[i]->prompt_scores(), pb = y[i]->prompt_scores();
+    ASSERT_EQ(pa.size(), pb.size()) << i;
+    for (size_t t = 1; t < pa.size(); ++t) {
+      EXPECT_EQ(pa[t].token, pb[t].token) << i;
+      EXPECT_NEAR(pa[t].logprob, pb[t].logprob, 1e-12) << i << " prompt token " << t;
+      ASSERT_EQ(pa[t].top.size(), pb[t].top.size()) << i;
+      for (size_t k = 0; k < pa[t].top.size(); ++k) {
+        EXPECT_EQ(pa[t].top[k].token, pb[t].top[k].token) << i;
+        EXPECT_NEAR(pa[t].top[k].logprob, pb[t].top[k].logprob, 1e-12) << i;
+      }
+    }
+  }
+}
+
+// A long shared context with different endings, as lm-eval's multiple-choice requests send.
+std::vector<uint32_t> Context(uint32_t seed, size_t length) {
+  std::vector<uint32_t> out;
+  for (size_t i = 0; i < length; ++i)
+    out.push_back(static_cast<uint32_t>((seed * 131 + 17 * i * i + 3 * i) % 256));
+  return out;
+}
+
+SequenceParams Ask(std::vector<uint32_t> prompt, const std::vector<uint32_t>& ending, int kind) {
+  SequenceParams p;
+  prompt.insert(prompt.end(), ending.begin(), ending.end());
+  p.prompt = std::move(prompt);
+  p.max_tokens = kind == 0 ? 1 : 6;
+  p.greedy = kind != 2;
+  p.temperature = 0.8;
+  p.seed = 7 + static_cast<uint64_t>(ending.size());
+  p.logprobs = kind == 1 ? -1 : 2;
+  p.prompt_logprobs = kind == 0;  // lm-eval's loglikelihood: echo, logprobs, one token
+  return p;
+}
+
+std::vector<std::vector<SequenceParams>> SharedContextWorkload() {
+  const auto c = Context(1, 29), d = Context(2, 26);
+  return {
+      {Ask(c, {10, 11}, 0)},      // miss: snapshots
+      {Ask(c, {12, 13, 14}, 0)},  // hit
+      {Ask(c, {15}, 2), Ask(c, {16, 17, 18, 19, 20, 21}, 0), Ask(c, {10, 11}, 1)},
+      {Ask(d, {1, 2, 3}, 0), Ask(d, {4}, 0), Ask(d, {5, 6, 7, 8, 9}, 2)},  // branch together
+      {Ask(c, {10, 11}, 0), Ask(d, {4}, 1)},                               // whole prompts again
+      {Ask({5, 9}, {}, 0), Ask(Context(3, 9), {}, 2)},                     // shorter than blocks
+  };
+}
+
+// Outputs with the prefix cache equal those without, for every plugin (windows shorter than the
+// cached prefixes, both IHA cache layouts), and the cache is used.
+TEST_F(EngineTest, PrefixCacheEqualsNoCache) {
+  metrics::Registry on_metrics("serve");
+  Engine on(model_, Bytes, EngineOptions{32, 64, true, 64 << 20, 4}, &on_metrics);
+  Engine off(model_, Bytes, EngineOptions{32, 64, true}, nullptr);
+  ASSERT_NE(on.prefix_cache(), nullptr);
+  EXPECT_EQ(off.prefix_cache(), nullptr);
+  ExpectSame(Batches(on, SharedContextWorkload()), Batches(off, SharedContextWorkload()));
+  EXPECT_GT(on.prefix_hit_tokens(), 150);
+  EXPECT_LT(on.prefill_tokens(), off.prefill_tokens() / 2);
+  EXPECT_EQ(on.prefix_hit_tokens() + on.prefix_miss_tokens(),
+            CounterValue(on_metrics, "loom_serve_prompt_tokens_total"));
+  EXPECT_EQ(CounterValue(on_metrics, "loom_serve_prefix_cache_hit_tokens_total"),
+            on.prefix_hit_tokens());
+  EXPECT_GT(on.prefix_cache()->entries(), 0);
+  EXPECT_GT(CounterValue(on_metrics, "loom_serve_prefix_cache_bytes"), 0);
+}
+
+// Under a budget of about two entries, older prefixes are evicted, the cache stays under its
+// budget, and outputs still equal the uncached ones.
+TEST_F(EngineTest, PrefixCacheEvictsUnderASmallBudget) {
+  std::vector<std::vector<SequenceParams>> work;
+  for (uint32_t c = 0; c < 6; ++c) {
+    for (uint32_t k = 0; k < 2; ++k) work.push_back({Ask(Context(10 + c, 25), {k + 1}, 0)});
+  }
+  int64_t one = 0;
+  {
+    Engine probe(model_, Bytes, EngineOptions{32, 64, true, 64 << 20, 4}, nullptr);
+    Batches(probe, {work[0]});
+    one = probe.prefix_cache()->bytes();
+    ASSERT_GT(one, 0);
+  }
+  metrics::Registry metrics("serve");
+  Engine on(model_, Bytes, EngineOptions{32, 64, true, one * 5 / 2, 4}, &metrics);
+  Engine off(model_, Bytes, EngineOptions{32, 64, true}, nullptr);
+  const PrefixCache& cache = *on.prefix_cache();
+  ExpectSame(Batches(on, work, [&] { EXPECT_LE(cache.bytes(), cache.budget()); }),
+             Batches(off, work));
+  EXPECT_GT(cache.evictions(), 0);
+  EXPECT_LE(cache.entries(), 2);
+  EXPECT_GT(on.prefix_hit_tokens(), 0);
+  EXPECT_EQ(CounterValue(metrics, "loom_serve_prefix_cache_evictions_total"), cache.evictions());
+}
+
+// The cache alone: ids are verified on a hit, the deepest prefix wins, least recently used
+// entries go first, an entry in use is never evicted, and nothing exceeds the budget.
+TEST(PrefixCacheTest, LruEvictionSparesEntriesInUse) {
+  PrefixCache cache(250, 2);
+  auto entry = [](std::vector<uint32_t> tokens) {
+    auto e = std::make_shared<PrefixEntry>();
+    e->tokens = std::move(tokens);
+    e->bytes = 100;
+    return e;
+  };
+  const std::vector<uint32_t> a = {1, 2, 3, 4, 9}, b = {5, 6, 7}, c = {8, 8, 8};
+  const auto ka = cache.Keys(a, 2), kb = cache.Keys(b, 1), kc = cache.Keys(c, 1);
+  ASSERT_TRUE(cache.Insert(ka[0], entry({1, 2})));
+  ASSERT_TRUE(cache.Insert(ka[1], entry({1, 2, 3, 4})));
+  EXPECT_EQ(cache.Lookup(a, ka, -1)->tokens.size(), 4u) << "the deepest prefix";
+  EXPECT_EQ(cache.Lookup({1, 2, 3, 5}, ka, -1)->tokens.size(), 2u) << "ids are verified";
+  EXPECT_EQ(cache.Lookup(a, ka, 0), nullptr) << "no scores held";
+  auto held = cache.Lookup({1, 2, 0}, cache.Keys({1, 2, 0}, 1), -1);  // in use from here
+  ASSERT_NE(held, nullptr);
+  EXPECT_EQ(cache.Lookup(a, ka, -1)->tokens.size(), 4u);  // {1, 2} is now least recent
+  ASSERT_TRUE(cache.Insert(kb[0], entry({5, 6})));
+  EXPECT_EQ(cache.evictions(), 1);
+  EXPECT_NE(cache.Lookup({1, 2}, cache.Keys({1, 2}, 1), -1), nullptr) << "in use: kept";
+  EXPECT_EQ(cache.Lookup(a, ka, -1)->tokens.size(), 2u) << "{1, 2, 3, 4} was evicted";
+  EXPECT_LE(cache.bytes(), cache.budget());
+  auto held_b = cache.Lookup(b, kb, -1);
+  EXPECT_FALSE(cache.Insert(kc[0], entry({8, 8}))) << "every entry is in use";
+  EXPECT_EQ(cache.entries(), 2);
+  held.reset();
+  EXPECT_TRUE(cache.Insert(kc[0], entry({8, 8})));
+  EXPECT_EQ(cache.Lookup({1, 2}, cache.Keys({1, 2}, 1), -1), nullptr) << "released: evicted";
+  EXPECT_NE(cache.Lookup(b, kb, -1), nullptr);
+  held_b.reset();
+  EXPECT_EQ(cache.entries(), 2);
+  EXPECT_LE(cache.bytes(), cache.budget());
+  auto big = entry({8, 8});
+  big->bytes = 251;
+  EXPECT_FALSE(cache.Insert(kc[0], big)) << "larger than the budget";
 }
 
 TEST_F(EngineTest, StopsLimitsCancellationAndAFullQueue) {
