@@ -207,16 +207,6 @@ std::string ChoiceRow(const std::shared_ptr<trainer::Transformer>& model, const 
                          worst);
 }
 
-// Global MHA and global IHA with both cache layouts: (name, attention config JSON).
-std::vector<std::pair<std::string, std::string>> Variants(int64_t p) {
-  const std::string pp = std::to_string(p);
-  return {{"mha", R"({"plugin": "mha"})"},
-          {"iha P=" + pp + ", kv_cache pseudo",
-           R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "pseudo"}})"},
-          {"iha P=" + pp + ", kv_cache heads",
-           R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "heads"}})"}};
-}
-
 void PrintHeader(int64_t d_model, int64_t heads, int64_t layers, const BenchShape& shape, int64_t n,
                  int64_t clients, int64_t choices) {
   std::cout << absl::StrFormat("d_model %d, %d heads, %d layers, vocab 260; ", d_model, heads,
@@ -269,7 +259,7 @@ absl::Status Run(int argc, char** argv) {
   trainer::PluginLoader loader;
   LOOM_RETURN_IF_ERROR(trainer::LoadPluginDirectories(args.Get("plugin-dir"), loader, false));
   PrintHeader(d_model, heads, layers, shape, n, clients, choices);
-  for (const auto& [name, attention] : Variants(p)) {
+  for (const auto& [name, attention] : trainer::DecodingVariants(p)) {
     v1::ModelConfig c;
     const std::string json = absl::StrFormat(
         R"({"d_model": %d, "n_layers": %d, "n_heads": %d, "vocab_size": 260, "max_seq_len": %d,

@@ -89,13 +89,6 @@ std::vector<TokenLogprob> TopLogprobs(const torch::Tensor& logprobs, int k) {
 
 namespace {
 
-uint64_t SplitMix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 // Remembered block keys (8 bytes and a node each); past this the set starts afresh.
 constexpr size_t kMaxSeenBlocks = 1 << 18;
 
@@ -109,7 +102,7 @@ std::vector<uint64_t> PrefixCache::Keys(const std::vector<uint32_t>& tokens, int
   uint64_t h = 0x6c6f6f6d70726566ULL;
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t i = b * block_; i < (b + 1) * block_; ++i)
-      h = SplitMix(h ^ tokens[static_cast<size_t>(i)]);
+      h = trainer::SplitMix64(h ^ tokens[static_cast<size_t>(i)]);
     keys.push_back(h);
   }
   return keys;

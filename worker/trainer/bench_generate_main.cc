@@ -76,16 +76,6 @@ void PrintHeader(int64_t d_model, int64_t heads, int64_t layers, int64_t batch,
   }
 }
 
-// Global MHA and global IHA with both cache layouts: (name, attention config JSON).
-std::vector<std::pair<std::string, std::string>> Variants(int64_t p) {
-  const std::string pp = std::to_string(p);
-  return {{"mha", R"({"plugin": "mha"})"},
-          {"iha P=" + pp + ", kv_cache pseudo",
-           R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "pseudo"}})"},
-          {"iha P=" + pp + ", kv_cache heads",
-           R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "heads"}})"}};
-}
-
 absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(
       CliArgs args, CliArgs::Parse(argc, argv, 1,
@@ -107,7 +97,7 @@ absl::Status Run(int argc, char** argv) {
   loader.LoadDirectories(args.Has("plugin-dir") ? std::vector<std::string>{args.Get("plugin-dir")}
                                                 : PluginLoader::DefaultSearchPath());
   PrintHeader(d_model, heads, layers, batch, maj);
-  const auto variants = Variants(p);
+  const auto variants = DecodingVariants(p);
   double base_rate = 0, base_bytes = 0;
   for (const auto& [name, attention] : variants) {
     v1::ModelConfig c;

@@ -4,14 +4,29 @@
 #ifndef LOOM_WORKER_TRAINER_BENCH_MAIN_H_
 #define LOOM_WORKER_TRAINER_BENCH_MAIN_H_
 
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "base/cpu_process.h"
 
 namespace loom::trainer {
+
+// What the decoding benchmarks (loom-bench-generate, loom-bench-serve) compare: global MHA and
+// global IHA with both cache layouts, as (name, attention config JSON).
+inline std::vector<std::pair<std::string, std::string>> DecodingVariants(int64_t p) {
+  const std::string pp = std::to_string(p);
+  return {{"mha", R"({"plugin": "mha"})"},
+          {"iha P=" + pp + ", kv_cache pseudo",
+           R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "pseudo"}})"},
+          {"iha P=" + pp + ", kv_cache heads",
+           R"({"plugin": "iha", "options": {"p": ")" + pp + R"(", "kv_cache": "heads"}})"}};
+}
 
 inline int BenchmarkMain(const char* program, char** argv,
                          const std::function<absl::Status()>& run) {

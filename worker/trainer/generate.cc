@@ -11,15 +11,15 @@
 #include "base/status_macros.h"
 
 namespace loom::trainer {
-namespace {
 
-// SplitMix64: decorrelates the per-sequence seeds.
-uint64_t Mix(uint64_t x) {
+uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
   return x ^ (x >> 31);
 }
+
+namespace {
 
 double Uniform(std::mt19937_64& rng) {  // 53 random bits, the same on every platform
   return static_cast<double>(rng() >> 11) * 0x1.0p-53;
@@ -27,7 +27,7 @@ double Uniform(std::mt19937_64& rng) {  // 53 random bits, the same on every pla
 
 }  // namespace
 
-std::mt19937_64 SequenceRng(uint64_t seed) { return std::mt19937_64(Mix(seed)); }
+std::mt19937_64 SequenceRng(uint64_t seed) { return std::mt19937_64(SplitMix64(seed)); }
 
 uint32_t SampleToken(const torch::Tensor& logits, const SamplingOptions& o, std::mt19937_64& rng) {
   torch::Tensor row = logits.detach().to(torch::kCPU, torch::kFloat64).contiguous();

@@ -61,6 +61,9 @@ absl::StatusOr<std::vector<Generation>> Generate(Transformer& model,
                                                  const TokenDecoder& decode,
                                                  GenerationStats* stats = nullptr);
 
+// SplitMix64's finaliser: decorrelates per-sequence seeds (and hashes loom-serve's prefix blocks).
+uint64_t SplitMix64(uint64_t x);
+
 // The random stream of a sequence with `seed` (SplitMix64 of it): Generate and loom-serve draw
 // the same samples for the same seed.
 std::mt19937_64 SequenceRng(uint64_t seed);
