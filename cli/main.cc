@@ -127,6 +127,24 @@ absl::Status ParseKeyValues(const std::string& flag, const std::string& text,
   return absl::OkStatus();
 }
 
+// The flags `loom submit` and `loom serve --submit` share.
+absl::Status ApplyRequestFlags(const CliArgs& args, v1::SubmitJobRequest* req) {
+  if (args.Has("priority")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("priority", 0, -1000, 1000));
+    req->set_priority(static_cast<int32_t>(v));
+  }
+  if (args.Has("max-restarts")) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("max-restarts", 3, 0, 100));
+    req->set_max_restarts(static_cast<int32_t>(v));
+  }
+  LOOM_RETURN_IF_ERROR(ParseKeyValues("pool", args.Get("pool"), req->mutable_pool()));
+  LOOM_RETURN_IF_ERROR(ParseKeyValues("label", args.Get("label"), req->mutable_labels()));
+  if (args.Has("description")) req->set_description(args.Get("description"));
+  if (args.Has("request-id")) req->set_request_id(args.Get("request-id"));
+  if (args.Has("name")) req->mutable_spec()->set_name(args.Get("name"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::SubmitJobRequest> SubmitRequest(const std::string& file,
                                                    const std::vector<std::string>& sets,
                                                    const CliArgs& args) {
@@ -144,21 +162,50 @@ absl::StatusOr<v1::SubmitJobRequest> SubmitRequest(const std::string& file,
     LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("world-size", 1, 1, 1024));
     req.set_world_size(static_cast<int32_t>(v));
   }
-  if (args.Has("priority")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("priority", 0, -1000, 1000));
-    req.set_priority(static_cast<int32_t>(v));
-  }
-  if (args.Has("max-restarts")) {
-    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt("max-restarts", 3, 0, 100));
-    req.set_max_restarts(static_cast<int32_t>(v));
-  }
-  LOOM_RETURN_IF_ERROR(ParseKeyValues("pool", args.Get("pool"), req.mutable_pool()));
-  LOOM_RETURN_IF_ERROR(ParseKeyValues("label", args.Get("label"), req.mutable_labels()));
-  if (args.Has("description")) req.set_description(args.Get("description"));
   if (args.Has("init-from")) req.set_init_from(args.Get("init-from"));
-  if (args.Has("request-id")) req.set_request_id(args.Get("request-id"));
-  if (args.Has("name")) req.mutable_spec()->set_name(args.Get("name"));
+  LOOM_RETURN_IF_ERROR(ApplyRequestFlags(args, &req));
   LOOM_RETURN_IF_ERROR(ApplySetFlags(req.mutable_spec(), sets));
+  return req;
+}
+
+// `loom serve --submit`: a kind: serve job of the checkpoint, placed like any job.
+absl::StatusOr<v1::SubmitJobRequest> ServeJobRequest(const CliArgs& args) {
+  for (const char* local : {"bind", "allowed-hosts", "port", "port-file", "tls-cert", "tls-key"}) {
+    if (args.Has(local)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", local,
+                       ": only for a server run here (without --submit or --pool); a serve job "
+                       "answers through the coordinator"));
+    }
+  }
+  v1::SubmitJobRequest req;
+  req.set_init_from(args.Get("checkpoint"));
+  v1::JobSpec* spec = req.mutable_spec();
+  spec->set_kind("serve");
+  if (args.Has("device")) spec->set_device(args.Get("device"));
+  LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 0, 0, 1024));
+  spec->set_threads(static_cast<int32_t>(threads));
+  v1::ServeConfig* serve = spec->mutable_serve();
+  serve->set_model_name(args.Get("model-name"));
+  const std::pair<const char*, void (v1::ServeConfig::*)(int32_t)> ints[] = {
+      {"max-batch", &v1::ServeConfig::set_max_batch},
+      {"max-queue", &v1::ServeConfig::set_max_queue},
+      {"max-tokens", &v1::ServeConfig::set_max_tokens},
+      {"max-n", &v1::ServeConfig::set_max_n},
+      {"prefix-cache-mb", &v1::ServeConfig::set_prefix_cache_mb},
+      {"startup-seconds", &v1::ServeConfig::set_startup_seconds},
+      {"unhealthy-seconds", &v1::ServeConfig::set_unhealthy_seconds}};
+  for (const auto& [flag, set] : ints) {
+    LOOM_ASSIGN_OR_RETURN(int64_t v, args.GetInt(flag, 0, 0, int64_t{1} << 30));
+    (serve->*set)(static_cast<int32_t>(v));
+  }
+  if (args.Has("share-prefill")) {
+    const std::string v = args.Get("share-prefill");
+    if (v != "true" && v != "false")
+      return absl::InvalidArgumentError("--share-prefill: want true | false");
+    serve->set_share_prefill(v == "true");
+  }
+  LOOM_RETURN_IF_ERROR(ApplyRequestFlags(args, &req));
   return req;
 }
 
@@ -479,8 +526,53 @@ class Cli {
                                             " in the catalogue (loom checkpoints lists them)"));
   }
 
-  // `loom serve`: resolves the checkpoint, then becomes loom-serve (docs/serve.md).
+  // `loom serve --submit`: the job, and where clients reach it (with --wait, once it answers).
+  absl::Status SubmitServeJob(const CliArgs& args) {
+    LOOM_ASSIGN_OR_RETURN(v1::SubmitJobRequest req, ServeJobRequest(args));
+    v1::SubmitJobResponse resp;
+    LOOM_RETURN_IF_ERROR(client_->Call("POST", "/v1/jobs", &req, &resp));
+    const std::string base = absl::StrCat(client_->url(), "/v1/jobs/", resp.id(), "/serve/v1");
+    if (!args.Has("wait")) {
+      if (json_) {
+        std::cout << FormatMessage(resp, output_) << "\n";
+        return absl::OkStatus();
+      }
+      std::cout << (resp.created() ? "submitted " : "already submitted as ") << resp.id()
+                << "\nOpenAI base URL, once it runs (loom status " << resp.id() << "): " << base
+                << "\nAPI key: your Loom token" << std::endl;
+      return absl::OkStatus();
+    }
+    for (;;) {
+      LOOM_ASSIGN_OR_RETURN(v1::Job job, GetJob(resp.id()));
+      if (job.state() == "running" && job.serve().ready()) {
+        if (json_) {
+          std::cout << FormatMessage(job, output_) << "\n";
+          return absl::OkStatus();
+        }
+        std::cout << resp.id() << " serves '" << job.serve().model() << "' on "
+                  << job.serve().address() << "\nOpenAI base URL: " << base
+                  << "\nAPI key: your Loom token" << std::endl;
+        return absl::OkStatus();
+      }
+      if (job.state() == "succeeded" || job.state() == "failed" || job.state() == "cancelled") {
+        return absl::FailedPreconditionError(
+            absl::StrCat(resp.id(), " is ", job.state(), ": ", job.reason()));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  }
+
+  // `loom serve`: resolves the checkpoint, then becomes loom-serve (docs/serve.md); with
+  // --submit or --pool, a serve job on the workers instead.
   absl::Status Serve(const CliArgs& args) {
+    if (args.Has("submit") || args.Has("pool")) return SubmitServeJob(args);
+    for (const char* job_only : {"wait", "priority", "max-restarts", "label", "description",
+                                 "request-id", "name", "startup-seconds", "unhealthy-seconds"}) {
+      if (args.Has(job_only)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", job_only, ": only with --submit (a serve job)"));
+      }
+    }
     LOOM_ASSIGN_OR_RETURN(std::string ref, args.Require("checkpoint"));
     LOOM_ASSIGN_OR_RETURN(std::string path, CheckpointPath(ref));
     std::error_code ec;
@@ -1058,7 +1150,21 @@ void AddServeCommand(CommandLine& line, Commands& c) {
        {"device", "DEVICE", "cpu | cuda | auto (default auto)"},
        {"threads", "N", "LibTorch threads (default: all cores)"},
        {"tls-cert", "PEM", "serve HTTPS with this certificate chain"},
-       {"tls-key", "PEM", "and this private key"}});
+       {"tls-key", "PEM", "and this private key"},
+       {"pool", "K=V,...", "as a serve job on workers with these labels (implies --submit)"},
+       {"priority", "P", "serve job: -1000..1000, higher first (default 0)"},
+       {"max-restarts", "N", "serve job: restarts after failures (default 3)"},
+       {"name", "NAME", "serve job: its name"},
+       {"label", "K=V,...", "serve job: labels to find it by"},
+       {"description", "TEXT", "serve job: what it is for"},
+       {"request-id", "KEY", "serve job: idempotency key"},
+       {"startup-seconds", "S", "serve job: fails unless it answers within S s (default 600)"},
+       {"unhealthy-seconds", "S",
+        "serve job: fails once it stops answering for S s (default 30)"}});
+  CommandLine::Switch(c.serve, "--submit",
+                      "submit a serve job: the scheduler places it on a worker and the "
+                      "coordinator proxies /v1/jobs/ID/serve/v1 to it (docs/serve.md)");
+  CommandLine::Switch(c.serve, "--wait", "serve job: return once it answers");
   c.serve->get_option("--checkpoint")->required();
 }
 

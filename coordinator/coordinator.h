@@ -93,6 +93,18 @@ class Coordinator {
   absl::StatusOr<v1::ListJobsResponse> ListJobs(const JobFilter& filter, int page_size,
                                                 const std::string& page_token);
   absl::StatusOr<v1::Job> GetJob(const std::string& id);
+  // A kind: serve job's server, where the proxy sends a request (coordinator_serve.cc).
+  struct ServeTarget {
+    std::string job_id, owner;
+    int attempt = 0;
+    std::string host;
+    int port = 0;
+    std::string token;  // the server's own bearer token, made by its agent: never shown
+  };
+  // NotFound (no such job), PermissionDenied (`scope` non-empty and not the owner: --private-jobs),
+  // FailedPrecondition (not a serve job, or ended) or Unavailable (not answering yet), each with
+  // a message a client can show.
+  absl::StatusOr<ServeTarget> ServeTargetOf(const std::string& id, const std::string& scope);
   // Owner or admin only (PermissionDenied otherwise).
   absl::StatusOr<v1::Job> Cancel(const std::string& id, const Caller& caller);
   // Priority and retention after submission; owner-or-admin, each change an event.
@@ -283,6 +295,7 @@ class Coordinator {
   absl::Status ValidateReport(const v1::AttemptReport& r, const std::string& worker_id) const;
   void ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r, const std::string& wid);
   void ApplyProgress(Txn& txn, v1::Job& job, const v1::AttemptReport& r, const std::string& wid);
+  void ApplyServeReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r, const std::string& wid);
   void RecordEvals(Txn& txn, v1::Job& job, const v1::AttemptReport& r);
   void ApplyFinishedShare(Txn& txn, v1::Job& job, const v1::AttemptReport& r,
                           const std::string& wid);
@@ -302,6 +315,9 @@ class Coordinator {
   std::unique_ptr<WebhookSender> webhooks_;  // after table_ and registry_: gone before them
 
   std::mutex mutex_;  // guards table_, retention_'s decisions and everything below
+  // kind: serve jobs' servers as their agents last reported them (kept in memory only: the
+  // tokens are never stored; the next heartbeat brings them back after a restart).
+  std::map<std::string, ServeTarget> serve_targets_;
   // Fair share's decayed usage: rebuilt from the jobs' attempt histories at load, advanced by
   // each pass with what the users held since the one before.
   UsageLedger usage_;

@@ -88,6 +88,9 @@ absl::StatusOr<v1::Job> Coordinator::AddJobLocked(Txn& txn, const v1::SubmitJobR
   LOOM_RETURN_IF_ERROR(ResolveJobPaths(spec, options_.storage_root, id));
   spec.mutable_checkpoint()->set_dir(CheckpointDirFor(id, NowMs()));
   ApplyCheckpointIntervalDefault(spec, options_.checkpoint_interval_seconds);
+  // Clients name the model a serve job serves by its checkpoint's id unless the spec names it.
+  if (spec.kind() == "serve" && spec.serve().model_name().empty())
+    spec.mutable_serve()->set_model_name(request.init_from());
   v1::Job job;
   job.set_id(id);
   job.set_name(spec.name().empty() ? id : spec.name());

@@ -1,6 +1,7 @@
 // Heartbeats: the agents' reports (logs, steps, progress, checkpoints, exits) validated and
 // applied, and the assignments sent back.
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <functional>
 #include <future>
@@ -10,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
@@ -278,6 +280,26 @@ void Coordinator::ApplyFinishedShare(Txn& txn, v1::Job& job, const v1::AttemptRe
   }
 }
 
+namespace {
+
+// What the coordinator will put in an Authorization header: no byte that could end it.
+bool IsBearerToken(const std::string& t) {
+  if (t.size() < 16 || t.size() > 256) return false;
+  for (char c : t) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && !absl::StrContains("-._~+/=", c))
+      return false;
+  }
+  return true;
+}
+
+// A server the proxy can be pointed at: listening, with a token fit for a header. (A report
+// that is not is ignored: a hostile worker gets nothing from it.)
+bool Reachable(const v1::ServeReport& s) {
+  return s.port() >= 1 && s.port() <= 65535 && IsBearerToken(s.token());
+}
+
+}  // namespace
+
 void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r,
                               const std::string& wid) {
   table_->Save(txn, job);
@@ -299,11 +321,41 @@ void Coordinator::ApplyReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r
                                  : Failure::kJob);
     return;
   }
-  if (RanksRunning(r) > 0 && JobStateOf(job) == JobState::kScheduled) {
+  // A serve job runs once its server answers: until then clients could only be refused.
+  const bool serve = job.spec().kind() == "serve";
+  if (RanksRunning(r) > 0 && JobStateOf(job) == JobState::kScheduled &&
+      (!serve || (r.serve().ready() && Reachable(r.serve()) && r.attempt() == job.attempt()))) {
     if (job.start_time_ms() == 0) job.set_start_time_ms(NowMs());
-    table_->SetState(txn, job, JobState::kRunning, absl::StrCat("ranks started on ", wid));
+    table_->SetState(txn, job, JobState::kRunning,
+                     serve ? absl::StrCat("loom-serve answering on ", wid)
+                           : absl::StrCat("ranks started on ", wid));
   }
+  ApplyServeReport(txn, job, r, wid);
   ApplyFinishedShare(txn, job, r, wid);
+}
+
+// Where rank 0's agent says the server listens and whether it answers; the token stays in memory.
+void Coordinator::ApplyServeReport(Txn& txn, v1::Job& job, const v1::AttemptReport& r,
+                                   const std::string& wid) {
+  const std::optional<JobState> state = JobStateOf(job);
+  if (job.spec().kind() != "serve" || r.attempt() != job.attempt() || !HostsRankZero(job, wid) ||
+      (state != JobState::kScheduled && state != JobState::kRunning))
+    return;
+  const v1::ServeReport& s = r.serve();
+  if (!Reachable(s)) return;
+  serve_targets_[job.id()] = ServeTarget{job.id(),          job.submitted_by(), job.attempt(),
+                                         job.master_addr(), s.port(),           s.token()};
+  v1::ServeEndpoint e;
+  e.set_base_path(absl::StrCat("/v1/jobs/", job.id(), "/serve/v1"));
+  const bool v6 = absl::StrContains(job.master_addr(), ':');
+  e.set_address(absl::StrCat(v6 ? "[" : "", job.master_addr(), v6 ? "]" : "", ":", s.port()));
+  e.set_ready(s.ready());
+  e.set_model(job.spec().serve().model_name());
+  e.set_attempt(job.attempt());
+  if (e.SerializeAsString() == job.serve().SerializeAsString()) return;
+  table_->Save(txn, job);
+  *job.mutable_serve() = std::move(e);
+  txn.batch.PutJob(job);
 }
 
 namespace {

@@ -164,6 +164,7 @@ void Coordinator::StartAttemptLocked(Txn& txn, const GangPlacement& g, int64_t n
   }
   job.set_master_addr(table_->workers()[g.workers.front().first].address());
   job.set_master_port(0);
+  job.clear_serve();
   job.clear_resume_from();
   std::string from;
   if (const v1::CheckpointEntry* newest = NewestIntactCheckpoint(job)) {

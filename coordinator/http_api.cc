@@ -19,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "console/console.h"
 #include "loom/spec.h"
+#include "net/http_proxy.h"
 
 namespace loom::coordinator {
 namespace {
@@ -182,20 +183,23 @@ bool HostAndOriginFilter(const HttpRequest& req, HttpResponse& res, const ApiOpt
   return true;
 }
 
-// Concurrent log streams: each holds a thread of the user listener until its job ends.
-class FollowerLimits {
+// Concurrent long requests (log streams, proxied requests to a serve job): each holds a thread
+// of the user listener until it ends.
+class StreamLimits {
  public:
-  FollowerLimits(int per_user, int total) : per_user_(per_user), total_(total) {}
+  // `what`: "log streams" ...; `each`: how one is named in the per-user message.
+  StreamLimits(int per_user, int total, std::string what, std::string each)
+      : per_user_(per_user), total_(total), what_(std::move(what)), each_(std::move(each)) {}
   // A ticket that frees the slot when destroyed, or null when the caller is over a limit.
   std::shared_ptr<void> Acquire(const std::string& user, std::string* why) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (by_user_[user] >= per_user_) {
-      *why = absl::StrCat("too many log streams: at most ", per_user_,
-                          " concurrent ?follow=true streams per user");
+      *why = absl::StrCat("too many ", what_, ": at most ", per_user_, " concurrent ", each_,
+                          " per user");
       return nullptr;
     }
     if (open_ >= total_) {
-      *why = absl::StrCat("too many log streams on this coordinator (", total_, "); retry later");
+      *why = absl::StrCat("too many ", what_, " on this coordinator (", total_, "); retry later");
       return nullptr;
     }
     ++by_user_[user];
@@ -211,12 +215,13 @@ class FollowerLimits {
 
  private:
   const int per_user_, total_;
+  const std::string what_, each_;
   std::mutex mutex_;
   std::map<std::string, int> by_user_;
   int open_ = 0;
 };
 
-void ServeLogs(Coordinator* c, FollowerLimits* limits, const std::string& user,
+void ServeLogs(Coordinator* c, StreamLimits* limits, const std::string& user,
                const HttpRequest& req, HttpResponse& res) {
   if (!CheckParams(req, res, {"follow", "offset"})) return;
   int64_t offset;
@@ -632,14 +637,62 @@ void InstallJobRoutes(HttpServer& server, Coordinator* c, const ApiOptions& opti
           return;
         Reply(res, c->UpdateJob(req.matches[0], update, who.caller()));
       }));
-  auto limits =
-      std::make_shared<FollowerLimits>(options.max_followers_per_user, options.max_followers);
+  auto limits = std::make_shared<StreamLimits>(
+      options.max_followers_per_user, options.max_followers, "log streams", "?follow=true streams");
   server.Route(
       "GET", "/v1/jobs/{id}/logs", "user",
       UserRoute(c, options, [limits](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
         if (who.scope.empty() || MayRead(who, "job", c->GetJob(req.matches[0]), res))
           ServeLogs(c, limits.get(), who.user, req, res);
       }));
+}
+
+// One request to a serve job's server, under the caller's own token: the coordinator checks it
+// (and, with --private-jobs, that the job is theirs) and sends the server's token instead.
+void ProxyToServer(Coordinator* c, StreamLimits* limits, const Who& who, const HttpRequest& req,
+                   HttpResponse& res, const std::string& upstream_path) {
+  if (!CheckParams(req, res, {})) return;
+  auto target = c->ServeTargetOf(req.matches[0], who.scope);
+  if (!target.ok()) return SendStatus(res, target.status());
+  std::string why;
+  std::shared_ptr<void> ticket = limits->Acquire(who.user, &why);
+  if (!ticket) return SetJsonError(res, 429, why, "RESOURCE_EXHAUSTED");
+  net::ProxyTarget t;
+  t.host = target->host;
+  t.port = target->port;
+  t.path = upstream_path;
+  t.bearer_token = target->token;
+  t.what = absl::StrCat("job ", target->job_id, "'s server");
+  net::ForwardRequest(t, req, res);
+  if (res.status == 401) {  // its token changed with a restart the coordinator has not heard of
+    res = HttpResponse();
+    return SetJsonError(res, 503,
+                        absl::StrCat(t.what,
+                                     " did not take the coordinator's credentials (it "
+                                     "restarted just now?); retry"));
+  }
+  if (res.stream) {
+    res.stream = [ticket, stream = std::move(res.stream)](net::StreamSink& sink) { stream(sink); };
+  }
+}
+
+// /v1/jobs/{id}/serve/...: loom-serve's API of a kind: serve job (docs/serve.md).
+void InstallServeRoutes(HttpServer& server, Coordinator* c, const ApiOptions& options) {
+  auto limits = std::make_shared<StreamLimits>(options.max_proxied, options.max_proxied,
+                                               "requests to serve jobs", "requests");
+  const std::pair<const char*, const char*> routes[] = {
+      {"GET", "/v1/models"}, {"POST", "/v1/completions"}, {"POST", "/v1/chat/completions"},
+      {"POST", "/tokenize"}, {"POST", "/detokenize"},     {"GET", "/healthz"},
+      {"GET", "/metrics"}};
+  for (const auto& [method, path] : routes) {
+    const std::string upstream = path;
+    server.Route(
+        method, absl::StrCat("/v1/jobs/{id}/serve", path), "user",
+        UserRoute(c, options,
+                  [limits, upstream](Coordinator* c, const Who& who, Req req, HttpResponse& res) {
+                    ProxyToServer(c, limits.get(), who, req, res, upstream);
+                  }));
+  }
 }
 
 // /v1/quotas...: everyone lists them (with what they count now); admins set and delete them.
@@ -736,6 +789,7 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
     res.body = c->RenderMetrics();
   });
   InstallJobRoutes(server, c, options);
+  InstallServeRoutes(server, c, options);
   server.Route("GET", "/v1/checkpoints", "user", UserRoute(c, options, ListCheckpoints));
   server.Route("GET", "/v1/workers", "user", PagedList(c, options, &Coordinator::ListWorkers));
   InstallSweepRoutes(server, c, options);

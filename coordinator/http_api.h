@@ -60,6 +60,9 @@ struct ApiOptions {
   std::set<std::string> allowed_hosts;
   int max_followers_per_user = 4;  // concurrent ?follow=true log streams of one user
   int max_followers = 16;          // of everyone (each holds a thread of the user listener)
+  // Concurrent requests proxied to serve jobs, per user and in all (each holds a thread of the
+  // user listener while it waits for its answer).
+  int max_proxied = 32;
 };
 
 // The --user-tokens file: "<name> <token> [admin]" lines (# comments, blank lines ignored);

@@ -197,6 +197,7 @@ void JobTable::SetState(Txn& txn, v1::Job& job, JobState state, const std::strin
   Save(txn, job);
   SetJobState(job, state);
   job.set_reason(reason);
+  if (state != JobState::kRunning) job.clear_serve();  // a serve job answers only while running
   job.set_update_time_ms(clock_->NowMs());
   if (IsTerminal(state)) {
     txn.ended.push_back(state);

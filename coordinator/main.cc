@@ -325,6 +325,7 @@ absl::Status Run(int argc, char** argv) {
                         ReadServerOptions(args, options.max_body_bytes));
   const std::string scheme = user_options.tls ? "https" : "http";
   api.max_followers = user_options.threads / 2;
+  user_options.threads += api.max_proxied;  // requests to serve jobs have threads of their own
   HttpServer user_server(user_options);
   InstallUserRoutes(user_server, *coordinator, api);
   LOOM_ASSIGN_OR_RETURN(int bound, user_server.Listen(bind, static_cast<int>(settings.port)));

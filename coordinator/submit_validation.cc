@@ -147,11 +147,28 @@ absl::Status CheckSubmitRequest(const v1::SubmitJobRequest& request) {
   LOOM_RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   LOOM_RETURN_IF_ERROR(CheckLabels("labels", request.labels()));
   LOOM_RETURN_IF_ERROR(CheckDescription("description", request.description()));
+  LOOM_RETURN_IF_ERROR(CheckServeRequest(request));
   return CheckCheckpointDirUnset(request.spec());
 }
 
+// A serve job runs one loom-serve of its init_from checkpoint, with that checkpoint's model.
+absl::Status CheckServeRequest(const v1::SubmitJobRequest& request) {
+  if (request.spec().kind() != "serve") return absl::OkStatus();
+  if (request.init_from().empty())
+    return FieldError("init_from", "is required for kind serve: the checkpoint to serve");
+  if (WorldSizeOf(request) != 1)
+    return FieldError("world_size", "a serve job is one server: leave it at 1");
+  if (request.spec().has_model() || !request.spec().preset().empty()) {
+    return FieldError("spec.model",
+                      "a serve job serves its init_from checkpoint's model: leave model and "
+                      "preset out");
+  }
+  return absl::OkStatus();
+}
+
 bool TakesModelFromCheckpoint(const v1::SubmitJobRequest& request) {
-  return request.spec().kind() == "eval" && !request.spec().has_model() &&
+  const std::string& kind = request.spec().kind();
+  return (kind == "eval" || kind == "serve") && !request.spec().has_model() &&
          !request.init_from().empty();
 }
 

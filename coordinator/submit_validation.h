@@ -29,6 +29,8 @@ absl::StatusOr<std::map<std::string, std::string>> ParseLabelSelector(const std:
 
 // The request's own fields (sizes, ranges, tokens), before its spec is resolved.
 absl::Status CheckSubmitRequest(const v1::SubmitJobRequest& request);
+// kind serve: init_from is required, world_size is 1, the model is the checkpoint's.
+absl::Status CheckServeRequest(const v1::SubmitJobRequest& request);
 // The request's world size and restart budget, with their defaults filled in.
 int WorldSizeOf(const v1::SubmitJobRequest& request);
 int MaxRestartsOf(const v1::SubmitJobRequest& request);

@@ -18,16 +18,13 @@
 #include "base/status_macros.h"
 #include "coordinator/states.h"
 #include "coordinator/stats.h"
+#include "coordinator/submit_validation.h"
 #include "loom/job_curve.h"
 #include "loom/proto_json.h"
 #include "loom/spec.h"
 
 namespace loom::coordinator {
 namespace {
-
-absl::Status FieldError(const std::string& field, const std::string& message) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
-}
 
 std::string ValueText(const google::protobuf::Value& v) {
   if (v.has_string_value()) return v.string_value();

@@ -18,42 +18,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "net/request_target.h"
+#include "net/test_sockets.h"
 
 namespace loom::net {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// A connection to 127.0.0.1:port from `source` (any 127.x address is this host's loopback, so
-// tests can play clients at different addresses).
-int Connect(int port, const char* source = "127.0.0.1") {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in from{};
-  from.sin_family = AF_INET;
-  ::inet_pton(AF_INET, source, &from.sin_addr);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)), 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  return fd;
-}
-
-// Everything the server sends until it closes (or `timeout_ms` passes).
-std::string ReadAll(int fd, int timeout_ms = 5000) {
-  std::string out;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-  char buf[4096];
-  while (Clock::now() < deadline) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 50) <= 0) continue;
-    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  return out;
-}
 
 class HttpServerTest : public ::testing::Test {
  protected:

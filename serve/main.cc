@@ -3,12 +3,14 @@
 #include <signal.h>
 #include <torch/torch.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <set>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -16,6 +18,7 @@
 #include "base/cpu_process.h"
 #include "base/status_macros.h"
 #include "loom/exit_codes.h"
+#include "metrics/prometheus.h"
 #include "net/http_server.h"
 #include "serve/server.h"
 #include "worker/trainer/checkpoint_model.h"
@@ -50,6 +53,9 @@ flags:
                        --bind, else any); an Origin header must name one of them
   --tls-cert F --tls-key F   serve HTTPS
   --plugin-dir DIR[:DIR]
+  --metric-labels k=v,...  constant labels on every series of /metrics (e.g. job_id=J,attempt=1)
+  --job                run as a job's rank under loom-worker: SIGTERM or SIGINT stops it with
+                       exit code 76 (stopped), as a trainer's, instead of 0
 )";
 
 absl::StatusOr<std::string> ReadToken(const std::string& path) {
@@ -93,6 +99,30 @@ absl::StatusOr<ServeOptions> OptionsFromArgs(const CliArgs& args,
   return o;
 }
 
+// Prometheus label names: [a-zA-Z_][a-zA-Z0-9_]*, and "__" prefixes are reserved.
+bool LabelName(absl::string_view name) {
+  if (name.empty() || absl::StartsWith(name, "__") || absl::ascii_isdigit(name[0])) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(c) && c != '_') return false;
+  }
+  return true;
+}
+
+// --metric-labels k=v,k=v: what the agent stamps on a job's server (its job_id and attempt).
+absl::StatusOr<metrics::Labels> MetricLabels(const std::string& flag) {
+  metrics::Labels labels;
+  for (absl::string_view kv : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+    if (!LabelName(p.first) || p.second.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metric-labels: '", kv,
+                       "' is not name=value with a label name of [a-zA-Z_][a-zA-Z0-9_]*"));
+    }
+    labels[p.first] = p.second;
+  }
+  return labels;
+}
+
 absl::StatusOr<torch::Device> PickDevice(const std::string& flag) {
   const bool cuda = torch::cuda::is_available();
   if (flag == "cpu" || (flag == "auto" && !cuda)) return torch::Device(torch::kCPU);
@@ -103,30 +133,8 @@ absl::StatusOr<torch::Device> PickDevice(const std::string& flag) {
   return absl::InvalidArgumentError("--device: want cpu | cuda | auto");
 }
 
-absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args,
-                        CliArgs::Parse(argc, argv, 1,
-                                       {"checkpoint", "bind", "allowed-hosts", "port", "port-file",
-                                        "token-file", "model-name", "max-batch", "max-queue",
-                                        "max-tokens", "max-n", "share-prefill", "prefix-cache-mb",
-                                        "device", "threads", "tls-cert", "tls-key", "plugin-dir"},
-                                       {}));
-  LOOM_ASSIGN_OR_RETURN(std::string where, args.Require("checkpoint"));
-  // Without a token the server answers anyone who reaches it: only this host's users, then.
-  if (const std::string bind = args.Get("bind", "127.0.0.1");
-      !args.Has("token-file") && net::DefaultAllowedHosts(bind).empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--bind ", bind, " without --token-file: anyone who can reach ", bind,
-                     " could use this server; give --token-file, or bind a loopback address"));
-  }
-  LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 0, 0, 1024));
-  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
-  LOOM_ASSIGN_OR_RETURN(torch::Device device, PickDevice(args.Get("device", "auto")));
-  trainer::PluginLoader loader;
-  LOOM_RETURN_IF_ERROR(trainer::LoadPluginDirectories(args.Get("plugin-dir"), loader, false));
-  LOOM_ASSIGN_OR_RETURN(trainer::CheckpointModel model,
-                        trainer::LoadCheckpointModel(where, loader, device, torch::kFloat32));
-  LOOM_ASSIGN_OR_RETURN(ServeOptions options, OptionsFromArgs(args, model));
+// The model's one-line summary and the prefix cache setting, before serving.
+void PrintModel(const trainer::CheckpointModel& model, const ServeOptions& options) {
   std::cout << "loom-serve: " << model.dir << " (step " << model.step << ", "
             << model.model->NumParameters() << " parameters, context "
             << model.model->config().max_seq_len() << ", "
@@ -138,7 +146,10 @@ absl::Status Run(int argc, char** argv) {
                                    options.engine.prefix_block, " tokens")
                     : std::string("off (--prefix-cache-mb 0)"))
             << std::endl;
+}
 
+absl::StatusOr<net::HttpServerOptions> HttpOptions(const CliArgs& args,
+                                                   const ServeOptions& options) {
   net::HttpServerOptions http_options;
   if (args.Has("tls-cert") || args.Has("tls-key")) {
     LOOM_ASSIGN_OR_RETURN(http_options.tls,
@@ -150,11 +161,12 @@ absl::Status Run(int argc, char** argv) {
   http_options.write_timeout_ms = 30000;
   // An evaluation harness sends its whole batch from one address: let it use every row.
   http_options.max_connections_per_address = http_options.threads;
-  Server server(std::move(model), options);
-  net::HttpServer http(http_options);
-  server.AddRoutes(http);
-  // A web page in the user's browser can reach a loopback server: refuse foreign Host and
-  // Origin headers (DNS rebinding, cross-site requests), as the coordinator does.
+  return http_options;
+}
+
+// A web page in the user's browser can reach a loopback server: refuse foreign Host and Origin
+// headers (DNS rebinding, cross-site requests), as the coordinator does.
+void AddFilters(const CliArgs& args, Server& server, net::HttpServer& http) {
   std::set<std::string> allowed_hosts = net::DefaultAllowedHosts(args.Get("bind", "127.0.0.1"));
   if (args.Has("allowed-hosts")) {
     allowed_hosts.clear();
@@ -170,6 +182,12 @@ absl::Status Run(int argc, char** argv) {
   http.SetLogger([&](const net::HttpRequest& req, const net::HttpResponse& res, double seconds) {
     server.LogRequest(req, res, seconds, http.RouteTemplate(req.method, req.path));
   });
+}
+
+// Listens, serves until SIGINT or SIGTERM, and returns the exit code: 0, or kExitStopped for a
+// job's rank (--job), which the coordinator reads as "asked to stop", not as success.
+absl::StatusOr<int> ServeUntilSignal(const CliArgs& args, net::HttpServer& http, bool tls,
+                                     const ServeOptions& options) {
   LOOM_ASSIGN_OR_RETURN(int64_t port, args.GetInt("port", 8000, 0, 65535));
   const std::string bind = args.Get("bind", "127.0.0.1");
   LOOM_ASSIGN_OR_RETURN(int bound, http.Listen(bind, static_cast<int>(port)));
@@ -179,8 +197,8 @@ absl::Status Run(int argc, char** argv) {
     std::filesystem::rename(tmp, file);
   }
   http.Start();
-  std::cout << "loom-serve: listening on " << (http_options.tls ? "https" : "http") << "://" << bind
-            << ":" << bound << "/v1"
+  std::cout << "loom-serve: listening on " << (tls ? "https" : "http") << "://" << bind << ":"
+            << bound << "/v1"
             << (options.token.empty() ? " (no --token-file: open to every user of this host, so "
                                         "loopback only)"
                                       : "")
@@ -192,8 +210,46 @@ absl::Status Run(int argc, char** argv) {
   int sig = 0;
   sigwait(&set, &sig);
   http.Stop();
-  std::cout << "loom-serve: stopped" << std::endl;
-  return absl::OkStatus();
+  std::cout << "loom-serve: stopped (" << strsignal(sig) << ")" << std::endl;
+  return args.Has("job") ? kExitStopped : 0;
+}
+
+// Checks what needs no model first, so a bad command line fails before a long load.
+absl::StatusOr<int> Run(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args,
+      CliArgs::Parse(
+          argc, argv, 1,
+          {"checkpoint", "bind", "allowed-hosts", "port", "port-file", "token-file", "model-name",
+           "max-batch", "max-queue", "max-tokens", "max-n", "share-prefill", "prefix-cache-mb",
+           "device", "threads", "tls-cert", "tls-key", "plugin-dir", "metric-labels"},
+          {"job"}));
+  LOOM_ASSIGN_OR_RETURN(std::string where, args.Require("checkpoint"));
+  // Without a token the server answers anyone who reaches it: only this host's users, then.
+  if (const std::string bind = args.Get("bind", "127.0.0.1");
+      !args.Has("token-file") && net::DefaultAllowedHosts(bind).empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--bind ", bind, " without --token-file: anyone who can reach ", bind,
+                     " could use this server; give --token-file, or bind a loopback address"));
+  }
+  LOOM_ASSIGN_OR_RETURN(metrics::Labels labels, MetricLabels(args.Get("metric-labels")));
+  LOOM_ASSIGN_OR_RETURN(int64_t threads, args.GetInt("threads", 0, 0, 1024));
+  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
+  LOOM_ASSIGN_OR_RETURN(torch::Device device, PickDevice(args.Get("device", "auto")));
+  trainer::PluginLoader loader;
+  LOOM_RETURN_IF_ERROR(trainer::LoadPluginDirectories(args.Get("plugin-dir"), loader, false));
+  LOOM_ASSIGN_OR_RETURN(trainer::CheckpointModel model,
+                        trainer::LoadCheckpointModel(where, loader, device, torch::kFloat32));
+  LOOM_ASSIGN_OR_RETURN(ServeOptions options, OptionsFromArgs(args, model));
+  PrintModel(model, options);
+  LOOM_ASSIGN_OR_RETURN(net::HttpServerOptions http_options, HttpOptions(args, options));
+  const bool tls = http_options.tls != nullptr;
+  Server server(std::move(model), options);
+  server.registry().SetConstantLabels(std::move(labels));
+  net::HttpServer http(http_options);
+  server.AddRoutes(http);
+  AddFilters(args, server, http);
+  return ServeUntilSignal(args, http, tls, options);
 }
 
 }  // namespace
@@ -211,15 +267,17 @@ int main(int argc, char** argv) {
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   signal(SIGPIPE, SIG_IGN);
-  absl::Status s;
+  absl::StatusOr<int> code;
   try {
-    s = loom::serve::Run(argc, argv);
+    code = loom::serve::Run(argc, argv);
   } catch (const std::exception& e) {
-    s = absl::InternalError(e.what());
+    code = absl::InternalError(e.what());
   }
-  if (!s.ok()) {
-    std::cerr << "loom-serve: " << s.message() << "\n";
-    return absl::IsInvalidArgument(s) || absl::IsNotFound(s) ? loom::kExitBadInput : 1;
+  if (!code.ok()) {
+    std::cerr << "loom-serve: " << code.status().message() << "\n";
+    return absl::IsInvalidArgument(code.status()) || absl::IsNotFound(code.status())
+               ? loom::kExitBadInput
+               : 1;
   }
-  return 0;
+  return *code;
 }

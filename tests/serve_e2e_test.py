@@ -8,7 +8,10 @@ lm-evaluation-harness's exact loglikelihood request, whose token_logprobs are ch
 continuation against `loom-train generate` (the batch generator). Then hostile input (4xx with
 the field named), the token, a full queue (429 + Retry-After), a client that disconnects
 (its sequence is cancelled), and /metrics through promtool; the OpenAPI document is linted
-by Redocly. Every process is killed on exit."""
+by Redocly. Last, the same checkpoint as a `kind: serve` job (`loom serve --submit`) on the
+pool: the openai client again, through the coordinator's proxy under the user's own token;
+another user refused (--private-jobs); kill -9 of its rank and a SIGSTOPped server each
+restarted and answering again; cancel. Every process is killed on exit."""
 import argparse
 import http.client
 import json
@@ -23,7 +26,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import free_port, kill_all, read_port_file, redocly_lint, wait_for  # noqa: E402
+from loom_testlib import (free_port, kill_all, proc_state, read_port_file, redocly_lint,  # noqa: E402
+                         wait_for)
 
 LOGPROB_TOLERANCE = 2e-4  # float32 forward (cached, batched) vs float32 forward (full)
 
@@ -96,12 +100,12 @@ def train_sft_job(loom, tmp, coordinator, token_file):
     return ids[-1], [c["path"] for c in listing["checkpoints"] if c["id"] == ids[-1]][0]
 
 
-def check_openai_client(a, port, token, model_id, checkpoint):
+def check_openai_client(a, base_url, token, model_id, checkpoint):
     node_client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_openai_client.js")
     module = os.path.join(a.source_dir, ".tools", "node_modules", "openai")
     assert os.path.isdir(module), f"{module} missing: run scripts/install-deps"
     context = [ord(c) for c in "<|user|>"] + [97, 32, 105, 115]
-    out = json.loads(run(["node", node_client, module, f"http://127.0.0.1:{port}/v1", token,
+    out = json.loads(run(["node", node_client, module, base_url, token,
                           json.dumps(context + [32, 98])], timeout=600))
     assert out["models"] == [model_id], out["models"]
 
@@ -260,6 +264,103 @@ def check_metrics(port, promtool):
     print("ok: /metrics has the loom_serve_ family" + (" and passes promtool" if promtool else ""))
 
 
+def serve_ranks(job_id):
+    """{attempt: pid} of the live loom-serve processes the agent runs for job_id."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().decode("utf-8", "replace").split("\0")
+        except OSError:
+            continue
+        if "--job" not in argv or "--metric-labels" not in argv:
+            continue
+        labels = dict(kv.split("=", 1) for kv in argv[argv.index("--metric-labels") + 1].split(","))
+        if labels.get("job_id") == job_id and proc_state(int(name)) not in (None, "Z", "X"):
+            out[int(labels["attempt"])] = int(name)
+    return out
+
+
+def job_status(cport, token, job_id):
+    status, job, text, _ = request(cport, "GET", f"/v1/jobs/{job_id}", None, token)
+    assert status == 200, text
+    return job
+
+
+def wait_serving(cport, token, job_id, attempt):
+    def serving():
+        job = job_status(cport, token, job_id)
+        assert job["state"] not in ("failed", "cancelled", "succeeded"), job
+        return (job["state"] == "running" and job.get("serve", {}).get("ready")
+                and job["attempt"] == attempt and job)
+    return wait_for(f"{job_id} attempt {attempt} to serve", serving, timeout=180)
+
+
+def greedy_completion(cport, token, job_id, model_id):
+    status, out, text, _ = request(cport, "POST", f"/v1/jobs/{job_id}/serve/v1/completions",
+                                   {"model": model_id, "prompt": "The relation ", "max_tokens": 12,
+                                    "temperature": 0}, token)
+    assert status == 200, text
+    return out["choices"][0]["text"]
+
+
+def check_serve_job(a, cport, token_file, token, bob_token, model_id, checkpoint, tmp):
+    """`loom serve --submit`: a kind: serve job placed on the pool, answered through the
+    coordinator's proxy under the user's own token by the official openai client; another user is
+    refused (--private-jobs); kill -9 of its rank and a stalled (SIGSTOPped) server are each
+    restarted and answer again; cancel stops it."""
+    coordinator = f"http://127.0.0.1:{cport}"
+    job = json.loads(run([a.loom, "serve", "--checkpoint", model_id, "--submit", "--wait",
+                          "--threads", "1", "--unhealthy-seconds", "3", "--coordinator",
+                          coordinator, "--token-file", token_file, "-o", "json"], timeout=300))
+    job_id = job["id"]
+    assert job["state"] == "running" and job["serve"]["ready"], job
+    assert job["serve"]["model"] == model_id, job["serve"]
+    base = coordinator + job["serve"]["base_path"]
+    print(f"ok: serve job {job_id} running on {job['serve']['address']}, base URL {base}")
+    # The server's own token is the agent's secret: never in what the coordinator shows.
+    secrets = [open(os.path.join(d, "serve.token")).read().strip()
+               for d, _, files in os.walk(os.path.join(tmp, "up")) if "serve.token" in files]
+    assert secrets, "the agent wrote no serve.token"
+    shown = request(cport, "GET", f"/v1/jobs/{job_id}", None, token)[2] + \
+        request(cport, "GET", "/v1/jobs", None, token)[2]
+    assert not any(s in shown for s in secrets), "the server's token is shown by the API"
+
+    check_openai_client(a, base, token, model_id, checkpoint)
+    print("  (the openai client above ran through the coordinator's proxy)")
+    for path, body in (("/v1/models", None), ("/v1/completions", {"prompt": "x", "max_tokens": 1})):
+        method = "GET" if body is None else "POST"
+        got, parsed, text, _ = request(cport, method, f"/v1/jobs/{job_id}/serve{path}", body,
+                                       bob_token)
+        assert got == 403 and "--private-jobs" in text, (path, got, text)
+        got, _, text, _ = request(cport, method, f"/v1/jobs/{job_id}/serve{path}", body, None)
+        assert got == 401, (path, got, text)
+    _, _, metrics, _ = request(cport, "GET", f"/v1/jobs/{job_id}/serve/metrics", None, token)
+    assert f'job_id="{job_id}"' in metrics and "loom_serve_requests_total" in metrics, metrics[:400]
+    print("ok: bob is refused (403, private jobs), no token is 401; its /metrics carry job_id")
+
+    first = greedy_completion(cport, token, job_id, model_id)
+    os.kill(serve_ranks(job_id)[1], signal.SIGKILL)
+    wait_serving(cport, token, job_id, 2)
+    assert greedy_completion(cport, token, job_id, model_id) == first
+    print(f"ok: kill -9 of its rank: attempt 2 serves the same greedy text {first!r}")
+
+    os.kill(serve_ranks(job_id)[2], signal.SIGSTOP)
+    job = wait_serving(cport, token, job_id, 3)
+    ended = job["history"][1]["end_reason"]
+    assert "stopped answering /healthz" in ended, job["history"]
+    assert greedy_completion(cport, token, job_id, model_id) == first
+    print(f"ok: a stalled server (SIGSTOP) is stopped and restarted: {ended[:90]!r}")
+
+    run([a.loom, "cancel", job_id, "--coordinator", coordinator, "--token-file", token_file])
+    wait_for("the cancelled server to exit", lambda: not serve_ranks(job_id), timeout=60)
+    got, _, text, _ = request(cport, "GET", f"/v1/jobs/{job_id}/serve/v1/models", None, token)
+    assert got == 409 and "serves no more" in text, (got, text)
+    print("ok: cancelled: its server exited, the proxy answers 409")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loom", required=True)
@@ -272,8 +373,13 @@ def main():
     tmp = tempfile.mkdtemp(prefix="loom-serve-e2e-")
     try:
         cport = free_port()
+        bob_token = "bob-" + os.urandom(16).hex()
+        users = os.path.join(tmp, "users")
+        with open(users, "w") as f:
+            f.write(f"bob {bob_token}\n")
         up = subprocess.Popen([a.loom, "up", "--workers", "1", "--slots", "1", "--port", str(cport),
-                               "--data-dir", os.path.join(tmp, "up")],
+                               "--data-dir", os.path.join(tmp, "up"), "--users", users,
+                               "--private-jobs"],
                               stdout=open(os.path.join(tmp, "up.log"), "w"), stderr=subprocess.STDOUT)
         procs.append(up)
         coordinator = f"http://127.0.0.1:{cport}"
@@ -286,11 +392,12 @@ def main():
 
         port = start_serve(a.loom, ["--checkpoint", model_id, "--coordinator", coordinator,
                                     "--token-file", token_file], tmp, "serve", procs)
-        check_openai_client(a, port, token, model_id, checkpoint)
+        check_openai_client(a, f"http://127.0.0.1:{port}/v1", token, model_id, checkpoint)
         check_hostile_input(port, token)
         check_no_host_paths_and_no_open_bind(a.loom, port, token, checkpoint)
         check_metrics(port, shutil.which("promtool"))
         check_disconnect_and_queue(a.loom, checkpoint, tmp, token_file, token, procs)
+        check_serve_job(a, cport, token_file, token, bob_token, model_id, checkpoint, tmp)
         for p in procs[1:]:
             p.send_signal(signal.SIGINT)
             assert p.wait(timeout=30) == 0, "loom-serve stops cleanly on SIGINT"

@@ -6,6 +6,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -402,32 +403,73 @@ absl::StatusOr<v1::JobSpec> WithPreset(const v1::JobSpec& in) {
   return j;
 }
 
-// kind, and an eval job's defaults: eval jobs only generate (no steps, no data).
+// Eval and serve jobs only generate: no steps, no data.
+bool Trains(const v1::JobSpec& j) { return j.kind() != "eval" && j.kind() != "serve"; }
+
+// kind, and the defaults of a job that does not train.
 absl::Status ResolveKind(const v1::JobSpec& in, v1::JobSpec& j) {
   if (j.kind().empty()) j.set_kind("pretrain");
-  if (j.kind() != "pretrain" && j.kind() != "sft" && j.kind() != "eval")
-    return SpecError("kind", absl::StrCat("'", j.kind(), "' is not pretrain | sft | eval"));
-  const bool eval_job = j.kind() == "eval";
+  if (j.kind() != "pretrain" && j.kind() != "sft" && j.kind() != "eval" && j.kind() != "serve")
+    return SpecError("kind", absl::StrCat("'", j.kind(), "' is not pretrain | sft | eval | serve"));
   if (!j.has_model()) {
-    return SpecError("model", eval_job ? "is required (eval jobs take it from their init-from "
-                                         "checkpoint when it is left out)"
-                                       : "is required (or set preset)");
+    return SpecError("model", Trains(j) ? "is required (or set preset)"
+                                        : absl::StrCat(j.kind(),
+                                                       " jobs take it from their init-from "
+                                                       "checkpoint when it is left out"));
   }
-  if (!eval_job) return absl::OkStatus();
-  if (in.steps() != 0) return SpecError("steps", "eval jobs do not train; leave steps at 0");
+  if (Trains(j)) return absl::OkStatus();
+  if (in.steps() != 0)
+    return SpecError("steps", absl::StrCat(j.kind(), " jobs do not train; leave steps at 0"));
   j.set_steps(0);
   j.mutable_optimizer()->set_warmup_steps(0);
   // (An already resolved spec carries the default corpus data: resolving stays idempotent.)
   const v1::DataConfig& d = in.data();
   if (!d.path().empty() || !d.task().empty() || !d.format().empty() ||
       (!d.source().empty() && d.source() != "corpus")) {
-    return SpecError("data", "eval jobs read reasoning_eval, not data");
+    return SpecError("data", j.kind() == "eval" ? "eval jobs read reasoning_eval, not data"
+                                                : "serve jobs read no data");
   }
   j.clear_data();
   if (j.micro_batch() == 0) j.set_micro_batch(1);
   if (j.seq_len() == 0) j.set_seq_len(std::max<int64_t>(1, j.model().max_seq_len()));
   if (j.optimizer().lr() == 0) j.mutable_optimizer()->set_lr(1e-3);
-  if (!j.has_reasoning_eval()) j.mutable_reasoning_eval();
+  if (j.kind() == "serve") {
+    if (in.has_reasoning_eval())
+      return SpecError("reasoning_eval", "serve jobs do not evaluate (kind eval does)");
+  } else if (!j.has_reasoning_eval()) {
+    j.mutable_reasoning_eval();
+  }
+  return absl::OkStatus();
+}
+
+// A serve job's server limits (loom-serve's flags of the same names).
+absl::Status ResolveServe(v1::JobSpec& j) {
+  if (j.kind() != "serve") {
+    if (j.has_serve()) return SpecError("serve", "is for kind serve");
+    return absl::OkStatus();
+  }
+  v1::ServeConfig* s = j.mutable_serve();
+  const struct {
+    const char* field;
+    int32_t value, max;
+  } limits[] = {{"max_batch", s->max_batch(), 1024},
+                {"max_queue", s->max_queue(), 100000},
+                {"max_tokens", s->max_tokens(), 1 << 24},
+                {"max_n", s->max_n(), 1024},
+                {"prefix_cache_mb", s->prefix_cache_mb(), 1 << 20},
+                {"startup_seconds", s->startup_seconds(), 86400},
+                {"unhealthy_seconds", s->unhealthy_seconds(), 86400}};
+  for (const auto& l : limits) {
+    if (l.value < 0 || l.value > l.max)
+      return SpecError(absl::StrCat("serve.", l.field),
+                       absl::StrCat("must be in [0, ", l.max, "]"));
+  }
+  for (char c : s->model_name()) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.' &&
+        c != '/' && c != ':')
+      return SpecError("serve.model_name", "may hold letters, digits and - _ . / : only");
+  }
+  if (s->model_name().size() > 128) return SpecError("serve.model_name", "at most 128 bytes");
   return absl::OkStatus();
 }
 
@@ -443,7 +485,7 @@ absl::Status ResolveShape(v1::JobSpec& j) {
     return SpecError("seq_len", absl::StrCat(j.seq_len(), " exceeds model.max_seq_len ",
                                              j.model().max_seq_len()));
   }
-  if (j.kind() != "eval" && (j.steps() <= 0 || j.steps() > 1000000000))
+  if (Trains(j) && (j.steps() <= 0 || j.steps() > 1000000000))
     return SpecError("steps", "must be in [1, 1e9]");
   return absl::OkStatus();
 }
@@ -497,7 +539,7 @@ absl::Status ResolveDataSource(v1::JobSpec& j) {
     return SpecError("data.source",
                      absl::StrCat("'", d->source(), "' is not corpus | shards | task | chat"));
   }
-  if (j.kind() != "eval" && (j.kind() == "sft") != (d->source() == "chat")) {
+  if (Trains(j) && (j.kind() == "sft") != (d->source() == "chat")) {
     return SpecError("kind", "sft jobs train on data.source chat, and chat data is for sft jobs");
   }
   if (d->source() == "chat") {
@@ -658,7 +700,7 @@ absl::Status ResolveChatAndBackend(v1::JobSpec& j) {
                      "is for sft and eval jobs (pretrained models have no chat "
                      "template yet)");
   }
-  if (j.kind() != "pretrain") {
+  if (j.kind() != "pretrain" && j.kind() != "serve") {
     if (j.model().vocab_size() < 260) {
       return SpecError("model.vocab_size", "chat models need 260 (256 bytes + 4 role tokens)");
     }
@@ -695,6 +737,7 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   LOOM_RETURN_IF_ERROR(ResolveCheckpointAndMetrics(j));
   LOOM_RETURN_IF_ERROR(ResolveRuntime(j));
   LOOM_RETURN_IF_ERROR(ResolveChatAndBackend(j));
+  LOOM_RETURN_IF_ERROR(ResolveServe(j));
   return j;
 }
 
@@ -715,7 +758,8 @@ absl::StatusOr<v1::JobSpec> RecordedSpec(const std::map<std::string, std::string
 
 absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifest_json,
                                    const std::string& source) {
-  if (spec->kind() != "eval" || spec->has_model() || !spec->preset().empty())
+  if ((spec->kind() != "eval" && spec->kind() != "serve") || spec->has_model() ||
+      !spec->preset().empty())
     return absl::OkStatus();
   absl::StatusOr<storage::Manifest> m = storage::ManifestFromJson(manifest_json, source);
   if (!m.ok()) return absl::InvalidArgumentError(absl::StrCat("model: ", m.status().message()));

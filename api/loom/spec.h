@@ -58,9 +58,9 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& spec);
 absl::StatusOr<v1::JobSpec> RecordedSpec(const std::map<std::string, std::string>& state,
                                          const std::string& dir);
 
-// Eval jobs may leave `model` out: it is taken from the job spec a checkpoint recorded in its
-// manifest (the text of manifest.json, parsed by storage::ManifestFromJson; `source` names it in
-// errors). Does nothing when the spec is not an eval job or has a model.
+// Eval and serve jobs may leave `model` out: it is taken from the job spec a checkpoint recorded in
+// its manifest (the text of manifest.json, parsed by storage::ManifestFromJson; `source` names it
+// in errors). Does nothing when the spec is not an eval or serve job or has a model.
 absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifest_json,
                                    const std::string& source);
 

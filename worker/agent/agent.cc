@@ -319,7 +319,9 @@ void Agent::StartAttempt(const v1::Assignment& as) {
   }
   Attempt a = PrepareAttempt(as);
   registry_.Increment("loom_worker_attempts_started_total");
-  const std::vector<std::string> argv = TrainerArgv(as, a);
+  const bool serve = as.spec().kind() == "serve";
+  const std::string why_not = serve ? PrepareServe(as, a) : "";
+  const std::vector<std::string> argv = serve ? ServeArgv(as, a) : TrainerArgv(as, a);
   std::vector<int> ranks(as.ranks().begin(), as.ranks().end());
   AppendCombined(
       a,
@@ -329,7 +331,8 @@ void Agent::StartAttempt(const v1::Assignment& as) {
                    as.resume_from().empty() ? "" : ", checkpoints in " + as.resume_from(), "\n"));
   for (size_t local = 0; local < ranks.size(); ++local) {
     a.ranks.push_back(LaunchRank(
-        as, a, argv, {ranks[local], static_cast<int>(local), static_cast<int>(ranks.size()), ""}));
+        as, a, argv, {ranks[local], static_cast<int>(local), static_cast<int>(ranks.size()), ""},
+        why_not));
   }
   Log(absl::StrCat("started ", a.job_id, " attempt ", a.attempt, " ranks ",
                    absl::StrJoin(ranks, ","), " in ", a.dir));
@@ -340,22 +343,22 @@ void Agent::StartAttempt(const v1::Assignment& as) {
 // its log, dead with the agent. A GPU node binds each rank to a GPU of its own; none free means
 // an earlier attempt's processes still hold it, and the rank fails to start rather than share it.
 Agent::Rank Agent::LaunchRank(const v1::Assignment& as, Attempt& a,
-                              const std::vector<std::string>& argv, RankPlace place) {
+                              const std::vector<std::string>& argv, RankPlace place,
+                              std::string why_not) {
   Rank rank;
   rank.rank = place.rank;
   rank.log_path = (fs::path(a.dir) / absl::StrFormat("rank-%d.log", place.rank)).string();
-  std::string no_gpu;
-  if (!gpu_pool_.empty()) {
+  if (why_not.empty() && !gpu_pool_.empty()) {
     absl::StatusOr<int> gpu = gpu_pool_.Take();
     if (gpu.ok())
       rank.gpu = *gpu;
     else
-      no_gpu = std::string(gpu.status().message());
+      why_not = std::string(gpu.status().message());
   }
   if (rank.gpu >= 0) place.visible_devices = VisibleDeviceName(gpu_pool_.gpu(rank.gpu));
-  const int log_fd = !no_gpu.empty() ? -1
-                                     : ::open(rank.log_path.c_str(),
-                                              O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int log_fd = !why_not.empty() ? -1
+                                      : ::open(rank.log_path.c_str(),
+                                               O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   const auto env = RankEnvironment(as, a, place);
   const pid_t parent = ::getpid();
   const pid_t pid = log_fd < 0 ? -1 : ::fork();
@@ -364,7 +367,7 @@ Agent::Rank Agent::LaunchRank(const v1::Assignment& as, Attempt& a,
   if (pid < 0) {
     rank.exit_code = 127;
     rank.detail =
-        absl::StrCat("failed to start: ", no_gpu.empty() ? std::strerror(errno) : no_gpu.c_str());
+        absl::StrCat("failed to start: ", why_not.empty() ? std::strerror(errno) : why_not.c_str());
     gpu_pool_.Give(rank.gpu);
     rank.gpu = -1;
     return rank;
@@ -403,6 +406,7 @@ void Agent::Poll() {
   for (auto& [key, a] : attempts_) {
     for (Rank& r : a.ranks) TailRank(a, r);
     ReadEvents(a, now);  // rank 0's event log: progress, checkpoint commits, evaluations
+    if (a.serve) PollServe(a);
     for (const Rank& r : a.ranks) running_ranks += r.running ? 1 : 0;
     if (a.kill_at_ms != 0 && now >= a.kill_at_ms) {
       for (Rank& r : a.ranks) {
@@ -470,6 +474,12 @@ bool Agent::Reap(Attempt& a, Rank& r) {
     // An infrastructure failure, not the job's: reported like the rank's own lease stop.
     r.detail = absl::StrCat("stopped: lease expired (", r.detail, ")");
     r.exit_code = kExitLeaseExpired;
+  }
+  if (a.serve && !a.serve->unhealthy.empty()) {
+    // Stopped for its health: the attempt failed (and is restarted within max_restarts), so
+    // neither success nor "stopped" (76, what loom-serve --job exits with on SIGTERM).
+    r.detail = absl::StrCat(a.serve->unhealthy, " (", r.detail, ")");
+    if (r.exit_code == 0 || r.exit_code == kExitStopped) r.exit_code = 1;
   }
   // Whatever it wrote after the last read.
   std::string rest = ReadFrom(r.log_path, r.log_read, 64 << 20);
@@ -686,6 +696,7 @@ v1::HeartbeatRequest Agent::BuildHeartbeat(std::map<std::string, int64_t>* log_e
     for (const auto& c : a.skipped) *r->add_skipped() = c;
     *r->mutable_resumed() = a.resumed;
     r->set_master_port(a.master_port);
+    if (a.serve) ReportServe(a, r->mutable_serve());
     // Curves: the oldest unacknowledged points, a bounded number per heartbeat.
     r->set_steps_offset(a.steps_acked);
     const size_t n = std::min<size_t>(a.steps.size(), kStepsPerHeartbeat);

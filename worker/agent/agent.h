@@ -1,8 +1,9 @@
 // loom-worker: the agent on each node. Registers its slots and labels with the coordinator,
 // heartbeats, launches the trainer ranks it is assigned as child processes (their own process
 // groups, killed if the agent dies), tails their logs and rank 0's metrics JSONL, and reports
-// progress, checkpoint commits and exits until the coordinator acknowledges them. Never links
-// LibTorch.
+// progress, checkpoint commits and exits until the coordinator acknowledges them. A kind: serve
+// job's one rank is loom-serve instead, whose port, token and health it reports
+// (agent_serve.cc). Never links LibTorch.
 #ifndef LOOM_WORKER_AGENT_AGENT_H_
 #define LOOM_WORKER_AGENT_AGENT_H_
 
@@ -22,6 +23,7 @@
 #include "net/metrics_endpoint.h"
 #include "worker/agent/coordinator_client.h"
 #include "worker/agent/gpus.h"
+#include "worker/agent/serve_probe.h"
 
 namespace loom::agent {
 
@@ -37,6 +39,7 @@ struct AgentOptions {
   std::map<std::string, std::string> labels;
   std::string work_dir;       // per-attempt directories, the worker id file
   std::string loom_train;     // trainer binary
+  std::string loom_serve;     // server binary (kind: serve jobs)
   std::string plugin_dir;     // passed to the trainer as --plugin-dir ("" = its default)
   int term_grace_ms = 10000;  // SIGTERM -> SIGKILL
   int max_log_chunk = 256 << 10;
@@ -65,6 +68,16 @@ class Agent {
     std::string partial;
     int gpu = -1;  // its GPU in the node's pool, held until the process is reaped
   };
+  // A kind: serve attempt's server (agent_serve.cc).
+  struct Serve {
+    std::string port_file, token_file, token, model;
+    int port = 0;                              // 0 until its port file names one
+    int64_t started_ms = 0;                    // LeaseClockMs() at launch
+    int64_t startup_ms = 0, unhealthy_ms = 0;  // ServeConfig's limits
+    bool announced = false;                    // its first ready probe is in the combined log
+    std::string unhealthy;                     // why the agent stopped it ("" = it did not)
+    std::unique_ptr<ServeProbe> probe;         // once the port is known; stopped when it exits
+  };
   struct Attempt {
     std::string job_id;
     int attempt = 0;
@@ -89,6 +102,7 @@ class Agent {
     int64_t kill_at_ms = 0;    // SIGKILL deadline after a cancel (0 = not cancelled)
     int64_t tokens_seen = -1;  // for loom_train_tokens_total
     int64_t total_steps = 0;
+    std::unique_ptr<Serve> serve;  // kind: serve only
   };
 
   struct LoopState {
@@ -115,11 +129,18 @@ class Agent {
   void StartAttempt(const v1::Assignment& a);
   Attempt PrepareAttempt(const v1::Assignment& as);
   std::vector<std::string> TrainerArgv(const v1::Assignment& as, const Attempt& a) const;
+  // Serve attempts: the token and its file; why the rank cannot start ("" = it can).
+  std::string PrepareServe(const v1::Assignment& as, Attempt& a);
+  std::vector<std::string> ServeArgv(const v1::Assignment& as, const Attempt& a) const;
+  void PollServe(Attempt& a);  // the port, the first ready probe, the health policy
+  void CheckServeHealth(Attempt& a);
+  void ReportServe(const Attempt& a, v1::ServeReport* r) const;
   std::vector<std::pair<std::string, std::string>> RankEnvironment(const v1::Assignment& as,
                                                                    const Attempt& a,
                                                                    const RankPlace& place) const;
+  // why_not: the rank fails to start with this detail instead.
   Rank LaunchRank(const v1::Assignment& as, Attempt& a, const std::vector<std::string>& argv,
-                  RankPlace place);
+                  RankPlace place, std::string why_not);
   void Cancel(Attempt& a, const std::string& why);
   void Poll();  // reap children, tail logs and events, escalate kills
   void TailRank(Attempt& a, Rank& r);

@@ -35,7 +35,9 @@ constexpr char kUsage[] = R"(usage: loom-worker [flags]
   --name NAME           display name (default host name)
   --address HOST        where other nodes reach this one's ranks (default 127.0.0.1)
   --loom-train PATH     trainer binary (default: next to loom-worker)
-  --plugin-dir DIR      passed to the trainer
+  --loom-serve PATH     server binary for kind: serve jobs (default: next to loom-worker; when
+                        that one is missing, serve jobs placed here fail to start)
+  --plugin-dir DIR      passed to the trainer and the server
   --term-grace-ms N     SIGTERM -> SIGKILL delay when stopping ranks (default 10000)
   --metrics-port P      Prometheus /metrics of this node and its jobs (0 = off (default), -1 = any free port)
   --metrics-bind ADDR   (default 127.0.0.1)
@@ -113,7 +115,8 @@ absl::Status ReadCapacity(const CliArgs& args, AgentOptions* o) {
   return absl::OkStatus();
 }
 
-// Names, paths (absolute: ranks run in their attempt directory) and the trainer binary.
+// Names, paths (absolute: ranks run in their attempt directory) and the trainer and server
+// binaries. Only the trainer is required: a node without loom-serve still trains.
 absl::Status ReadPaths(const CliArgs& args, AgentOptions* o) {
   char host[HOST_NAME_MAX + 1] = {};
   ::gethostname(host, sizeof(host) - 1);
@@ -130,6 +133,17 @@ absl::Status ReadPaths(const CliArgs& args, AgentOptions* o) {
   if (::access(o->loom_train.c_str(), X_OK) != 0) {
     return absl::NotFoundError(
         absl::StrCat("--loom-train: '", o->loom_train, "' is not an executable"));
+  }
+  o->loom_serve = std::filesystem::absolute(
+                      args.Get("loom-serve", (self.parent_path() / "loom-serve").string()))
+                      .string();
+  if (::access(o->loom_serve.c_str(), X_OK) != 0) {
+    if (args.Has("loom-serve")) {
+      return absl::NotFoundError(
+          absl::StrCat("--loom-serve: '", o->loom_serve, "' is not an executable"));
+    }
+    std::cerr << "loom-worker: no loom-serve at " << o->loom_serve
+              << ": kind serve jobs placed here fail to start (--loom-serve)\n";
   }
   return absl::OkStatus();
 }
@@ -150,13 +164,14 @@ absl::StatusOr<AgentOptions> OptionsFromArgs(const CliArgs& args) {
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(CliArgs args,
-                        CliArgs::Parse(argc, argv, 1,
-                                       {"coordinator", "ca-file", "client-cert", "client-key",
-                                        "token-file", "work-dir", "slots", "gpus", "labels", "name",
-                                        "address", "loom-train", "plugin-dir", "term-grace-ms",
-                                        "metrics-port", "metrics-bind", "prometheus-sd-file"},
-                                       {"help"}));
+  LOOM_ASSIGN_OR_RETURN(
+      CliArgs args,
+      CliArgs::Parse(
+          argc, argv, 1,
+          {"coordinator", "ca-file", "client-cert", "client-key", "token-file", "work-dir", "slots",
+           "gpus", "labels", "name", "address", "loom-train", "loom-serve", "plugin-dir",
+           "term-grace-ms", "metrics-port", "metrics-bind", "prometheus-sd-file"},
+          {"help"}));
   if (args.Has("help")) {
     std::cout << kUsage;
     return absl::OkStatus();
