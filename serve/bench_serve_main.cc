@@ -15,6 +15,11 @@
 // greedy token), from c = 1, 8 and 32 concurrent clients, with the prefix cache off and on in
 // the same run: prompt tokens scored per second, mean time to first token, and the largest
 // difference between the two runs' prompt log-probabilities.
+//
+// --cache-cost: the prefix cache's cost where it cannot help: the generation workload above with
+// prompts that share nothing (random tokens per request), from c = 1, 8 and 32 clients, with the
+// cache off and on (1024 MiB) in the same run: generated tokens per second and their ratio
+// (medians of --repeat runs, default 3).
 #include <google/protobuf/util/json_util.h>
 #include <torch/torch.h>
 
@@ -39,26 +44,33 @@ struct BenchShape {
   int64_t prompt, fresh, requests;
 };
 
-std::shared_ptr<Sequence> Request(const BenchShape& shape, int64_t i) {
+// Request i: its prompt one repeated token, or (unrelated) random tokens no other prompt starts
+// with.
+std::shared_ptr<Sequence> Request(const BenchShape& shape, int64_t i, bool unrelated) {
   SequenceParams p;
   p.prompt.assign(static_cast<size_t>(shape.prompt), static_cast<uint32_t>(40 + i % 50));
+  for (size_t t = 0; unrelated && t < p.prompt.size(); ++t)
+    p.prompt[t] = 4 + static_cast<uint32_t>(trainer::SplitMix64((i << 20) + t) % 252);
   p.max_tokens = shape.fresh;
   return std::make_shared<Sequence>(p);
 }
 
 // Generated tokens per second with `clients` clients over one engine of `max_batch` rows.
+// `cache_bytes` > 0: with a prefix cache that big, and prompts that share nothing.
 double TokensPerSecond(const std::shared_ptr<trainer::Transformer>& model, const BenchShape& shape,
-                       int clients, int max_batch) {
+                       int clients, int max_batch, int64_t cache_bytes = -1) {
+  EngineOptions options{max_batch, 4096};
+  options.prefix_cache_bytes = std::max<int64_t>(cache_bytes, 0);
+  const bool unrelated = cache_bytes >= 0;
   Engine engine(
-      model, [](const std::vector<uint32_t>&) { return std::string(); },
-      EngineOptions{max_batch, 4096}, nullptr);
+      model, [](const std::vector<uint32_t>&) { return std::string(); }, options, nullptr);
   std::atomic<int64_t> next{0}, generated{0};
   const auto start = Clock::now();
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
     threads.emplace_back([&] {
       for (int64_t i = next++; i < shape.requests; i = next++) {
-        auto s = Request(shape, i);
+        auto s = Request(shape, i, unrelated);
         if (!engine.Submit({s}).ok()) return;
         bool done = false;
         std::vector<TokenOutput> out;
@@ -95,7 +107,7 @@ MajResult MajEval(const std::shared_ptr<trainer::Transformer>& model, const Benc
       for (int64_t i = next++; i < shape.requests; i = next++) {
         std::vector<std::shared_ptr<Sequence>> choices;
         for (int64_t k = 0; k < n; ++k) {
-          SequenceParams p = Request(shape, i)->params();
+          SequenceParams p = Request(shape, i, false)->params();
           p.greedy = false;
           p.temperature = 0.6;
           p.seed = static_cast<uint64_t>(1000 * i + k);
@@ -207,10 +219,42 @@ std::string ChoiceRow(const std::shared_ptr<trainer::Transformer>& model, const 
                          worst);
 }
 
+// Generated tokens/s on unrelated prompts without and with the prefix cache, c = 1, 8, 32: the
+// medians of `repeat` runs of each, off and on alternating (so drift in the machine's speed
+// falls on both), and the median of the runs' paired ratios.
+std::string CacheCostRow(const std::shared_ptr<trainer::Transformer>& model,
+                         const std::string& name, const BenchShape& shape, int repeat) {
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::string row = absl::StrFormat("| %s |", name);
+  for (int k : {1, 8, 32}) {
+    std::vector<double> off, on, ratio;
+    for (int r = 0; r < repeat; ++r) {
+      off.push_back(TokensPerSecond(model, shape, k, 32, 0));
+      on.push_back(TokensPerSecond(model, shape, k, 32, int64_t{1024} << 20));
+      ratio.push_back(on.back() / off.back());
+    }
+    absl::StrAppendFormat(&row, " %.0f | %.0f (%.2fx) |", median(off), median(on), median(ratio));
+  }
+  return row;
+}
+
 void PrintHeader(int64_t d_model, int64_t heads, int64_t layers, const BenchShape& shape, int64_t n,
-                 int64_t clients, int64_t choices) {
+                 int64_t clients, int64_t choices, bool cache_cost, int64_t repeat) {
   std::cout << absl::StrFormat("d_model %d, %d heads, %d layers, vocab 260; ", d_model, heads,
                                layers);
+  if (cache_cost) {
+    std::cout << absl::StrFormat(
+        "%d requests x (%d prompt + %d new tokens), greedy, prompts sharing nothing, max batch "
+        "32, prefix cache off vs 1024 MiB in blocks of 16; %d LibTorch threads; medians of %d "
+        "runs each (off and on alternating), ratio the median of the paired ratios\n\n",
+        shape.requests, shape.prompt, shape.fresh, torch::get_num_threads(), repeat);
+    std::cout << "| attention | c=1, no cache | cache | c=8, no cache | cache | c=32, no cache | "
+                 "cache |\n|---|---|---|---|---|---|---|\n";
+    return;
+  }
   if (choices > 0) {
     std::cout << absl::StrFormat(
         "multiple choice: %d questions x %d answers (2..%d tokens) after a %d-token context, each "
@@ -239,10 +283,11 @@ void PrintHeader(int64_t d_model, int64_t heads, int64_t layers, const BenchShap
 }
 
 absl::Status Run(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(
-      CliArgs args, CliArgs::Parse(argc, argv, 1,
-                                   {"prompt", "new", "requests", "threads", "p", "layers",
-                                    "d-model", "heads", "plugin-dir", "n", "clients", "choices"}));
+  LOOM_ASSIGN_OR_RETURN(CliArgs args, CliArgs::Parse(argc, argv, 1,
+                                                     {"prompt", "new", "requests", "threads", "p",
+                                                      "layers", "d-model", "heads", "plugin-dir",
+                                                      "n", "clients", "choices", "repeat"},
+                                                     {"cache-cost"}));
   BenchShape shape;
   LOOM_ASSIGN_OR_RETURN(shape.prompt, args.GetInt("prompt", 64, 1, 8192));
   LOOM_ASSIGN_OR_RETURN(shape.fresh, args.GetInt("new", 64, 1, 8192));
@@ -255,10 +300,12 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(int64_t n, args.GetInt("n", 0, 0, 1024));
   LOOM_ASSIGN_OR_RETURN(int64_t clients, args.GetInt("clients", 8, 1, 1024));
   LOOM_ASSIGN_OR_RETURN(int64_t choices, args.GetInt("choices", 0, 0, 64));
+  LOOM_ASSIGN_OR_RETURN(int64_t repeat, args.GetInt("repeat", 3, 1, 100));  // --cache-cost
   if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
   trainer::PluginLoader loader;
   LOOM_RETURN_IF_ERROR(trainer::LoadPluginDirectories(args.Get("plugin-dir"), loader, false));
-  PrintHeader(d_model, heads, layers, shape, n, clients, choices);
+  const bool cache_cost = args.Has("cache-cost");
+  PrintHeader(d_model, heads, layers, shape, n, clients, choices, cache_cost, repeat);
   for (const auto& [name, attention] : trainer::DecodingVariants(p)) {
     v1::ModelConfig c;
     const std::string json = absl::StrFormat(
@@ -268,6 +315,10 @@ absl::Status Run(int argc, char** argv) {
         d_model, layers, heads, shape.prompt + std::max(shape.fresh, choices + 1) + 1, attention);
     LOOM_RETURN_IF_ERROR(ParseJsonMessage(json, name, &c));
     LOOM_ASSIGN_OR_RETURN(auto model, trainer::Transformer::Create(c, loader));
+    if (cache_cost) {
+      std::cout << CacheCostRow(model, name, shape, static_cast<int>(repeat)) << std::endl;
+      continue;
+    }
     if (choices > 0) {
       for (int k : {1, 8, 32}) std::cout << ChoiceRow(model, name, shape, choices, k) << std::endl;
       continue;

@@ -58,13 +58,6 @@ class Cluster(Service):
             time.sleep(0.1)
         raise AssertionError(f"fewer than {n} live workers: {self.worker_ids()}")
 
-    def cli(self, *argv, check=True, token=USER_TOKEN):
-        env = {**self.env, "LOOM_COORDINATOR": f"http://127.0.0.1:{self.port}", "LOOM_TOKEN": token}
-        r = subprocess.run([self.args.loom, *argv], env=env, capture_output=True, text=True, timeout=120)
-        if check:
-            assert r.returncode == 0, f"loom {' '.join(argv)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
-        return r
-
 
 def rank_pids(job_id):
     """rank -> pid of the live loom-train processes of a job that this suite's agents started

@@ -459,6 +459,17 @@ class Service:
         self.api = Api(0, next(iter(self.users.values())), host)
         self._agent = None
 
+    def cli(self, *argv, token=None, check=True, timeout=120):
+        """Runs `loom ARGV...` against this coordinator as the user of `token` (default: the first
+        user's); with check, a non-zero exit fails the suite with its output."""
+        env = {**self.env, "LOOM_COORDINATOR": f"http://{self.host}:{self.port}",
+               "LOOM_TOKEN": token or next(iter(self.users.values()))}
+        r = subprocess.run([self.args.loom, *argv], env=env, capture_output=True, text=True,
+                           timeout=timeout)
+        if check:
+            assert r.returncode == 0, f"loom {' '.join(argv)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r
+
     def start_coordinator(self, port=0, agent_port=0, tries=1):
         """Starts loom-coordinator; with fixed ports, retries while the bind fails. Returns the
         (port, agent_port) it listens on; self.api and self.agent follow them."""

@@ -81,11 +81,7 @@ def submit(api, body):
 
 
 def cli(svc, *argv, token=ROOT, check=True):
-    env = {**svc.env, "LOOM_COORDINATOR": f"http://127.0.0.1:{svc.port}", "LOOM_TOKEN": token}
-    r = subprocess.run([svc.args.loom, *argv], env=env, capture_output=True, text=True, timeout=60)
-    if check:
-        assert r.returncode == 0, f"loom {' '.join(argv)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
-    return r
+    return svc.cli(*argv, token=token, check=check, timeout=60)
 
 
 def test_admin_routes(svc, rx):
