@@ -92,7 +92,8 @@ class HttpProxyTest : public ::testing::Test {
 
 TEST_F(HttpProxyTest, RelaysStatusBodyAndTypeWithTheUpstreamsToken) {
   const std::string out = Exchange(
-      "POST /p/echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer client-token\r\n"
+      "POST /p/echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer "
+      "client-token\r\n"
       "Cookie: session=1\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}");
   EXPECT_EQ(out.rfind("HTTP/1.1 201", 0), 0u) << out;
   EXPECT_NE(out.find("Content-Type: application/x-echo"), std::string::npos) << out;
@@ -103,17 +104,17 @@ TEST_F(HttpProxyTest, RelaysStatusBodyAndTypeWithTheUpstreamsToken) {
 }
 
 TEST_F(HttpProxyTest, RelaysRefusalsWithRetryAfter) {
-  const std::string out = Exchange("GET /p/busy HTTP/1.1\r\nHost: x\r\n\r\n");
+  const std::string out = Exchange("GET /p/busy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   EXPECT_EQ(out.rfind("HTTP/1.1 429", 0), 0u) << out;
   EXPECT_NE(out.find("Retry-After: 1"), std::string::npos) << out;
   EXPECT_NE(out.find("queue full"), std::string::npos) << out;
 }
 
 TEST_F(HttpProxyTest, AnUpstreamDownIs502AndASilentOneIs504) {
-  std::string out = Exchange("GET /p/down HTTP/1.1\r\nHost: x\r\n\r\n");
+  std::string out = Exchange("GET /p/down HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   EXPECT_EQ(out.rfind("HTTP/1.1 502", 0), 0u) << out;
   EXPECT_NE(out.find("the server at 127.0.0.1:1 failed (connect"), std::string::npos) << out;
-  out = Exchange("GET /p/slow HTTP/1.1\r\nHost: x\r\n\r\n");
+  out = Exchange("GET /p/slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   EXPECT_EQ(out.rfind("HTTP/1.1 504", 0), 0u) << out;
   EXPECT_NE(out.find("did not answer in time"), std::string::npos) << out;
 }
