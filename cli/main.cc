@@ -394,6 +394,11 @@ class Cli {
       std::cout << "  placed    " << p.worker_id() << " ranks " << absl::StrJoin(p.ranks(), ",")
                 << "\n";
     }
+    if (job.has_serve()) {
+      std::cout << "  serves    '" << job.serve().model() << "' on " << job.serve().address()
+                << (job.serve().ready() ? "" : " (not answering yet)") << "\n  base URL  "
+                << client_->url() << job.serve().base_path() << " (API key: your Loom token)\n";
+    }
     std::cout << "events:\n";
     for (const auto& e : job.events()) {
       std::cout << "  " << FormatTime(e.time_ms()) << "  " << (e.state().empty() ? "-" : e.state())

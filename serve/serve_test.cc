@@ -31,13 +31,14 @@ using trainer::Transformer;
 
 // Every plugin once, windows included, both IHA cache layouts.
 const char kEveryPlugin[] = R"({
-  "d_model": 32, "n_layers": 7, "n_heads": 4, "vocab_size": 260, "max_seq_len": 64,
+  "d_model": 32, "n_layers": 8, "n_heads": 4, "vocab_size": 260, "max_seq_len": 64,
   "rope_theta": 10000, "tie_embeddings": true,
   "schedule": [
     {"repeat": 1, "attention": {"plugin": "mha"}},
     {"repeat": 1, "attention": {"plugin": "local", "window": 3}},
     {"repeat": 1, "attention": {"plugin": "talking_heads"}},
     {"repeat": 1, "attention": {"plugin": "diff"}},
+    {"repeat": 1, "attention": {"plugin": "simplicial", "options": {"window1": 6, "window2": 4, "rope": "rotate"}}},
     {"repeat": 1, "attention": {"plugin": "iha", "options": {"p": "2", "init": "random"}}},
     {"repeat": 1, "attention": {"plugin": "iha", "window": 2, "options": {"p": "2", "mask": "block", "kv_cache": "heads", "init": "random"}}},
     {"repeat": 1, "attention": {"plugin": "iha", "window": 4, "options": {"p": "3", "init": "random"}}}]

@@ -319,6 +319,8 @@ def check_serve_job(a, cport, token_file, token, bob_token, model_id, checkpoint
     assert job["state"] == "running" and job["serve"]["ready"], job
     assert job["serve"]["model"] == model_id, job["serve"]
     base = coordinator + job["serve"]["base_path"]
+    status = run([a.loom, "status", job_id, "--coordinator", coordinator, "--token-file", token_file])
+    assert f"base URL  {base}" in status and f"serves    '{model_id}'" in status, status
     print(f"ok: serve job {job_id} running on {job['serve']['address']}, base URL {base}")
     # The server's own token is the agent's secret: never in what the coordinator shows.
     secrets = [open(os.path.join(d, "serve.token")).read().strip()

@@ -12,6 +12,7 @@
 #include "plugins/attention/diff/diff_attention.h"
 #include "plugins/attention/iha/iha_attention.h"
 #include "plugins/attention/mha/mha_attention.h"
+#include "plugins/attention/simplicial/simplicial_attention.h"
 #include "plugins/attention/talking_heads/talking_heads_attention.h"
 
 namespace loom::attention {
@@ -43,6 +44,14 @@ std::vector<KvCacheCase> KvCacheCases() {
                    }});
   cases.push_back(
       {"diff", [] { return std::make_shared<DiffAttention>(TestSpec(16, 4, 4, true, 0, 100)); }});
+  cases.push_back({"simplicial", [] {
+                     return std::make_shared<SimplicialAttention>(TestSpec(16, 4, 4, true, 0, 100));
+                   }});
+  cases.push_back({"simplicial W=3", [] {
+                     return std::make_shared<SimplicialAttention>(TestSpec(
+                         16, 4, 4, true, 0, 100,
+                         KeptOptions({{"window1", "3"}, {"window2", "2"}, {"rope", "rotate"}})));
+                   }});
   for (const char* cache : {"pseudo", "heads"}) {
     for (const char* mask : {"interleaved", "block"}) {
       for (int64_t window : {0, 2}) {

@@ -12,6 +12,7 @@
 #include "plugins/attention/diff/diff_attention.h"
 #include "plugins/attention/iha/iha_attention.h"
 #include "plugins/attention/mha/mha_attention.h"
+#include "plugins/attention/simplicial/simplicial_attention.h"
 #include "plugins/attention/talking_heads/talking_heads_attention.h"
 
 namespace loom::attention {
@@ -43,6 +44,14 @@ std::vector<PackingCase> PackingCases() {
        [] { return std::make_shared<TalkingHeadsAttention>(TestSpec(16, 4, 4, true, 0, 100)); }});
   cases.push_back(
       {"diff", [] { return std::make_shared<DiffAttention>(TestSpec(16, 4, 4, true, 0, 100)); }});
+  cases.push_back(
+      {"simplicial", [] {
+         return std::make_shared<SimplicialAttention>(
+             TestSpec(16, 4, 4, true, 0, 100, KeptOptions({{"window1", "3"}, {"rope", "rotate"}})));
+       }});
+  cases.push_back(
+      {"simplicial encoder",
+       [] { return std::make_shared<SimplicialAttention>(TestSpec(16, 4, 4, false, 0, 100)); }});
   for (const char* kernel : {"reference", "fused"}) {
     for (const char* mask : {"interleaved", "block"}) {
       for (int64_t window : {0, 2}) {

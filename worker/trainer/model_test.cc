@@ -366,6 +366,7 @@ TEST_F(ModelTest, ActivationCheckpointingGivesTheSameGradientsForEveryPlugin) {
       {"repeat": 1, "attention": {"plugin": "local", "window": 3}},
       {"repeat": 1, "attention": {"plugin": "talking_heads"}},
       {"repeat": 1, "attention": {"plugin": "diff"}},
+      {"repeat": 1, "attention": {"plugin": "simplicial", "options": {"window1": 4}}},
       {"repeat": 1, "attention": {"plugin": "iha", "options": {"p": "2", "kernel": "fused", "init": "random"}}},
       {"repeat": 1, "attention": {"plugin": "iha", "window": 2, "options": {"p": "3", "kernel": "reference", "mask": "block", "init": "random"}}}])";
   torch::Tensor tokens = torch::randint(0, 50, {2, 12}, torch::kInt64);
@@ -375,7 +376,7 @@ TEST_F(ModelTest, ActivationCheckpointingGivesTheSameGradientsForEveryPlugin) {
   std::map<std::string, double> losses;
   for (const std::string mode : {"none", "full", "selective"}) {
     auto model = Transformer::Create(
-        Parse(absl::StrCat(R"({"d_model": 32, "n_layers": 6, "n_heads": 4, "vocab_size": 50,
+        Parse(absl::StrCat(R"({"d_model": 32, "n_layers": 7, "n_heads": 4, "vocab_size": 50,
                               "max_seq_len": 16, "rope_theta": 10000, "tie_embeddings": true,
                               "init_seed": 5, "activation_checkpointing": ")",
                            mode, R"(", )", layers, "}")),
@@ -386,7 +387,7 @@ TEST_F(ModelTest, ActivationCheckpointingGivesTheSameGradientsForEveryPlugin) {
     torch::Tensor loss = torch::nn::functional::cross_entropy(
         logits.reshape({-1, 50}), torch::roll(tokens, -1, 1).reshape({-1}));
     // The recomputing nodes are in the graph exactly when asked for (one per layer).
-    EXPECT_EQ(GraphNodesNamed(loss, "RecomputeFunction"), mode == "none" ? 0 : 6) << mode;
+    EXPECT_EQ(GraphNodesNamed(loss, "RecomputeFunction"), mode == "none" ? 0 : 7) << mode;
     loss.backward();
     losses[mode] = loss.item<double>();
     for (const auto& p : (*model)->named_parameters()) {
