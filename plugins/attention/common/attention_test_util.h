@@ -43,29 +43,40 @@ inline LoomAttentionSpecV1 TestSpec(int64_t d_model, int64_t heads, int64_t head
   return s;
 }
 
-// Compares autograd gradients of `loss` with central differences (step 1e-6) on every
-// `stride(name)`-th entry of each parameter; float64 modules only. Returns how many entries it
-// checked.
+// Compares `grad` (the autograd gradient of `loss` with respect to `t`) with central
+// differences (step 1e-6) on every `stride`-th entry of `t`; float64 only. Returns how many
+// entries it checked.
+inline int64_t ExpectGradientMatchesFiniteDifferences(const torch::Tensor& t,
+                                                      const torch::Tensor& grad,
+                                                      const std::function<torch::Tensor()>& loss,
+                                                      int64_t stride, double tolerance,
+                                                      const std::string& name) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor flat = t.view(-1), g = grad.view(-1);
+  int64_t checked = 0;
+  for (int64_t i = 0; i < flat.numel(); i += stride) {
+    const double h = 1e-6, orig = flat[i].item<double>();
+    flat[i] = orig + h;
+    const double up = loss().item<double>();
+    flat[i] = orig - h;
+    const double down = loss().item<double>();
+    flat[i] = orig;
+    EXPECT_NEAR(g[i].item<double>(), (up - down) / (2 * h), tolerance) << name << "[" << i << "]";
+    ++checked;
+  }
+  return checked;
+}
+
+// The same for every `stride(name)`-th entry of each parameter of `module`.
 inline int64_t ExpectGradientsMatchFiniteDifferences(
     torch::nn::Module& module, const std::function<torch::Tensor()>& loss,
     const std::function<int64_t(const std::string&)>& stride, double tolerance) {
   module.zero_grad();
   loss().backward();
-  torch::NoGradGuard no_grad;
   int64_t checked = 0;
   for (auto& p : module.named_parameters()) {
-    torch::Tensor flat = p.value().view(-1), grad = p.value().grad().view(-1);
-    for (int64_t i = 0; i < flat.numel(); i += stride(p.key())) {
-      const double h = 1e-6, orig = flat[i].item<double>();
-      flat[i] = orig + h;
-      const double up = loss().item<double>();
-      flat[i] = orig - h;
-      const double down = loss().item<double>();
-      flat[i] = orig;
-      EXPECT_NEAR(grad[i].item<double>(), (up - down) / (2 * h), tolerance)
-          << p.key() << "[" << i << "]";
-      ++checked;
-    }
+    checked += ExpectGradientMatchesFiniteDifferences(p.value(), p.value().grad(), loss,
+                                                      stride(p.key()), tolerance, p.key());
   }
   return checked;
 }

@@ -152,18 +152,8 @@ TEST(SimplicialAttention, GradientsMatchFiniteDifferences) {
   EXPECT_EQ(checked, m.NumParameters());
   x.mutable_grad() = torch::Tensor();
   loss().backward();
-  torch::Tensor grad = x.grad().clone();
-  torch::NoGradGuard no_grad;
-  torch::Tensor flat = x.view(-1);
-  for (int64_t i = 0; i < flat.numel(); ++i) {
-    const double h = 1e-6, orig = flat[i].item<double>();
-    flat[i] = orig + h;
-    const double up = loss().item<double>();
-    flat[i] = orig - h;
-    const double down = loss().item<double>();
-    flat[i] = orig;
-    EXPECT_NEAR(grad.view(-1)[i].item<double>(), (up - down) / (2 * h), 1e-7) << "x[" << i << "]";
-  }
+  EXPECT_EQ(ExpectGradientMatchesFiniteDifferences(x, x.grad().clone(), loss, 1, 1e-7, "x"),
+            x.numel());
 }
 
 // Decoding through the cache, token by token and in uneven chunks, gives forward()'s rows.
