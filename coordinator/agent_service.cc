@@ -9,6 +9,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "base/host_port.h"
 #include "base/read_file.h"
 #include "loom/v1/agent.grpc.pb.h"
 
@@ -313,10 +314,7 @@ void SetLimits(grpc::ServerBuilder& b, const AgentServerOptions& o) {
   b.SetResourceQuota(quota);
 }
 
-std::string ListenAddress(const std::string& bind, int port) {
-  const bool v6 = bind.find(':') != std::string::npos && bind.front() != '[';
-  return v6 ? absl::StrCat("[", bind, "]:", port) : absl::StrCat(bind, ":", port);
-}
+std::string ListenAddress(const std::string& bind, int port) { return JoinHostPort(bind, port); }
 
 }  // namespace
 

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/host_port.h"
 #include "base/status_macros.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/job_logs.h"
@@ -347,8 +348,7 @@ void Coordinator::ApplyServeReport(Txn& txn, v1::Job& job, const v1::AttemptRepo
                                          job.master_addr(), s.port(),           s.token()};
   v1::ServeEndpoint e;
   e.set_base_path(absl::StrCat("/v1/jobs/", job.id(), "/serve/v1"));
-  const bool v6 = absl::StrContains(job.master_addr(), ':');
-  e.set_address(absl::StrCat(v6 ? "[" : "", job.master_addr(), v6 ? "]" : "", ":", s.port()));
+  e.set_address(JoinHostPort(job.master_addr(), s.port()));
   e.set_ready(s.ready());
   e.set_model(job.spec().serve().model_name());
   e.set_attempt(job.attempt());

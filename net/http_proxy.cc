@@ -11,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/host_port.h"
 
 namespace loom::net {
 
@@ -65,10 +66,7 @@ struct Upstream {
   }
 };
 
-std::string HostHeader(const ProxyTarget& t) {
-  const bool v6 = absl::StrContains(t.host, ':');
-  return absl::StrCat(v6 ? "[" : "", t.host, v6 ? "]" : "", ":", t.port);
-}
+std::string HostHeader(const ProxyTarget& t) { return JoinHostPort(t.host, t.port); }
 
 void Fail(HttpResponse& res, const ProxyTarget& t, beast::error_code ec, absl::string_view when) {
   const bool timeout = ec == beast::error::timeout;

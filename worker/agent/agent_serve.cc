@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "base/host_port.h"
 #include "base/random_token.h"
 #include "base/read_file.h"
 #include "loom/lease_clock.h"
@@ -43,10 +44,6 @@ int ReadPort(const std::string& path) {
   int port = 0;
   if (!text.ok() || !absl::SimpleAtoi(absl::StripAsciiWhitespace(*text), &port)) return 0;
   return port >= 1 && port <= 65535 ? port : 0;
-}
-
-std::string HostForUrl(const std::string& address) {
-  return address.find(':') != std::string::npos ? absl::StrCat("[", address, "]") : address;
 }
 
 int64_t SecondsOr(int32_t seconds, int64_t fallback) { return seconds > 0 ? seconds : fallback; }
@@ -126,12 +123,12 @@ void Agent::PollServe(Attempt& a) {
   }
   if (s.port == 0 && (s.port = ReadPort(s.port_file)) != 0) {
     s.probe = std::make_unique<ServeProbe>(
-        absl::StrCat("http://", HostForUrl(options_.address), ":", s.port), ServeProbe::Options{});
+        absl::StrCat("http://", JoinHostPort(options_.address, s.port)), ServeProbe::Options{});
   }
   if (s.probe && s.probe->ready() && !s.announced) {
     s.announced = true;
     AppendCombined(a, absl::StrCat("[agent ", options_.name, "] loom-serve ready on http://",
-                                   HostForUrl(options_.address), ":", s.port, "/v1\n"));
+                                   JoinHostPort(options_.address, s.port), "/v1\n"));
   }
   CheckServeHealth(a);
 }
