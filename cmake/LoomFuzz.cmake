@@ -33,8 +33,9 @@ ExternalProject_Add(loom_fuzz_build
   SOURCE_DIR ${PROJECT_SOURCE_DIR}
   BINARY_DIR ${LOOM_FUZZ_DIR}
   CMAKE_GENERATOR ${CMAKE_GENERATOR}
-  # -O0: it only replays the corpus once (CMakeLists.txt, LOOM_FUZZ_OPT).
-  CMAKE_ARGS -DLOOM_FUZZ=ON -DLOOM_FUZZ_OPT=-O0 -DCMAKE_C_COMPILER=${LOOM_CLANG}
+  # -O0 and no coverage feedback: it only replays the corpus once (CMakeLists.txt, LOOM_FUZZ_OPT
+  # and LOOM_FUZZ_COVERAGE); ASan and UBSan check every input as in a fuzzing run.
+  CMAKE_ARGS -DLOOM_FUZZ=ON -DLOOM_FUZZ_OPT=-O0 -DLOOM_FUZZ_COVERAGE=OFF -DCMAKE_C_COMPILER=${LOOM_CLANG}
              -DCMAKE_CXX_COMPILER=${LOOM_CLANGXX} ${_launcher}
   BUILD_COMMAND ${CMAKE_COMMAND} --build ${LOOM_FUZZ_DIR} --target loom_fuzzers
   INSTALL_COMMAND ""

@@ -14,6 +14,14 @@ if(NOT GTest_FOUND)
 endif()
 include(GoogleTest)
 
+# Test code is compiled -O1 in optimised builds. What a test exercises runs in the libraries at
+# the build's -O3; the test's own code (fixtures, float64 reference loops) then costs a third to
+# a half less to compile (coordinator_tests' batch: 44 -> 24 s of CPU, trainer_tests' 31 -> 24),
+# and -O1 keeps using the -O3 LibTorch PCH (both define __OPTIMIZE__).
+function(loom_test_compile_options target)
+  target_compile_options(${target} PRIVATE $<$<CONFIG:Release,RelWithDebInfo,MinSizeRel>:-O1>)
+endfunction()
+
 # loom_test_binary(NAME [TORCH] [LIBS ...]): one test executable shared by the loom_test(...
 # BINARY NAME) entries of a folder. Each LibTorch test file costs ~11 s to compile, mostly the
 # LibTorch templates and inline functions it instantiates; compiled together (a unity build) ten
@@ -23,6 +31,7 @@ function(loom_test_binary name)
   cmake_parse_arguments(B "TORCH" "" "LIBS" ${ARGN})
   add_executable(${name})
   target_link_libraries(${name} PRIVATE ${B_LIBS} GTest::gtest GTest::gtest_main)
+  loom_test_compile_options(${name})
   if(B_TORCH)
     loom_use_torch(${name})
   endif()
@@ -79,6 +88,7 @@ function(loom_test name)
   else()
     add_executable(${name} ${T_SOURCES})
     target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
+    loom_test_compile_options(${name})
     if(T_TORCH)
       loom_use_torch(${name})
     endif()

@@ -54,7 +54,7 @@ TEST_P(ConfinedFilesTest, RefusesEveryWayOut) {
   fs::create_symlink("../../outside/secret", fs::path(root_) / "data" / "relative");
   fs::create_symlink("/proc/self/root", fs::path(root_) / "data" / "magic");
   fs::create_symlink("/var/lib/loom-worker/worker-credential", fs::path(root_) / "data" / "cred");
-  for (const std::string& path : {"data/absolute", "data/relative", "data/magic/etc/passwd"})
+  for (const char* path : {"data/absolute", "data/relative", "data/magic/etc/passwd"})
     EXPECT_EQ(Open(path), absl::StatusCode::kPermissionDenied) << path;
   EXPECT_NE(Open("data/cred"), absl::StatusCode::kOk);
   // Lexically outside: refused before anything is opened.

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""The offline analysis scripts behind docs/results.md (experiments/compare_across.py and
-compare_settings.py), run as a reader runs them on raw CSVs, against an independent computation:
-numpy for means, standard errors and Welch's degrees of freedom, and printed t tables for the
-quantiles. Refusals (an unknown cell or column) must name what is wrong."""
+"""The offline analysis scripts behind docs/results.md (experiments/compare_across.py,
+compare_settings.py and adjust_pvalues.py), run as a reader runs them on raw CSVs, against an
+independent computation: numpy for means, standard errors and Welch's degrees of freedom, printed
+t tables for the quantiles, and Holm / Benjamini-Hochberg adjustments worked out by hand.
+Refusals (an unknown cell, column or file) must name what is wrong."""
 import csv
+import json
 import math
 import os
 import re
@@ -17,6 +19,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
 sys.path.insert(0, EXPERIMENTS)
+import adjust_pvalues  # noqa: E402
 import compare_across  # noqa: E402
 
 # Two-sided 95% critical values of Student's t (any statistics table).
@@ -97,6 +100,176 @@ class AnalysisTest(unittest.TestCase):
                   "--column", "speed")
         self.assertNotEqual(out.returncode, 0)
         self.assertIn("--column speed", out.stderr)
+
+
+class AdjustmentTest(unittest.TestCase):
+    """Holm (step-down, family-wise error) and Benjamini-Hochberg (false discovery rate)."""
+
+    def test_holm_and_bh_by_hand(self):
+        # Sorted: 0.005, 0.01, 0.03, 0.04 (m = 4).
+        # Holm: 4 x 0.005 = 0.02; 3 x 0.01 = 0.03; 2 x 0.03 = 0.06; 1 x 0.04 = 0.04 -> running
+        # maximum 0.06. BH: 0.005 x 4/1 = 0.02; 0.01 x 4/2 = 0.02; 0.03 x 4/3 = 0.04;
+        # 0.04 x 4/4 = 0.04; running minimum from the top changes nothing.
+        p = [0.01, 0.04, 0.03, 0.005]
+        for got, want in zip(adjust_pvalues.holm(p), [0.03, 0.06, 0.06, 0.02]):
+            self.assertAlmostEqual(got, want, places=12)
+        for got, want in zip(adjust_pvalues.bh(p), [0.02, 0.04, 0.04, 0.02]):
+            self.assertAlmostEqual(got, want, places=12)
+        # A running maximum that binds for Holm and a running minimum that binds for BH:
+        # sorted 0.01, 0.011, 0.2: Holm 0.03, max(0.022, 0.03) = 0.03, 0.2;
+        # BH 0.01 x 3 = 0.03, 0.011 x 3/2 = 0.0165 -> the first becomes min(0.03, 0.0165), 0.2.
+        for got, want in zip(adjust_pvalues.holm([0.2, 0.011, 0.01]), [0.2, 0.03, 0.03]):
+            self.assertAlmostEqual(got, want, places=12)
+        for got, want in zip(adjust_pvalues.bh([0.2, 0.011, 0.01]), [0.2, 0.0165, 0.0165]):
+            self.assertAlmostEqual(got, want, places=12)
+        self.assertEqual(adjust_pvalues.holm([]), [])
+        self.assertEqual(adjust_pvalues.holm([0.3]), [0.3])
+
+    def test_monotone_capped_and_ordered(self):
+        rng = np.random.default_rng(11)
+        for m in (1, 2, 5, 21, 60):
+            p = np.concatenate([rng.uniform(0, 0.05, m // 2), rng.uniform(0, 1, m - m // 2)])
+            if m >= 2:
+                p[-2:] = [0.9, 0.8]  # 2 x 0.8 > 1: the cap at 1 is reached
+            rng.shuffle(p)
+            holm = np.array(adjust_pvalues.holm(list(p)))
+            bh = np.array(adjust_pvalues.bh(list(p)))
+            order = np.argsort(p, kind="stable")
+            self.assertTrue(np.all(np.diff(holm[order]) >= 0), m)   # never decreases in p's order
+            self.assertTrue(np.all(np.diff(bh[order]) >= 0), m)
+            self.assertTrue(np.all(holm <= 1) and np.all(bh <= 1), m)
+            self.assertTrue(np.all(holm >= p - 1e-15) and np.all(bh >= p - 1e-15), m)
+            self.assertTrue(np.all(bh <= holm + 1e-15), m)           # BH never stricter than Holm
+            # Holm by its definition, written independently: the largest (m - j) p_(j) over the
+            # ranks j up to i, capped at 1.
+            s = p[order]
+            want = [min(1.0, max((m - j) * s[j] for j in range(i + 1))) for i in range(m)]
+            np.testing.assert_allclose(holm[order], want, rtol=1e-12)
+            if m >= 2:
+                self.assertEqual(holm.max(), 1.0)
+
+
+class FamilyFileTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        rng = np.random.default_rng(3)
+        self.base, self.other = rng.uniform(0.3, 0.5, 6), rng.uniform(0.4, 0.8, 6)
+        write_raw(os.path.join(self.dir.name, "a.raw.csv"), self.base, self.other)
+        with open(os.path.join(self.dir.name, "a.curves.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["cell", "seed", "job", "step", "eval_loss", "accuracy", "exact_match"])
+            # iha-p2 reaches 0.8 first on seeds 1-4, mha on seed 5, neither on seed 6.
+            reach = {1: (1000, 500), 2: (None, 500), 3: (1500, 1000), 4: (None, 1500),
+                     5: (500, 1500), 6: (None, None)}
+            for seed, steps in reach.items():
+                for cell, at in zip(("mha", "iha-p2"), steps):
+                    for step in (0, 500, 1000, 1500):
+                        acc = 0.9 if at is not None and step >= at else 0.5
+                        w.writerow([cell, seed, "j", step, 1.0, acc, 0])
+
+    def tearDown(self):
+        self.dir.cleanup()
+
+    def family(self, comparisons, members=None):
+        doc = {"comparisons": comparisons,
+               "families": [{"id": "f", "name": "F", "contains": "c.", "why": "w.",
+                             "members": members or [c["id"] for c in comparisons]}]}
+        path = os.path.join(self.dir.name, "families.json")
+        with open(path, "w") as f:
+            json.dump(doc, f)
+        return path
+
+    @staticmethod
+    def comp(cid, source, **kw):
+        return dict({"id": cid, "label": cid, "measure": "accuracy", "kind": "primary",
+                     "source": source}, **kw)
+
+    def test_recomputes_adjusts_and_writes(self):
+        t = self.comp("t", {"test": "paired_t", "baseline": "a.raw.csv:mha",
+                            "other": "a.raw.csv:iha-p2", "column": "accuracy", "scale": 100})
+        sign = self.comp("sign", {"test": "sign", "baseline": "a.curves.csv:mha",
+                                  "other": "a.curves.csv:iha-p2", "threshold": 0.8})
+        path = self.family([t, sign])
+        out_json = os.path.join(self.dir.name, "out.json")
+        out_md = os.path.join(self.dir.name, "out.md")
+        r = run("adjust_pvalues.py", path, "--json", out_json, "--markdown", out_md)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(out_json) as f:
+            out = json.load(f)
+        rows = {x["id"]: dict(x, result=out["comparisons"][x["id"]]["result"])
+                for x in out["families"][0]["rows"]}
+        d = self.other - self.base
+        t_stat = d.mean() / (d.std(ddof=1) / math.sqrt(6))
+        p_t = compare_across.paired({s: {"v": repr(x)} for s, x in enumerate(self.base)},
+                                    {s: {"v": repr(x)} for s, x in enumerate(self.other)}, "v")[5]
+        self.assertAlmostEqual(rows["t"]["p"], p_t, places=12)
+        self.assertAlmostEqual(rows["t"]["p"], 2 * (1 - compare_across.t_cdf(abs(t_stat), 5)), places=9)
+        self.assertAlmostEqual(rows["t"]["result"]["mean"], 100 * d.mean(), places=9)
+        # first 4 (seeds 1-4), later 1 (seed 5), unordered 1 (seed 6): two-sided sign p = 6/16.
+        res = rows["sign"]["result"]
+        self.assertEqual((res["first"], res["later"], res["ties"], res["unordered"]), (4, 1, 0, 1))
+        self.assertAlmostEqual(rows["sign"]["p"], 0.375, places=12)
+        ps = [rows["t"]["p"], rows["sign"]["p"]]
+        for key, fn in (("holm", adjust_pvalues.holm), ("bh", adjust_pvalues.bh)):
+            for cid, want in zip(("t", "sign"), fn(ps)):
+                self.assertAlmostEqual(rows[cid][key], want, places=12)
+        with open(out_md) as f:
+            md = f.read()
+        self.assertIn("| `sign` |", md)
+        self.assertIn("Holm p", md)
+
+    def test_check_against_a_report(self):
+        src = {"test": "paired_t", "baseline": "a.raw.csv:mha", "other": "a.raw.csv:iha-p2",
+               "column": "accuracy"}
+        report = os.path.join(self.dir.name, "r.json")
+        with open(report, "w") as f:
+            json.dump({"differences": [{"cell": "iha-p2", "p_value": 0.5}]}, f)
+        path = self.family([self.comp("t", src, check={"file": "r.json",
+                                                        "path": "differences[cell=iha-p2].p_value"})])
+        r = run("adjust_pvalues.py", path)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("comparison 't'", r.stderr)
+        self.assertIn("r.json says 0.5", r.stderr)
+        path = self.family([self.comp("rep", {"test": "report", "file": "r.json",
+                                              "path": "differences[cell=iha-p2].p_value"})])
+        r = run("adjust_pvalues.py", path)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("| 0.50 |", r.stdout)
+
+    def test_refusals_name_what_is_wrong(self):
+        good = {"test": "paired_t", "baseline": "a.raw.csv:mha", "other": "a.raw.csv:iha-p2",
+                "column": "accuracy"}
+        cases = [
+            (dict(good, column="speed"), ["comparison 'x'", "'speed'", "a.raw.csv"]),
+            (dict(good, other="a.raw.csv:nope"), ["comparison 'x'", "'nope'", "a.raw.csv"]),
+            (dict(good, baseline="missing.raw.csv:mha"), ["comparison 'x'", "'missing.raw.csv'"]),
+            ({"test": "sign", "baseline": "a.curves.csv:mha", "other": "a.curves.csv:nope",
+              "threshold": 0.8}, ["'nope'", "a.curves.csv"]),
+            (dict(good, test="anova"), ["'anova'"]),
+        ]
+        for source, needles in cases:
+            r = run("adjust_pvalues.py", self.family([self.comp("x", source)]))
+            self.assertNotEqual(r.returncode, 0, source)
+            for n in needles:
+                self.assertIn(n, r.stderr, source)
+        r = run("adjust_pvalues.py", self.family([self.comp("x", good)], members=["x", "y"]))
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("'y'", r.stderr)
+
+
+class CommittedFamiliesTest(unittest.TestCase):
+    """experiments/families.json recomputes from the committed CSVs (every report check passes) and
+    docs/results-families.md is its current output."""
+
+    def test_committed_tables_are_current(self):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "families.md")
+            r = run("adjust_pvalues.py", os.path.join(EXPERIMENTS, "families.json"),
+                    "--markdown", out)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(out) as f, open(os.path.join(ROOT, "docs", "results-families.md")) as g:
+                self.assertEqual(f.read(), g.read(), "regenerate docs/results-families.md "
+                                 "(the command is at the top of docs/results.md)")
 
 
 if __name__ == "__main__":
