@@ -272,5 +272,47 @@ class CommittedFamiliesTest(unittest.TestCase):
                                  "(the command is at the top of docs/results.md)")
 
 
+class KhopControlsTest(unittest.TestCase):
+    """experiments/khop/report_controls.py on synthetic curves: the selection rule, MHA's lr 1e-3
+    constant read from mha-2x's first 12 000 steps, and the primary paired t against numpy."""
+
+    def test_selection_and_primary_measure(self):
+        rng = np.random.default_rng(3)
+        steps = list(range(0, 12001, 500))
+        d = tempfile.TemporaryDirectory()
+        self.addCleanup(d.cleanup)
+        paths = [os.path.join(d.name, n) for n in ("mha.curves.csv", "iha.curves.csv")]
+        level = {"lr3e-4": 0.2, "lr1e-3": 0.3, "lr3e-3": 0.25}
+        means = {}
+        for path, model, bonus in ((paths[0], "mha", 0.0), (paths[1], "iha", 0.4)):
+            with open(path, "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["cell", "seed", "job", "step", "eval_loss", "accuracy", "exact_match"])
+                for lr, base in level.items():
+                    for sched in ("const", "cos"):
+                        cell = f"{model}-{lr}-{sched}"
+                        if (model, lr, sched) == ("mha", "lr1e-3", "const"):
+                            cell = "mha-2x"
+                        for seed in range(7, 12):
+                            accs = base + bonus + rng.uniform(0, 0.1, len(steps))
+                            if cell == "mha-2x":  # the second 12 000 steps must not count
+                                points = list(zip(steps, accs)) + [(12000 + s, 0.99) for s in steps[1:]]
+                            else:
+                                points = list(zip(steps, accs))
+                            for step, a in points:
+                                w.writerow([cell, seed, "j", step, 0, repr(float(a)), 0])
+                            means[(model, lr, sched, seed)] = float(np.mean(accs[1:]))
+        out = run("khop/report_controls.py", *paths)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("selected MHA: lr1e-3-const", out.stdout)
+        self.assertIn("selected IHA: lr1e-3-", out.stdout)
+        chosen = re.search(r"selected IHA: (lr1e-3-\w+)", out.stdout).group(1).split("-")[-1]
+        diff = [100 * (means[("iha", "lr1e-3", chosen, s)] - means[("mha", "lr1e-3", "const", s)])
+                for s in range(7, 12)]
+        row = next(line for line in out.stdout.splitlines() if line.startswith("| 1."))
+        self.assertIn(f"{np.mean(diff):+.2f}", row)
+        self.assertIn("MHA at 24 000 steps: 5 of 5 seeds reached 80 %", out.stdout)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""The analysis fixed in experiments/khop/khop-simple-hops3-heads2-controls-mha.yaml's header,
+from the two sweeps' curves (export_sweep.py --curves): every held-out evaluation of every job.
+
+usage: report_controls.py MHA.curves.csv IHA.curves.csv [--markdown]
+
+Per configuration (model, lr, schedule) and seed: the mean held-out accuracy over the run
+(evaluations after step 0 up to step 12 000), the final accuracy at step 12 000 and the first
+step at 80 %. MHA's "lr 1e-3 constant" is mha-2x's curve up to step 12 000: with a constant rate
+the first 12 000 steps of the 24 000-step run are the 12 000-step run. Selection: per model the
+configuration with the highest mean over seeds of the mean accuracy. Then the four fixed
+measures, Holm-adjusted as one family:
+  1. (primary) best IHA - best MHA, mean accuracy over the run, paired t;
+  2. best IHA - best MHA, final accuracy, paired t;
+  3. best IHA vs best MHA, steps until 80 %, sign test (censored = never);
+  4. IHA lr 1e-3 constant at 12 000 steps - MHA at 24 000 (mha-2x), final accuracy, paired t.
+"""
+import argparse
+import csv
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from adjust_pvalues import holm  # noqa: E402
+from compare_across import sign_p, t_cdf, t_quantile  # noqa: E402
+
+BUDGET = 12000
+THRESHOLD = 0.8
+CONFIGS = [f"lr{lr}-{s}" for s in ("const", "cos") for lr in ("3e-4", "1e-3", "3e-3")]
+
+
+def read_curves(path):
+    """cell -> seed -> {step: accuracy}."""
+    out = {}
+    for r in csv.DictReader(open(path)):
+        out.setdefault(r["cell"], {}).setdefault(int(r["seed"]), {})[int(r["step"])] = float(r["accuracy"])
+    return out
+
+
+def configurations(mha, iha):
+    """(model, config) -> seed -> curve up to BUDGET; MHA lr1e-3-const from mha-2x."""
+    table = {}
+    for model, curves in (("mha", mha), ("iha", iha)):
+        for config in CONFIGS:
+            cell = "mha-2x" if (model, config) == ("mha", "lr1e-3-const") else f"{model}-{config}"
+            if cell not in curves:
+                continue
+            table[(model, config)] = {s: {st: a for st, a in c.items() if st <= BUDGET}
+                                      for s, c in curves[cell].items()}
+    return table
+
+
+def measures(curve):
+    evals = [a for st, a in sorted(curve.items()) if st > 0]
+    reach = next((st for st, a in sorted(curve.items()) if a >= THRESHOLD), None)
+    complete = max(curve) == BUDGET
+    return {"mean": sum(evals) / len(evals) if evals else float("nan"),
+            "final": curve.get(BUDGET, float("nan")), "reach": reach, "complete": complete}
+
+
+def interval(xs):
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, float("nan"), float("nan")
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def paired_t(a, b):
+    """b - a over the seeds both have: n, mean, 95 % CI, two-sided p."""
+    seeds = sorted(set(a) & set(b))
+    d = [b[s] - a[s] for s in seeds]
+    n = len(d)
+    if n < 2:
+        return n, float("nan"), (float("nan"), float("nan")), float("nan")
+    mean, low, high = interval(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    p = 2 * (1 - t_cdf(abs(mean) / (sd / math.sqrt(n)), n - 1)) if sd > 0 else (0.0 if mean else 1.0)
+    return n, mean, (low, high), p
+
+
+def sign_test(a, b):
+    """IHA (b) first / later / ties / unordered by steps until the threshold."""
+    first = later = ties = unordered = 0
+    for s in sorted(set(a) & set(b)):
+        x, y = a[s], b[s]
+        if x is None and y is None:
+            unordered += 1
+        elif x is not None and (y is None or x < y):
+            later += 1
+        elif y is not None and (x is None or y < x):
+            first += 1
+        else:
+            ties += 1
+    return first, later, ties, unordered, sign_p(first, first + later)
+
+
+def cell_table(table, per):
+    lines = ["| model | configuration | seeds | mean accuracy over the run [95 % CI] | final at 12 000 "
+             "[95 % CI] | seeds at 80 % |", "| --- | --- | ---: | --- | --- | ---: |"]
+    for (model, config), seeds in sorted(table.items()):
+        m = [per[(model, config)][s] for s in sorted(seeds)]
+        done = [x for x in m if x["complete"]]
+        if not done:
+            continue
+        mean, lo, hi = interval([100 * x["mean"] for x in done])
+        fin, flo, fhi = interval([100 * x["final"] for x in done])
+        reached = sum(x["reach"] is not None for x in done)
+        lines.append(f"| {model} | {config} | {len(done)} | {mean:.1f} [{lo:.1f}, {hi:.1f}] | "
+                     f"{fin:.1f} [{flo:.1f}, {fhi:.1f}] | {reached} |")
+    return lines
+
+
+def best(per, model):
+    """The configuration with the highest mean over seeds of the mean accuracy (complete runs)."""
+    scores = {}
+    for (m, config), seeds in per.items():
+        done = [x["mean"] for x in seeds.values() if x["complete"]]
+        if m == model and done:
+            scores[config] = (sum(done) / len(done), len(done))
+    if not scores:
+        return None, scores
+    return max(scores, key=lambda c: scores[c][0]), scores
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mha_curves")
+    ap.add_argument("iha_curves")
+    a = ap.parse_args()
+    mha, iha = read_curves(a.mha_curves), read_curves(a.iha_curves)
+    table = configurations(mha, iha)
+    per = {k: {s: measures(c) for s, c in seeds.items()} for k, seeds in table.items()}
+    print("\n".join(cell_table(table, per)))
+    bm, mscores = best(per, "mha")
+    bi, iscores = best(per, "iha")
+    for name, b, scores in (("MHA", bm, mscores), ("IHA", bi, iscores)):
+        ranked = ", ".join(f"{c} {100 * v[0]:.1f} (n {v[1]})" for c, v in
+                           sorted(scores.items(), key=lambda kv: -kv[1][0]))
+        print(f"\nselected {name}: {b}   (mean accuracy over the run by configuration: {ranked})")
+    if bm is None or bi is None:
+        return
+    rows, ps = [], []
+    for column, label in (("mean", "1. mean accuracy over the run (primary)"), ("final", "2. final accuracy")):
+        x = {s: 100 * v[column] for s, v in per[("mha", bm)].items() if v["complete"]}
+        y = {s: 100 * v[column] for s, v in per[("iha", bi)].items() if v["complete"]}
+        n, mean, ci, p = paired_t(x, y)
+        rows.append(f"| {label} | best IHA ({bi}) − best MHA ({bm}) | {n} | {mean:+.2f} "
+                    f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {p:.3g} |")
+        ps.append(p)
+    ra = {s: v["reach"] for s, v in per[("mha", bm)].items() if v["complete"]}
+    rb = {s: v["reach"] for s, v in per[("iha", bi)].items() if v["complete"]}
+    first, later, ties, unordered, p = sign_test(ra, rb)
+    rows.append(f"| 3. steps until 80 % (sign test) | best IHA vs best MHA | {first + later + ties + unordered} | "
+                f"IHA first {first}, later {later}, ties {ties}, neither {unordered} | {p:.3g} |")
+    ps.append(p)
+    twice = {s: c for s, c in mha.get("mha-2x", {}).items() if max(c) == 2 * BUDGET}
+    x = {s: 100 * c[2 * BUDGET] for s, c in twice.items()}
+    y = {s: 100 * v["final"] for s, v in per.get(("iha", "lr1e-3-const"), {}).items() if v["complete"]}
+    n, mean, ci, p = paired_t(x, y)
+    rows.append(f"| 4. final accuracy | IHA lr 1e-3 const at 12 000 − MHA at 24 000 | {n} | {mean:+.2f} "
+                f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {p:.3g} |")
+    ps.append(p)
+    reached = sum(any(a >= THRESHOLD for a in c.values()) for c in twice.values())
+    adjusted = holm([1.0 if math.isnan(q) else q for q in ps])
+    print("\n| measure | comparison | n | estimate | p | Holm p (family of 4) |")
+    print("| --- | --- | ---: | --- | ---: | ---: |")
+    for row, h in zip(rows, adjusted):
+        print(f"{row} {h:.3g} |")
+    print(f"\nMHA at 24 000 steps: {reached} of {len(twice)} seeds reached 80 % held-out accuracy.")
+
+
+if __name__ == "__main__":
+    main()
