@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+#include "loom/proto_json.h"
+#include "loom/spec_overrides.h"
 #include "storage/checkpoint.h"
 
 namespace loom {
@@ -32,6 +35,120 @@ TEST(JobSpec, PresetFillsUnsetFieldsAndSpecOverrides) {
   ASSERT_TRUE(s.ok()) << s.status();
   ASSERT_EQ(s->model().schedule_size(), 1);
   EXPECT_EQ(s->model().schedule(0).attention().plugin(), "iha");
+}
+
+// rope_theta 0 is RoPE off, not "unset": under a preset an explicit 0 stays 0 however it is
+// written (JSON, YAML, --set, a --set message), and only a spec that leaves the field out gets
+// the preset's θ. Before 2026-12-07 the preset's θ replaced the 0 (proto3 merges skip zeros).
+TEST(JobSpec, AnExplicitZeroRopeThetaTurnsRopeOffUnderAPreset) {
+  auto off = Resolve(R"({"preset": "micro", "model": {"rope_theta": 0}})");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ(off->model().rope_theta(), 0);
+  EXPECT_TRUE(off->model().has_rope_theta());  // so that resolving it again keeps the 0
+  auto preset = Resolve(R"({"preset": "micro"})");
+  ASSERT_TRUE(preset.ok()) << preset.status();
+  EXPECT_EQ(preset->model().rope_theta(), 10000);
+  auto camel = Resolve(R"({"preset": "micro", "model": {"ropeTheta": 0.0}})");
+  ASSERT_TRUE(camel.ok()) << camel.status();
+  EXPECT_EQ(camel->model().rope_theta(), 0);
+
+  auto yaml = YamlToJson("preset: micro\nmodel:\n  rope_theta: 0\n", "job.yaml");
+  ASSERT_TRUE(yaml.ok()) << yaml.status();
+  auto from_yaml = Resolve(*yaml);
+  ASSERT_TRUE(from_yaml.ok()) << from_yaml.status();
+  EXPECT_EQ(from_yaml->model().rope_theta(), 0);
+
+  for (const char* set : {"model.rope_theta=0", "model.ropeTheta=0.0", "spec.model.rope_theta=0",
+                          R"(model={"rope_theta": 0})"}) {
+    v1::JobSpec spec;
+    spec.set_preset("micro");
+    ASSERT_TRUE(ApplySetFlag(&spec, set).ok()) << set;
+    EXPECT_TRUE(spec.model().has_rope_theta()) << set;  // setting 0 marks it set
+    auto r = ResolveJobSpec(spec);
+    ASSERT_TRUE(r.ok()) << set << ": " << r.status();
+    EXPECT_EQ(r->model().rope_theta(), 0) << set;
+  }
+  // A file's explicit 0 under a preset, then --set: the last setting wins.
+  v1::JobSpec spec;
+  ASSERT_TRUE(
+      ParseJsonMessage(R"({"preset": "micro", "model": {"rope_theta": 0}})", "job.json", &spec)
+          .ok());
+  ASSERT_TRUE(ApplySetFlag(&spec, "model.rope_theta=500").ok());
+  EXPECT_EQ(ResolveJobSpec(spec)->model().rope_theta(), 500);
+
+  // The resolved spec, as a coordinator stores it and an agent hands it to loom-train (JSON
+  // without defaults), resolves to the same 0; so does the resolved spec itself.
+  v1::JobSpec printed;
+  ASSERT_TRUE(ParseJsonMessage(MessageToJsonText(*off), "spec.json", &printed).ok());
+  EXPECT_EQ(ResolveJobSpec(printed)->model().rope_theta(), 0);
+  EXPECT_EQ(ResolveJobSpec(*off)->model().rope_theta(), 0);
+  EXPECT_EQ(ResolveJobSpec(*preset)->model().rope_theta(), 10000);
+}
+
+// The optimizer's fields whose 0 is a setting of its own (no decay floor, no warm-up, no
+// momentum, no weight decay, no clipping) keep an explicit 0 under a preset too.
+TEST(JobSpec, ExplicitZeroOptimizerFieldsSurviveAPreset) {
+  auto zeros = Resolve(R"({"preset": "micro", "optimizer": {"lr": 0.001, "min_lr": 0,
+      "warmup_steps": 0, "beta1": 0, "beta2": 0, "weight_decay": 0, "clip_norm": 0}})");
+  ASSERT_TRUE(zeros.ok()) << zeros.status();
+  const v1::OptimizerConfig& z = zeros->optimizer();
+  EXPECT_EQ(z.min_lr(), 0);
+  EXPECT_EQ(z.warmup_steps(), 0);
+  EXPECT_EQ(z.beta1(), 0);
+  EXPECT_EQ(z.beta2(), 0);
+  EXPECT_EQ(z.weight_decay(), 0);
+  EXPECT_EQ(z.clip_norm(), 0);
+  EXPECT_EQ(ResolveJobSpec(*zeros)->optimizer().warmup_steps(), 0);  // not capped again
+  auto preset = Resolve(R"({"preset": "micro", "optimizer": {"lr": 0.001}})");
+  ASSERT_TRUE(preset.ok()) << preset.status();
+  const v1::OptimizerConfig& p = preset->optimizer();
+  EXPECT_DOUBLE_EQ(p.min_lr(), 3e-4);
+  EXPECT_EQ(p.warmup_steps(), 15);  // the preset's 20, capped at a tenth of its 150 steps
+  EXPECT_DOUBLE_EQ(p.beta1(), 0.9);
+  EXPECT_DOUBLE_EQ(p.beta2(), 0.95);
+  EXPECT_DOUBLE_EQ(p.weight_decay(), 0.1);
+  EXPECT_DOUBLE_EQ(p.clip_norm(), 1.0);
+  v1::JobSpec spec;
+  spec.set_preset("micro");
+  ASSERT_TRUE(ApplySetFlags(&spec, {"optimizer.weight_decay=0", "optimizer.warmup_steps=0",
+                                    "optimizer.clip_norm=0"})
+                  .ok());
+  auto set = ResolveJobSpec(spec);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->optimizer().weight_decay(), 0);
+  EXPECT_EQ(set->optimizer().warmup_steps(), 0);
+  EXPECT_EQ(set->optimizer().clip_norm(), 0);
+  EXPECT_DOUBLE_EQ(set->optimizer().beta1(), 0.9);
+}
+
+// Presence is no part of what a spec means once it is resolved: without a preset an explicit 0
+// resolves to what an older Loom wrote, and the hashes a checkpoint records (resume compares
+// the model's) are those of a spec that leaves the field at 0.
+TEST(JobSpec, ExplicitZerosHashAsBefore) {
+  auto text = [](const std::string& model, const std::string& optimizer) {
+    return absl::StrCat(
+        R"({"model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, )",
+        R"("max_seq_len": 128)", model, R"(}, "steps": 10, "micro_batch": 2, "seq_len": 16, )",
+        R"("optimizer": {"lr": 0.001)", optimizer, "}}");
+  };
+  auto implicit = Resolve(text("", ""));
+  auto explicit_zero =
+      Resolve(text(R"(, "rope_theta": 0)", R"(, "clip_norm": 0, "warmup_steps": 0)"));
+  ASSERT_TRUE(implicit.ok()) << implicit.status();
+  ASSERT_TRUE(explicit_zero.ok()) << explicit_zero.status();
+  EXPECT_FALSE(explicit_zero->model().has_rope_theta());
+  EXPECT_EQ(explicit_zero->SerializeAsString(), implicit->SerializeAsString());
+  // Under a preset the 0 keeps its presence, and still hashes as an unset 0.
+  auto preset_off = Resolve(R"({"preset": "micro", "model": {"rope_theta": 0}})");
+  ASSERT_TRUE(preset_off.ok()) << preset_off.status();
+  ASSERT_TRUE(preset_off->model().has_rope_theta());
+  v1::JobSpec unset = *preset_off;
+  unset.mutable_model()->clear_rope_theta();
+  EXPECT_EQ(ModelHash(*preset_off), ModelHash(unset));
+  EXPECT_EQ(SpecHash(*preset_off), SpecHash(unset));
+  auto preset_on = Resolve(R"({"preset": "micro"})");
+  ASSERT_TRUE(preset_on.ok()) << preset_on.status();
+  EXPECT_NE(ModelHash(*preset_off), ModelHash(*preset_on));
 }
 
 TEST(JobSpec, PaperPresetMatchesTheSpec) {

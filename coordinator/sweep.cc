@@ -497,6 +497,10 @@ namespace {
 std::vector<std::string> DifferingFields(const v1::Job& a, const v1::Job& b, v1::JobSpec x,
                                          v1::JobSpec y, const std::set<std::string>& ignored) {
   std::vector<std::string> out;
+  // A 0 set explicitly is the same 0 as one left unset (jobs resolved before 2026-12-07 have no
+  // presence for these fields; a preset's jobs now do).
+  ClearExplicitZeros(&x);
+  ClearExplicitZeros(&y);
   const google::protobuf::Descriptor* d = v1::JobSpec::descriptor();
   for (int i = 0; i < d->field_count(); ++i) {  // fields are moved out of the copies one by one
     const google::protobuf::FieldDescriptor* f = d->field(i);

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "coordinator/stats.h"
 #include "coordinator/sweep_curves.h"
+#include "loom/spec.h"
 
 namespace loom::coordinator {
 namespace {
@@ -98,6 +99,33 @@ TEST(SweepTest, ExpandsGridAndCellsAndAppliesOverrides) {
   s = BaseSweep();
   s.set_baseline("nope");
   EXPECT_NE(ExpandSweep(s).status().message().find("baseline"), std::string::npos);
+}
+
+// A cell's `set:` of rope_theta 0 under a preset is RoPE off, and so is a base's explicit 0 that
+// a cell leaves alone (the base goes through JSON: the 0 must print). Before 2026-12-07 the
+// preset's θ replaced both.
+TEST(SweepTest, CellsKeepAnExplicitZeroUnderAPreset) {
+  v1::JobSpec base;
+  base.set_preset("micro");
+  SweepCell off{"off", {{"model.rope_theta", {}}}};
+  off.set[0].second.set_number_value(0);
+  auto spec = ApplyCell(base, off, 1);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  auto resolved = ResolveJobSpec(*spec);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->model().rope_theta(), 0);
+  base.mutable_model()->set_rope_theta(0);
+  SweepCell lr{"lr", {{"optimizer.lr", {}}}};
+  lr.set[0].second.set_number_value(0.001);
+  spec = ApplyCell(base, lr, 1);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  resolved = ResolveJobSpec(*spec);
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->model().rope_theta(), 0);
+  base.mutable_model()->clear_rope_theta();
+  spec = ApplyCell(base, lr, 1);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(ResolveJobSpec(*spec)->model().rope_theta(), 10000);
 }
 
 TEST(SweepTest, ReportPairsSeedsAndCountsPending) {
@@ -353,6 +381,14 @@ TEST(SweepTest, SpecDifferencesBesidesTheSeedCompareTheModel) {
   b.mutable_spec()->mutable_checkpoint()->set_dir("/storage/jobs/job-000009/checkpoints");
   EXPECT_TRUE(SpecDifferencesBesidesSeed(a, b).empty());
   EXPECT_EQ(SpecDifferencesBesidesModel(a, b), (std::vector<std::string>{"data"}));
+  // A 0 set explicitly (a job resolved since 2026-12-07) is the 0 an older job left unset.
+  b.mutable_spec()->mutable_model()->set_rope_theta(0);
+  b.mutable_spec()->mutable_optimizer()->set_clip_norm(0);
+  a.mutable_spec()->mutable_optimizer();
+  EXPECT_TRUE(SpecDifferencesBesidesSeed(a, b).empty());
+  b.mutable_spec()->mutable_model()->set_rope_theta(10000);
+  EXPECT_EQ(SpecDifferencesBesidesSeed(a, b), (std::vector<std::string>{"model"}));
+  b.mutable_spec()->mutable_model()->clear_rope_theta();
   b.mutable_spec()->mutable_model()->set_n_heads(4);
   EXPECT_EQ(SpecDifferencesBesidesSeed(a, b), (std::vector<std::string>{"model"}));
   b.mutable_spec()->mutable_model()->set_n_heads(2);

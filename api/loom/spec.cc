@@ -395,8 +395,9 @@ absl::StatusOr<v1::JobSpec> WithPreset(const v1::JobSpec& in) {
     if (!in.model().schedule().empty() || in.model().has_hybrid())
       j.mutable_model()->clear_schedule();
   }
+  // The spec's `optional` fields (rope_theta, the optimizer's) win when set, even to 0.
   j.MergeFrom(in);
-  if (!in.preset().empty() && in.optimizer().warmup_steps() == 0) {
+  if (!in.preset().empty() && !in.optimizer().has_warmup_steps()) {
     // The preset's warm-up is sized for its own run length; a shorter run warms up for a tenth.
     j.mutable_optimizer()->set_warmup_steps(PresetWarmup(j.optimizer().warmup_steps(), j.steps()));
   }
@@ -738,6 +739,9 @@ absl::StatusOr<v1::JobSpec> ResolveJobSpec(const v1::JobSpec& in) {
   LOOM_RETURN_IF_ERROR(ResolveRuntime(j));
   LOOM_RETURN_IF_ERROR(ResolveChatAndBackend(j));
   LOOM_RETURN_IF_ERROR(ResolveServe(j));
+  // Without a preset an explicit 0 means what an absent one does: the resolved spec is written
+  // as an older Loom wrote it. With one, the presence keeps the 0 when the spec is resolved again.
+  if (j.preset().empty()) ClearExplicitZeros(&j);
   return j;
 }
 
@@ -806,8 +810,36 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> OptionsAsText(
   return out;
 }
 
+namespace {
+
+// +0 only: the value a field without presence did not serialise (-0 it did).
+bool IsPositiveZero(double v) { return v == 0 && !std::signbit(v); }
+
+}  // namespace
+
+void ClearExplicitZeros(v1::JobSpec* spec) {
+  if (spec->has_model()) {
+    v1::ModelConfig* m = spec->mutable_model();
+    if (m->has_rope_theta() && IsPositiveZero(m->rope_theta())) m->clear_rope_theta();
+  }
+  if (spec->has_optimizer()) {
+    v1::OptimizerConfig* o = spec->mutable_optimizer();
+    if (o->has_min_lr() && IsPositiveZero(o->min_lr())) o->clear_min_lr();
+    if (o->has_warmup_steps() && o->warmup_steps() == 0) o->clear_warmup_steps();
+    if (o->has_beta1() && IsPositiveZero(o->beta1())) o->clear_beta1();
+    if (o->has_beta2() && IsPositiveZero(o->beta2())) o->clear_beta2();
+    if (o->has_weight_decay() && IsPositiveZero(o->weight_decay())) o->clear_weight_decay();
+    if (o->has_clip_norm() && IsPositiveZero(o->clip_norm())) o->clear_clip_norm();
+  }
+}
+
+// Both hashes see the spec as ClearExplicitZeros leaves it, so they are what they were before
+// those fields became `optional`: checkpoints written earlier still resume.
 std::string ModelHash(const v1::JobSpec& resolved) {
-  v1::ModelConfig model = resolved.model();
+  v1::JobSpec spec;
+  *spec.mutable_model() = resolved.model();
+  ClearExplicitZeros(&spec);
+  v1::ModelConfig& model = *spec.mutable_model();
   model.clear_activation_checkpointing();  // how to train, not what is trained
   return Hex(Fnv1a(Deterministic(model)));
 }
@@ -815,6 +847,7 @@ std::string ModelHash(const v1::JobSpec& resolved) {
 std::string SpecHash(const v1::JobSpec& resolved) {
   // Fields that change where output goes or how long to run, not what is trained, are left out.
   v1::JobSpec copy = resolved;
+  ClearExplicitZeros(&copy);
   copy.clear_name();
   copy.clear_steps();
   copy.clear_checkpoint();

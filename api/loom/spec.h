@@ -64,6 +64,13 @@ absl::StatusOr<v1::JobSpec> RecordedSpec(const std::map<std::string, std::string
 absl::Status FillModelFromManifest(v1::JobSpec* spec, const std::string& manifest_json,
                                    const std::string& source);
 
+// The fields that are proto3 `optional` so that an explicit 0 survives a preset (model.rope_theta;
+// optimizer.min_lr, warmup_steps, beta1, beta2, weight_decay, clip_norm) lose that presence where
+// they hold 0: the encoding they had before 2026-12-07, when they had no presence. Hashes and spec
+// comparisons use it, so a spec that sets one to 0 compares equal to one that leaves it at 0 and
+// to what an older Loom recorded. Creates no message the spec lacks.
+void ClearExplicitZeros(v1::JobSpec* spec);
+
 // Stable hashes (64-bit FNV-1a of a deterministic serialisation, hex) that checkpoints record:
 // ModelHash of the model alone (resume refuses a spec whose model differs), SpecHash of the
 // model and training fields (name, steps, checkpoint, metrics and threads left out).
