@@ -30,12 +30,14 @@ demo: build
 # once to leave OpenBLAS's SSE-era kernels (base/blas_core.h), loading LibTorch twice: ask
 # loom-train once which kernels it switches to and give the tests that OPENBLAS_CORETYPE, the
 # choice each process would make itself (nothing where it keeps OpenBLAS's own; blas_core_test
-# unsets it to test the switch). docs/testing.md, "CI time".
+# unsets it to test the switch). ctest counts CPU in half-core slots (cmake/LoomTesting.cmake,
+# loom_test_cpu): two slots per core, so suites that mostly wait can share one. docs/testing.md,
+# "CI time".
 test: build
 	cd $(BUILD_DIR) && core=$$( [ -x bin/loom-train ] && bin/loom-train --help 2>&1 >/dev/null | \
 	    sed -n 's/.*restarting with OPENBLAS_CORETYPE=\([A-Za-z0-9_]*\).*/\1/p'); \
 	  if [ -n "$$core" ]; then export OPENBLAS_CORETYPE=$$core; fi; \
-	  ctest --output-on-failure -j $(JOBS) --timeout 900
+	  ctest --output-on-failure -j $$((2 * $(JOBS))) --resource-spec-file ctest-resources.json --timeout 900
 
 format:
 	git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format -i

@@ -49,4 +49,5 @@ foreach(entry ${LOOM_FUZZERS})
                    ${PROJECT_SOURCE_DIR}/fuzz/corpus/${name})
   set_tests_properties(fuzz_${name} PROPERTIES LABELS fuzz TIMEOUT 300
                        ENVIRONMENT "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1")
+  loom_test_cpu(fuzz_${name} core)
 endforeach()

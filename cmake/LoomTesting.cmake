@@ -14,6 +14,26 @@ if(NOT GTest_FOUND)
 endif()
 include(GoogleTest)
 
+# CPU shares for ctest's scheduler. `make test` runs ctest with two `cpu` slots per core
+# (build/ctest-resources.json, written here) and -j of twice the cores: a test takes 2 slots, a
+# core, unless it was measured to keep less than half a core busy over its run (its faults hold
+# it waiting on leases, timeouts and restarts); such a suite is `light` and takes 1, so two of
+# them share a core instead of leaving half of one idle. Every test must say which
+# (ctest_resources_test checks the registered list).
+cmake_host_system_information(RESULT LOOM_CORES QUERY NUMBER_OF_LOGICAL_CORES)
+math(EXPR _loom_cpu_slots "2 * ${LOOM_CORES}")
+file(WRITE ${PROJECT_BINARY_DIR}/ctest-resources.json
+     "{\"version\": {\"major\": 1, \"minor\": 0}, \"local\": [{\"cpu\": [{\"id\": \"0\", \"slots\": ${_loom_cpu_slots}}]}]}\n")
+function(loom_test_cpu name weight)
+  if(weight STREQUAL "light")
+    set_tests_properties(${name} PROPERTIES RESOURCE_GROUPS "cpu:1")
+  elseif(weight STREQUAL "core")
+    set_tests_properties(${name} PROPERTIES RESOURCE_GROUPS "cpu:2")
+  else()
+    message(FATAL_ERROR "loom_test_cpu(${name} ${weight}): core | light")
+  endif()
+endfunction()
+
 # Test code is compiled -O1 in optimised builds. What a test exercises runs in the libraries at
 # the build's -O3; the test's own code (fixtures, float64 reference loops) then costs a third to
 # a half less to compile (coordinator_tests' batch: 44 -> 24 s of CPU, trainer_tests' 31 -> 24),
@@ -48,6 +68,7 @@ function(loom_test_binary_coverage binary)
            "! \"$0\" --gtest_list_tests --gtest_filter=\"-$1\" | grep '^  '"
            $<TARGET_FILE:${binary}> "${_all}")
   set_tests_properties(${binary}_runs_every_test PROPERTIES LABELS unit TIMEOUT 60)
+  loom_test_cpu(${binary}_runs_every_test core)
 endfunction()
 
 # The --gtest_filter selecting the suites SOURCES define (TEST, TEST_F, TEST_P; a suite's
@@ -102,6 +123,7 @@ function(loom_test name)
   endif()
   set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}" TIMEOUT ${T_TIMEOUT}
                        ENVIRONMENT "OMP_NUM_THREADS=1;LOOM_PLUGIN_PATH=${LOOM_PLUGIN_OUTPUT_DIR};LOOM_SOURCE_DIR=${PROJECT_SOURCE_DIR};${T_ENV}")
+  loom_test_cpu(${name} core)
   # COST (seconds, measured): a fresh clone has no timings, and ctest -j starts costly tests first.
   if(T_COST)
     set_tests_properties(${name} PROPERTIES COST ${T_COST})
