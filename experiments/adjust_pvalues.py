@@ -45,7 +45,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_across import first_reach, paired, sign_p  # noqa: E402
+from compare_across import first_reach, order, paired, sign_p  # noqa: E402
 from compare_settings import welch  # noqa: E402
 
 KINDS = ("primary", "secondary", "post hoc")
@@ -188,23 +188,6 @@ def t_of(where, base, other):
         return paired(as_rows({s: base[s] for s in seeds}), as_rows({s: other[s] for s in seeds}), "v")
     except SystemExit as e:
         raise FamilyError(f"{where}: {e}")
-
-
-def order(sa, sb, only_one=False):
-    first = later = ties = unordered = 0
-    for s in sorted(set(sa) & set(sb)):
-        x, y = sa[s], sb[s]
-        if only_one and x is not None and y is not None:
-            continue
-        if x is None and y is None:
-            unordered += 1
-        elif y is not None and (x is None or y < x):
-            first += 1
-        elif x is not None and (y is None or x < y):
-            later += 1
-        else:
-            ties += 1
-    return first, later, ties, unordered
 
 
 def json_path(where, doc, path):

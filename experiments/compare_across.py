@@ -101,6 +101,48 @@ def first_reach(curves_path, cell, threshold):
     return out
 
 
+def mean_ci(xs):
+    """Mean and 95 % t interval (nan bounds for fewer than 2 values)."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, float("nan"), float("nan")
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    return m, m - half, m + half
+
+
+def paired_t(d):
+    """Mean, 95 % interval and two-sided p of paired differences d."""
+    n = len(d)
+    m, lo, hi = mean_ci(d)
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1)) if n > 1 else 0.0
+    if sd == 0:
+        p = 0.0 if m != 0 else 1.0
+    else:
+        p = 2 * (1 - t_cdf(abs(m) / (sd / math.sqrt(n)), n - 1))
+    return m, lo, hi, p
+
+
+def order(sa, sb, only_one=False):
+    """Seeds on which b reached a level first / later / at the same step / neither (seed -> step,
+    None: never). only_one: count only seeds where at most one of them reached it."""
+    first = later = ties = unordered = 0
+    for s in sorted(set(sa) & set(sb)):
+        x, y = sa[s], sb[s]
+        if only_one and x is not None and y is not None:
+            continue
+        if x is None and y is None:
+            unordered += 1
+        elif y is not None and (x is None or y < x):
+            first += 1
+        elif x is not None and (y is None or x < y):
+            later += 1
+        else:
+            ties += 1
+    return first, later, ties, unordered
+
+
 def sign_p(k, n):
     """Two-sided exact sign test: k of n seeds one way."""
     if n == 0:
@@ -126,17 +168,7 @@ def main():
           f"95% bootstrap [{boot[0]:+.4f}, {boot[1]:+.4f}]  p {p:.3g}")
     if a.curves and a.threshold is not None:
         sa, sb = first_reach(a.curves[0], ca, a.threshold), first_reach(a.curves[1], cb, a.threshold)
-        first = later = ties = unordered = 0
-        for s in sorted(set(sa) & set(sb)):
-            x, y = sa[s], sb[s]
-            if x is None and y is None:
-                unordered += 1
-            elif y is not None and (x is None or y < x):
-                first += 1
-            elif x is not None and (y is None or x < y):
-                later += 1
-            else:
-                ties += 1
+        first, later, ties, unordered = order(sa, sb)
         print(f"  steps until accuracy >= {a.threshold}: {cb} {[sb.get(s) for s in seeds]}, "
               f"{ca} {[sa.get(s) for s in seeds]}")
         print(f"  {cb} first {first}, later {later}, ties {ties}, unordered {unordered}; "

@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from adjust_pvalues import holm  # noqa: E402
-from compare_across import sign_p, t_cdf, t_quantile  # noqa: E402
+from compare_across import mean_ci, order, paired_t, sign_p  # noqa: E402
 
 BUDGET = 12000
 THRESHOLD = 0.8
@@ -59,43 +59,13 @@ def measures(curve):
             "final": curve.get(BUDGET, float("nan")), "reach": reach, "complete": complete}
 
 
-def interval(xs):
-    n = len(xs)
-    mean = sum(xs) / n
-    if n < 2:
-        return mean, float("nan"), float("nan")
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
-
-
-def paired_t(a, b):
+def paired(a, b):
     """b - a over the seeds both have: n, mean, 95 % CI, two-sided p."""
     seeds = sorted(set(a) & set(b))
-    d = [b[s] - a[s] for s in seeds]
-    n = len(d)
-    if n < 2:
-        return n, float("nan"), (float("nan"), float("nan")), float("nan")
-    mean, low, high = interval(d)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-    p = 2 * (1 - t_cdf(abs(mean) / (sd / math.sqrt(n)), n - 1)) if sd > 0 else (0.0 if mean else 1.0)
-    return n, mean, (low, high), p
-
-
-def sign_test(a, b):
-    """IHA (b) first / later / ties / unordered by steps until the threshold."""
-    first = later = ties = unordered = 0
-    for s in sorted(set(a) & set(b)):
-        x, y = a[s], b[s]
-        if x is None and y is None:
-            unordered += 1
-        elif x is not None and (y is None or x < y):
-            later += 1
-        elif y is not None and (x is None or y < x):
-            first += 1
-        else:
-            ties += 1
-    return first, later, ties, unordered, sign_p(first, first + later)
+    if len(seeds) < 2:
+        return len(seeds), float("nan"), (float("nan"), float("nan")), float("nan")
+    m, lo, hi, p = paired_t([b[s] - a[s] for s in seeds])
+    return len(seeds), m, (lo, hi), p
 
 
 def cell_table(table, per):
@@ -106,8 +76,8 @@ def cell_table(table, per):
         done = [x for x in m if x["complete"]]
         if not done:
             continue
-        mean, lo, hi = interval([100 * x["mean"] for x in done])
-        fin, flo, fhi = interval([100 * x["final"] for x in done])
+        mean, lo, hi = mean_ci([100 * x["mean"] for x in done])
+        fin, flo, fhi = mean_ci([100 * x["final"] for x in done])
         reached = sum(x["reach"] is not None for x in done)
         lines.append(f"| {model} | {config} | {len(done)} | {mean:.1f} [{lo:.1f}, {hi:.1f}] | "
                      f"{fin:.1f} [{flo:.1f}, {fhi:.1f}] | {reached} |")
@@ -147,20 +117,21 @@ def main():
     for column, label in (("mean", "1. mean accuracy over the run (primary)"), ("final", "2. final accuracy")):
         x = {s: 100 * v[column] for s, v in per[("mha", bm)].items() if v["complete"]}
         y = {s: 100 * v[column] for s, v in per[("iha", bi)].items() if v["complete"]}
-        n, mean, ci, p = paired_t(x, y)
+        n, mean, ci, p = paired(x, y)
         rows.append(f"| {label} | best IHA ({bi}) − best MHA ({bm}) | {n} | {mean:+.2f} "
                     f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {p:.3g} |")
         ps.append(p)
     ra = {s: v["reach"] for s, v in per[("mha", bm)].items() if v["complete"]}
     rb = {s: v["reach"] for s, v in per[("iha", bi)].items() if v["complete"]}
-    first, later, ties, unordered, p = sign_test(ra, rb)
+    first, later, ties, unordered = order(ra, rb)
+    p = sign_p(first, first + later)
     rows.append(f"| 3. steps until 80 % (sign test) | best IHA vs best MHA | {first + later + ties + unordered} | "
                 f"IHA first {first}, later {later}, ties {ties}, neither {unordered} | {p:.3g} |")
     ps.append(p)
     twice = {s: c for s, c in mha.get("mha-2x", {}).items() if max(c) == 2 * BUDGET}
     x = {s: 100 * c[2 * BUDGET] for s, c in twice.items()}
     y = {s: 100 * v["final"] for s, v in per.get(("iha", "lr1e-3-const"), {}).items() if v["complete"]}
-    n, mean, ci, p = paired_t(x, y)
+    n, mean, ci, p = paired(x, y)
     rows.append(f"| 4. final accuracy | IHA lr 1e-3 const at 12 000 − MHA at 24 000 | {n} | {mean:+.2f} "
                 f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {p:.3g} |")
     ps.append(p)

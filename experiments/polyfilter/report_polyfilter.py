@@ -26,7 +26,8 @@ import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from compare_across import t_cdf, t_quantile  # noqa: E402
+from adjust_pvalues import holm  # noqa: E402
+from compare_across import mean_ci, paired_t  # noqa: E402
 
 FLOATS = ["train_loss", "train_residual", "heldout_residual", "population_residual",
           "ey_bound_heads", "ey_bound_rank", "wall_s"]
@@ -66,38 +67,6 @@ def select_restarts(rows):
                                                                   best[key]["restart"]):
             best[key] = r
     return best
-
-
-def mean_ci(xs):
-    n = len(xs)
-    m = sum(xs) / n
-    if n < 2:
-        return m, float("nan"), float("nan")
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
-    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
-    return m, m - half, m + half
-
-
-def paired_t(d):
-    """Mean, 95 % interval and two-sided p of paired differences d."""
-    n = len(d)
-    m, lo, hi = mean_ci(d)
-    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (n - 1)) if n > 1 else 0.0
-    if sd == 0:
-        p = 0.0 if m != 0 else 1.0
-    else:
-        p = 2 * (1 - t_cdf(abs(m) / (sd / math.sqrt(n)), n - 1))
-    return m, lo, hi, p
-
-
-def holm(ps):
-    """Holm-adjusted p-values, in the order given."""
-    order = sorted(range(len(ps)), key=lambda i: ps[i])
-    adj, running = [0.0] * len(ps), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
-        adj[i] = running
-    return adj
 
 
 def e(x):
