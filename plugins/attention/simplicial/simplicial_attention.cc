@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cpu_kernels/linear_cpu.h"
+#include "plugins/attention/simplicial/simplicial_cpu.h"
 
 namespace loom::attention {
 
@@ -56,6 +57,7 @@ SimplicialAttention::SimplicialAttention(const LoomAttentionSpecV1& spec)
   window2_ = Tighter(window_, opts.GetInt("window2", 0, 0, kMaxOption));
   scale_ = opts.GetDouble("scale", 1.0 / std::sqrt(static_cast<double>(head_dim_)), 1e-12, 1e12);
   rope_ = opts.GetChoice("rope", "none", {"none", "rotate"}) == "rotate";
+  kernel_ = opts.GetChoice("kernel", "auto", {"auto", "fused", "reference"});
   query_chunk_ = opts.GetInt("query_chunk", 0, 0, kMaxOption);
   opts.Finish();
   if (rope_ && rope_theta_ <= 0) {
@@ -88,10 +90,23 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> SimplicialAttention::Pro
 
 torch::Tensor SimplicialAttention::forward(const torch::Tensor& x, const AttentionInputs& inputs) {
   auto [q, k, v] = Project(x, inputs);
+  if (UsesFusedKernel(q)) {
+    torch::Tensor segments = CheckedSegments(inputs.segments, x.size(0), x.size(1), x.device());
+    return Output(SimplicialCpu(q, k, v, segments, {causal_, window1_, window2_}, scale_));
+  }
   // Causal and window masks are built per chunk from indices; only segments need a tensor.
   torch::Tensor base =
       WithSegments(torch::Tensor(), inputs.segments, x.size(0), x.size(1), 1, x.device());
   return Output(Simplicial(q, k, v, base, 0, 0));
+}
+
+bool SimplicialAttention::UsesFusedKernel(const torch::Tensor& q) const {
+  if (kernel_ == "reference") return false;
+  const bool supported = SimplicialCpuSupports(q);
+  TORCH_CHECK(supported || kernel_ == "auto", plugin_,
+              ": options.kernel 'fused' runs on CPU float32 or float64 tensors, got ", q.device(),
+              " ", q.scalar_type());
+  return supported;
 }
 
 std::unique_ptr<AttentionCache> SimplicialAttention::NewCache() const {

@@ -11,11 +11,14 @@
 // i - j < w1, i - l < w2 (encoders: |i - j| < w1, |i - l| < w2). w1 = options.window1, w2 =
 // options.window2, each also bounded by the layer's spec window (0 = unbounded).
 //
-// Why plain LibTorch ops: the synthetic tasks use short sequences, and a float64 loop reference
-// decides correctness (simplicial_attention_test). Queries are processed in chunks, each over
-// the band of keys its window can reach, so no-grad peak memory is O(chunk · w1 · w2) per head
-// and the work O(N · w1 · w2 · d) (O(N³ · d) unwindowed). Under autograd the saved probabilities
-// of every chunk stay alive: O(N · w1 · w2) per head.
+// Two implementations (options.kernel). The fused CPU kernel (simplicial_cpu.h: per (row,
+// head) tiles in cache, the backward by recomputation, O(N) memory saved per head) is the
+// default on CPU float32/float64. The reference path is plain LibTorch ops, for other devices
+// and dtypes and for cached decoding: queries in chunks, each over the band of keys its window
+// can reach, so no-grad peak memory is O(chunk · w1 · w2) per head and the work O(N · w1 · w2 ·
+// d) (O(N³ · d) unwindowed); under autograd the saved probabilities of every chunk stay alive,
+// O(N · w1 · w2) per head. A float64 loop reference decides the correctness of both
+// (simplicial_attention_test).
 //
 // RoPE: the trilinear form is not invariant under a common rotation of q, k, k', so rotary
 // phases give no relative position. Option rope = none (default: the layer ignores positions) |
@@ -27,6 +30,7 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <string>
 
 #include "loom/attention_plugin.h"
 #include "plugins/attention/common/attention_common.h"
@@ -58,6 +62,9 @@ class SimplicialAttention : public ProjectedAttention {
   int64_t window2() const { return window2_; }
   double scale() const { return scale_; }
   int64_t query_chunk() const { return query_chunk_; }
+  // options.kernel: "auto" (the fused CPU kernel where it applies, else the reference path),
+  // "fused" (an error elsewhere) or "reference" (LibTorch ops, chunked over queries).
+  const std::string& kernel() const { return kernel_; }
 
   torch::nn::Linear k2{nullptr}, v2{nullptr};  // k2_proj, v2_proj: [H·d, D]
 
@@ -80,7 +87,11 @@ class SimplicialAttention : public ProjectedAttention {
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> Project(const torch::Tensor& x,
                                                                   const AttentionInputs& inputs);
 
+  // Whether forward() takes the fused CPU kernel (simplicial_cpu.h) for these queries.
+  bool UsesFusedKernel(const torch::Tensor& q) const;
+
   int64_t window1_ = 0, window2_ = 0, query_chunk_ = 0;
+  std::string kernel_ = "auto";
   double scale_ = 1.0;
   bool rope_ = false;
 };
