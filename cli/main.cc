@@ -1224,6 +1224,10 @@ void AddSweepCommands(CommandLine& line, Commands& c) {
   submit->add_option("file", c.sweep_arg, "the sweep file (YAML or JSON)")->required();
   C::Flags(submit, {{"request-id", "KEY", "idempotency key"}});
   C::Switch(submit, "-f,--follow", "wait, then print the report");
+  CLI::App* expand = sweep->add_subcommand(
+      "expand", "the job specs a sweep file makes, without a coordinator (--cell, --seed: one)");
+  expand->add_option("file", c.sweep_arg, "the sweep file (YAML or JSON)")->required();
+  C::Flags(expand, {{"cell", "NAME", "only this cell"}, {"seed", "N", "only this seed"}});
   sweep->add_subcommand("list", "sweeps");
   CLI::App* status = sweep->add_subcommand("status", "a sweep's jobs and their states");
   CLI::App* cancel = sweep->add_subcommand("cancel", "cancel a sweep and its jobs");
@@ -1309,6 +1313,7 @@ absl::Status RunCommand(const CommandLine& line, const Commands& c) {
   }
   for (CLI::App* cmd : c.sweep->get_subcommands()) {
     const CliArgs args = line.ArgsOf(cmd);
+    if (cmd->get_name() == "expand") return ExpandSweepFile(c.sweep_arg, args);  // offline
     LOOM_RETURN_IF_ERROR(cli.Init(args));
     return RunSweepCommand(cli.client(), cmd->get_name(), c.sweep_arg, args, cli.output());
   }

@@ -2,9 +2,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -14,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -21,6 +24,8 @@
 #include "absl/strings/str_replace.h"
 #include "base/status_macros.h"
 #include "cli/input_files.h"
+#include "coordinator/sweep_cells.h"
+#include "loom/proto_json.h"
 #include "loom/spec.h"
 #include "loom/v1/control.pb.h"
 
@@ -386,6 +391,46 @@ absl::Status ShowSweep(client::RestClient& client, const std::string& id, bool c
 }
 
 }  // namespace
+
+absl::Status ExpandSweepFile(const std::string& file, const CliArgs& args) {
+  LOOM_ASSIGN_OR_RETURN(const v1::SweepSpec spec, ReadSweepFile(file));
+  LOOM_ASSIGN_OR_RETURN(const std::vector<coordinator::SweepCell> cells,
+                        coordinator::ExpandSweep(spec));
+  std::vector<const coordinator::SweepCell*> chosen;
+  std::vector<std::string> names;
+  for (const auto& cell : cells) {
+    names.push_back(cell.name);
+    if (!args.Has("cell") || cell.name == args.Get("cell")) chosen.push_back(&cell);
+  }
+  if (chosen.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--cell: no cell named '", args.Get("cell"),
+                                                   "' (cells: ", absl::StrJoin(names, "; "), ")"));
+  }
+  std::vector<uint64_t> seeds(spec.seeds().begin(), spec.seeds().end());
+  if (args.Has("seed")) {
+    LOOM_ASSIGN_OR_RETURN(const int64_t seed, args.GetInt("seed", 0, 1, INT64_MAX));
+    if (std::find(seeds.begin(), seeds.end(), static_cast<uint64_t>(seed)) == seeds.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--seed: ", seed, " is not one of the sweep's seeds (", absl::StrJoin(seeds, ", "), ")"));
+    }
+    seeds = {static_cast<uint64_t>(seed)};
+  }
+  std::vector<std::string> jobs;
+  for (const coordinator::SweepCell* cell : chosen) {
+    for (uint64_t seed : seeds) {
+      LOOM_ASSIGN_OR_RETURN(const v1::JobSpec job,
+                            coordinator::ApplyCell(spec.base().spec(), *cell, seed));
+      jobs.push_back(MessageToJsonText(job, /*pretty=*/true));
+      if (chosen.size() > 1 || seeds.size() > 1) {
+        jobs.back() = absl::StrCat("{\"cell\": \"", absl::CEscape(cell->name),
+                                   "\", \"seed\": ", seed, ", \"spec\": ", jobs.back(), "}");
+      }
+    }
+  }
+  std::cout << (jobs.size() == 1 ? jobs[0] : absl::StrCat("[", absl::StrJoin(jobs, ",\n"), "]"))
+            << "\n";
+  return absl::OkStatus();
+}
 
 absl::Status RunSweepCommand(client::RestClient& client, const std::string& what,
                              const std::string& arg, const CliArgs& args, Output output) {

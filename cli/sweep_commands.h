@@ -11,6 +11,12 @@
 
 namespace loom::cli {
 
+// `loom sweep expand FILE [--cell NAME] [--seed N]`: the job specs the sweep file makes, as
+// submitting it would, without a coordinator. One (cell, seed): its JobSpec as JSON, which
+// `loom-train train --spec` takes; several: a JSON list of {cell, seed, spec}. Errors name the
+// flag and list the choices.
+absl::Status ExpandSweepFile(const std::string& file, const CliArgs& args);
+
 // `what`: submit | list | status | cancel | report; `arg`: the file (submit) or the sweep id.
 absl::Status RunSweepCommand(client::RestClient& client, const std::string& what,
                              const std::string& arg, const CliArgs& args, Output output);

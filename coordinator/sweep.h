@@ -1,7 +1,7 @@
 // Sweeps (docs/sweeps.md): a base job, cells made of JobSpec overrides (a grid and/or a list),
-// and seeds. Expansion into ordinary jobs and the report (per-cell intervals, paired differences
-// against a baseline cell) are pure functions of the sweep and its jobs; the coordinator stores
-// and schedules.
+// and seeds. Expansion into ordinary jobs (sweep_cells.h) and the report (per-cell intervals,
+// paired differences against a baseline cell) are pure functions of the sweep and its jobs; the
+// coordinator stores and schedules.
 #ifndef LOOM_COORDINATOR_SWEEP_H_
 #define LOOM_COORDINATOR_SWEEP_H_
 
@@ -11,41 +11,15 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "coordinator/sweep_cells.h"
 #include "loom/v1/control.pb.h"
 
 namespace loom::coordinator {
 
-inline constexpr int kMaxSweepJobs = 1000;
-
-struct SweepCell {
-  std::string name;
-  std::vector<std::pair<std::string, google::protobuf::Value>> set;  // path -> value, in order
-};
-
-// A report's metric (eval_loss | accuracy | exact_match), selection (final | best | test |
-// reach | mean), eval.lengths length (0 = the training length) and, for reach, the threshold;
-// empty/0 means the default. Errors name the field.
-absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& select,
-                                  int64_t length = 0, double threshold = 0);
-
-// pass@1 | maj@k | answered: read from the reasoning evaluations (kind reasoning), which are
-// what a job's curve has for them; the other metrics from its held-out evaluations.
-bool IsReasoningMetric(const std::string& metric);
 // Whether `e` is one of the evaluations a metric is read from.
 bool CountsFor(const v1::EvalResult& e, const std::string& metric);
 // The value of a metric (eval_loss | accuracy | exact_match | pass@1 | maj@k | answered).
 double EvalMetric(const v1::EvalResult& e, const std::string& metric);
-
-// Checks the spec's own fields (seeds, metric, select, sizes) and expands its cells: the grid's
-// combinations (paths in order, values in order), crossed with the listed cells when both are
-// given. Errors name the field.
-absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec);
-
-// `base` with the cell's overrides applied (paths like "optimizer.lr" or
-// "model.schedule[0].attention.plugin", relative to the JobSpec; missing objects are created, an
-// index may append one element) and spec.seed = seed. Errors name the cell and the path.
-absl::StatusOr<v1::JobSpec> ApplyCell(const v1::JobSpec& base, const SweepCell& cell,
-                                      uint64_t seed);
 
 // The top-level fields in which two jobs' specs differ (jobs of one seed: seed-derived fields
 // such as data.seed are compared too), besides the model, the seed and what

@@ -49,7 +49,7 @@ def main():
     assert {"up", "submit", "list", "status", "logs", "cancel", "plot", "checkpoints", "workers",
             "sweep"} <= set(names), names
     sweep_names = commands(loom(args, "sweep", "--help").stdout)
-    assert sweep_names == ["submit", "list", "status", "cancel", "report", "curves"], sweep_names
+    assert sweep_names == ["submit", "expand", "list", "status", "cancel", "report", "curves"], sweep_names
     every = [[n] for n in names] + [["sweep", n] for n in sweep_names]
     checked = 0
     for cmd in every:
