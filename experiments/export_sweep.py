@@ -36,6 +36,9 @@ def curve(evals):
     return [e for e in evals if latest[(e.get("kind", ""), int(e.get("length", 0)), int(e.get("step", 0)))] is e]
 
 
+CURVE_FIELDS = ["cell", "seed", "job", "step", "eval_loss", "accuracy", "exact_match"]
+
+
 def held_out_evals(evals):
     """The held-out evaluations at the training length (validation ones under data.splits)."""
     return [e for e in evals if e.get("kind", "") in ("", "heldout", "validation")]
@@ -103,9 +106,9 @@ def main():
         w.writeheader()
         w.writerows(rows)
     print(f"{a.out}: {len(rows)} jobs of {a.sweep}")
-    if a.curves and curves:
+    if a.curves:  # written even when no job has evaluated yet: readers get the header
         with open(a.curves, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(curves[0].keys()))
+            w = csv.DictWriter(f, fieldnames=CURVE_FIELDS)
             w.writeheader()
             w.writerows(curves)
         print(f"{a.curves}: {len(curves)} held-out evaluations")

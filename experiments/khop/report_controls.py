@@ -2,7 +2,7 @@
 """The analysis fixed in experiments/khop/khop-simple-hops3-heads2-controls-mha.yaml's header,
 from the two sweeps' curves (export_sweep.py --curves): every held-out evaluation of every job.
 
-usage: report_controls.py MHA.curves.csv IHA.curves.csv [--markdown]
+usage: report_controls.py MHA.curves.csv IHA.curves.csv   (prints markdown tables)
 
 Per configuration (model, lr, schedule) and seed: the mean held-out accuracy over the run
 (evaluations after step 0 up to step 12 000), the final accuracy at step 12 000 and the first
