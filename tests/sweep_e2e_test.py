@@ -11,10 +11,12 @@ cell; a report that merges another sweep's seeds in. The curves (`loom sweep cur
 `GET /v1/sweeps/{id}/curves`: per cell and step the mean and interval over seeds, per step the
 paired difference) are checked against the same independent computation at every step. A sweep
 of reasoning-SFT jobs is reported by pass@1, maj@k and answered, paired by seed and by problem,
-against a computation from the trainer's per-problem details files. Every process is stopped at
-the end.
+against a computation from the trainer's per-problem details files. experiments/export_sweep.py
+(the source of docs/results.md's raw CSVs) writes what the API has, and `loom sweep expand`
+(offline) gives the specs the coordinator made. Every process is stopped at the end.
 """
 import argparse
+import csv as csv_module
 import functools
 import itertools
 import json
@@ -28,6 +30,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loom_testlib import Api, free_port, kill_all, wait_for  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROCS = []
 
@@ -97,7 +101,7 @@ class Up:
                                       "--data-dir", os.path.join(tmp, "up")], env=self.env,
                                      stdout=open(os.path.join(tmp, "up.log"), "w"), stderr=subprocess.STDOUT)
         PROCS.append(self.proc)
-        token_file = os.path.join(tmp, "xdg", "loom", f"local-{self.port}.token")
+        token_file = self.token_file = os.path.join(tmp, "xdg", "loom", f"local-{self.port}.token")
         wait_for("loom up's token", lambda: os.path.exists(token_file) and open(token_file).read().strip(), 30)
         self.api = Api(self.port, open(token_file).read().strip())
         wait_for("a live worker", lambda: any(w["state"] == "alive" for w in self.api.workers()), 30)
@@ -135,6 +139,59 @@ seeds: {seeds}
 metric: eval_loss
 request_id: {request_id}
 """
+
+
+def is_default(v):
+    return v in (0, "0", "", False, None) or (isinstance(v, list) and not v) or \
+        (isinstance(v, dict) and all(is_default(x) for x in v.values()))
+
+
+def same_spec(printed, served, where):
+    """`printed` (defaults left out) and `served` (every field, defaults included) are one spec."""
+    if isinstance(served, dict):
+        assert isinstance(printed, dict) and set(printed) <= set(served), (where, printed, served)
+        for k, v in served.items():
+            if k in printed:
+                same_spec(printed[k], v, f"{where}.{k}")
+            else:
+                assert is_default(v), (f"{where}.{k}", v)
+    elif isinstance(served, list):
+        assert isinstance(printed, list) and len(printed) == len(served), (where, printed, served)
+        for i, (a, b) in enumerate(zip(printed, served)):
+            same_spec(a, b, f"{where}[{i}]")
+    else:
+        assert str(printed) == str(served) or float(printed) == float(served), (where, printed, served)
+
+
+def check_export_and_expand(up, sweep, path, raw, tmp):
+    """experiments/export_sweep.py (the source of docs/results.md's raw CSVs) writes each job's
+    final held-out loss as the API has it and every held-out evaluation in order; `loom sweep
+    expand` on the file gives exactly the specs the coordinator made (every field it prints has
+    the submitted request's value; the request's other fields are at their defaults)."""
+    out, curves = os.path.join(tmp, "export.raw.csv"), os.path.join(tmp, "export.curves.csv")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "export_sweep.py"),
+                        "--coordinator", f"http://127.0.0.1:{up.port}", "--token-file", up.token_file,
+                        "--sweep", sweep["id"], "--out", out, "--curves", curves],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = list(csv_module.DictReader(open(out)))
+    assert sorted((row["cell"], int(row["seed"])) for row in rows) == \
+        sorted((c, s) for c in raw for s in raw[c]), rows
+    for row in rows:
+        assert row["state"] == "succeeded" and int(row["steps_run"]) == 30 and int(row["step"]) == 30, row
+        assert float(row["eval_loss"]) == raw[row["cell"]][int(row["seed"])], (row, raw)
+    points = list(csv_module.DictReader(open(curves)))
+    for row in rows:
+        mine = [p for p in points if p["job"] == row["job"]]
+        assert [int(p["step"]) for p in mine] == [0, 10, 20, 30], mine
+        assert float(mine[-1]["eval_loss"]) == float(row["eval_loss"]), (mine, row)
+    jobs = json.loads(up.loom("sweep", "expand", path))
+    assert len(jobs) == len(sweep["jobs"]), jobs
+    for sj in sweep["jobs"]:
+        [mine] = [j for j in jobs if j["cell"] == sj["cell"] and int(j["seed"]) == int(sj["seed"])]
+        same_spec(mine["spec"], up.api.job(sj["job_id"])["request"]["spec"], "spec")
+    print(f"ok: export_sweep.py wrote {len(rows)} jobs and {len(points)} evaluations as the API has "
+          f"them; loom sweep expand made the coordinator's {len(jobs)} specs offline")
 
 
 def test_report_matches_raw_results(up, tmp):
@@ -207,6 +264,7 @@ def test_report_matches_raw_results(up, tmp):
         assert status == 400 and field in body["error"]["message"], (query, status, text)
         violations = [v for d in body["error"]["details"] for v in d.get("fieldViolations", [])]
         assert [v["field"] for v in violations] == [field], (query, body)
+    check_export_and_expand(up, sweep, path, raw, tmp)
     check_reach_report(up, sweep)
     check_mean_report(up, sweep)
     check_curves(up, sweep, report)
