@@ -15,61 +15,88 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <map>
-#include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "base/cli_args.h"
 #include "base/cpu_process.h"
+#include "base/status_macros.h"
 #include "plugins/attention/simplicial/simplicial_attention.h"
 
 namespace {
 
 using loom::attention::SimplicialAttention;
-using Flags = std::map<std::string, std::string>;
+// The benchmark's settings; flags as in the header, checked with errors that name the flag.
+struct Settings {
+  std::vector<int64_t> n;
+  int64_t batch = 32, heads = 8, dim = 16, window1 = 0, window2 = 0, threads = 1, reps = 5;
+  bool causal = false, ragged = false;
+};
 
-std::optional<Flags> ParseFlags(int argc, char** argv, int* exit_code) {
-  Flags flags = {{"n", "64,100"},  {"batch", "32"},     {"heads", "8"},   {"dim", "16"},
-                 {"mask", "none"}, {"window1", "0"},    {"window2", "0"}, {"threads", "1"},
-                 {"reps", "5"},    {"segments", "none"}};
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a.rfind("--", 0) != 0 || i + 1 >= argc || !flags.count(a.substr(2)) ||
-        (a == "--mask" && std::string(argv[i + 1]) != "none" &&
-         std::string(argv[i + 1]) != "causal") ||
-        (a == "--segments" && std::string(argv[i + 1]) != "none" &&
-         std::string(argv[i + 1]) != "ragged")) {
-      std::fprintf(stderr,
-                   "usage: loom-bench-simplicial [--n 64,100] [--batch B] [--heads H] [--dim d] "
-                   "[--mask none|causal] [--window1 W] [--window2 W] [--segments none|ragged] "
-                   "[--threads T] [--reps R]\n");
-      *exit_code = a == "--help" ? 0 : 2;
-      return std::nullopt;
+constexpr char kUsage[] =
+    "usage: loom-bench-simplicial [--n 64,100] [--batch B] [--heads H] [--dim d] "
+    "[--mask none|causal] [--window1 W] [--window2 W] [--segments none|ragged] [--threads T] "
+    "[--reps R]";
+
+absl::StatusOr<std::vector<int64_t>> ParseList(const std::string& s) {
+  std::vector<int64_t> out;
+  for (absl::string_view item : absl::StrSplit(s, ',')) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(item, &v) || v < 1 || v > 65536) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--n: '", item, "' is not a length in [1, 65536]"));
     }
-    flags[a.substr(2)] = argv[++i];
+    out.push_back(v);
   }
-  return flags;
+  return out;
 }
 
-// The layer's spec; `options` must outlive the layer (the spec points into it).
-LoomAttentionSpecV1 Spec(const Flags& f, bool causal, std::vector<LoomOption>* options) {
-  LoomAttentionSpecV1 s{};
-  s.n_heads = std::stoll(f.at("heads"));
-  s.head_dim = std::stoll(f.at("dim"));
-  s.d_model = s.n_heads * s.head_dim;
-  s.causal = causal;
-  s.n_layers = 1;
-  s.options = options->data();
-  s.num_options = options->size();
+absl::StatusOr<std::string> Choice(const loom::CliArgs& args, const std::string& flag,
+                                   const std::string& fallback, const std::string& other) {
+  const std::string v = args.Get(flag, fallback);
+  if (v != fallback && v != other) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", flag, ": '", v, "' is not ", fallback, " or ", other));
+  }
+  return v;
+}
+
+absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
+  LOOM_ASSIGN_OR_RETURN(const loom::CliArgs args,
+                        loom::CliArgs::Parse(argc, argv, 1,
+                                             {"n", "batch", "heads", "dim", "mask", "window1",
+                                              "window2", "segments", "threads", "reps"}));
+  Settings s;
+  LOOM_ASSIGN_OR_RETURN(s.n, ParseList(args.Get("n", "64,100")));
+  LOOM_ASSIGN_OR_RETURN(s.batch, args.GetInt("batch", 32, 1, 4096));
+  LOOM_ASSIGN_OR_RETURN(s.heads, args.GetInt("heads", 8, 1, 256));
+  LOOM_ASSIGN_OR_RETURN(s.dim, args.GetInt("dim", 16, 1, 1024));
+  LOOM_ASSIGN_OR_RETURN(s.window1, args.GetInt("window1", 0, 0, 1 << 20));
+  LOOM_ASSIGN_OR_RETURN(s.window2, args.GetInt("window2", 0, 0, 1 << 20));
+  LOOM_ASSIGN_OR_RETURN(s.threads, args.GetInt("threads", 1, 1, 1024));
+  LOOM_ASSIGN_OR_RETURN(s.reps, args.GetInt("reps", 5, 1, 1000));
+  LOOM_ASSIGN_OR_RETURN(const std::string mask, Choice(args, "mask", "none", "causal"));
+  LOOM_ASSIGN_OR_RETURN(const std::string segments, Choice(args, "segments", "none", "ragged"));
+  s.causal = mask == "causal";
+  s.ragged = segments == "ragged";
   return s;
 }
 
-std::vector<int64_t> ParseList(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(std::stoll(item));
-  return out;
+// The layer's spec; `options` must outlive the layer (the spec points into it).
+LoomAttentionSpecV1 Spec(const Settings& s, std::vector<LoomOption>* options) {
+  LoomAttentionSpecV1 spec{};
+  spec.n_heads = s.heads;
+  spec.head_dim = s.dim;
+  spec.d_model = s.heads * s.dim;
+  spec.causal = s.causal;
+  spec.n_layers = 1;
+  spec.options = options->data();
+  spec.num_options = options->size();
+  return spec;
 }
 
 // Median seconds of `reps` timed steps (forward, backward of a fixed projection) after one warm-up;
@@ -102,49 +129,58 @@ torch::Tensor RaggedSegments(int64_t batch, int64_t n) {
   return seg;
 }
 
-void RunShape(const Flags& f, int64_t n) {
-  const int64_t batch = std::stoll(f.at("batch")), reps = std::stoll(f.at("reps"));
-  const int64_t d_model = std::stoll(f.at("heads")) * std::stoll(f.at("dim"));
-  const bool causal = f.at("mask") == "causal";
-  std::vector<LoomOption> fused_options = {{"window1", f.at("window1").c_str()},
-                                           {"window2", f.at("window2").c_str()},
-                                           {"kernel", "fused"}};
+void RunShape(const Settings& s, int64_t n) {
+  const std::string w1 = std::to_string(s.window1), w2 = std::to_string(s.window2);
+  std::vector<LoomOption> fused_options = {
+      {"window1", w1.c_str()}, {"window2", w2.c_str()}, {"kernel", "fused"}};
   std::vector<LoomOption> reference_options = fused_options;
   reference_options.back().value = "reference";
   torch::manual_seed(0);
-  SimplicialAttention fused(Spec(f, causal, &fused_options));
-  SimplicialAttention reference(Spec(f, causal, &reference_options));
+  SimplicialAttention fused(Spec(s, &fused_options));
+  SimplicialAttention reference(Spec(s, &reference_options));
   {
     torch::NoGradGuard no_grad;
     auto src = fused.named_parameters();
     for (auto& p : reference.named_parameters()) p.value().copy_(src[p.key()]);
   }
-  torch::Tensor x = torch::randn({batch, n, d_model}), probe = torch::randn({batch, n, d_model});
+  const int64_t d_model = s.heads * s.dim;
+  torch::Tensor x = torch::randn({s.batch, n, d_model}),
+                probe = torch::randn({s.batch, n, d_model});
   loom::AttentionInputs in{torch::arange(n), {}};
-  if (f.at("segments") == "ragged") in.segments = RaggedSegments(batch, n);
+  if (s.ragged) in.segments = RaggedSegments(s.batch, n);
   torch::Tensor yr, yf;
-  const double tr = TimeSteps(reference, x, probe, in, reps, &yr);
-  const double tf = TimeSteps(fused, x, probe, in, reps, &yf);
-  const double flops = 3.0 * fused.ForwardFlopsPerToken(n) * static_cast<double>(batch * n);
+  const double tr = TimeSteps(reference, x, probe, in, s.reps, &yr);
+  const double tf = TimeSteps(fused, x, probe, in, s.reps, &yf);
+  const double flops = 3.0 * fused.ForwardFlopsPerToken(n) * static_cast<double>(s.batch * n);
   std::printf("%5lld %7s %6s %4s,%-4s %12.4f %12.4f %8.2fx %10.1f %10.1f %10.2e\n",
-              static_cast<long long>(n), f.at("mask").c_str(), f.at("segments").c_str(),
-              f.at("window1").c_str(), f.at("window2").c_str(), tr, tf, tr / tf, flops / tr / 1e9,
-              flops / tf / 1e9, (yr - yf).abs().max().item<double>());
+              static_cast<long long>(n), s.causal ? "causal" : "none", s.ragged ? "ragged" : "none",
+              w1.c_str(), w2.c_str(), tr, tf, tr / tf, flops / tr / 1e9, flops / tf / 1e9,
+              (yr - yf).abs().max().item<double>());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   loom::SetUpCpuProcess(argv);  // before any matmul or large allocation (base/cpu_process.h)
-  int exit_code = 0;
-  const std::optional<Flags> flags = ParseFlags(argc, argv, &exit_code);
-  if (!flags) return exit_code;
-  torch::set_num_threads(static_cast<int>(std::stoll(flags->at("threads"))));
-  std::printf("loom-bench-simplicial: batch %s, %s heads of %s, %d thread(s), median of %s steps\n",
-              flags->at("batch").c_str(), flags->at("heads").c_str(), flags->at("dim").c_str(),
-              torch::get_num_threads(), flags->at("reps").c_str());
+  if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::printf("%s\n", kUsage);
+    return 0;
+  }
+  const absl::StatusOr<Settings> settings = ParseSettings(argc, argv);
+  if (!settings.ok()) {
+    std::fprintf(stderr, "loom-bench-simplicial: %s\n%s\n",
+                 std::string(settings.status().message()).c_str(), kUsage);
+    return 2;
+  }
+  const Settings& s = *settings;
+  torch::set_num_threads(static_cast<int>(s.threads));
+  std::printf(
+      "loom-bench-simplicial: batch %lld, %lld heads of %lld, %d thread(s), median of %lld "
+      "steps\n",
+      static_cast<long long>(s.batch), static_cast<long long>(s.heads),
+      static_cast<long long>(s.dim), torch::get_num_threads(), static_cast<long long>(s.reps));
   std::printf("%5s %7s %6s %9s %12s %12s %9s %10s %10s %10s\n", "N", "mask", "segs", "w1,w2",
               "reference s", "fused s", "ratio", "ref GF/s", "fused GF/s", "max |dy|");
-  for (int64_t n : ParseList(flags->at("n"))) RunShape(*flags, n);
+  for (int64_t n : s.n) RunShape(s, n);
   return 0;
 }
