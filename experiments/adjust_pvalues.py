@@ -31,7 +31,9 @@ Sources ("source" of a comparison; paths relative to the family file's folder):
              file, then Welch's t of the difference of the two means (compare_settings.welch).
   report     file (a report JSON), path ("differences[cell=iha-p2].p_value"): the p as printed.
   Any source may carry digits (decimals of the estimate in the tables; default 2) and scale (a
-  factor on the estimate, e.g. 100 for accuracy in points; the p does not depend on it).
+  factor on the estimate, e.g. 100 for accuracy in points; the p does not depend on it). A
+  paired_t, sign or reach_t source may carry until (a step): "@mean" and thresholds read only the
+  evaluations up to it, so a run longer than the compared budget is read at that budget.
 
 usage: adjust_pvalues.py FAMILIES.json [--markdown OUT.md] [--json OUT.json] [--family ID ...]
 With neither output option the markdown goes to stdout.
@@ -102,12 +104,13 @@ class Tables:
                 self.cache[full] = (reader.fieldnames or [], list(reader))
         return self.cache[full]
 
-    def cell(self, where, spec, column):
-        """seed -> value of column for one "FILE:CELL[@STEP|@mean]" (a list: pooled, no seed twice)."""
+    def cell(self, where, spec, column, until=None):
+        """seed -> value of column for one "FILE:CELL[@STEP|@mean]" (a list: pooled, no seed twice);
+        until: "@mean" averages the evaluations up to that step only."""
         if isinstance(spec, list):
             out = {}
             for s in spec:
-                for seed, v in self.cell(where, s, column).items():
+                for seed, v in self.cell(where, s, column, until).items():
                     if seed in out:
                         raise FamilyError(f"{where}: seed {seed} twice in the pooled {spec}")
                     out[seed] = v
@@ -136,7 +139,7 @@ class Tables:
         elif at == "mean":
             by_seed = {}
             for r in rows:
-                if int(r["step"]) > 0 and r[column] != "":
+                if 0 < int(r["step"]) <= (until or math.inf) and r[column] != "":
                     by_seed.setdefault(int(r["seed"]), []).append(float(r[column]))
             out = {s: repr(sum(v) / len(v)) for s, v in by_seed.items()}
         else:
@@ -154,25 +157,27 @@ class Tables:
                 raise FamilyError(f"{where}: {path}:{cell} has no evaluation at step {step}")
         return out
 
-    def reach(self, where, spec, threshold, column):
-        """seed -> first step at threshold (None: censored), from curves (threshold) or a raw
-        column of steps (threshold None)."""
+    def reach(self, where, spec, threshold, column, until=None):
+        """seed -> first step at threshold (None: censored), from curves (threshold; until: the
+        evaluations up to that step only) or a raw column of steps (threshold None)."""
         if isinstance(spec, list):
             out = {}
             for s in spec:
-                part = self.reach(where, s, threshold, column)
+                part = self.reach(where, s, threshold, column, until)
                 if set(part) & set(out):
                     raise FamilyError(f"{where}: a seed twice in the pooled {spec}")
                 out.update(part)
             return out
         if threshold is None:
+            if until is not None:
+                raise FamilyError(f"{where}: until needs a threshold on a curves CSV")
             values = self.cell(where, spec, column)
             return {s: (int(float(v)) if v != "" else None) for s, v in values.items()}
         if column not in (None, "accuracy"):
             raise FamilyError(f"{where}: a threshold is read on the accuracy column of a curves CSV")
         self.cell(where, spec + "@mean", "accuracy")  # the file, the cell and the column exist
         path, cell = spec.rsplit(":", 1)
-        return first_reach(os.path.join(self.root, path), cell, threshold)
+        return first_reach(os.path.join(self.root, path), cell, threshold, until)
 
 
 def as_rows(values):
@@ -211,12 +216,15 @@ def evaluate(where, src, tables):
     """-> dict with p and the estimate it belongs to."""
     test = src.get("test")
     scale = float(src.get("scale", 1.0))
+    until = src.get("until")
+    if until is not None and (not isinstance(until, int) or until <= 0):
+        raise FamilyError(f"{where}: until must be a positive step, not {until!r}")
     if test == "paired_t":
         column = src.get("column")
         if not column:
             raise FamilyError(f"{where}: paired_t needs a column")
-        base = tables.cell(where, src["baseline"], column)
-        other = tables.cell(where, src["other"], column)
+        base = tables.cell(where, src["baseline"], column, until)
+        other = tables.cell(where, src["other"], column, until)
         seeds, d, mean, ci, boot, p = t_of(where, base, other)
         return {"p": p, "test": "paired t", "n": len(seeds), "seeds": seeds,
                 "mean": mean * scale, "ci": [ci[0] * scale, ci[1] * scale],
@@ -230,8 +238,8 @@ def evaluate(where, src, tables):
         sa, sb = {}, {}
         counts = [0, 0, 0, 0]
         for i, pr in enumerate(pairs):
-            a = tables.reach(where, pr["baseline"], threshold, column)
-            b = tables.reach(where, pr["other"], threshold, column)
+            a = tables.reach(where, pr["baseline"], threshold, column, until)
+            b = tables.reach(where, pr["other"], threshold, column, until)
             c = order(a, b, src.get("only_one", False))
             counts = [x + y for x, y in zip(counts, c)]
             sa.update({(i, s): v for s, v in a.items()})

@@ -88,11 +88,12 @@ def paired(a, b, column):
     return seeds, d, mean, (mean - half, mean + half), (boots[249], boots[9749]), p
 
 
-def first_reach(curves_path, cell, threshold):
-    """seed -> the first step whose held-out accuracy >= threshold (None: censored)."""
+def first_reach(curves_path, cell, threshold, until=None):
+    """seed -> the first step whose held-out accuracy >= threshold (None: censored); until: only
+    the evaluations up to that step."""
     out = {}
     for r in csv.DictReader(open(curves_path)):
-        if r["cell"] != cell:
+        if r["cell"] != cell or (until is not None and int(r["step"]) > until):
             continue
         seed, step = int(r["seed"]), int(r["step"])
         out.setdefault(seed, None)

@@ -274,44 +274,83 @@ class CommittedFamiliesTest(unittest.TestCase):
 
 class KhopControlsTest(unittest.TestCase):
     """experiments/khop/report_controls.py on synthetic curves: the selection rule, MHA's lr 1e-3
-    constant read from mha-2x's first 12 000 steps, and the primary paired t against numpy."""
+    constant read from mha-2x's first 12 000 steps, and the primary paired t against numpy; and
+    adjust_pvalues.py's "until" reading the same curves to the same p (checked against the
+    script's JSON, as experiments/families.json does)."""
 
-    def test_selection_and_primary_measure(self):
+    def setUp(self):
         rng = np.random.default_rng(3)
         steps = list(range(0, 12001, 500))
-        d = tempfile.TemporaryDirectory()
-        self.addCleanup(d.cleanup)
-        paths = [os.path.join(d.name, n) for n in ("mha.curves.csv", "iha.curves.csv")]
+        self.dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self.dir.cleanup)
+        self.paths = [os.path.join(self.dir.name, n) for n in ("mha.curves.csv", "iha.curves.csv")]
         level = {"lr3e-4": 0.2, "lr1e-3": 0.3, "lr3e-3": 0.25}
-        means = {}
-        for path, model, bonus in ((paths[0], "mha", 0.0), (paths[1], "iha", 0.4)):
+        self.means = {}
+        for path, model, bonus in ((self.paths[0], "mha", 0.0), (self.paths[1], "iha", 0.4)):
             with open(path, "w", newline="") as f:
                 w = csv.writer(f)
                 w.writerow(["cell", "seed", "job", "step", "eval_loss", "accuracy", "exact_match"])
                 for lr, base in level.items():
                     for sched in ("const", "cos"):
-                        cell = f"{model}-{lr}-{sched}"
-                        if (model, lr, sched) == ("mha", "lr1e-3", "const"):
-                            cell = "mha-2x"
-                        for seed in range(7, 12):
-                            accs = base + bonus + rng.uniform(0, 0.1, len(steps))
-                            if cell == "mha-2x":  # the second 12 000 steps must not count
-                                points = list(zip(steps, accs)) + [(12000 + s, 0.99) for s in steps[1:]]
-                            else:
-                                points = list(zip(steps, accs))
-                            for step, a in points:
-                                w.writerow([cell, seed, "j", step, 0, repr(float(a)), 0])
-                            means[(model, lr, sched, seed)] = float(np.mean(accs[1:]))
-        out = run("khop/report_controls.py", *paths)
+                        self.write_cell(w, rng, steps, model, lr, sched, base + bonus)
+
+    def write_cell(self, w, rng, steps, model, lr, sched, level):
+        cell = f"{model}-{lr}-{sched}"
+        if (model, lr, sched) == ("mha", "lr1e-3", "const"):
+            cell = "mha-2x"
+        for seed in range(7, 12):
+            accs = level + rng.uniform(0, 0.1, len(steps))
+            points = list(zip(steps, accs))
+            if cell == "mha-2x":  # the second 12 000 steps must not count
+                points += [(12000 + s, 0.99) for s in steps[1:]]
+            for step, a in points:
+                w.writerow([cell, seed, "j", step, 0, repr(float(a)), 0])
+            self.means[(model, lr, sched, seed)] = float(np.mean(accs[1:]))
+
+    def test_selection_and_primary_measure(self):
+        report = os.path.join(self.dir.name, "controls.json")
+        out = run("khop/report_controls.py", *self.paths, "--json", report)
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("selected MHA: lr1e-3-const", out.stdout)
         self.assertIn("selected IHA: lr1e-3-", out.stdout)
         chosen = re.search(r"selected IHA: (lr1e-3-\w+)", out.stdout).group(1).split("-")[-1]
-        diff = [100 * (means[("iha", "lr1e-3", chosen, s)] - means[("mha", "lr1e-3", "const", s)])
+        diff = [100 * (self.means[("iha", "lr1e-3", chosen, s)] - self.means[("mha", "lr1e-3", "const", s)])
                 for s in range(7, 12)]
         row = next(line for line in out.stdout.splitlines() if line.startswith("| 1."))
         self.assertIn(f"{np.mean(diff):+.2f}", row)
         self.assertIn("MHA at 24 000 steps: 5 of 5 seeds reached 80 %", out.stdout)
+        with open(report) as f:
+            doc = json.load(f)
+        self.assertEqual(doc["selected"], {"mha": "lr1e-3-const", "iha": f"lr1e-3-{chosen}"})
+        self.assertEqual([m["id"] for m in doc["measures"]], ["mean", "final", "reach80", "twice"])
+        self.assertAlmostEqual(doc["measures"][0]["estimate"], np.mean(diff), places=9)
+        self.assertEqual(doc["measures"][3]["mha_2x_reached_80"], 5)
+        self.assert_families_agree(chosen, doc)
+
+    def assert_families_agree(self, chosen, doc):
+        """The primary and the 80 % measure through adjust_pvalues.py, mha-2x read up to 12 000."""
+        def comp(cid, source):
+            return {"id": cid, "label": cid, "measure": cid, "kind": "primary", "source": source,
+                    "check": {"file": "controls.json", "path": f"measures[id={cid}].p"}}
+        pair = {"baseline": "mha.curves.csv:mha-2x", "other": f"iha.curves.csv:iha-lr1e-3-{chosen}"}
+        comps = [comp("mean", dict(pair, test="paired_t", column="accuracy", until=12000,
+                                   baseline=pair["baseline"] + "@mean",
+                                   other=pair["other"] + "@mean")),
+                 comp("reach80", dict(pair, test="sign", threshold=0.8, until=12000))]
+        path = os.path.join(self.dir.name, "families.json")
+        for until, ok in ((12000, True), (None, False)):
+            for c in comps:
+                c["source"]["until"] = until
+            with open(path, "w") as f:
+                json.dump({"comparisons": comps, "families": [
+                    {"id": "f", "name": "F", "contains": "c", "why": "w",
+                     "members": ["mean", "reach80"]}]}, f)
+            r = run("adjust_pvalues.py", path, "--json", os.path.join(self.dir.name, "adj.json"))
+            if ok:
+                self.assertEqual(r.returncode, 0, r.stderr)
+            else:  # reading mha-2x's second 12 000 steps too changes the p: the check refuses
+                self.assertNotEqual(r.returncode, 0)
+                self.assertIn("controls.json says", r.stderr)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 """The analysis fixed in experiments/khop/khop-simple-hops3-heads2-controls-mha.yaml's header,
 from the two sweeps' curves (export_sweep.py --curves): every held-out evaluation of every job.
 
-usage: report_controls.py MHA.curves.csv IHA.curves.csv   (prints markdown tables)
+usage: report_controls.py MHA.curves.csv IHA.curves.csv [--json OUT.json]   (prints markdown tables)
 
 Per configuration (model, lr, schedule) and seed: the mean held-out accuracy over the run
 (evaluations after step 0 up to step 12 000), the final accuracy at step 12 000 and the first
@@ -17,6 +17,7 @@ measures, Holm-adjusted as one family:
 """
 import argparse
 import csv
+import json
 import math
 import os
 import sys
@@ -96,10 +97,57 @@ def best(per, model):
     return max(scores, key=lambda c: scores[c][0]), scores
 
 
+def family(per, mha, bm, bi):
+    """The four fixed measures as dicts (id, label, comparison, n, estimate or counts, p), in the
+    order of the file's header."""
+    out = []
+    for column, mid, label in (("mean", "mean", "1. mean accuracy over the run (primary)"),
+                               ("final", "final", "2. final accuracy")):
+        x = {s: 100 * v[column] for s, v in per[("mha", bm)].items() if v["complete"]}
+        y = {s: 100 * v[column] for s, v in per[("iha", bi)].items() if v["complete"]}
+        n, mean, ci, p = paired(x, y)
+        out.append({"id": mid, "label": label, "comparison": f"best IHA ({bi}) − best MHA ({bm})",
+                    "n": n, "estimate": mean, "ci": list(ci), "p": p})
+    ra = {s: v["reach"] for s, v in per[("mha", bm)].items() if v["complete"]}
+    rb = {s: v["reach"] for s, v in per[("iha", bi)].items() if v["complete"]}
+    first, later, ties, unordered = order(ra, rb)
+    out.append({"id": "reach80", "label": "3. steps until 80 % (sign test)",
+                "comparison": "best IHA vs best MHA", "n": first + later + ties + unordered,
+                "first": first, "later": later, "ties": ties, "unordered": unordered,
+                "p": sign_p(first, first + later)})
+    twice = {s: c for s, c in mha.get("mha-2x", {}).items() if max(c) == 2 * BUDGET}
+    x = {s: 100 * c[2 * BUDGET] for s, c in twice.items()}
+    y = {s: 100 * v["final"] for s, v in per.get(("iha", "lr1e-3-const"), {}).items() if v["complete"]}
+    n, mean, ci, p = paired(x, y)
+    out.append({"id": "twice", "label": "4. final accuracy",
+                "comparison": "IHA lr 1e-3 const at 12 000 − MHA at 24 000", "n": n,
+                "estimate": mean, "ci": list(ci), "p": p,
+                "mha_2x_reached_80": sum(any(a >= THRESHOLD for a in c.values())
+                                         for c in twice.values()),
+                "mha_2x_seeds": len(twice)})
+    for m, h in zip(out, holm([1.0 if math.isnan(m["p"]) else m["p"] for m in out])):
+        m["holm"] = h
+    return out
+
+
+def family_table(rows):
+    lines = ["| measure | comparison | n | estimate | p | Holm p (family of 4) |",
+             "| --- | --- | ---: | --- | ---: | ---: |"]
+    for m in rows:
+        if "first" in m:
+            est = f"IHA first {m['first']}, later {m['later']}, ties {m['ties']}, neither {m['unordered']}"
+        else:
+            est = f"{m['estimate']:+.2f} [{m['ci'][0]:+.2f}, {m['ci'][1]:+.2f}]"
+        lines.append(f"| {m['label']} | {m['comparison']} | {m['n']} | {est} | {m['p']:.3g} | "
+                     f"{m['holm']:.3g} |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("mha_curves")
     ap.add_argument("iha_curves")
+    ap.add_argument("--json", help="also write the selection and the four measures here")
     a = ap.parse_args()
     mha, iha = read_curves(a.mha_curves), read_curves(a.iha_curves)
     table = configurations(mha, iha)
@@ -113,35 +161,17 @@ def main():
         print(f"\nselected {name}: {b}   (mean accuracy over the run by configuration: {ranked})")
     if bm is None or bi is None:
         return
-    rows, ps = [], []
-    for column, label in (("mean", "1. mean accuracy over the run (primary)"), ("final", "2. final accuracy")):
-        x = {s: 100 * v[column] for s, v in per[("mha", bm)].items() if v["complete"]}
-        y = {s: 100 * v[column] for s, v in per[("iha", bi)].items() if v["complete"]}
-        n, mean, ci, p = paired(x, y)
-        rows.append(f"| {label} | best IHA ({bi}) − best MHA ({bm}) | {n} | {mean:+.2f} "
-                    f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {p:.3g} |")
-        ps.append(p)
-    ra = {s: v["reach"] for s, v in per[("mha", bm)].items() if v["complete"]}
-    rb = {s: v["reach"] for s, v in per[("iha", bi)].items() if v["complete"]}
-    first, later, ties, unordered = order(ra, rb)
-    p = sign_p(first, first + later)
-    rows.append(f"| 3. steps until 80 % (sign test) | best IHA vs best MHA | {first + later + ties + unordered} | "
-                f"IHA first {first}, later {later}, ties {ties}, neither {unordered} | {p:.3g} |")
-    ps.append(p)
-    twice = {s: c for s, c in mha.get("mha-2x", {}).items() if max(c) == 2 * BUDGET}
-    x = {s: 100 * c[2 * BUDGET] for s, c in twice.items()}
-    y = {s: 100 * v["final"] for s, v in per.get(("iha", "lr1e-3-const"), {}).items() if v["complete"]}
-    n, mean, ci, p = paired(x, y)
-    rows.append(f"| 4. final accuracy | IHA lr 1e-3 const at 12 000 − MHA at 24 000 | {n} | {mean:+.2f} "
-                f"[{ci[0]:+.2f}, {ci[1]:+.2f}] | {p:.3g} |")
-    ps.append(p)
-    reached = sum(any(a >= THRESHOLD for a in c.values()) for c in twice.values())
-    adjusted = holm([1.0 if math.isnan(q) else q for q in ps])
-    print("\n| measure | comparison | n | estimate | p | Holm p (family of 4) |")
-    print("| --- | --- | ---: | --- | ---: | ---: |")
-    for row, h in zip(rows, adjusted):
-        print(f"{row} {h:.3g} |")
-    print(f"\nMHA at 24 000 steps: {reached} of {len(twice)} seeds reached 80 % held-out accuracy.")
+    rows = family(per, mha, bm, bi)
+    print("\n" + "\n".join(family_table(rows)))
+    print(f"\nMHA at 24 000 steps: {rows[-1]['mha_2x_reached_80']} of {rows[-1]['mha_2x_seeds']} "
+          "seeds reached 80 % held-out accuracy.")
+    if a.json:
+        scores = {m: {c: {"mean_accuracy": v[0], "seeds": v[1]} for c, v in sc.items()}
+                  for m, sc in (("mha", mscores), ("iha", iscores))}
+        with open(a.json, "w") as f:
+            json.dump({"selected": {"mha": bm, "iha": bi}, "scores": scores, "measures": rows},
+                      f, indent=1)
+            f.write("\n")
 
 
 if __name__ == "__main__":
