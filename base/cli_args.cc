@@ -5,7 +5,9 @@
 #include <cstdlib>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace loom {
 
@@ -105,6 +107,22 @@ absl::StatusOr<double> CliArgs::GetDouble(const std::string& name, double fallba
     return UsageError(absl::StrCat("--", name, ": ", v, " is out of range [", min, ", ", max, "]"));
   }
   return v;
+}
+
+absl::StatusOr<std::vector<int64_t>> CliArgs::GetIntList(const std::string& name,
+                                                         const std::string& fallback, int64_t min,
+                                                         int64_t max) const {
+  const std::string list = Get(name, fallback);
+  std::vector<int64_t> out;
+  for (absl::string_view item : absl::StrSplit(list, ',')) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(item, &v) || v < min || v > max) {
+      return UsageError(absl::StrCat("--", name, ": '", item, "' is not an integer in [", min, ", ",
+                                     max, "] (a comma-separated list)"));
+    }
+    out.push_back(v);
+  }
+  return out;
 }
 
 }  // namespace loom

@@ -48,6 +48,10 @@ class CliArgs {
                                  int64_t max) const;
   absl::StatusOr<double> GetDouble(const std::string& name, double fallback, double min,
                                    double max) const;
+  // A comma-separated list of integers, each in [min, max] ("1,2,4"); fallback is such a list.
+  absl::StatusOr<std::vector<int64_t>> GetIntList(const std::string& name,
+                                                  const std::string& fallback, int64_t min,
+                                                  int64_t max) const;
 
  private:
   std::map<std::string, std::string> values_;

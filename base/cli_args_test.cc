@@ -35,5 +35,21 @@ TEST(CliArgs, OtherFlagsStillOnce) {
   EXPECT_TRUE(none->GetAll("set").empty());
 }
 
+TEST(CliArgs, IntListsNameTheFlag) {
+  std::vector<std::string> argv = {"--n", "64,100", "--bad", "3,x", "--big", "1,99999"};
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  auto args = CliArgs::Parse(static_cast<int>(cargv.size()), cargv.data(), 0, {"n", "bad", "big"});
+  ASSERT_TRUE(args.ok()) << args.status();
+  EXPECT_EQ(*args->GetIntList("n", "1", 1, 65536), (std::vector<int64_t>{64, 100}));
+  EXPECT_EQ(*args->GetIntList("absent", "2,4", 1, 8), (std::vector<int64_t>{2, 4}));
+  const absl::Status bad = args->GetIntList("bad", "1", 1, 10).status();
+  EXPECT_TRUE(IsUsageError(bad));
+  EXPECT_EQ(bad.message(), "--bad: 'x' is not an integer in [1, 10] (a comma-separated list)");
+  EXPECT_EQ(args->GetIntList("big", "1", 1, 65536).status().message(),
+            "--big: '99999' is not an integer in [1, 65536] (a comma-separated list)");
+  EXPECT_FALSE(args->GetIntList("absent", "", 1, 2).ok());  // an empty list is no list
+}
+
 }  // namespace
 }  // namespace loom

@@ -17,9 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
-#include <map>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -34,6 +32,7 @@
 #endif
 #include "base/blas_core.h"
 #include "base/cpu_process.h"
+#include "plugins/attention/bench/bench_flags.h"
 
 namespace {
 
@@ -71,14 +70,6 @@ class TrackingAllocator final : public c10::Allocator {
 std::atomic<int64_t> TrackingAllocator::live_{0};
 std::atomic<int64_t> TrackingAllocator::peak_{0};
 TrackingAllocator g_allocator;
-
-std::vector<int64_t> ParseList(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
-  return out;
-}
 
 struct Timing {
   double forward_s = 0, total_s = 0;  // best of reps: forward only; forward + backward
@@ -185,61 +176,65 @@ std::string Mib(double bytes) {
   return buf;
 }
 
-using Flags = std::map<std::string, std::string>;
+// The command line, checked: errors name the flag (bench/bench_flags.h).
+struct Settings {
+  std::vector<int64_t> n, p;
+  int64_t heads = 8, dim = 64, batch = 1, reps = 2, threads = 0, naive_max = 2048, tile = 0;
+  std::string device, dtype, peer;
+  bool causal = true;
+};
 
-// The flags with their defaults; nullopt (and *exit_code) on --help or a malformed command line.
-std::optional<Flags> ParseFlags(int argc, char** argv, int* exit_code) {
-  Flags flags = {{"n", "256,512,1024,2048"},
-                 {"heads", "8"},
-                 {"dim", "64"},
-                 {"p", "2,4"},
-                 {"batch", "1"},
-                 {"reps", "2"},
-                 {"threads", "0"},
-                 {"naive-max-n", "2048"},
-                 {"tile", "0"},
-                 {"device", "cpu"},
-                 {"dtype", "fp32"},
-                 {"mask", "causal"},
-                 {"peer", ""}};
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--help" || a.rfind("--", 0) != 0 || i + 1 >= argc || !flags.count(a.substr(2))) {
-      std::fprintf(stderr,
-                   "usage: loom-bench-attention [--n 256,512,...] [--heads H] [--dim d] [--p 2,4] "
-                   "[--batch B] [--reps R] [--threads T] [--naive-max-n N] [--tile TOKENS] "
-                   "[--device cpu|cuda] [--dtype fp32|bf16] [--mask causal|none] "
-                   "[--peer plugins/attention/bench/naive_peer.py]\n");
-      *exit_code = a == "--help" ? 0 : 2;
-      return std::nullopt;
-    }
-    flags[a.substr(2)] = argv[++i];
+constexpr char kUsage[] =
+    "usage: loom-bench-attention [--n 256,512,...] [--heads H] [--dim d] [--p 2,4] [--batch B] "
+    "[--reps R] [--threads T] [--naive-max-n N] [--tile TOKENS] [--device cpu|cuda] "
+    "[--dtype fp32|bf16] [--mask causal|none] [--peer plugins/attention/bench/naive_peer.py]";
+
+// The settings; nullopt after printing the usage (*exit_code 0 on --help, else 2 and the error).
+std::optional<Settings> ParseSettings(int argc, char** argv, int* exit_code) {
+  loom::attention::bench::BenchFlags flags({{"n", "256,512,1024,2048"},
+                                            {"heads", "8"},
+                                            {"dim", "64"},
+                                            {"p", "2,4"},
+                                            {"batch", "1"},
+                                            {"reps", "2"},
+                                            {"threads", "0"},
+                                            {"naive-max-n", "2048"},
+                                            {"tile", "0"},
+                                            {"device", "cpu"},
+                                            {"dtype", "fp32"},
+                                            {"mask", "causal"},
+                                            {"peer", ""}});
+  Settings s;
+  if (flags.Parse(argc, argv)) {
+    s.n = flags.IntList("n", 1, 1 << 20);
+    s.p = flags.IntList("p", 1, 64);
+    s.heads = flags.Int("heads", 1, 1024);
+    s.dim = flags.Int("dim", 1, 4096);
+    s.batch = flags.Int("batch", 1, 4096);
+    s.reps = flags.Int("reps", 1, 1000);
+    s.threads = flags.Int("threads", 0, 1024);  // 0: LibTorch's default
+    s.naive_max = flags.Int("naive-max-n", 0, 1 << 20);
+    s.tile = flags.Int("tile", 0, 1 << 20);  // every fused variant's (0: the default)
+    s.device = flags.Choice("device", {"cpu", "cuda"});
+    s.dtype = flags.Choice("dtype", {"fp32", "bf16"});
+    s.causal = flags.Choice("mask", {"causal", "none"}) == "causal";
+    s.peer = flags.Get("peer");
   }
-  return flags;
+  if (flags.ok() && !flags.help()) return s;
+  *exit_code = flags.help() ? 0 : 2;
+  if (!flags.help()) std::fprintf(stderr, "loom-bench-attention: %s\n", flags.error().c_str());
+  std::fprintf(flags.help() ? stdout : stderr, "%s\n", kUsage);
+  return std::nullopt;
 }
 
-// --device, --dtype and --mask; false (after a message) when one is not understood.
-bool ParseDevice(const Flags& flags, Device* dev, bool* causal) {
-  const std::string& device = flags.at("device");
-  if (device == "cuda" && !torch::cuda::is_available()) {
+// The device of --device and --dtype; false (after a message) when CUDA is asked for and absent.
+bool OpenDevice(const Settings& s, Device* dev) {
+  if (s.device == "cuda" && !torch::cuda::is_available()) {
     std::fprintf(stderr, "loom-bench-attention: --device cuda: no CUDA device visible\n");
     return false;
   }
-  if (device == "cuda") dev->device = torch::Device(torch::kCUDA, 0);
-  if (device != "cpu" && device != "cuda") {
-    std::fprintf(stderr, "loom-bench-attention: --device must be cpu or cuda\n");
-    return false;
-  }
-  if (flags.at("mask") != "causal" && flags.at("mask") != "none") {
-    std::fprintf(stderr, "loom-bench-attention: --mask must be causal or none\n");
-    return false;
-  }
-  *causal = flags.at("mask") == "causal";
-  if (flags.at("dtype") == "bf16") dev->dtype = torch::kBFloat16;
-  if (flags.at("dtype") != "fp32" && flags.at("dtype") != "bf16") {
-    std::fprintf(stderr, "loom-bench-attention: --dtype must be fp32 or bf16\n");
-    return false;
-  }
+  if (s.device == "cuda") dev->device = torch::Device(torch::kCUDA, 0);
+  if (s.dtype == "bf16") dev->dtype = torch::kBFloat16;
   return true;
 }
 
@@ -282,16 +277,16 @@ GroupInputs MakeInputs(const Device& dev, int64_t b, int64_t n, int64_t h, int64
 
 class AttentionBench {
  public:
-  AttentionBench(const Flags& flags, Device dev, bool causal)
-      : flags_(flags),
+  AttentionBench(const Settings& s, Device dev)
+      : settings_(s),
         dev_(dev),
-        causal_(causal),
-        h_(std::stoll(flags.at("heads"))),
-        d_(std::stoll(flags.at("dim"))),
-        b_(std::stoll(flags.at("batch"))),
-        reps_(static_cast<int>(std::stoll(flags.at("reps")))),
-        naive_max_(std::stoll(flags.at("naive-max-n"))) {
-    tiles_.tile_tokens = std::stoll(flags.at("tile"));  // every fused variant's (0: the default)
+        causal_(s.causal),
+        h_(s.heads),
+        d_(s.dim),
+        b_(s.batch),
+        reps_(static_cast<int>(s.reps)),
+        naive_max_(s.naive_max) {
+    tiles_.tile_tokens = s.tile;
   }
 
   void PrintHeader();
@@ -309,7 +304,7 @@ class AttentionBench {
   void PeerRow();
   void IhaRows();
 
-  const Flags& flags_;
+  const Settings& settings_;
   Device dev_;
   bool causal_;
   int64_t h_, d_, b_;
@@ -330,7 +325,7 @@ void AttentionBench::PrintHeader() {
   std::printf(
       "loom-bench-attention: %s, %d threads, %s, B=%lld H=%lld d=%lld, %s; BLAS core %s (%s); "
       "matmul ceiling %.1f GFLOP/s\n",
-      dev_.cuda() ? "cuda" : "cpu", torch::get_num_threads(), flags_.at("dtype").c_str(),
+      dev_.cuda() ? "cuda" : "cpu", torch::get_num_threads(), settings_.dtype.c_str(),
       static_cast<long long>(b_), static_cast<long long>(h_), static_cast<long long>(d_),
       causal_ ? "causal" : "no mask (encoder)", dev_.cuda() ? "-" : blas,
       threading.empty() ? "-" : threading.c_str(), ceiling_);
@@ -438,7 +433,7 @@ void AttentionBench::RunGroup(int64_t n, int64_t p) {
             g_.all(), reps_),
         Flops(true, 0), true);
   }
-  if (!flags_.at("peer").empty() && n <= naive_max_ && !dev_.cuda()) PeerRow();
+  if (!settings_.peer.empty() && n <= naive_max_ && !dev_.cuda()) PeerRow();
   IhaRows();
 }
 
@@ -482,7 +477,7 @@ void AttentionBench::MhaRows() {
 // The naive peer: a straightforward PyTorch IHA under Debian's python3-torch, run as a child
 // process at the same shape; its time is compared with our MHA of this run.
 void AttentionBench::PeerRow() {
-  const std::string command = flags_.at("peer") + " --n " + std::to_string(g_.n) + " --p " +
+  const std::string command = settings_.peer + " --n " + std::to_string(g_.n) + " --p " +
                               std::to_string(g_.p) + " --heads " + std::to_string(h_) + " --dim " +
                               std::to_string(d_) + " --batch " + std::to_string(b_) + " --reps " +
                               std::to_string(reps_);
@@ -542,18 +537,17 @@ void AttentionBench::IhaRows() {
 int main(int argc, char** argv) {
   loom::SetUpCpuProcess(argv);  // before any matmul or large allocation (base/cpu_process.h)
   int exit_code = 0;
-  const std::optional<Flags> flags = ParseFlags(argc, argv, &exit_code);
-  if (!flags) return exit_code;
+  const std::optional<Settings> settings = ParseSettings(argc, argv, &exit_code);
+  if (!settings) return exit_code;
   c10::SetCPUAllocator(&g_allocator, /*priority=*/100);
-  SetThreads(std::stoll(flags->at("threads")));
+  SetThreads(settings->threads);
   Device dev;
-  bool causal = true;
-  if (!ParseDevice(*flags, &dev, &causal)) return 2;
+  if (!OpenDevice(*settings, &dev)) return 2;
   torch::manual_seed(0);
-  AttentionBench bench(*flags, dev, causal);
+  AttentionBench bench(*settings, dev);
   bench.PrintHeader();
-  for (int64_t n : ParseList(flags->at("n"))) {
-    for (int64_t p : ParseList(flags->at("p"))) bench.RunGroup(n, p);
+  for (int64_t n : settings->n) {
+    for (int64_t p : settings->p) bench.RunGroup(n, p);
   }
   return 0;
 }

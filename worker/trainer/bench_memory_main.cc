@@ -19,7 +19,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
 #include "base/cli_args.h"
 #include "base/status_macros.h"
 #include "loom/spec.h"
@@ -106,9 +105,8 @@ absl::Status Run(int argc, char** argv) {
   LOOM_ASSIGN_OR_RETURN(int64_t d_model, args.GetInt("d-model", 256, 8, 8192));
   LOOM_ASSIGN_OR_RETURN(int64_t layers, args.GetInt("layers", 5, 1, 64));
   LOOM_ASSIGN_OR_RETURN(double max_seconds, args.GetDouble("max-seconds", 120, 1, 1e6));
-  std::vector<int64_t> lengths;
-  for (absl::string_view l : absl::StrSplit(args.Get("lengths", "1024,2048,4096,8192,16384"), ','))
-    lengths.push_back(std::stoll(std::string(l)));
+  LOOM_ASSIGN_OR_RETURN(std::vector<int64_t> lengths,
+                        args.GetIntList("lengths", "1024,2048,4096,8192,16384", 2, 1 << 20));
   const std::vector<Variant> variants = {
       {"global MHA", R"("schedule": [{"repeat": 1, "attention": {"plugin": "mha"}}])"},
       {"global IHA P=2",

@@ -15,16 +15,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "absl/status/statusor.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
-#include "base/cli_args.h"
 #include "base/cpu_process.h"
-#include "base/status_macros.h"
+#include "plugins/attention/bench/bench_flags.h"
 #include "plugins/attention/simplicial/simplicial_attention.h"
 
 namespace {
@@ -42,48 +38,36 @@ constexpr char kUsage[] =
     "[--mask none|causal] [--window1 W] [--window2 W] [--segments none|ragged] [--threads T] "
     "[--reps R]";
 
-absl::StatusOr<std::vector<int64_t>> ParseList(const std::string& s) {
-  std::vector<int64_t> out;
-  for (absl::string_view item : absl::StrSplit(s, ',')) {
-    int64_t v = 0;
-    if (!absl::SimpleAtoi(item, &v) || v < 1 || v > 65536) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--n: '", item, "' is not a length in [1, 65536]"));
-    }
-    out.push_back(v);
-  }
-  return out;
-}
-
-absl::StatusOr<std::string> Choice(const loom::CliArgs& args, const std::string& flag,
-                                   const std::string& fallback, const std::string& other) {
-  const std::string v = args.Get(flag, fallback);
-  if (v != fallback && v != other) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", flag, ": '", v, "' is not ", fallback, " or ", other));
-  }
-  return v;
-}
-
-absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
-  LOOM_ASSIGN_OR_RETURN(const loom::CliArgs args,
-                        loom::CliArgs::Parse(argc, argv, 1,
-                                             {"n", "batch", "heads", "dim", "mask", "window1",
-                                              "window2", "segments", "threads", "reps"}));
+// The settings, or nullopt after printing the usage (exit 0 on --help, else 2 and the error).
+std::optional<Settings> ParseSettings(int argc, char** argv, int* exit_code) {
+  loom::attention::bench::BenchFlags flags({{"n", "64,100"},
+                                            {"batch", "32"},
+                                            {"heads", "8"},
+                                            {"dim", "16"},
+                                            {"mask", "none"},
+                                            {"window1", "0"},
+                                            {"window2", "0"},
+                                            {"segments", "none"},
+                                            {"threads", "1"},
+                                            {"reps", "5"}});
   Settings s;
-  LOOM_ASSIGN_OR_RETURN(s.n, ParseList(args.Get("n", "64,100")));
-  LOOM_ASSIGN_OR_RETURN(s.batch, args.GetInt("batch", 32, 1, 4096));
-  LOOM_ASSIGN_OR_RETURN(s.heads, args.GetInt("heads", 8, 1, 256));
-  LOOM_ASSIGN_OR_RETURN(s.dim, args.GetInt("dim", 16, 1, 1024));
-  LOOM_ASSIGN_OR_RETURN(s.window1, args.GetInt("window1", 0, 0, 1 << 20));
-  LOOM_ASSIGN_OR_RETURN(s.window2, args.GetInt("window2", 0, 0, 1 << 20));
-  LOOM_ASSIGN_OR_RETURN(s.threads, args.GetInt("threads", 1, 1, 1024));
-  LOOM_ASSIGN_OR_RETURN(s.reps, args.GetInt("reps", 5, 1, 1000));
-  LOOM_ASSIGN_OR_RETURN(const std::string mask, Choice(args, "mask", "none", "causal"));
-  LOOM_ASSIGN_OR_RETURN(const std::string segments, Choice(args, "segments", "none", "ragged"));
-  s.causal = mask == "causal";
-  s.ragged = segments == "ragged";
-  return s;
+  if (flags.Parse(argc, argv)) {
+    s.n = flags.IntList("n", 1, 65536);
+    s.batch = flags.Int("batch", 1, 4096);
+    s.heads = flags.Int("heads", 1, 256);
+    s.dim = flags.Int("dim", 1, 1024);
+    s.window1 = flags.Int("window1", 0, 1 << 20);
+    s.window2 = flags.Int("window2", 0, 1 << 20);
+    s.threads = flags.Int("threads", 1, 1024);
+    s.reps = flags.Int("reps", 1, 1000);
+    s.causal = flags.Choice("mask", {"none", "causal"}) == "causal";
+    s.ragged = flags.Choice("segments", {"none", "ragged"}) == "ragged";
+  }
+  if (flags.ok() && !flags.help()) return s;
+  *exit_code = flags.help() ? 0 : 2;
+  if (!flags.help()) std::fprintf(stderr, "loom-bench-simplicial: %s\n", flags.error().c_str());
+  std::fprintf(flags.help() ? stdout : stderr, "%s\n", kUsage);
+  return std::nullopt;
 }
 
 // The layer's spec; `options` must outlive the layer (the spec points into it).
@@ -162,16 +146,9 @@ void RunShape(const Settings& s, int64_t n) {
 
 int main(int argc, char** argv) {
   loom::SetUpCpuProcess(argv);  // before any matmul or large allocation (base/cpu_process.h)
-  if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
-    std::printf("%s\n", kUsage);
-    return 0;
-  }
-  const absl::StatusOr<Settings> settings = ParseSettings(argc, argv);
-  if (!settings.ok()) {
-    std::fprintf(stderr, "loom-bench-simplicial: %s\n%s\n",
-                 std::string(settings.status().message()).c_str(), kUsage);
-    return 2;
-  }
+  int exit_code = 0;
+  const std::optional<Settings> settings = ParseSettings(argc, argv, &exit_code);
+  if (!settings) return exit_code;
   const Settings& s = *settings;
   torch::set_num_threads(static_cast<int>(s.threads));
   std::printf(
