@@ -9,7 +9,12 @@ protocol's alone (loom_agent_grpc): the trainer, which has LibTorch, links no gR
 Includes name their folder: every quoted #include of Loom's own sources is a path from the
 repository root ("storage/checkpoint.h"), an API header ("loom/spec.h", api/loom/, with the
 generated "loom/v1/*.pb.h"), or one of the headers the build generates; a bare "checkpoint.h"
-fails here with its file and line."""
+fails here with its file and line.
+
+The attention-only build (-DLOOM_ATTENTION_ONLY=ON: a GPU machine with only PyTorch, where
+scripts/gpu-check runs) has LibTorch, CUDA and the standard library, nothing else: no source it
+compiles (cpu_kernels/, plugins/attention/, and the headers they include) includes, directly or through a header of
+Loom's, a header of absl, protobuf, gRPC, Boost or the other control-plane libraries."""
 import argparse
 import json
 import os
@@ -44,6 +49,41 @@ def check_includes(source_dir):
     assert len(files) > 200, f"only {len(files)} sources listed"
     assert not bad, "includes that do not name their folder:\n" + "\n".join(bad)
     print(f"ok: the quoted includes of {len(files)} source files name their folder")
+ATTENTION_ONLY_DIRS = ("cpu_kernels/", "plugins/attention/")
+# Libraries the attention-only build does not have (their include paths' first component).
+NOT_IN_ATTENTION_ONLY = {"absl", "google", "grpc", "grpcpp", "boost", "nlohmann", "rocksdb",
+                         "CLI", "prometheus", "httplib.h", "curl", "openssl", "sentencepiece",
+                         "yaml-cpp", "re2", "pcre2.h", "zstd.h"}
+ANY_INCLUDE = re.compile(r'^\s*#\s*include\s+[<"]([^">]+)[">]', re.M)
+
+
+def check_attention_only(source_dir):
+    files = subprocess.run(["git", "-C", source_dir, "ls-files", *ATTENTION_ONLY_DIRS],
+                           capture_output=True, text=True, check=True).stdout.split()
+    todo = [(f, f) for f in files if f.endswith((".h", ".cc", ".cu", ".cuh"))]
+    seen, bad = set(), []
+    while todo:
+        f, via = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        with open(os.path.join(source_dir, f)) as fh:
+            text = fh.read()
+        for m in ANY_INCLUDE.finditer(text):
+            name = m.group(1)
+            if name.split("/")[0] in NOT_IN_ATTENTION_ONLY or name.startswith("loom/v1/"):
+                line = text.count("\n", 0, m.start()) + 1
+                bad.append(f"{f}:{line}: #include {name}" + (f" (through {via})" if via != f else ""))
+            else:  # Loom's own headers: from the root, or the API's from api/
+                for own in (name, "api/" + name):
+                    if os.path.exists(os.path.join(source_dir, own)):
+                        todo.append((own, via))
+    assert len(seen) > 50, f"only {len(seen)} attention-only sources"
+    assert not bad, ("the attention-only build has none of these libraries:\n" + "\n".join(bad))
+    print(f"ok: the {len(seen)} sources and headers of the attention-only build include only "
+          "LibTorch, CUDA and the standard library")
+
+
 TORCH_MARKERS = ["torch/csrc/api/include", "-DUSE_C10D", "loom_torch_pch", "/ATen", "-DTORCH_"]
 BINARIES = ["loom-coordinator", "loom-worker", "loom", "loom-data"]
 NO_GRPC_BINARIES = ["loom-train"]  # LibTorch programs: gRPC stays on the control plane
@@ -65,6 +105,7 @@ def main():
     ap.add_argument("--source-dir", required=True)
     a = ap.parse_args()
     check_includes(os.path.realpath(a.source_dir))
+    check_attention_only(os.path.realpath(a.source_dir))
     with open(os.path.join(a.build_dir, "compile_commands.json")) as f:
         commands = json.load(f)
     source = os.path.realpath(a.source_dir) + "/"
