@@ -14,13 +14,17 @@ fails here with its file and line.
 The attention-only build (-DLOOM_ATTENTION_ONLY=ON: a GPU machine with only PyTorch, where
 scripts/gpu-check runs) has LibTorch, CUDA and the standard library, nothing else: no source it
 compiles (cpu_kernels/, plugins/attention/, and the headers they include) includes, directly or through a header of
-Loom's, a header of absl, protobuf, gRPC, Boost or the other control-plane libraries."""
+Loom's, a header of absl, protobuf, gRPC, Boost or the other control-plane libraries; and,
+configured here with -DLOOM_ATTENTION_ONLY=ON, no target of it links a Loom library that only the
+full build defines (CMake takes an unknown target name for "-lloom_…", which fails at link)."""
 import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 CONTROL_PLANE = ["coordinator/", "worker/agent/", "worker/train_metrics/", "cli/", "client/",
                  "storage/", "metrics/", "data/", "interop/", "console/", "base/"]
@@ -84,6 +88,23 @@ def check_attention_only(source_dir):
           "LibTorch, CUDA and the standard library")
 
 
+def check_attention_only_links(source_dir):
+    with tempfile.TemporaryDirectory(prefix="loom-attention-only-") as build:
+        generator = "Ninja" if shutil.which("ninja") else "Unix Makefiles"
+        r = subprocess.run(["cmake", "-S", source_dir, "-B", build, "-G", generator,
+                            "-DLOOM_ATTENTION_ONLY=ON"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"the attention-only build does not configure:\n{r.stderr[-3000:]}"
+        missing = set()
+        for root, _, names in os.walk(build):
+            for name in names:
+                if name in ("build.ninja", "link.txt"):
+                    with open(os.path.join(root, name), errors="replace") as f:
+                        missing |= set(re.findall(r"-l(loom_\w+)", f.read()))
+    assert not missing, ("the attention-only build links Loom libraries it does not build: "
+                         + ", ".join(sorted(missing)))
+    print("ok: the attention-only build configures and links only its own Loom libraries")
+
+
 TORCH_MARKERS = ["torch/csrc/api/include", "-DUSE_C10D", "loom_torch_pch", "/ATen", "-DTORCH_"]
 BINARIES = ["loom-coordinator", "loom-worker", "loom", "loom-data"]
 NO_GRPC_BINARIES = ["loom-train"]  # LibTorch programs: gRPC stays on the control plane
@@ -106,6 +127,7 @@ def main():
     a = ap.parse_args()
     check_includes(os.path.realpath(a.source_dir))
     check_attention_only(os.path.realpath(a.source_dir))
+    check_attention_only_links(os.path.realpath(a.source_dir))
     with open(os.path.join(a.build_dir, "compile_commands.json")) as f:
         commands = json.load(f)
     source = os.path.realpath(a.source_dir) + "/"
