@@ -19,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "console/console.h"
 #include "loom/spec.h"
+#include "net/connection_metrics.h"
 #include "net/http_proxy.h"
 
 namespace loom::coordinator {
@@ -784,10 +785,14 @@ void InstallUserRoutes(HttpServer& server, Coordinator& coordinator, const ApiOp
   Coordinator* c = &coordinator;
   InstallCommon(server, coordinator, options);
   console::InstallConsoleRoutes(server);
-  server.Route("GET", "/metrics", "none", [c](const HttpRequest&, HttpResponse& res) {
-    res.content_type = "text/plain; version=0.0.4";
-    res.body = c->RenderMetrics();
-  });
+  auto connections =
+      std::make_shared<net::ConnectionMetrics>(c->registry(), "loom_coordinator_http");
+  server.Route("GET", "/metrics", "none",
+               [c, &server, connections](const HttpRequest&, HttpResponse& res) {
+                 connections->Export(server.Connections());
+                 res.content_type = "text/plain; version=0.0.4";
+                 res.body = c->RenderMetrics();
+               });
   InstallJobRoutes(server, c, options);
   InstallServeRoutes(server, c, options);
   server.Route("GET", "/v1/checkpoints", "user", UserRoute(c, options, ListCheckpoints));

@@ -175,6 +175,7 @@ class HttpServer::Impl {
   absl::StatusOr<int> Listen(const std::string& address, int port);
   void Start();
   void Stop();
+  ConnectionStats Connections();
 
   // Registry: a connection closing frees its address's slot for a waiting one.
   void Release(Connection* c);
@@ -209,7 +210,8 @@ class HttpServer::Impl {
   // Declared before the event loop: connections that die with it still release their places.
   std::mutex mutex_;
   std::map<std::string, Address> addresses_;
-  int open_ = 0;  // connections admitted or waiting
+  int open_ = 0;            // connections admitted or waiting
+  ConnectionStats counts_;  // refused, evicted, expired
   std::vector<std::weak_ptr<Connection>> all_;
   std::atomic<int> queued_{0};
   std::optional<asio::ssl::context> tls_;
@@ -595,6 +597,7 @@ void HttpServer::Impl::Admit(tcp::socket socket) {
   std::vector<std::shared_ptr<Connection>> keep;  // destroyed after the lock below
   std::unique_lock<std::mutex> lock(mutex_);
   if (open_ >= options_.max_connections) {
+    ++counts_.refused;
     lock.unlock();
     c->Abort();  // its destructor must not release a slot it never had: see Release
     return;
@@ -625,6 +628,7 @@ bool HttpServer::Impl::EvictFor(Address& a, std::vector<std::shared_ptr<Connecti
     if (!Evictable(p) || c->phase_since() > stale) continue;
     c->Abort();
     a.active.erase(it);
+    ++counts_.evicted;
     // The newest waiter: a client that just arrived gets its turn before a pile of older ones
     // (the oldest are, under attack, the attacker's); they leave after head_timeout_ms.
     auto next = a.waiting.back();
@@ -670,6 +674,7 @@ void HttpServer::Impl::Sweep() {
       while (!a.waiting.empty() && a.waiting.front()->phase_since() < expired) {
         a.waiting.front()->Abort();
         a.waiting.pop_front();
+        ++counts_.expired;
       }
     }
     all_.erase(std::remove_if(all_.begin(), all_.end(),
@@ -680,6 +685,14 @@ void HttpServer::Impl::Sweep() {
   sweeper_.async_wait([this](beast::error_code ec) {
     if (!ec) Sweep();
   });
+}
+
+ConnectionStats HttpServer::Impl::Connections() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ConnectionStats s = counts_;
+  s.open = open_;
+  for (const auto& [address, a] : addresses_) s.waiting += static_cast<int64_t>(a.waiting.size());
+  return s;
 }
 
 bool HttpServer::Impl::Submit(std::function<void()> job) {
@@ -730,5 +743,7 @@ absl::StatusOr<int> HttpServer::Listen(const std::string& address, int port) {
 void HttpServer::Start() { impl_->Start(); }
 
 void HttpServer::Stop() { impl_->Stop(); }
+
+ConnectionStats HttpServer::Connections() const { return impl_->Connections(); }
 
 }  // namespace loom::net

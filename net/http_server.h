@@ -137,6 +137,16 @@ struct HttpServerOptions {
   int max_requests_per_connection = 1000;
 };
 
+// What the connection caps are doing (the components export it on /metrics): gauges now, and
+// counts since the server started.
+struct ConnectionStats {
+  int64_t open = 0;     // counted against max_connections: served, waiting or closing
+  int64_t waiting = 0;  // over their address's cap, waiting for a place
+  int64_t refused = 0;  // closed at once at max_connections
+  int64_t evicted = 0;  // displaced while slow or idle by a waiting connection of their address
+  int64_t expired = 0;  // closed after waiting a whole head timeout without a place
+};
+
 class HttpServer {
  public:
   explicit HttpServer(HttpServerOptions options);
@@ -190,6 +200,8 @@ class HttpServer {
   void Start();
   // Stops accepting, closes every connection (open streams end), joins every thread. Idempotent.
   void Stop();
+  // The connection caps' state and counts (thread-safe).
+  ConnectionStats Connections() const;
 
   class Impl;
 

@@ -290,7 +290,60 @@ TEST(HttpServerCapsTest, OneAddressCannotStarveOthers) {
     EXPECT_LT(took, std::chrono::milliseconds(std::string(source) == "127.0.0.1" ? 300 : 1200))
         << source;
   }
+  const ConnectionStats stats = server.Connections();
+  EXPECT_GE(stats.evicted, 1);  // 127.0.0.2's own request displaced a slow one
+  EXPECT_GT(stats.waiting, 40);
+  EXPECT_EQ(stats.refused, 0);
   for (int fd : slow) ::close(fd);
+  server.Stop();
+}
+
+// Connections() says what the caps did: over the global cap closed at once, over the address's
+// cap waiting, and waiters closed after a head timeout when no place frees (idle keep-alive
+// connections are displaced only once stale: not within evict_after_ms).
+TEST(HttpServerCapsTest, ConnectionStatsCountRefusedWaitingAndExpired) {
+  HttpServerOptions o;
+  o.max_connections = 6;
+  o.max_connections_per_address = 2;
+  o.evict_after_ms = 60000;
+  o.idle_timeout_ms = 60000;
+  o.head_timeout_ms = 600;
+  HttpServer server(o);
+  server.Route("GET", "/hi", "none",
+               [](const HttpRequest&, HttpResponse& res) { res.body = "hi"; });
+  auto port = server.Listen("127.0.0.1", 0);
+  ASSERT_TRUE(port.ok());
+  server.Start();
+  auto wait_for = [&](auto done) {
+    const auto until = Clock::now() + std::chrono::seconds(5);
+    while (!done(server.Connections()) && Clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return server.Connections();
+  };
+  std::vector<int> fds;
+  const std::string req = "GET /hi HTTP/1.1\r\nHost: x\r\n\r\n";
+  for (int i = 0; i < 2; ++i) {  // served, then idle on keep-alive
+    fds.push_back(Connect(*port, "127.0.0.2"));
+    ::send(fds.back(), req.data(), req.size(), MSG_NOSIGNAL);
+    EXPECT_NE(ReadAll(fds.back(), 300).find("\r\n\r\nhi"), std::string::npos);
+  }
+  for (int i = 0; i < 4; ++i) fds.push_back(Connect(*port, "127.0.0.2"));
+  wait_for([](const ConnectionStats& s) { return s.waiting == 4; });
+  for (int i = 0; i < 2; ++i) fds.push_back(Connect(*port, "127.0.0.3"));
+  ConnectionStats s = wait_for([](const ConnectionStats& s) { return s.refused == 2; });
+  EXPECT_EQ(s.open, 6);
+  EXPECT_EQ(s.waiting, 4);
+  EXPECT_EQ(s.refused, 2);
+  EXPECT_EQ(s.evicted, 0);
+  EXPECT_EQ(s.expired, 0);
+  s = wait_for([](const ConnectionStats& s) { return s.expired == 4; });
+  EXPECT_EQ(s.expired, 4);
+  EXPECT_EQ(s.waiting, 0);
+  EXPECT_EQ(s.evicted, 0);
+  for (int fd : fds) ::close(fd);
+  s = wait_for([](const ConnectionStats& s) { return s.open == 0; });
+  EXPECT_EQ(s.open, 0);
   server.Stop();
 }
 

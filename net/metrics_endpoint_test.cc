@@ -9,6 +9,8 @@
 
 #include <string>
 
+#include "net/connection_metrics.h"
+
 namespace loom::net {
 namespace {
 
@@ -59,6 +61,23 @@ TEST(MetricsEndpoint, ServesALiveRegistryOverRealHttp) {
   // A bad bind address is an error naming the field.
   auto bad = MetricsEndpoint::Start(&r, "localhost", 0);
   EXPECT_NE(bad.status().message().find("metrics.bind"), std::string::npos);
+}
+
+// An HttpServer's connection counts become gauges and counters; the counters advance by the
+// server's change between exports, so they keep counting across scrapes and never go back.
+TEST(ConnectionMetrics, GaugesNowCountersByTheChange) {
+  metrics::Registry registry;
+  ConnectionMetrics exported(registry, "x_http");
+  exported.Export({/*open=*/3, /*waiting=*/1, /*refused=*/2, /*evicted=*/5, /*expired=*/0});
+  exported.Export({/*open=*/1, /*waiting=*/0, /*refused=*/4, /*evicted=*/5, /*expired=*/7});
+  const std::string text = registry.Render();
+  for (const char* line :
+       {"x_http_connections_open 1\n", "x_http_connections_waiting 0\n",
+        "x_http_connections_refused_total 4\n", "x_http_connections_evicted_total 5\n",
+        "x_http_connections_expired_total 7\n", "# TYPE x_http_connections_evicted_total counter",
+        "# TYPE x_http_connections_open gauge"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " not in\n" << text;
+  }
 }
 
 }  // namespace

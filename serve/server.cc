@@ -6,6 +6,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "net/connection_metrics.h"
 
 namespace loom::serve {
 namespace {
@@ -71,7 +72,9 @@ void Server::AddRoutes(net::HttpServer& http) {
   http.Route("POST", "/detokenize", "user", bind(&Server::Detokenize));
   http.Route("GET", "/healthz", "none",
              [](const Request&, Response& res) { res.body = R"({"status":"ok"})"; });
-  http.Route("GET", "/metrics", "none", [this](const Request&, Response& res) {
+  auto connections = std::make_shared<net::ConnectionMetrics>(registry_, "loom_serve_http");
+  http.Route("GET", "/metrics", "none", [this, &http, connections](const Request&, Response& res) {
+    connections->Export(http.Connections());
     res.content_type = "text/plain; version=0.0.4";
     res.body = registry_.Render();
   });

@@ -258,6 +258,12 @@ def check_metrics(port, promtool):
                  "loom_serve_kv_cache_bytes", "loom_serve_batch_size", "loom_build_info"):
         assert name in text, name
     assert 'route="/v1/completions",code="400"' in text or 'code="400",route="/v1/completions"' in text
+    # The connection caps: this scrape's own connection is open, nothing waits or was refused.
+    caps = {l.split(" ")[0]: float(l.split(" ")[-1]) for l in text.splitlines()
+            if l.startswith("loom_serve_http_connections_")}
+    assert caps.get("loom_serve_http_connections_open", 0) >= 1, caps
+    assert caps.get("loom_serve_http_connections_waiting") == 0, caps
+    assert caps.get("loom_serve_http_connections_refused_total") == 0, caps
     if promtool:
         p = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
         assert p.returncode == 0, p.stdout + p.stderr

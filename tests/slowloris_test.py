@@ -9,7 +9,9 @@ the connection preface, a third send it and then trickle a HEADERS frame, a thir
 never read what the server sends. Each closed connection is replaced at once. Meanwhile the worker agent
 (at 127.0.0.1) heartbeats, and every second a fresh user request from 127.0.0.1 must be
 answered within 1 s. Afterwards: no worker was ever marked lost, the job kept its single attempt
-and succeeded, and the coordinator's RSS stayed within 64 MiB of its start. Last, SIGTERM stops
+and succeeded, the coordinator's RSS stayed within 64 MiB of its start, and its /metrics counted
+what the connection caps did: the attack's connections beyond the address's 16 places evicted or
+expired, none refused at the global cap, none left waiting once the attack stopped. Last, SIGTERM stops
 the coordinator within 5 s while a ?follow=true log stream is open.
 """
 import os
@@ -31,6 +33,18 @@ ENROLMENT_TOKEN = "enrolment-token-0123456789abcdef"
 ATTACKER = "127.0.0.2"
 CONNECTIONS = 256
 ATTACK_S = 60
+
+
+def connection_metrics(port):
+    """The user port's connection-cap metrics: loom_coordinator_http_connections_* -> value."""
+    status, _, text = Api(port, ALICE).request("GET", "/metrics", token=None, timeout=5)
+    assert status == 200, f"/metrics: HTTP {status}"
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("loom_coordinator_http_connections_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0][len("loom_coordinator_http_connections_"):]] = float(value)
+    return out
 
 
 def vm_rss_kib(pid):
@@ -189,12 +203,18 @@ def main():
         assert grew < 64, f"coordinator RSS grew {grew:.1f} MiB during the attack"
         j = api.wait_end_progressing(job)
         assert j["state"] == "succeeded" and j["restarts"] == 0, f"the job under attack: {j}"
+        def settled():
+            m = connection_metrics(s.port)
+            return m if m.get("waiting") == 0 else None
+        caps = wait_for("no connection left waiting after the attack", settled, timeout=20)
+        assert caps["evicted_total"] + caps["expired_total"] >= CONNECTIONS - 16, caps
+        assert caps["refused_total"] == 0, caps
         opened = {a.path: (a.opened, a.closed_by_server) for a in attackers}
         print(f"ok: {CONNECTIONS} slow connections per listener from {ATTACKER} for {ATTACK_S} s "
               f"(opened, closed by the server: {opened}); user requests from 127.0.0.1 answered within "
               f"{slowest:.3f} s; no worker lost; the job ({steps} steps, running at the attack's end: "
               f"{running_at_end}) succeeded on its single attempt; "
-              f"coordinator RSS +{grew:.1f} MiB")
+              f"coordinator RSS +{grew:.1f} MiB; connection caps {caps}")
 
         # SIGTERM with a log stream open on a running job: the coordinator stops anyway.
         job2 = submit(100000)
