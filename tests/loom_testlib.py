@@ -248,15 +248,19 @@ def wait_for(what, fn, timeout=60, interval=0.2):
 
 class Api:
     """A JSON client for one listener of the coordinator: request() returns (status, parsed JSON
-    or None, text); token is the default bearer token (None: no Authorization header)."""
+    or None, text); token is the default bearer token (None: no Authorization header); source:
+    the local address to connect from (another 127.x address is another client to the server's
+    per-address caps)."""
 
-    def __init__(self, port, token=None, host="127.0.0.1"):
+    def __init__(self, port, token=None, host="127.0.0.1", source=None):
         self.port = port
         self.token = token
         self.host = host
+        self.source = source
 
     def request(self, method, path, body=None, token="default", raw=None, headers=None, timeout=30):
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout,
+                                          source_address=(self.source, 0) if self.source else None)
         h = dict(headers or {})
         token = self.token if token == "default" else token
         if token:
