@@ -258,6 +258,16 @@ TEST(HttpServerAuthTest, RefusesBeforeTheBody) {
   server.Stop();
 }
 
+// Routes GET /hi (answers "hi"), listens on a free loopback port and starts: the caps tests'
+// server.
+absl::StatusOr<int> StartHiServer(HttpServer& server) {
+  server.Route("GET", "/hi", "none",
+               [](const HttpRequest&, HttpResponse& res) { res.body = "hi"; });
+  absl::StatusOr<int> port = server.Listen("127.0.0.1", 0);
+  if (port.ok()) server.Start();
+  return port;
+}
+
 // One address with many slow connections holds at most its share; a client at another address
 // is answered at once, and a well-behaved client at the same address within about evict_after.
 TEST(HttpServerCapsTest, OneAddressCannotStarveOthers) {
@@ -267,11 +277,8 @@ TEST(HttpServerCapsTest, OneAddressCannotStarveOthers) {
   o.evict_after_ms = 300;
   o.head_timeout_ms = 20000;
   HttpServer server(o);
-  server.Route("GET", "/hi", "none",
-               [](const HttpRequest&, HttpResponse& res) { res.body = "hi"; });
-  auto port = server.Listen("127.0.0.1", 0);
-  ASSERT_TRUE(port.ok());
-  server.Start();
+  const absl::StatusOr<int> port = StartHiServer(server);
+  ASSERT_TRUE(port.ok()) << port.status();
   std::vector<int> slow;
   for (int i = 0; i < 64; ++i) {
     slow.push_back(Connect(*port, "127.0.0.2"));
@@ -309,11 +316,8 @@ TEST(HttpServerCapsTest, ConnectionStatsCountRefusedWaitingAndExpired) {
   o.idle_timeout_ms = 60000;
   o.head_timeout_ms = 600;
   HttpServer server(o);
-  server.Route("GET", "/hi", "none",
-               [](const HttpRequest&, HttpResponse& res) { res.body = "hi"; });
-  auto port = server.Listen("127.0.0.1", 0);
-  ASSERT_TRUE(port.ok());
-  server.Start();
+  const absl::StatusOr<int> port = StartHiServer(server);
+  ASSERT_TRUE(port.ok()) << port.status();
   auto wait_for = [&](auto done) {
     const auto until = Clock::now() + std::chrono::seconds(5);
     while (!done(server.Connections()) && Clock::now() < until) {

@@ -220,11 +220,8 @@ std::optional<Settings> ParseSettings(int argc, char** argv, int* exit_code) {
     s.causal = flags.Choice("mask", {"causal", "none"}) == "causal";
     s.peer = flags.Get("peer");
   }
-  if (flags.ok() && !flags.help()) return s;
-  *exit_code = flags.help() ? 0 : 2;
-  if (!flags.help()) std::fprintf(stderr, "loom-bench-attention: %s\n", flags.error().c_str());
-  std::fprintf(flags.help() ? stdout : stderr, "%s\n", kUsage);
-  return std::nullopt;
+  if (flags.Exit("loom-bench-attention", kUsage, exit_code)) return std::nullopt;
+  return s;
 }
 
 // The device of --device and --dtype; false (after a message) when CUDA is asked for and absent.

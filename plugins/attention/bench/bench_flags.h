@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -42,6 +43,16 @@ class BenchFlags {
       }
     }
     return ok();
+  }
+
+  // After every flag is read: false when the program goes on; true, after printing the usage
+  // (and the error, on stderr), when it exits with *exit_code: 0 on --help, else 2.
+  bool Exit(const char* program, const char* usage, int* exit_code) const {
+    if (ok() && !help_) return false;
+    *exit_code = help_ ? 0 : 2;
+    if (!help_) std::fprintf(stderr, "%s: %s\n", program, error_.c_str());
+    std::fprintf(help_ ? stdout : stderr, "%s\n", usage);
+    return true;
   }
 
   bool ok() const { return error_.empty(); }

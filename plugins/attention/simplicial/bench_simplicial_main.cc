@@ -63,11 +63,8 @@ std::optional<Settings> ParseSettings(int argc, char** argv, int* exit_code) {
     s.causal = flags.Choice("mask", {"none", "causal"}) == "causal";
     s.ragged = flags.Choice("segments", {"none", "ragged"}) == "ragged";
   }
-  if (flags.ok() && !flags.help()) return s;
-  *exit_code = flags.help() ? 0 : 2;
-  if (!flags.help()) std::fprintf(stderr, "loom-bench-simplicial: %s\n", flags.error().c_str());
-  std::fprintf(flags.help() ? stdout : stderr, "%s\n", kUsage);
-  return std::nullopt;
+  if (flags.Exit("loom-bench-simplicial", kUsage, exit_code)) return std::nullopt;
+  return s;
 }
 
 // The layer's spec; `options` must outlive the layer (the spec points into it).
