@@ -478,6 +478,25 @@ class Hostile:
         print(f"ok: {len(cases)} oversized, compressed, length-less or badly typed bodies refused (413/415/411/431) "
               f"within {worst:.2f} s; coordinator peak RSS grew {grew} KiB in all ({', '.join(growth)} KiB each)")
 
+    def rank_waits_passively(self, job_id):
+        """The real worker starts its ranks with OMP_WAIT_POLICY=passive (agent.cc,
+        RankEnvironment), read from the running rank's own /proc environ."""
+        envs = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            # This test's job (its lease file is under the test's folder), not another Loom's.
+            if (env.get(b"LOOM_JOB_ID") == job_id.encode()
+                    and env.get(b"LOOM_LEASE_FILE", b"").startswith(self.tmp.encode())):
+                envs.append(env)
+        assert envs, f"no process of {job_id} found"
+        policies = {e.get(b"OMP_WAIT_POLICY") for e in envs}
+        assert policies == {b"passive"}, policies
+        print(f"ok: {job_id}'s {len(envs)} process(es) run with OMP_WAIT_POLICY=passive")
+
     def connection_caps(self):
         """The coordinator's connection-cap metrics, asked from 127.0.0.3 (outside the attacked
         address's places): what to know when a request from 127.0.0.1 went unanswered."""
@@ -988,6 +1007,7 @@ def main():
         h.volatile_jobs.add(long_job)
         h.api.wait(long_job, lambda j: j["state"] == "running" and int(j["progress"].get("step", 0)) > 20,
                    "the long job to run", timeout=60)
+        h.rank_waits_passively(long_job)
         h.test_log_followers(long_job)
         h.test_forged_heartbeats(long_job)
         h.test_forged_checkpoints()

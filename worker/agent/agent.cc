@@ -303,6 +303,11 @@ std::vector<std::pair<std::string, std::string>> Agent::RankEnvironment(
     env.emplace_back("CUDA_VISIBLE_DEVICES", place.visible_devices);
     env.emplace_back("LOOM_GPU_STATS_FILE", GpuStatsPath(a.dir, place.rank));  // ExportGpuSeries
   }
+  // OpenMP threads that spin at barriers lose most of their time when the cores are shared
+  // (other ranks, other sessions' work, niced or not: autogroup scheduling): two-thread steps
+  // beside two one-thread jobs ran 2-10x slower spinning than sleeping, and alone about 10 %
+  // faster (scripts/bench-omp-wait, docs/benchmarks.md). The node's own setting wins.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) env.emplace_back("OMP_WAIT_POLICY", "passive");
   if (as.spec().threads() == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     env.emplace_back(
