@@ -89,6 +89,19 @@ async function waitFor(what, fn, timeoutMs = 120000) {
     await sleep(250);
   }
 }
+
+// Clicks `selector` on a page that redraws as a job's state arrives: when the element found is
+// replaced before the click lands (puppeteer: "Node is detached from document"), finds it again.
+async function clickLive(page, selector, tries = 5) {
+  for (let i = 1; ; i++) {
+    try {
+      return await page.click(selector);
+    } catch (e) {
+      if (i >= tries || !/detached/.test(e.message)) throw e;
+      await sleep(200);
+    }
+  }
+}
 // A screenshot, after checking that no value was rendered as a JavaScript placeholder.
 async function shot(page, name, fullPage = false) {
   const text = await page.$eval('main', (el) => el.innerText);
@@ -503,7 +516,7 @@ async function main() {
   await waitFor('the fine-tune to succeed', async () =>
     (await rest(base, token, 'GET', `/v1/jobs/${ftId}`)).json.state === 'succeeded', 300000);
   await page.waitForFunction(() => /Pass@1/.test(document.body.textContent), { timeout: 10000 });
-  await page.click('.job-head a[href^="#/lineage/"]');
+  await clickLive(page, '.job-head a[href^="#/lineage/"]');
   await page.waitForSelector(`[data-node="${ftId}"]`);
   await page.waitForFunction((a, b) => !!document.querySelector(`[data-edge="${a}->${b}"]`) &&
     /checkpoints: 10/.test(document.querySelector(`[data-node="${b}"]`).textContent), { timeout: 15000 }, demoId, ftId);
