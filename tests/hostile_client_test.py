@@ -29,8 +29,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import (Api, Service, agent_refusal, control_plane_arg_parser, free_port, stop_all,  # noqa: E402
-                          wait_for)
+from loom_testlib import (Api, Service, agent_refusal, control_plane_arg_parser, free_port, metric_family,  # noqa: E402
+                          stop_all, wait_for)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -505,7 +505,8 @@ class Hostile:
                                                                       timeout=5)
         except OSError as e:
             return f"/metrics from 127.0.0.3 failed too: {e!r}"
-        return "; ".join(l for l in text.splitlines() if l.startswith("loom_coordinator_http_connections_"))
+        caps = metric_family(text, "loom_coordinator_http_connections_")
+        return "connection caps: " + ", ".join(f"{k} {v:g}" for k, v in sorted(caps.items()))
 
     def test_slowloris(self):
         port = self.s.port

@@ -224,6 +224,18 @@ def kill_trainers_under(root):
             pass
 
 
+def metric_family(text, prefix):
+    """The samples of a Prometheus text exposition whose names start with `prefix`, as
+    {name after the prefix, labels dropped: value}; e.g. the HTTP servers' connection caps,
+    metric_family(text, "loom_coordinator_http_connections_")["refused_total"]."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0][len(prefix):]] = float(value)
+    return out
+
+
 def read_port_file(path):
     """The port in a port file, or None while it is missing or still being written."""
     try:

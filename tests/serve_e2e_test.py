@@ -26,8 +26,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import (free_port, kill_all, proc_state, read_port_file, redocly_lint,  # noqa: E402
-                         wait_for)
+from loom_testlib import (free_port, kill_all, metric_family, proc_state, read_port_file,  # noqa: E402
+                         redocly_lint, wait_for)
 
 LOGPROB_TOLERANCE = 2e-4  # float32 forward (cached, batched) vs float32 forward (full)
 
@@ -259,11 +259,10 @@ def check_metrics(port, promtool):
         assert name in text, name
     assert 'route="/v1/completions",code="400"' in text or 'code="400",route="/v1/completions"' in text
     # The connection caps: this scrape's own connection is open, nothing waits or was refused.
-    caps = {l.split(" ")[0]: float(l.split(" ")[-1]) for l in text.splitlines()
-            if l.startswith("loom_serve_http_connections_")}
-    assert caps.get("loom_serve_http_connections_open", 0) >= 1, caps
-    assert caps.get("loom_serve_http_connections_waiting") == 0, caps
-    assert caps.get("loom_serve_http_connections_refused_total") == 0, caps
+    caps = metric_family(text, "loom_serve_http_connections_")
+    assert caps.get("open", 0) >= 1, caps
+    assert caps.get("waiting") == 0, caps
+    assert caps.get("refused_total") == 0, caps
     if promtool:
         p = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
         assert p.returncode == 0, p.stdout + p.stderr

@@ -25,7 +25,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import Api, Service, control_plane_arg_parser, stop_all, wait_for  # noqa: E402
+from loom_testlib import (Api, Service, control_plane_arg_parser, metric_family, stop_all,  # noqa: E402
+                         wait_for)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -39,12 +40,7 @@ def connection_metrics(port):
     """The user port's connection-cap metrics: loom_coordinator_http_connections_* -> value."""
     status, _, text = Api(port, ALICE).request("GET", "/metrics", token=None, timeout=5)
     assert status == 200, f"/metrics: HTTP {status}"
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("loom_coordinator_http_connections_"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0][len("loom_coordinator_http_connections_"):]] = float(value)
-    return out
+    return metric_family(text, "loom_coordinator_http_connections_")
 
 
 def vm_rss_kib(pid):
