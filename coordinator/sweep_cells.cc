@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -137,7 +138,6 @@ absl::StatusOr<std::vector<SweepCell>> GridCells(const v1::SweepSpec& spec) {
                                                                        spec.grid().end());
   std::vector<SweepCell> grid = {SweepCell{}};
   for (const auto& [path, values] : sorted_grid) {
-    if (values.values().empty()) return FieldError(absl::StrCat("grid.", path), "no values");
     std::vector<SweepCell> next;
     for (const SweepCell& cell : grid) {
       for (const auto& v : values.values()) {
@@ -147,7 +147,6 @@ absl::StatusOr<std::vector<SweepCell>> GridCells(const v1::SweepSpec& spec) {
       }
     }
     grid = std::move(next);
-    if (grid.size() > kMaxSweepJobs) return FieldError("grid", "too many combinations");
   }
   return grid;
 }
@@ -170,9 +169,47 @@ SweepCell CrossCell(const SweepCell& l, const SweepCell& g) {
 
 }  // namespace
 
+absl::Status CheckSweepSize(const v1::SweepSpec& spec) {
+  // Saturating at kMaxSweepJobs + 1: a hostile grid's product must not overflow into a small
+  // number, and nothing past the limit needs counting.
+  constexpr uint64_t kOver = kMaxSweepJobs + 1;
+  auto times = [](uint64_t a, uint64_t b) { return b != 0 && a > kOver / b ? kOver : a * b; };
+  uint64_t grid = 1;
+  for (const auto& [path, values] : spec.grid()) {
+    if (values.values().empty()) return FieldError(absl::StrCat("grid.", path), "no values");
+    grid = std::min(times(grid, values.values_size()), kOver);
+  }
+  const uint64_t cells = std::max(1, spec.cells_size());
+  const uint64_t seeds = spec.seeds_size();
+  const uint64_t jobs = std::min(times(times(cells, grid), seeds), kOver);
+  if (jobs > kMaxSweepJobs) {
+    return FieldError("cells",
+                      absl::StrCat(cells, " cells x ", grid == kOver ? "over " : "",
+                                   std::min<uint64_t>(grid, kMaxSweepJobs), " grid combinations x ",
+                                   seeds, " seeds is more than ", kMaxSweepJobs, " jobs"));
+  }
+  // Every job stores its own copy of the base spec with a cell's settings.
+  size_t largest_cell = 0;
+  for (const auto& cell : spec.cells()) largest_cell = std::max(largest_cell, cell.ByteSizeLong());
+  size_t largest_grid_value = 0;
+  for (const auto& [path, values] : spec.grid()) {
+    for (const auto& v : values.values())
+      largest_grid_value = std::max(largest_grid_value, path.size() + v.ByteSizeLong());
+  }
+  const size_t per_job =
+      spec.base().ByteSizeLong() + largest_cell + spec.grid_size() * largest_grid_value;
+  if (per_job * jobs > kMaxSweepSpecBytes) {
+    return FieldError("base.spec", absl::StrCat(jobs, " jobs of up to ", per_job,
+                                                " bytes of spec each is more than ",
+                                                kMaxSweepSpecBytes >> 20, " MiB in all"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
   if (!spec.has_base() || !spec.base().has_spec()) return FieldError("base.spec", "is required");
   if (spec.seeds().empty()) return FieldError("seeds", "at least one seed");
+  LOOM_RETURN_IF_ERROR(CheckSweepSize(spec));
   std::set<uint64_t> seeds(spec.seeds().begin(), spec.seeds().end());
   if (seeds.size() != static_cast<size_t>(spec.seeds_size())) {
     return FieldError("seeds", "each seed at most once");
@@ -200,10 +237,6 @@ absl::StatusOr<std::vector<SweepCell>> ExpandSweep(const v1::SweepSpec& spec) {
       }
       cells.push_back(std::move(c));
     }
-  }
-  if (cells.size() * seeds.size() > static_cast<size_t>(kMaxSweepJobs)) {
-    return FieldError("seeds", absl::StrCat(cells.size(), " cells x ", seeds.size(),
-                                            " seeds is more than ", kMaxSweepJobs, " jobs"));
   }
   if (!spec.baseline().empty() && !names.count(spec.baseline())) {
     return FieldError("baseline", absl::StrCat("no cell named '", spec.baseline(),

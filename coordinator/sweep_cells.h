@@ -15,7 +15,10 @@
 
 namespace loom::coordinator {
 
+// What one sweep may create (docs/control-plane.md, "Input limits"): checked by CheckSweepSize
+// from the request's counts before any cell is built.
 inline constexpr int kMaxSweepJobs = 1000;
+inline constexpr size_t kMaxSweepSpecBytes = size_t{32} << 20;  // jobs x spec bytes, in all
 
 struct SweepCell {
   std::string name;
@@ -31,6 +34,11 @@ absl::Status CheckMetricAndSelect(const std::string& metric, const std::string& 
 // pass@1 | maj@k | answered: read from the reasoning evaluations (kind reasoning), which are
 // what a job's curve has for them; the other metrics from its held-out evaluations.
 bool IsReasoningMetric(const std::string& metric);
+
+// cells x grid combinations x seeds <= kMaxSweepJobs and those jobs' specs within
+// kMaxSweepSpecBytes, counted from the request alone: nothing proportional to the product is
+// allocated before it holds. Errors name the field.
+absl::Status CheckSweepSize(const v1::SweepSpec& spec);
 
 // Checks the spec's own fields (seeds, metric, select, sizes) and expands its cells: the grid's
 // combinations (paths in order, values in order), crossed with the listed cells when both are

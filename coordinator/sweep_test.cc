@@ -101,6 +101,57 @@ TEST(SweepTest, ExpandsGridAndCellsAndAppliesOverrides) {
   EXPECT_NE(ExpandSweep(s).status().message().find("baseline"), std::string::npos);
 }
 
+v1::SweepCellSpec* AddCell(v1::SweepSpec& s, const std::string& name) {
+  v1::SweepCellSpec* c = s.add_cells();
+  c->set_name(name);
+  (*c->mutable_set()->mutable_fields())["optimizer.lr"].set_number_value(0.001);
+  return c;
+}
+
+// The limits are counted from the request: the largest legal sweep expands, the smallest illegal
+// one is refused naming the field, and a hostile one (57 000 cells crossed with a grid whose
+// product overflows 64 bits) is refused without building anything.
+TEST(SweepLimitsTest, JobsAreCountedBeforeAnyCellIsBuilt) {
+  v1::SweepSpec s = BaseSweep();  // seeds 1 and 2
+  for (int i = 0; i < 10; ++i) AddCell(s, "c" + std::to_string(i));
+  auto& lr = (*s.mutable_grid())["optimizer.min_lr"];
+  for (int i = 0; i < 10; ++i) lr.add_values()->set_number_value(1e-5 * (i + 1));
+  for (int i = 3; i <= 10; ++i) s.add_seeds(i);  // 10 cells x 10 x 10 seeds = 1000 jobs
+  auto largest = ExpandSweep(s);
+  ASSERT_TRUE(largest.ok()) << largest.status();
+  EXPECT_EQ(largest->size() * s.seeds_size(), size_t{kMaxSweepJobs});
+  s.add_seeds(11);  // 1100
+  EXPECT_TRUE(absl::StrContains(ExpandSweep(s).status().message(),
+                                "cells: 10 cells x 10 grid combinations x 11 seeds is more than "
+                                "1000 jobs"))
+      << ExpandSweep(s).status();
+
+  v1::SweepSpec hostile = BaseSweep();
+  for (int i = 0; i < 57000; ++i) AddCell(hostile, "c" + std::to_string(i));
+  for (int p = 0; p < 70; ++p) {  // 2^70 combinations
+    auto& values = (*hostile.mutable_grid())["model.schedule[0].window" + std::to_string(p)];
+    values.add_values()->set_number_value(1);
+    values.add_values()->set_number_value(2);
+  }
+  const absl::Status refused = CheckSweepSize(hostile);
+  EXPECT_TRUE(absl::StrContains(refused.message(), "57000 cells x over 1000 grid combinations"))
+      << refused;
+  EXPECT_EQ(ExpandSweep(hostile).status(), refused);
+}
+
+TEST(SweepLimitsTest, TheJobsSpecsAreBoundedInBytes) {
+  v1::SweepSpec s = BaseSweep();
+  s.clear_seeds();
+  s.add_seeds(1);
+  for (int i = 0; i < 1000; ++i) AddCell(s, "c" + std::to_string(i));
+  ASSERT_TRUE(CheckSweepSize(s).ok()) << CheckSweepSize(s);
+  // 1000 jobs of a 40 KB spec each would store 40 MB of specs.
+  s.mutable_base()->mutable_spec()->mutable_data()->set_path(std::string(40000, 'p'));
+  const absl::Status refused = CheckSweepSize(s);
+  EXPECT_TRUE(absl::StartsWith(refused.message(), "base.spec: 1000 jobs of up to ")) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "is more than 32 MiB in all")) << refused;
+}
+
 // A cell's `set:` of rope_theta 0 under a preset is RoPE off, and so is a base's explicit 0 that
 // a cell leaves alone (the base goes through JSON: the 0 must print). Before 2026-12-07 the
 // preset's θ replaced both.

@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loom_testlib import (Api, Service, agent_refusal, control_plane_arg_parser, free_port, metric_family,  # noqa: E402
-                          stop_all, wait_for)
+                          proc_status_kib, stop_all, wait_for)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -364,11 +364,7 @@ class Hostile:
     # --- bodies ------------------------------------------------------------------------------------
 
     def vm_hwm_kib(self):
-        with open(f"/proc/{self.s.coordinator.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-        raise AssertionError("no VmHWM")
+        return proc_status_kib(self.s.coordinator.pid, "VmHWM")
 
     def raw_exchange(self, head, chunks=(), limit_s=6.0):
         """Sends head then the chunks while a reader waits for the answer; stops sending once

@@ -137,6 +137,15 @@ def proc_state(pid):
         return None
 
 
+def proc_status_kib(pid, field):
+    """A size line of /proc/PID/status in KiB: VmRSS (resident now), VmHWM (its peak so far)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 def loom_trainers(root=None):
     """Live (not zombie) loom-train processes with a LOOM_JOB_ID in their environment, as dicts
     {pid, job, rank, attempt, state}. With root: only those whose working directory or command

@@ -25,8 +25,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import (Api, Service, control_plane_arg_parser, metric_family, stop_all,  # noqa: E402
-                         wait_for)
+from loom_testlib import (Api, Service, control_plane_arg_parser, metric_family, proc_status_kib,  # noqa: E402
+                         stop_all, wait_for)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -41,14 +41,6 @@ def connection_metrics(port):
     status, _, text = Api(port, ALICE).request("GET", "/metrics", token=None, timeout=5)
     assert status == 200, f"/metrics: HTTP {status}"
     return metric_family(text, "loom_coordinator_http_connections_")
-
-
-def vm_rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 class Attacker:
@@ -175,7 +167,7 @@ def main():
         job = submit(steps)
         api.wait(job, lambda j: j["state"] == "running" and int(j["progress"].get("step", 0)) > 5,
                  "the job to run", timeout=120)
-        rss_start = vm_rss_kib(s.coordinator.pid)
+        rss_start = proc_status_kib(s.coordinator.pid, "VmRSS")
         attackers = [Attacker(s.port, "/v1/jobs", ATTACK_S), Attacker(s.agent_port, "agent", ATTACK_S, h2=True)]
         for a in attackers:
             a.thread.start()
@@ -189,7 +181,7 @@ def main():
             assert status == 200, f"a user request during the attack: HTTP {status}: {text[:300]}"
             assert took < 1.0, f"a user request from another address took {took:.2f} s during the attack"
             lost_seen += [w["name"] for w in api.workers() if w["state"] != "alive"]
-            rss_peak = max(rss_peak, vm_rss_kib(s.coordinator.pid))
+            rss_peak = max(rss_peak, proc_status_kib(s.coordinator.pid, "VmRSS"))
             time.sleep(max(0.0, 1.0 - (time.monotonic() - t)))
         for a in attackers:
             a.thread.join(timeout=30)
