@@ -19,8 +19,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
 sys.path.insert(0, EXPERIMENTS)
+sys.path.insert(0, os.path.join(EXPERIMENTS, "khop"))
 import adjust_pvalues  # noqa: E402
 import compare_across  # noqa: E402
+import report_confirm  # noqa: E402
 
 # Two-sided 95% critical values of Student's t (any statistics table).
 T_TABLE = {1: 12.7062, 4: 2.7764, 9: 2.2622, 30: 2.0423}
@@ -351,6 +353,204 @@ class KhopControlsTest(unittest.TestCase):
             else:  # reading mha-2x's second 12 000 steps too changes the p: the check refuses
                 self.assertNotEqual(r.returncode, 0)
                 self.assertIn("controls.json says", r.stderr)
+
+
+def t_two_sided_p(t, df):
+    """Student's t two-sided p by the closed forms of Abramowitz & Stegun 26.7.3 (odd df) and
+    26.7.4 (even df): independent of compare_across's continued fraction (no scipy here)."""
+    try:
+        from scipy import stats
+        return float(2 * stats.t.sf(abs(t), df))
+    except ImportError:
+        pass
+    th = math.atan(abs(t) / math.sqrt(df))
+    c2 = math.cos(th) ** 2
+    k, term, total = (1, math.cos(th), 0.0) if df % 2 else (0, 1.0, 0.0)
+    while k <= df - 2:
+        total += term
+        term *= c2 * (k + 1) / (k + 2)
+        k += 2
+    inside = 2 / math.pi * (th + math.sin(th) * total) if df % 2 else math.sin(th) * total
+    return 1 - inside
+
+
+def holm_by_definition(p):
+    """The largest (m - j) p_(j) over the ranks j up to each p's own, capped at 1."""
+    m, order = len(p), sorted(range(len(p)), key=lambda i: p[i])
+    out = [0.0] * m
+    for rank, i in enumerate(order):
+        out[i] = min(1.0, max((m - j) * p[order[j]] for j in range(rank + 1)))
+    return out
+
+
+def signflip_brute(d):
+    """Every one of the 2^n sign assignments, in chunks (2^20 x 20 at once is 160 MB)."""
+    d = np.asarray(d, dtype=float)
+    n, obs, hits = len(d), abs(d.sum()), 0
+    for start in range(0, 2 ** n, 2 ** 16):
+        idx = np.arange(start, min(start + 2 ** 16, 2 ** n))
+        signs = 1 - 2 * ((idx[:, None] >> np.arange(n)) & 1)
+        hits += int(np.sum(np.abs(signs @ d) >= obs - 1e-9))
+    return hits / 2 ** n
+
+
+class KhopConfirmTest(unittest.TestCase):
+    """experiments/khop/report_confirm.py (issue 76's pre-registered confirmation) on synthetic
+    curves with known answers: the primary paired t against a closed-form t distribution, the
+    sign test and McNemar counts by hand, the sign-flip test by hand and by brute force, Holm over
+    the four secondaries, and the refusal to run without every seed."""
+
+    STEPS = list(range(0, 12001, 500))
+    # seed -> (IHA's first step at 80 %, MHA's): None never. By hand, for S2 (sign test):
+    # IHA first on 17-28 (12), MHA first on 29, 30 and 32 (3), tie on 31, neither on 33-36:
+    # p = 2 (C(15,0) + C(15,1) + C(15,2) + C(15,3)) / 2^15 = 2 x 576 / 32768 = 0.03515625.
+    # S3 (McNemar): only IHA reached on 17-28 (12), only MHA on 32 (1):
+    # p = 2 (C(13,0) + C(13,1)) / 2^13 = 28 / 8192 = 0.00341796875.
+    REACH = {**{s: (4000, None) for s in range(17, 29)},
+             29: (6000, 3000), 30: (6000, 3000), 31: (5000, 5000), 32: (None, 8000),
+             **{s: (None, None) for s in range(33, 37)}}
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self.dir.cleanup)
+        self.path = os.path.join(self.dir.name, "confirm.curves.csv")
+        rng = np.random.default_rng(5)
+        self.curves = {}
+        for seed, reach in self.REACH.items():
+            for cell, at in zip((report_confirm.IHA, report_confirm.MHA), reach):
+                low = rng.uniform(0.25, 0.40, len(self.STEPS))
+                high = rng.uniform(0.85, 0.99, len(self.STEPS))
+                above = np.array(self.STEPS) >= (at if at is not None else math.inf)
+                self.curves[(cell, seed)] = np.where(above, high, low)
+        self.write(self.curves)
+
+    def write(self, curves, skip=lambda cell, seed, step: False):
+        with open(self.path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["cell", "seed", "job", "step", "eval_loss", "accuracy", "exact_match"])
+            for (cell, seed), accs in curves.items():
+                for step, a in zip(self.STEPS, accs):
+                    if not skip(cell, seed, step):
+                        w.writerow([cell, seed, "j", step, 1.0, repr(float(a)), 0])
+
+    def diffs(self, column):
+        """IHA - MHA in points per seed: column 'mean' (steps 500-12 000) or 'final'."""
+        pick = (lambda a: np.mean(a[1:])) if column == "mean" else (lambda a: a[-1])
+        return np.array([100 * (pick(self.curves[(report_confirm.IHA, s)]) -
+                                pick(self.curves[(report_confirm.MHA, s)])) for s in self.REACH])
+
+    def report(self, *args):
+        out = os.path.join(self.dir.name, "confirm.json")
+        r = run("khop/report_confirm.py", self.path, "--json", out, *args)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with open(out) as f:
+            return r.stdout, {m["id"]: m for m in json.load(f)["measures"]}, out
+
+    def test_primary_and_secondaries_against_known_answers(self):
+        stdout, m, _ = self.report()
+        for mid, column in (("mean", "mean"), ("final", "final")):
+            d = self.diffs(column)
+            t = d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))
+            self.assertEqual(m[mid]["n"], 20)
+            self.assertAlmostEqual(m[mid]["estimate"], d.mean(), places=9)
+            self.assertAlmostEqual(m[mid]["p"], t_two_sided_p(t, 19), places=9)
+        self.assertEqual((m["reach80"]["first"], m["reach80"]["later"], m["reach80"]["ties"],
+                          m["reach80"]["unordered"]), (12, 3, 1, 4))
+        self.assertAlmostEqual(m["reach80"]["p"], 0.03515625, places=12)
+        self.assertEqual((m["seeds80"]["iha_reached"], m["seeds80"]["mha_reached"],
+                          m["seeds80"]["only_iha"], m["seeds80"]["only_mha"]), (15, 4, 12, 1))
+        self.assertAlmostEqual(m["seeds80"]["p"], 0.00341796875, places=12)
+        self.assertAlmostEqual(m["signflip"]["p"], signflip_brute(self.diffs("mean")), places=12)
+        self.assertEqual(m["signflip"]["assignments"], 2 ** 20)
+        # Holm over the four secondaries only: the primary stands alone.
+        ids = ["final", "reach80", "seeds80", "signflip"]
+        for mid, want in zip(ids, holm_by_definition([m[i]["p"] for i in ids])):
+            self.assertAlmostEqual(m[mid]["holm"], want, places=12)
+        self.assertNotIn("holm", m["mean"])
+        self.assertIn(f"{self.diffs('mean').mean():+.2f}", stdout)
+        self.assertNotIn("INCOMPLETE", stdout)
+
+    def test_adjust_pvalues_checks_the_json(self):
+        """The sources experiments/families.json will use, each checked against the JSON."""
+        self.report()
+        cells = {"baseline": f"confirm.curves.csv:{report_confirm.MHA}",
+                 "other": f"confirm.curves.csv:{report_confirm.IHA}"}
+        at = lambda suffix: {k: v + suffix for k, v in cells.items()}
+        sources = {"mean": dict(at("@mean"), test="paired_t", column="accuracy", scale=100),
+                   "final": dict(at("@12000"), test="paired_t", column="accuracy", scale=100),
+                   "reach80": dict(cells, test="sign", threshold=0.8),
+                   "seeds80": dict(cells, test="sign", threshold=0.8, only_one=True),
+                   "signflip": {"test": "report", "file": "confirm.json",
+                                "path": "measures[id=signflip].p"}}
+        comps = [{"id": k, "label": k, "measure": k, "kind": "secondary", "source": src,
+                  "check": {"file": "confirm.json", "path": f"measures[id={k}].p"}}
+                 for k, src in sources.items()]
+        path = os.path.join(self.dir.name, "families.json")
+        with open(path, "w") as f:
+            family = {"id": "f", "name": "F", "contains": "c", "why": "w", "members": list(sources)}
+            json.dump({"comparisons": comps, "families": [family]}, f)
+        r = run("adjust_pvalues.py", path)
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_signflip_by_hand(self):
+        # d = 2, 3, 4, 5, -1: |sum| 13 of a total 15; flipping a set F of magnitudes gives
+        # 15 - 2 F, and |15 - 2 F| >= 13 needs F <= 1 or F >= 14: {}, {1} and their
+        # complements, 4 of 32 -> 0.125.
+        self.assertEqual(report_confirm.signflip_count([2, 3, 4, 5, -1]), (4, 32))
+        # d = 1, 2, 3, 4, -5: |15 - 2 F| >= 5 needs F <= 5 (10 subsets: {}, five singletons,
+        # {1,2}, {1,3}, {1,4}, {2,3}) or F >= 10 (their complements): 20 of 32 -> 0.625.
+        self.assertAlmostEqual(report_confirm.signflip_p([1, 2, 3, 4, -5]), 0.625, places=12)
+        # All one way: only the observed signs and their negation, 2 of 32.
+        self.assertAlmostEqual(report_confirm.signflip_p([1, 1, 1, 1, 1]), 2 / 32, places=12)
+        # Float ties: 0.1, 0.2, -0.3, 0.4 has |sum| 0.4; F <= 0.3 or F >= 0.7 of the total 1.0:
+        # {}, {.1}, {.2}, {.3}, {.1,.2} and complements, 10 of 16. In floats 0.1 + 0.2 > 0.3,
+        # so without the tolerance two of the ties would be lost (8 of 16).
+        self.assertEqual(report_confirm.signflip_count([0.1, 0.2, -0.3, 0.4]), (10, 16))
+        self.assertEqual(report_confirm.signflip_p([0.0, 0.0]), 1.0)
+        rng = np.random.default_rng(9)
+        for n in (1, 2, 7, 12):
+            for d in (rng.normal(0.5, 1, n), rng.integers(-3, 4, n).astype(float)):
+                self.assertAlmostEqual(report_confirm.signflip_p(list(d)), signflip_brute(d),
+                                       places=12, msg=list(d))
+
+    def test_signflip_through_the_script(self):
+        # Five seeds, MHA flat at 30 %, IHA flat at 30 % + d: the differences of the means are
+        # 2, 3, 4, 5, -1 points (up to float rounding, which the tolerance absorbs): p 4/32.
+        curves = {}
+        for seed, d in zip(range(17, 22), (2, 3, 4, 5, -1)):
+            curves[(report_confirm.MHA, seed)] = np.full(len(self.STEPS), 0.30)
+            curves[(report_confirm.IHA, seed)] = np.full(len(self.STEPS), 0.30 + d / 100)
+        self.write(curves)
+        stdout, m, _ = self.report("--allow-incomplete")
+        self.assertEqual((m["signflip"]["extreme"], m["signflip"]["assignments"]), (4, 32))
+        self.assertAlmostEqual(m["signflip"]["p"], 0.125, places=12)
+        self.assertIn("INCOMPLETE", stdout)
+
+    def test_refuses_a_missing_or_unfinished_seed(self):
+        gone = lambda cell, seed, step: ((cell, seed) == (report_confirm.MHA, 25) or
+                                         ((cell, seed) == (report_confirm.IHA, 30) and step > 6000))
+        self.write(self.curves, skip=gone)
+        r = run("khop/report_confirm.py", self.path)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn(f"{report_confirm.MHA} seed 25", r.stderr)
+        self.assertIn(f"{report_confirm.IHA} seed 30", r.stderr)
+        self.assertIn("--allow-incomplete", r.stderr)
+        stdout, m, out = self.report("--allow-incomplete")
+        self.assertTrue(stdout.startswith("# INCOMPLETE"), stdout)
+        self.assertIn("no verdict", stdout)
+        with open(out) as f:
+            doc = json.load(f)
+        self.assertTrue(doc["incomplete"])
+        self.assertEqual(doc["seeds"], [s for s in range(17, 37) if s not in (25, 30)])
+        self.assertEqual(m["mean"]["n"], 18)
+
+    def test_refuses_a_seed_or_cell_not_registered(self):
+        for cell, seed in ((report_confirm.IHA, 7), ("mha-2x", 17)):
+            extra = {**self.curves, (cell, seed): self.curves[(report_confirm.IHA, 17)]}
+            self.write(extra)
+            r = run("khop/report_confirm.py", self.path, "--allow-incomplete")
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("[7]" if seed == 7 else "mha-2x", r.stderr)
 
 
 if __name__ == "__main__":
