@@ -1,7 +1,21 @@
 # LibTorch: Debian's libtorch-dev (1.13, CPU) by default; a LibTorch 2.x distribution (for
 # example PyTorch's: -DCMAKE_PREFIX_PATH=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)'))
 # on GPU machines. Version differences are handled in api/loom/torch_compat.h only.
+# A CUDA LibTorch's config compiles for the GPUs of TORCH_CUDA_ARCH_LIST (a dozen by default)
+# and sets CMAKE_CUDA_ARCHITECTURES to OFF: give it Loom's (80;90 -> 8.0;9.0), and keep Loom's
+# for Loom's own kernels.
+set(_loom_cuda_architectures "${CMAKE_CUDA_ARCHITECTURES}")
+if(LOOM_HAVE_CUDA AND NOT DEFINED TORCH_CUDA_ARCH_LIST AND NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
+  set(TORCH_CUDA_ARCH_LIST "")
+  foreach(_arch ${CMAKE_CUDA_ARCHITECTURES})
+    string(REGEX REPLACE "^([0-9]+)([0-9])$" "\\1.\\2" _arch "${_arch}")
+    list(APPEND TORCH_CUDA_ARCH_LIST "${_arch}")
+  endforeach()
+endif()
 find_package(Torch REQUIRED)
+if(LOOM_HAVE_CUDA)
+  set(CMAKE_CUDA_ARCHITECTURES "${_loom_cuda_architectures}")
+endif()
 message(STATUS "Loom: LibTorch ${Torch_VERSION} (${TORCH_LIBRARIES})")
 
 # One precompiled <torch/torch.h> shared by every LibTorch target (loom_use_torch), so each
@@ -54,7 +68,8 @@ endif()
 # when present.
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 add_library(loom_openmp INTERFACE)
-file(GLOB _loom_bundled_gomp "${TORCH_INSTALL_PREFIX}/../torch.libs/libgomp*.so*")
+file(GLOB _loom_bundled_gomp "${TORCH_INSTALL_PREFIX}/../torch.libs/libgomp*.so*"
+     "${TORCH_INSTALL_PREFIX}/lib/libgomp*.so*")  # torch.libs/ until 2.x, lib/ in 2.15
 if(_loom_bundled_gomp)
   list(GET _loom_bundled_gomp 0 _loom_gomp)
   message(STATUS "Loom: OpenMP runtime of the LibTorch distribution: ${_loom_gomp}")

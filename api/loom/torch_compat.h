@@ -20,4 +20,15 @@
 // at::scaled_dot_product_attention (fused SDPA / FlashAttention dispatch) appeared in 2.0.
 #define LOOM_TORCH_HAS_SDPA LOOM_TORCH_AT_LEAST(2, 0)
 
+// c10::Allocator in 2.3: allocate() is no longer const, and copy_data() is pure virtual. A
+// custom allocator declares `c10::DataPtr allocate(size_t n) LOOM_TORCH_ALLOCATE_CONST override`
+// and defines copy_data where LOOM_TORCH_ALLOCATOR_HAS_COPY_DATA.
+#if LOOM_TORCH_AT_LEAST(2, 3)
+#define LOOM_TORCH_ALLOCATE_CONST
+#define LOOM_TORCH_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define LOOM_TORCH_ALLOCATE_CONST const
+#define LOOM_TORCH_ALLOCATOR_HAS_COPY_DATA 0
+#endif
+
 #endif  // LOOM_API_TORCH_COMPAT_H_

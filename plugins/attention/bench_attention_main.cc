@@ -43,7 +43,7 @@ using loom::attention::kernels::Options;
 class TrackingAllocator final : public c10::Allocator {
  public:
   static constexpr size_t kHeader = 64;  // keeps the 64-byte alignment of the payload
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) LOOM_TORCH_ALLOCATE_CONST override {
     // aligned_alloc wants a multiple of the alignment.
     void* raw = std::aligned_alloc(kHeader, (n + 2 * kHeader - 1) / kHeader * kHeader);
     if (raw == nullptr) throw std::bad_alloc();
@@ -56,6 +56,11 @@ class TrackingAllocator final : public c10::Allocator {
     return {data, raw, &Delete, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &Delete; }
+#if LOOM_TORCH_ALLOCATOR_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#endif
   static void Delete(void* raw) {
     live_.fetch_sub(static_cast<int64_t>(*static_cast<size_t*>(raw)));
     std::free(raw);
