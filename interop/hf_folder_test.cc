@@ -359,6 +359,24 @@ TEST_F(HfFolderTest, HostileFoldersAreRefusedWithTheFieldNamed) {
   Json scaled = LlamaConfig();
   scaled["rope_scaling"] = {{"rope_type", "llama3"}};
   EXPECT_NE(try_config("scaled", scaled).message().find("rope_scaling"), std::string::npos);
+  // transformers 5's form of the same fields: its save_pretrained writes RoPE's base only in
+  // rope_parameters (before 2026-12-07 the import took the default 10000 instead).
+  Json v5 = LlamaConfig();
+  v5.erase("rope_theta");
+  v5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 500000.0}};
+  WriteLlamaFolder(root_ / "v5", v5, t.Writes());
+  auto imported = ImportHuggingFace({(root_ / "v5").string(), (root_ / "v5-out").string()});
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_EQ(imported->model.rope_theta(), 500000.0);
+  Json scaled5 = LlamaConfig();
+  scaled5.erase("rope_theta");
+  scaled5["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}};
+  EXPECT_NE(try_config("scaled5", scaled5).message().find("rope_parameters.rope_type"),
+            std::string::npos);
+  Json disagree = LlamaConfig();
+  disagree["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 500000.0}};
+  EXPECT_NE(try_config("disagree", disagree).message().find("disagrees with rope_theta"),
+            std::string::npos);
   Json other = LlamaConfig();
   other["architectures"] = {"GPT2LMHeadModel"};
   EXPECT_NE(try_config("other", other).message().find("architectures"), std::string::npos);

@@ -85,6 +85,29 @@ std::string Architecture(const Json& c) {
                               : type;
 }
 
+// RoPE's base: transformers 5 writes it as rope_parameters {rope_type, rope_theta}, 4.x as
+// rope_theta (and rope_scaling). Only the default rotation is Loom's; a folder that says both
+// must agree with itself.
+absl::StatusOr<double> RopeTheta(const Json& c) {
+  LOOM_ASSIGN_OR_RETURN(const double flat, NumberField(c, "rope_theta", 10000.0));
+  if (!c.contains("rope_parameters") || c["rope_parameters"].is_null()) return flat;
+  const Json& p = c["rope_parameters"];
+  if (!p.is_object()) return ConfigError("rope_parameters", "must be an object");
+  LOOM_ASSIGN_OR_RETURN(const std::string type, StringField(p, "rope_type", "default"));
+  if (type != "default") {
+    return ConfigError("rope_parameters.rope_type",
+                       absl::StrCat("'", type,
+                                    "': RoPE scaling (Llama 3.1's 'llama3', YaRN, ...) is not "
+                                    "implemented in Loom"));
+  }
+  LOOM_ASSIGN_OR_RETURN(const double theta, NumberField(p, "rope_theta", flat));
+  if (c.contains("rope_theta") && theta != flat) {
+    return ConfigError("rope_parameters.rope_theta",
+                       absl::StrCat(theta, " disagrees with rope_theta ", flat));
+  }
+  return theta;
+}
+
 // What the Llama/Mistral code paths of transformers would compute differently from Loom.
 absl::Status CheckLlamaFields(const Json& c) {
   if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
@@ -150,7 +173,7 @@ absl::StatusOr<v1::ModelConfig> ModelFromConfig(const Json& c, const std::string
   m.set_vocab_size(static_cast<int32_t>(vocab));
   LOOM_ASSIGN_OR_RETURN(int64_t positions, IntField(c, "max_position_embeddings", 1, 1 << 24));
   m.set_max_seq_len(static_cast<int32_t>(max_seq_len > 0 ? max_seq_len : positions));
-  LOOM_ASSIGN_OR_RETURN(double theta, NumberField(c, "rope_theta", 10000.0));
+  LOOM_ASSIGN_OR_RETURN(double theta, RopeTheta(c));
   m.set_rope_theta(theta);
   LOOM_ASSIGN_OR_RETURN(double eps, NumberField(c, "rms_norm_eps", 1e-6));
   m.set_norm_eps(eps);
