@@ -8,14 +8,14 @@ in a 1 MiB body) is refused at once without its peak RSS moving. Every process i
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loom_testlib import Service, control_plane_arg_parser, proc_status_kib, stop_all  # noqa: E402
+from loom_testlib import (Service, control_plane_arg_parser, open_log_follow, proc_status_kib,  # noqa: E402
+                          stop_all)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -137,15 +137,8 @@ class Bounded:
                   want=400, needle="merge: at most 16 sweeps", growth_mib=REFUSED_GROWTH_MIB)
 
     def follow(self, job_id):
-        """Opens ?follow=true on a raw socket; returns it with the status line read."""
-        sock = socket.create_connection(("127.0.0.1", self.s.port), timeout=10)
-        sock.sendall((f"GET /v1/jobs/{job_id}/logs?follow=true HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                      f"Authorization: Bearer {ALICE}\r\n\r\n").encode())
-        head = b""
-        while b"\r\n" not in head:
-            chunk = sock.recv(4096)
-            assert chunk, "the log stream closed before its status line"
-            head += chunk
+        """A ?follow=true stream held open; returns it with its status line."""
+        sock, head = open_log_follow(self.s.port, job_id, ALICE)
         return sock, head.split(b"\r\n")[0].decode()
 
     def test_log_follows(self, job_id):

@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loom_testlib import (Api, Service, agent_refusal, control_plane_arg_parser, free_port, metric_family,  # noqa: E402
-                          proc_status_kib, stop_all, wait_for)
+                          open_log_follow, proc_status_kib, stop_all, wait_for)
 
 PROCS = []
 ALICE = "alice-token-0123456789abcdef"
@@ -573,15 +573,7 @@ class Hostile:
 
     def open_follow(self, job_id, token):
         """Opens GET .../logs?follow=true; returns (status, error or None, socket while streaming)."""
-        s = socket.create_connection(("127.0.0.1", self.s.port), timeout=10)
-        s.sendall((f"GET /v1/jobs/{job_id}/logs?follow=true HTTP/1.1\r\nHost: 127.0.0.1:{self.s.port}\r\n"
-                   f"Authorization: Bearer {token}\r\n\r\n").encode())
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            data = s.recv(65536)
-            if not data:
-                break
-            buf += data
+        s, buf = open_log_follow(self.s.port, job_id, token)
         r = parse_response(buf, eof=False, head_only=True)
         assert r, f"no response head: {buf[:200]!r}"
         if r["status"] == 200:

@@ -146,6 +146,21 @@ def proc_status_kib(pid, field):
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
+def open_log_follow(port, job_id, token):
+    """GET /v1/jobs/JOB/logs?follow=true on a raw socket, as a follower holds it: (the socket, the
+    bytes read until the end of the response head or EOF)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall((f"GET /v1/jobs/{job_id}/logs?follow=true HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+               f"Authorization: Bearer {token}\r\n\r\n").encode())
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        data = s.recv(65536)
+        if not data:
+            break
+        buf += data
+    return s, buf
+
+
 def loom_trainers(root=None):
     """Live (not zombie) loom-train processes with a LOOM_JOB_ID in their environment, as dicts
     {pid, job, rank, attempt, state}. With root: only those whose working directory or command

@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "interop"))
 from hf_interop_test import Loom, run  # noqa: E402
-from loom_testlib import read_port_file  # noqa: E402
+from loom_testlib import kill_all, read_port_file  # noqa: E402
 
 TASKS = os.path.join(HERE, "lm_eval_tasks")
 PER_TOKEN = 2e-4  # loom-serve's log-probabilities against loom-train score's (docs/serve.md)
@@ -159,12 +158,7 @@ def main():
         test_multiple_choice(loom, step, folder, port, tmp)
         test_generate(loom, step, port, tmp)
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        kill_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)
     print("lm_eval_test: ok")
 
