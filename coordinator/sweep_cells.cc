@@ -170,18 +170,18 @@ SweepCell CrossCell(const SweepCell& l, const SweepCell& g) {
 }  // namespace
 
 absl::Status CheckSweepSize(const v1::SweepSpec& spec) {
-  // Saturating at kMaxSweepJobs + 1: a hostile grid's product must not overflow into a small
-  // number, and nothing past the limit needs counting.
+  // Products saturate at kMaxSweepJobs + 1 (times never exceeds it): a hostile grid's product
+  // must not overflow into a small number, and nothing past the limit needs counting.
   constexpr uint64_t kOver = kMaxSweepJobs + 1;
   auto times = [](uint64_t a, uint64_t b) { return b != 0 && a > kOver / b ? kOver : a * b; };
   uint64_t grid = 1;
   for (const auto& [path, values] : spec.grid()) {
     if (values.values().empty()) return FieldError(absl::StrCat("grid.", path), "no values");
-    grid = std::min(times(grid, values.values_size()), kOver);
+    grid = times(grid, values.values_size());
   }
   const uint64_t cells = std::max(1, spec.cells_size());
   const uint64_t seeds = spec.seeds_size();
-  const uint64_t jobs = std::min(times(times(cells, grid), seeds), kOver);
+  const uint64_t jobs = times(times(cells, grid), seeds);
   if (jobs > kMaxSweepJobs) {
     return FieldError("cells",
                       absl::StrCat(cells, " cells x ", grid == kOver ? "over " : "",
